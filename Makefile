@@ -1,0 +1,41 @@
+# `make test` and `make demo` work on a fresh Debian/Ubuntu machine: the first run installs
+# the Debian packages and the virtualenv, later runs reuse them (see .venv/.stamp).
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TESTS ?= tests
+PYTEST_ARGS ?=
+# apt-get needs root; elsewhere go through sudo (and fail loudly if that is not possible).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: demo test venv clean
+
+demo: $(VENV)/.stamp
+	$(PY) -m trainer.main --config=configs/smoke.py --workdir=/tmp/arbor_smoke
+
+# Two xdist workers; the slowest tests are listed so regressions in test time show up.
+test: $(VENV)/.stamp
+	$(PY) -m pytest -q -n 2 --durations=25 $(TESTS) $(PYTEST_ARGS)
+
+venv: $(VENV)/.stamp
+
+# Rebuilt whenever the dependency lists change, or a top-level package appears (the editable
+# install maps package names when it is made).
+$(VENV)/.stamp: setup.py requirements-lock.txt $(wildcard */__init__.py)
+	@# Sandboxes run in bubblewrap; the RL queue tests start a real redis-server.
+	@if ! command -v bwrap >/dev/null || ! command -v redis-server >/dev/null; then \
+		echo "Installing Debian packages: bubblewrap redis-server"; \
+		$(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap redis-server; \
+	fi
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(VENV)/bin/pip install -r requirements-lock.txt
+	$(VENV)/bin/pip install --no-deps -e .
+	touch $@
+
+# Keeps .venv (slow to rebuild); `rm -rf .venv` for a fresh one.
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .hypothesis $(VENV)/.stamp
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,155 @@
+"""Attention layers: grouped-query attention (Qwen2/Qwen3) and multi-head latent attention (DeepSeek).
+
+Both go through `models.kernels.attention.attention` and return the per-head max logit for
+QK-Clip. With a decode cache, new keys are written at each row's `index` and queries attend to
+the cache; MLA then caches only the compressed latent and the rotary key, with the key/value
+up-projections absorbed into the query and the output.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+from models.kernels.attention import attention
+from models.layers import Dense, RMSNorm, constrain, dtype_of
+from models.rope import apply_rope
+
+
+def write_cache(cache: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
+  """Write new [batch, s, ...] into cache [batch, capacity, ...] at per-row offsets index [batch]."""
+  def one(c, n, i):
+    return jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), i, axis=0)
+  return jax.vmap(one)(cache, new, index)
+
+
+def cache_view(index: jax.Array, s: int, capacity: int) -> tuple[jax.Array, jax.Array]:
+  """(q_index [batch, s], end [batch, capacity]) for queries at index..index+s-1 over a cache.
+
+  Every cached key is visible to all later queries (end = capacity); slots past the query are
+  excluded by the rule's j <= i, so stale or unwritten slots are never read.
+  """
+  q_index = index[:, None] + jnp.arange(s, dtype=jnp.int32)[None]
+  end = jnp.full((index.shape[0], capacity), capacity, jnp.int32)
+  return q_index, end
+
+
+class GQA(nnx.Module):
+  """Grouped-query attention with optional q/k/v bias (Qwen2) and q/k RMSNorm (Qwen3)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.q_proj = Dense((d,), (h, hd), ("embed",), ("heads", "kv"), cfg, rngs, bias=cfg.qkv_bias)
+    self.k_proj = Dense((d,), (kvh, hd), ("embed",), ("kv_heads", "kv"), cfg, rngs,
+                        bias=cfg.qkv_bias)
+    self.v_proj = Dense((d,), (kvh, hd), ("embed",), ("kv_heads", "kv"), cfg, rngs,
+                        bias=cfg.qkv_bias)
+    self.o_proj = Dense((h, hd), (d,), ("heads", "kv"), ("embed",), cfg, rngs)
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+      self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+  def init_cache(self, batch: int, capacity: int) -> dict:
+    shape = (batch, capacity, self.cfg.num_kv_heads, self.cfg.head_dim)
+    return {"k": jnp.zeros(shape, dtype_of(self.cfg)), "v": jnp.zeros(shape, dtype_of(self.cfg))}
+
+  def __call__(self, x, cos, sin, end, cache=None, index=None):
+    cfg = self.cfg
+    q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = apply_rope(q, cos, sin, interleaved=False)
+    k = apply_rope(k, cos, sin, interleaved=False)
+    q = constrain(q, ("batch", "seq", "act_heads", None), cfg)
+    q_index = None
+    if cache is not None:
+      cache = {"k": write_cache(cache["k"], k, index), "v": write_cache(cache["v"], v, index)}
+      k, v = cache["k"], cache["v"]
+      q_index, end = cache_view(index, x.shape[1], k.shape[1])
+    out, max_logits = attention(q, k, v, end, scale=cfg.softmax_scale, q_index=q_index)
+    return self.o_proj(out), max_logits, cache
+
+
+class MLA(nnx.Module):
+  """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2).
+
+  Query: q = W_UQ·RMSNorm(W_DQ·x) (or a direct projection when q_lora_rank is None), split
+  into a no-RoPE part [nope] and a rotary part [rope] per head. Keys/values: a latent
+  c_kv = RMSNorm(first kv_lora_rank of W_DKV·x) expanded per head by kv_b_proj into
+  [k_nope, v]; the rotary key (last rope features of W_DKV·x) is one vector shared by heads.
+  """
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, h = cfg.hidden_size, cfg.num_heads
+    qk, r = cfg.qk_head_dim, cfg.kv_lora_rank
+    if cfg.q_lora_rank is None:
+      self.q_proj = Dense((d,), (h, qk), ("embed",), ("heads", "kv"), cfg, rngs)
+    else:
+      self.q_a_proj = Dense((d,), (cfg.q_lora_rank,), ("embed",), ("q_lora",), cfg, rngs)
+      self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+      self.q_b_proj = Dense((cfg.q_lora_rank,), (h, qk), ("q_lora",), ("heads", "kv"), cfg, rngs)
+    self.kv_a_proj = Dense((d,), (r + cfg.qk_rope_head_dim,), ("embed",), ("kv_lora",), cfg,
+                           rngs)
+    self.kv_a_norm = RMSNorm(r, cfg.rms_norm_eps)
+    self.kv_b_proj = Dense((r,), (h, cfg.qk_nope_head_dim + cfg.v_head_dim), ("kv_lora",),
+                           ("heads", "kv"), cfg, rngs)
+    self.o_proj = Dense((h, cfg.v_head_dim), (d,), ("heads", "kv"), ("embed",), cfg, rngs)
+
+  def init_cache(self, batch: int, capacity: int) -> dict:
+    cfg = self.cfg
+    return {"c_kv": jnp.zeros((batch, capacity, cfg.kv_lora_rank), dtype_of(cfg)),
+            "k_rope": jnp.zeros((batch, capacity, cfg.qk_rope_head_dim), dtype_of(cfg))}
+
+  def _query(self, x, cos, sin):
+    cfg = self.cfg
+    if cfg.q_lora_rank is None:
+      q = self.q_proj(x)
+    else:
+      q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+    q_nope, q_rope = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
+    return q_nope, apply_rope(q_rope, cos, sin, cfg.rope_interleave)
+
+  def _latent(self, x, cos, sin):
+    cfg = self.cfg
+    kv = self.kv_a_proj(x)
+    c_kv = self.kv_a_norm(kv[..., :cfg.kv_lora_rank])
+    k_rope = apply_rope(kv[..., None, cfg.kv_lora_rank:], cos, sin, cfg.rope_interleave)
+    return c_kv, k_rope[:, :, 0]
+
+  def __call__(self, x, cos, sin, end, cache=None, index=None):
+    cfg = self.cfg
+    q_nope, q_rope = self._query(x, cos, sin)
+    c_kv, k_rope = self._latent(x, cos, sin)
+    if cache is not None:
+      return self._absorbed(q_nope, q_rope, c_kv, k_rope, cache, index)
+    kv = self.kv_b_proj(c_kv)  # [b, s, h, nope + v]
+    k_nope, v = kv[..., :cfg.qk_nope_head_dim], kv[..., cfg.qk_nope_head_dim:]
+    k_rope = jnp.broadcast_to(k_rope[:, :, None], k_nope.shape[:-1] + k_rope.shape[-1:])
+    q = constrain(jnp.concatenate([q_nope, q_rope], -1), ("batch", "seq", "act_heads", None), cfg)
+    k = jnp.concatenate([k_nope, k_rope], -1)
+    out, max_logits = attention(q, k, v, end, scale=cfg.softmax_scale)
+    return self.o_proj(out), max_logits, None
+
+  def _absorbed(self, q_nope, q_rope, c_kv, k_rope, cache, index):
+    """Attention in latent space: MQA with key [c_kv; k_rope] and value c_kv, shared by heads.
+
+    q_nope·k_nope = (W_UK^T q_nope)·c_kv, and the output up-projection W_UV is applied after
+    the softmax-weighted sum of latents, so the cache never holds per-head keys or values.
+    """
+    cfg = self.cfg
+    cache = {"c_kv": write_cache(cache["c_kv"], c_kv, index),
+             "k_rope": write_cache(cache["k_rope"], k_rope, index)}
+    w = self.kv_b_proj.kernel[...].astype(q_nope.dtype)  # [r, h, nope + v]
+    w_uk, w_uv = w[..., :cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim:]
+    q_latent = jnp.einsum("bshn,rhn->bshr", q_nope, w_uk)
+    q = jnp.concatenate([q_latent, q_rope], -1)
+    k = jnp.concatenate([cache["c_kv"], cache["k_rope"]], -1)[:, :, None]
+    q_index, end = cache_view(index, q.shape[1], k.shape[1])
+    out_latent, max_logits = attention(q, k, cache["c_kv"][:, :, None], end,
+                                       scale=cfg.softmax_scale, q_index=q_index)
+    out = jnp.einsum("bshr,rhv->bshv", out_latent, w_uv)
+    return self.o_proj(out), max_logits, cache

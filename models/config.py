@@ -1,0 +1,204 @@
+"""Model configuration: one frozen dataclass for dense GQA and MoE + MLA transformers.
+
+Every field has a one-line comment. `ModelConfig.__post_init__` validates the values and raises
+a `ValueError` naming the field and the value, so a bad config fails at construction time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+ATTENTION_TYPES = ("gqa", "mla")
+ROPE_TYPES = ("default", "linear", "yarn")
+SCORE_FUNCS = ("softmax", "sigmoid")
+MOE_IMPLS = ("ragged", "dense")
+REMAT_POLICIES = ("none", "full", "save_dots", "offload")
+DTYPES = ("float32", "bfloat16", "float16")
+
+# Logical axis name -> mesh axes. Parameters and activations are annotated with logical names
+# (models/sharding.py resolves them). `None` means replicated.
+DEFAULT_SHARDING_RULES: tuple[tuple[str, Optional[tuple[str, ...]]], ...] = (
+    ("batch", ("data", "fsdp")),   # activation batch dimension
+    ("seq", None),                 # activation sequence dimension
+    ("act_embed", None),           # activation hidden dimension
+    ("act_heads", ("tensor",)),    # activation head dimension
+    ("act_mlp", ("tensor",)),      # activation MLP dimension
+    ("act_vocab", ("tensor",)),    # activation vocabulary dimension (logits)
+    ("vocab", ("tensor",)),        # embedding / lm_head vocabulary dimension
+    ("embed", ("fsdp",)),          # parameter hidden dimension (FSDP-sharded)
+    ("heads", ("tensor",)),        # attention heads (query, and key/value in GQA)
+    ("kv", None),                  # per-head feature dimension
+    ("kv_heads", ("tensor",)),     # key/value heads
+    ("q_lora", None),              # MLA query low rank dimension
+    ("kv_lora", None),             # MLA key/value latent dimension
+    ("mlp", ("tensor",)),          # MLP intermediate dimension
+    ("experts", ("expert",)),      # MoE expert dimension (expert parallelism)
+    ("expert_mlp", ("tensor",)),   # MoE expert intermediate dimension
+    ("layers", None),              # stacked-layer dimension (scanned)
+    ("norm", None),                # norm gains
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture and numerics of a decoder-only transformer.
+
+  Dense models (Qwen2.5, Qwen3) use `attention="gqa"` and `num_experts=0`. DeepSeek-V3 style
+  models use `attention="mla"` and `num_experts>0`; layers below `first_k_dense_replace` stay
+  dense. Qwen3-MoE uses GQA attention with softmax routing and no shared experts.
+  """
+
+  # --- sizes
+  vocab_size: int = 256  # vocabulary size (embedding rows, logits width)
+  hidden_size: int = 64  # model width
+  num_layers: int = 2  # number of transformer blocks
+  num_heads: int = 4  # query heads
+  num_kv_heads: int = 2  # key/value heads (GQA); ignored by MLA (each head has its own key)
+  head_dim: int = 16  # per-head width for GQA
+  intermediate_size: int = 128  # dense SwiGLU width
+  rms_norm_eps: float = 1e-6  # RMSNorm epsilon
+  tie_embeddings: bool = False  # lm_head shares the embedding matrix
+  max_position_embeddings: int = 4096  # longest position the model is configured for
+  # --- rotary embeddings
+  rope_theta: float = 10000.0  # RoPE base
+  rope_type: str = "default"  # "default" | "linear" | "yarn"
+  rope_factor: float = 1.0  # context extension factor (linear and yarn)
+  rope_original_max_position: int = 4096  # pre-extension context length (yarn)
+  yarn_beta_fast: float = 32.0  # YaRN extrapolation boundary (rotations)
+  yarn_beta_slow: float = 1.0  # YaRN interpolation boundary (rotations)
+  yarn_mscale: float = 0.0  # YaRN mscale; 0 = unset (cos/sin factor then 0.1·ln(factor)+1)
+  yarn_mscale_all_dim: float = 0.0  # YaRN mscale_all_dim: 0 = none; >0 also scales the MLA softmax by mscale^2
+  yarn_truncate: bool = True  # round the YaRN correction range to integers (HF default)
+  yarn_attention_factor: Optional[float] = None  # explicit cos/sin factor; None = derived from mscale
+  # --- GQA options
+  qkv_bias: bool = False  # Qwen2: bias on q/k/v projections
+  qk_norm: bool = False  # Qwen3: per-head RMSNorm on queries and keys before RoPE
+  # --- attention type and MLA
+  attention: str = "gqa"  # "gqa" | "mla"
+  q_lora_rank: Optional[int] = None  # MLA query compression rank; None = direct q projection
+  kv_lora_rank: int = 32  # MLA latent width (cached at decode)
+  qk_nope_head_dim: int = 16  # MLA per-head query/key width without RoPE
+  qk_rope_head_dim: int = 8  # MLA per-head rotary width (the rotary key is shared by all heads)
+  v_head_dim: int = 16  # MLA per-head value width
+  rope_interleave: bool = True  # MLA: rotate interleaved pairs (x0,x1),(x2,x3)... as DeepSeek weights
+  # --- mixture of experts
+  num_experts: int = 0  # routed experts; 0 = dense model
+  num_shared_experts: int = 0  # always-active shared experts (one MLP of width n * moe_intermediate_size)
+  experts_per_token: int = 2  # top-k
+  n_group: int = 1  # expert groups for group-limited routing
+  topk_group: int = 1  # groups kept per token
+  score_func: str = "softmax"  # router scores: "softmax" (Qwen3-MoE) | "sigmoid" (DeepSeek-V3)
+  norm_topk_prob: bool = True  # renormalise the chosen gate weights to sum to 1
+  routed_scaling_factor: float = 1.0  # multiply the gate weights (DeepSeek-V3: 2.5)
+  first_k_dense_replace: int = 0  # the first k layers use a dense MLP
+  moe_intermediate_size: int = 32  # per-expert SwiGLU width
+  router_bias: bool = False  # aux-loss-free selection bias (DeepSeek `e_score_correction_bias`)
+  bias_update_rate: float = 1e-3  # aux-loss-free bias step: b += rate * sign(mean_load - load)
+  seq_balance_coef: float = 0.0  # sequence-wise balance loss coefficient (DeepSeek-V3: 1e-4)
+  moe_impl: str = "ragged"  # "ragged" (dropless, sorted + ragged_dot) | "dense" (reference, all experts)
+  # --- numerics and memory
+  dtype: str = "float32"  # compute dtype; params stay fp32, logits and losses fp32
+  remat: str = "none"  # "none" | "full" | "save_dots" | "offload" rematerialisation per block
+  logits_chunk: int = 1024  # tokens per vocabulary-projection chunk in log-prob helpers
+  initializer_range: float = 0.02  # stddev of the normal initialiser
+  sharding_rules: tuple = DEFAULT_SHARDING_RULES  # logical axis -> mesh axes table
+
+  def __post_init__(self):
+    def fail(field, value, why):
+      raise ValueError(f"ModelConfig.{field}={value!r}: {why}")
+
+    for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
+                  "logits_chunk"):
+      if getattr(self, field) <= 0:
+        fail(field, getattr(self, field), "must be positive")
+    for field, choices in (("attention", ATTENTION_TYPES), ("rope_type", ROPE_TYPES),
+                           ("score_func", SCORE_FUNCS), ("moe_impl", MOE_IMPLS),
+                           ("remat", REMAT_POLICIES), ("dtype", DTYPES)):
+      if getattr(self, field) not in choices:
+        fail(field, getattr(self, field), f"expected one of {choices}")
+    if self.attention == "gqa":
+      if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
+        fail("num_kv_heads", self.num_kv_heads,
+             f"must divide num_heads={self.num_heads}")
+      if self.head_dim <= 0 or self.head_dim % 2:
+        fail("head_dim", self.head_dim, "must be positive and even (RoPE rotates pairs)")
+    else:
+      if self.qk_rope_head_dim <= 0 or self.qk_rope_head_dim % 2:
+        fail("qk_rope_head_dim", self.qk_rope_head_dim, "must be positive and even")
+      for field in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+        if getattr(self, field) <= 0:
+          fail(field, getattr(self, field), "must be positive for MLA")
+      if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+        fail("q_lora_rank", self.q_lora_rank, "must be positive or None")
+    if self.rope_type != "default" and self.rope_factor <= 0:
+      fail("rope_factor", self.rope_factor, "must be positive")
+    if self.num_experts < 0:
+      fail("num_experts", self.num_experts, "must be >= 0")
+    if self.num_experts:
+      if not 0 < self.experts_per_token <= self.num_experts:
+        fail("experts_per_token", self.experts_per_token,
+             f"must be in [1, num_experts={self.num_experts}]")
+      if self.n_group <= 0 or self.num_experts % self.n_group:
+        fail("n_group", self.n_group, f"must divide num_experts={self.num_experts}")
+      if not 0 < self.topk_group <= self.n_group:
+        fail("topk_group", self.topk_group, f"must be in [1, n_group={self.n_group}]")
+      if self.n_group > 1 and self.num_experts // self.n_group < 2:
+        fail("n_group", self.n_group, "group-limited routing needs >= 2 experts per group")
+      if self.topk_group * self.num_experts // self.n_group < self.experts_per_token:
+        fail("topk_group", self.topk_group,
+             f"keeps fewer experts than experts_per_token={self.experts_per_token}")
+      if not 0 <= self.first_k_dense_replace <= self.num_layers:
+        fail("first_k_dense_replace", self.first_k_dense_replace,
+             f"must be in [0, num_layers={self.num_layers}]")
+      if self.moe_intermediate_size <= 0:
+        fail("moe_intermediate_size", self.moe_intermediate_size, "must be positive")
+    for name, _ in self.sharding_rules:
+      if not isinstance(name, str):
+        fail("sharding_rules", name, "logical axis names must be strings")
+
+  # --- derived sizes
+  @property
+  def is_moe(self) -> bool:
+    return self.num_experts > 0
+
+  @property
+  def num_dense_layers(self) -> int:
+    """Leading layers with a dense MLP (all layers of a dense model)."""
+    return self.first_k_dense_replace if self.is_moe else self.num_layers
+
+  @property
+  def num_moe_layers(self) -> int:
+    return self.num_layers - self.num_dense_layers
+
+  @property
+  def qk_head_dim(self) -> int:
+    """Width of the query/key dot product per head."""
+    return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+  @property
+  def value_head_dim(self) -> int:
+    return self.v_head_dim if self.attention == "mla" else self.head_dim
+
+  @property
+  def rope_dim(self) -> int:
+    """Number of rotated features per head."""
+    return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+  @property
+  def softmax_scale(self) -> float:
+    """1/sqrt(qk width), times YaRN mscale^2 when `yarn_mscale_all_dim` is set (DeepSeek)."""
+    scale = self.qk_head_dim ** -0.5
+    if self.rope_type == "yarn" and self.yarn_mscale_all_dim:
+      m = yarn_get_mscale(self.rope_factor, self.yarn_mscale_all_dim)
+      scale *= m * m
+    return scale
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+
+def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
+  """YaRN magnitude correction 0.1·mscale·ln(factor) + 1 (1 when factor <= 1)."""
+  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

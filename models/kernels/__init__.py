@@ -1,0 +1,1 @@
+"""Attention kernels behind one function: `models.kernels.attention.attention`."""

@@ -1,0 +1,59 @@
+"""Attention under the tree rule, pure-XLA reference.
+
+The rule (docs/design.md §3): query at row index `i` may attend to key `j` iff
+`j <= i < end[j]`. One O(length) array `end` describes causal rows (`end = len`), packed
+independent sequences (`end` = their own end), trees in depth-first pre-order (`end` = the
+exclusive end of the key's subtree) and padding (`end = j + 1`).
+
+For decoding against a cache, `q_index` gives each query's row index in the key array
+(its cache slot); by default queries and keys are the same rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Finite, so a fully masked row (never produced by the rule: a query always sees itself)
+# cannot yield NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def allowed(end: jax.Array, q_index: jax.Array) -> jax.Array:
+  """Boolean mask [batch, q_len, kv_len] of the tree rule: j <= q_index[i] < end[j]."""
+  j = jnp.arange(end.shape[-1])
+  i = q_index[:, :, None]
+  return (j[None, None, :] <= i) & (i < end[:, None, :])
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array, *, scale: float,
+              q_index: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """Multi-head attention with grouped key/value heads under the tree rule.
+
+  Args:
+    q: [batch, q_len, heads, qk_dim] queries.
+    k: [batch, kv_len, kv_heads, qk_dim] keys; `heads` must be a multiple of `kv_heads`.
+    v: [batch, kv_len, kv_heads, v_dim] values.
+    end: [batch, kv_len] int, exclusive end of each key's subtree.
+    scale: softmax scale applied to q·k.
+    q_index: [batch, q_len] int row index of each query; default `arange(q_len)`.
+
+  Returns:
+    out: [batch, q_len, heads, v_dim] in q's dtype.
+    max_logits: [heads] fp32, the largest scaled logit over allowed pairs of the whole batch
+      (what QK-Clip needs).
+  """
+  b, lq, h, _ = q.shape
+  kvh = k.shape[2]
+  if h % kvh:
+    raise ValueError(f"heads={h} is not a multiple of kv_heads={kvh}")
+  if q_index is None:
+    q_index = jnp.broadcast_to(jnp.arange(lq, dtype=jnp.int32), (b, lq))
+  qg = q.reshape(b, lq, kvh, h // kvh, q.shape[-1])
+  logits = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) * scale
+  mask = allowed(end, q_index)[:, None, None]  # [b, 1, 1, q, s]
+  logits = jnp.where(mask, logits, MASK_VALUE)
+  max_logits = jnp.max(logits, axis=(0, 3, 4)).reshape(h)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
+  return out.reshape(b, lq, h, v.shape[-1]).astype(q.dtype), jax.lax.stop_gradient(max_logits)

@@ -1,0 +1,99 @@
+"""Building blocks: parameters with logical axes, RMSNorm, projections, SwiGLU MLP.
+
+Every parameter carries its logical axis names in the `axes` metadata (e.g. `("embed", "mlp")`);
+models/sharding.py maps them to mesh axes with the config's rules table. Parameters are fp32;
+computation casts them to the configured dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+
+
+class RouterBias(nnx.Variable):
+  """Aux-loss-free expert selection bias: state updated outside the gradient, never trained."""
+
+
+def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str, ...], *,
+          init: str = "normal", std: float = 0.02) -> nnx.Param:
+  """An fp32 parameter of `shape` annotated with logical `axes` (one name per dimension)."""
+  assert len(shape) == len(axes), (shape, axes)
+  if init == "normal":
+    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+  elif init == "ones":
+    value = jnp.ones(shape, jnp.float32)
+  else:
+    value = jnp.zeros(shape, jnp.float32)
+  return nnx.Param(value, axes=axes)
+
+
+def dtype_of(cfg: ModelConfig):
+  return jnp.dtype(cfg.dtype)
+
+
+def constrain(x: jax.Array, axes: tuple[str | None, ...], cfg: ModelConfig) -> jax.Array:
+  """Sharding constraint from logical activation axes; a no-op outside a mesh context."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  from models.sharding import logical_to_spec  # local import: sharding imports this module
+  return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, cfg.sharding_rules, mesh))
+
+
+class RMSNorm(nnx.Module):
+  """y = scale * x / sqrt(mean(x^2) + eps), computed in fp32 (as Hugging Face does)."""
+
+  def __init__(self, dim: int, eps: float, axes: tuple[str, ...] = ("norm",)):
+    self.eps = eps
+    self.scale = param(None, (dim,), axes, init="ones")
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return (self.scale[...] * xf.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+
+
+class Dense(nnx.Module):
+  """A projection written as an einsum over named parameter dimensions.
+
+  `kernel` has shape `in_shape + out_shape`; `bias` (optional) has shape `out_shape`.
+  Example: the GQA query projection maps [.., embed] to [.., heads, head_dim] with
+  `Dense((hidden,), (heads, head_dim), ("embed",), ("heads", "kv"))`.
+  """
+
+  def __init__(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...],
+               in_axes: tuple[str, ...], out_axes: tuple[str, ...], cfg: ModelConfig,
+               rngs: nnx.Rngs, bias: bool = False):
+    self.n_in = len(in_shape)
+    self.dtype = dtype_of(cfg)
+    self.kernel = param(rngs, in_shape + out_shape, in_axes + out_axes,
+                        std=cfg.initializer_range)
+    self.bias = param(None, out_shape, out_axes, init="zeros") if bias else None
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    w = self.kernel[...].astype(self.dtype)
+    y = jax.lax.dot_general(x.astype(self.dtype), w,
+                            ((tuple(range(x.ndim - self.n_in, x.ndim)), tuple(range(self.n_in))),
+                             ((), ())))
+    if self.bias is not None:
+      y = y + self.bias[...].astype(self.dtype)
+    return y
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, hidden: int, width: int, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.gate_proj = Dense((hidden,), (width,), ("embed",), ("mlp",), cfg, rngs)
+    self.up_proj = Dense((hidden,), (width,), ("embed",), ("mlp",), cfg, rngs)
+    self.down_proj = Dense((width,), (hidden,), ("mlp",), ("embed",), cfg, rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+    h = constrain(h, ("batch", "seq", "act_mlp"), self.cfg)
+    return self.down_proj(h)

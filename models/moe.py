@@ -1,0 +1,141 @@
+"""Mixture of experts: DeepSeek-V3 and Qwen3-MoE routers, dropless dispatch, shared experts.
+
+Routing (per token, fp32):
+  softmax scoring (Qwen3-MoE): s = softmax(x·W_r); choose top-k of s.
+  sigmoid scoring (DeepSeek-V3): s = sigmoid(x·W_r); choose top-k of s + b, where b is the
+    aux-loss-free bias (selection only), optionally restricted to the `topk_group` best of
+    `n_group` groups (group score = sum of its top-2 choice scores).
+  gate weights = s of the chosen experts, renormalised when `norm_topk_prob`, times
+  `routed_scaling_factor`.
+Dispatch "ragged" sorts token copies by expert and runs `jax.lax.ragged_dot` (no capacity, no
+drops); "dense" runs every expert on every token (the test reference).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+from models.layers import MLP, RouterBias, constrain, dtype_of, param
+
+
+def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array | None,
+          expert_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Choose experts for each token.
+
+  Args:
+    logits: [tokens, experts] fp32 router logits.
+    bias: [experts] selection bias, or None.
+    expert_ids: [tokens, k] given choices (routing replay); None = choose.
+
+  Returns:
+    (expert_ids [tokens, k] int32, gate weights [tokens, k] fp32, scores [tokens, experts]).
+  """
+  if cfg.score_func == "softmax":
+    scores = jax.nn.softmax(logits, axis=-1)
+  else:
+    scores = jax.nn.sigmoid(logits)
+  if expert_ids is None:
+    choice = scores if bias is None else scores + bias
+    if cfg.n_group > 1:
+      t = choice.shape[0]
+      grouped = choice.reshape(t, cfg.n_group, -1)
+      group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [t, n_group]
+      _, keep = jax.lax.top_k(group_scores, cfg.topk_group)
+      group_mask = jnp.zeros_like(group_scores, bool).at[jnp.arange(t)[:, None], keep].set(True)
+      choice = jnp.where(group_mask[:, :, None], grouped, -jnp.inf).reshape(t, -1)
+    _, expert_ids = jax.lax.top_k(choice, cfg.experts_per_token)
+  expert_ids = expert_ids.astype(jnp.int32)
+  weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
+  if cfg.norm_topk_prob:
+    weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+  return expert_ids, weights * cfg.routed_scaling_factor, scores
+
+
+class MoE(nnx.Module):
+  """Routed experts (+ shared experts) replacing the dense MLP of a block."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    std = cfg.initializer_range
+    self.router = param(rngs, (d, e), ("embed", "experts"), std=std)
+    self.router_bias = RouterBias(jnp.zeros((e,), jnp.float32), axes=("experts",)) \
+        if cfg.router_bias else None
+    self.gate_proj = param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), std=std)
+    self.up_proj = param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), std=std)
+    self.down_proj = param(rngs, (e, f, d), ("experts", "expert_mlp", "embed"), std=std)
+    self.shared = MLP(d, f * cfg.num_shared_experts, cfg, rngs) if cfg.num_shared_experts \
+        else None
+
+  def __call__(self, x: jax.Array, token_weights: jax.Array,
+               expert_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """x [batch, seq, hidden]; token_weights [batch, seq] (logical counts for load statistics);
+    expert_ids [batch, seq, k] to replay a routing. Returns (y, aux) with aux holding `load`
+    [experts] (weighted share of assignments), `balance_loss` and `expert_ids`."""
+    cfg = self.cfg
+    b, s, d = x.shape
+    xt = x.reshape(b * s, d)
+    logits = jnp.dot(xt.astype(jnp.float32), self.router[...])
+    bias = None if self.router_bias is None else self.router_bias[...]
+    ids, gates, scores = route(cfg, logits, jax.lax.stop_gradient(bias) if bias is not None else None,
+                               None if expert_ids is None else expert_ids.reshape(b * s, -1))
+    dt = dtype_of(cfg)
+    w_gate, w_up, w_down = (p[...].astype(dt) for p in (self.gate_proj, self.up_proj,
+                                                        self.down_proj))
+    if cfg.moe_impl == "dense":
+      h = jax.nn.silu(jnp.einsum("td,edf->tef", xt.astype(dt), w_gate)) \
+          * jnp.einsum("td,edf->tef", xt.astype(dt), w_up)
+      y_all = jnp.einsum("tef,efd->ted", h, w_down)
+      combine = jnp.zeros((b * s, cfg.num_experts), jnp.float32).at[
+          jnp.arange(b * s)[:, None], ids].add(gates)
+      y = jnp.einsum("te,ted->td", combine.astype(dt), y_all)
+    else:
+      y = _ragged_experts(xt.astype(dt), ids, gates.astype(dt), w_gate, w_up, w_down)
+    y = y.reshape(b, s, d)
+    if self.shared is not None:
+      y = y + self.shared(x)
+    aux = _statistics(cfg, ids.reshape(b, s, -1), scores.reshape(b, s, -1), token_weights)
+    aux["expert_ids"] = ids.reshape(b, s, -1)
+    return constrain(y.astype(x.dtype), ("batch", "seq", "act_embed"), cfg), aux
+
+
+def _ragged_experts(x, ids, gates, w_gate, w_up, w_down):
+  """Dropless expert FFN: sort the T·k token copies by expert, grouped matmuls, scatter-add."""
+  t, k = ids.shape
+  flat = ids.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  token = order // k
+  sizes = jnp.bincount(flat, length=w_gate.shape[0]).astype(jnp.int32)
+  xs = x[token]
+  h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)
+  ys = jax.lax.ragged_dot(h, w_down, sizes) * gates.reshape(-1)[order][:, None]
+  return jnp.zeros_like(x).at[token].add(ys)
+
+
+def _statistics(cfg: ModelConfig, ids, scores, token_weights) -> dict:
+  """Expert load and the DeepSeek-V3 sequence-wise balance loss.
+
+  load_i = Σ_tokens w_t·[i chosen] / Σ_tokens w_t·k (a token shared by n sequences has w = n).
+  Per sequence (row): f_i = E/(k·T)·#(tokens routed to i), P_i = mean_t s_i/Σ_j s_j,
+  loss = coef·Σ_i f_i·P_i, averaged over rows.
+  """
+  e, k = cfg.num_experts, cfg.experts_per_token
+  onehot = jax.nn.one_hot(ids, e, dtype=jnp.float32).sum(-2)  # [b, s, e]
+  w = token_weights.astype(jnp.float32)[..., None]
+  load = (onehot * w).sum((0, 1)) / jnp.maximum(w.sum() * k, 1e-9)
+  n = jnp.maximum(w.sum(1), 1e-9)  # [b, 1] logical tokens per row
+  f = e / k * (onehot * w).sum(1) / n
+  p = ((scores / scores.sum(-1, keepdims=True)) * w).sum(1) / n
+  balance = cfg.seq_balance_coef * jnp.mean((f * p).sum(-1))
+  return {"load": jax.lax.stop_gradient(load), "balance_loss": balance}
+
+
+def update_router_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
+  """Aux-loss-free balancing step: b_i += rate·sign(mean_load − load_i) (DeepSeek-V3 §2.1.2).
+
+  bias, load: [..., experts] (e.g. stacked over layers). Applied outside the gradient.
+  """
+  return bias + rate * jnp.sign(load.mean(-1, keepdims=True) - load)

@@ -1,0 +1,190 @@
+"""The Transformer: one Flax NNX module for dense GQA and MoE + MLA decoders.
+
+Layers are stored stacked (leading `layers` axis) in up to two stacks, scanned with
+`jax.lax.scan`: `dense_layers` (a dense model's layers, or a MoE model's first
+`first_k_dense_replace` layers) and `moe_layers`. Forward:
+
+    logits, aux = model(tokens, positions, end)
+
+with tokens, positions, end: [batch, seq] int32; `end` follows the tree rule of
+models/kernels/attention.py. aux holds `max_logits` [layers, heads] (QK-Clip), and for MoE
+models `moe_load` [moe_layers, experts], `balance_loss` and `expert_ids`
+[moe_layers, batch, seq, k].
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.attention import GQA, MLA
+from models.config import ModelConfig
+from models.layers import MLP, RMSNorm, constrain, dtype_of, param
+from models.moe import MoE
+from models.rope import cos_sin
+
+REMAT_POLICIES = {
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+}
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)) (dense or MoE)."""
+
+  def __init__(self, cfg: ModelConfig, moe: bool, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    self.attn = MLA(cfg, rngs) if cfg.attention == "mla" else GQA(cfg, rngs)
+    self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    self.mlp = MoE(cfg, rngs) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, cfg, rngs)
+
+  def __call__(self, x, cos, sin, end, token_weights, cache=None, index=None, expert_ids=None):
+    h, max_logits, cache = self.attn(self.attn_norm(x), cos, sin, end, cache, index)
+    x = x + h
+    aux = {"max_logits": max_logits}
+    if isinstance(self.mlp, MoE):
+      h, moe_aux = self.mlp(self.mlp_norm(x), token_weights, expert_ids)
+      aux.update(moe_aux)
+    else:
+      h = self.mlp(self.mlp_norm(x))
+    return x + h, aux, cache
+
+
+def _stacked_blocks(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs) -> Block:
+  """A Block whose parameters carry a leading `layers` axis of size n (independent inits)."""
+  keys = jax.random.split(rngs.params(), n)
+  states = jax.vmap(lambda key: nnx.split(Block(cfg, moe, nnx.Rngs(key)))[1])(keys)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, moe, nnx.Rngs(0))))
+  block = nnx.merge(graphdef, states)
+  for _, var in nnx.iter_graph(block):
+    if isinstance(var, nnx.Variable) and "axes" in var.get_metadata():
+      var.set_metadata(axes=("layers",) + tuple(var.get_metadata()["axes"]))
+  return block
+
+
+class Transformer(nnx.Module):
+  """Decoder-only transformer (see module docstring)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
+                       std=cfg.initializer_range)
+    n_dense, n_moe = cfg.num_dense_layers, cfg.num_moe_layers
+    self.dense_layers = _stacked_blocks(cfg, False, n_dense, rngs) if n_dense else None
+    self.moe_layers = _stacked_blocks(cfg, True, n_moe, rngs) if n_moe else None
+    self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    self.lm_head = None if cfg.tie_embeddings else param(
+        rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), std=cfg.initializer_range)
+
+  def lm_head_weight(self) -> jax.Array:
+    """[hidden, vocab] fp32 output projection (the embedding, transposed, when tied)."""
+    return self.embed[...].T if self.lm_head is None else self.lm_head[...]
+
+  def stacks(self) -> list[Block]:
+    return [s for s in (self.dense_layers, self.moe_layers) if s is not None]
+
+  def hidden(self, tokens: jax.Array, positions: jax.Array, end: jax.Array, *,
+             token_weights: jax.Array | None = None, expert_ids: jax.Array | None = None,
+             cache: dict | None = None, index: jax.Array | None = None
+             ) -> tuple[jax.Array, dict, dict | None]:
+    """Final-normed hidden states [batch, seq, hidden], aux dict and the updated cache.
+
+    token_weights [batch, seq]: logical token counts for MoE load statistics (default 1).
+    expert_ids [moe_layers, batch, seq, k]: replay these expert choices instead of routing.
+    cache/index: decode caches from `init_cache` and per-row write offsets [batch].
+    """
+    cfg = self.cfg
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype_of(cfg))
+    x = constrain(x, ("batch", "seq", "act_embed"), cfg)
+    cos, sin = cos_sin(cfg, positions)
+    if token_weights is None:
+      token_weights = jnp.ones(tokens.shape, jnp.float32)
+    aux: dict[str, Any] = {}
+    new_cache = {}
+    for name, stack in (("dense", self.dense_layers), ("moe", self.moe_layers)):
+      if stack is None:
+        continue
+      ids = expert_ids if name == "moe" else None
+      layer_cache = None if cache is None else cache[name]
+      x, stack_aux, new_cache[name] = _scan(stack, cfg, x, cos, sin, end, token_weights,
+                                            layer_cache, index, ids)
+      for key, value in stack_aux.items():
+        aux.setdefault(key, []).append(value)
+    aux = {k: v[0] if len(v) == 1 else jnp.concatenate(v) for k, v in aux.items()}
+    if "balance_loss" in aux:
+      aux["balance_loss"] = aux["balance_loss"].sum()
+      aux["moe_load"] = aux.pop("load")
+    return self.final_norm(x), aux, (new_cache if cache is not None else None)
+
+  def __call__(self, tokens, positions, end, **kwargs) -> tuple[jax.Array, dict]:
+    """Full fp32 logits [batch, seq, vocab] and the aux dict (see `hidden`)."""
+    h, aux, _ = self.hidden(tokens, positions, end, **kwargs)
+    logits = jnp.dot(h.astype(jnp.float32), self.lm_head_weight())
+    return constrain(logits, ("batch", "seq", "act_vocab"), self.cfg), aux
+
+  def init_cache(self, batch: int, capacity: int) -> dict:
+    """Zeroed decode caches {stack: {name: [layers, batch, capacity, ...]}}."""
+    out = {}
+    for name, stack in (("dense", self.dense_layers), ("moe", self.moe_layers)):
+      if stack is not None:
+        n = _num_layers(stack)
+        one = stack.attn.init_cache(batch, capacity)
+        out[name] = jax.tree.map(lambda a: jnp.broadcast_to(a, (n,) + a.shape), one)
+    return out
+
+  def decode_step(self, tokens: jax.Array, cache: dict, index: jax.Array,
+                  positions: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """Run new tokens [batch, s] (s = 1 when decoding, more when prefilling) against the cache.
+
+    index [batch]: cache slot of each row's first new token (its current length); positions
+    default to the slots. Returns fp32 logits [batch, s, vocab] and the updated cache.
+    """
+    s = tokens.shape[1]
+    if positions is None:
+      positions = index[:, None] + jnp.arange(s, dtype=jnp.int32)[None]
+    end = jnp.zeros(tokens.shape, jnp.int32)  # unused: the cache view defines visibility
+    h, _, cache = self.hidden(tokens, positions, end, cache=cache, index=index)
+    return jnp.dot(h.astype(jnp.float32), self.lm_head_weight()), cache
+
+
+def _num_layers(stack: Block) -> int:
+  return jax.tree.leaves(nnx.state(stack, nnx.Param))[0].shape[0]
+
+
+def _scan(stack: Block, cfg: ModelConfig, x, cos, sin, end, token_weights, cache, index,
+          expert_ids):
+  """Apply the stacked blocks in order with lax.scan (one compiled body for all layers)."""
+  graphdef, state = nnx.split(stack)
+
+  def body(x, xs):
+    layer_state, layer_cache, ids = xs
+    y, aux, layer_cache = nnx.merge(graphdef, layer_state)(
+        x, cos, sin, end, token_weights, layer_cache, index, ids)
+    return y, (aux, layer_cache)
+
+  if cfg.remat == "full":
+    body = jax.checkpoint(body)
+  elif cfg.remat != "none":
+    body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat])
+  x, (aux, cache) = jax.lax.scan(body, x, (state, cache, expert_ids))
+  return x, aux, cache
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init_state(cfg: ModelConfig, key: jax.Array):
+  return nnx.split(Transformer(cfg, nnx.Rngs(key)))[1]
+
+
+def init(cfg: ModelConfig, seed: int = 0) -> Transformer:
+  """A randomly initialised Transformer (jitted initialisation)."""
+  graphdef = nnx.graphdef(abstract(cfg))
+  return nnx.merge(graphdef, _init_state(cfg, jax.random.key(seed)))
+
+
+def abstract(cfg: ModelConfig) -> Transformer:
+  """The model with ShapeDtypeStruct leaves: shapes and axes without allocating anything."""
+  return nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))

@@ -1,0 +1,52 @@
+"""Arbor: JAX/TPU post-training for agentic-coding LLMs (see docs/design.md)."""
+
+from setuptools import find_packages, setup
+
+# Lower bounds are the versions we test with (requirements-lock.txt pins them exactly);
+# upper bounds stop at the next release line that may break the API.
+JAX = "jax>=0.10.2,<0.11"
+
+setup(
+    name="arbor",
+    version="0.1.0",
+    description="JAX research codebase for post-training LLMs: SFT, RL with verifiable rewards, distillation.",
+    python_requires=">=3.10",
+    packages=find_packages(
+        include=[
+            "models", "models.*",  # models.kernels among them
+            "rl", "rl.*",
+            "envs", "envs.*",
+            "trainer", "trainer.*",
+            "launch", "launch.*",
+            "configs", "configs.*",
+        ]
+    ),
+    install_requires=[
+        JAX,
+        "flax>=0.12.8,<0.13",
+        "optax>=0.2.8,<0.3",
+        "orbax-checkpoint>=0.12.8,<0.13",
+        "grain>=0.2.18,<0.3",
+        "tensorstore>=0.1.86,<0.2",
+        "sentencepiece>=0.2.3,<0.3",
+        "ml-collections>=1.1.0,<2",
+        "absl-py>=2.5.1,<3",
+        "numpy>=2.4,<3",
+        "safetensors>=0.8.0,<0.9",
+        "docker>=7.2.0,<8",
+        "google-cloud-storage>=3.17.1,<4",
+    ],
+    extras_require={
+        # Tests compare against Hugging Face transformers on PyTorch CPU.
+        "test": [
+            "pytest>=9.2,<10",
+            "pytest-xdist>=3.8,<4",
+            "hypothesis>=6.170,<7",
+            "torch==2.13.0",
+            "transformers>=5.23,<6",
+            "tokenizers>=0.23.3,<0.24",
+        ],
+        "tpu": [JAX.replace("jax", "jax[tpu]", 1)],
+        "gpu": [JAX.replace("jax", "jax[cuda12]", 1)],
+    },
+)
