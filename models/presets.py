@@ -78,7 +78,8 @@ PRESETS: dict[str, ModelConfig] = {
         moe_intermediate_size=768),
     # deepseek-ai/DeepSeek-V3 (main model; the multi-token-prediction layer is not modelled).
     "deepseek-v3": _DEEPSEEK_V3,
-    # moonshotai/Kimi-K2-Instruct: DeepSeek-V3 architecture, 64 heads, 384 experts, no groups.
+    # moonshotai/Kimi-K2-Instruct (July 2025 release; the -0905 update has a 256K context and
+    # YaRN x64): DeepSeek-V3 architecture, 64 heads, 384 experts, no expert groups.
     "kimi-k2": _DEEPSEEK_V3.replace(
         vocab_size=163840, num_heads=64, num_kv_heads=64, max_position_embeddings=131072,
         rope_theta=50000.0, rope_factor=32.0, yarn_beta_fast=1.0, yarn_beta_slow=1.0,
@@ -192,7 +193,8 @@ def count_params(cfg: ModelConfig, include_buffers: bool = False) -> int:
 
 def count_active_params(cfg: ModelConfig, include_buffers: bool = False) -> int:
   """Parameters one token passes through: as `count_params`, with `experts_per_token` routed
-  experts per MoE layer instead of all of them. Embedding and lm_head count in full (the
-  convention of the DeepSeek-V3 and Qwen3 model cards). Equal to `count_params` for dense models.
+  experts per MoE layer instead of all of them. Embedding and lm_head count in full, the
+  convention behind the DeepSeek-V3 and Qwen3 model cards' figures (the Moonlight report leaves
+  embeddings out). Equal to `count_params` for dense models.
   """
   return _count(cfg, cfg.experts_per_token if cfg.is_moe else 0, include_buffers)

@@ -1,0 +1,123 @@
+"""Meshes and logical-axis sharding: parameters and activations carry logical axis names
+(`embed`, `heads`, `experts`, ...); the config's rules table maps them to mesh axes
+(`data`, `fsdp`, `tensor`, `expert`). `jax.jit` with the resulting shardings is the whole
+parallelism story.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from models.config import ModelConfig
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh shape; one axis of size -1 absorbs the remaining devices."""
+
+  data: int = 1  # pure data parallelism (replicated parameters)
+  fsdp: int = -1  # data parallelism with parameters sharded over it (ZeRO-3)
+  tensor: int = 1  # tensor (model) parallelism over heads / MLP width / vocabulary
+  expert: int = 1  # expert parallelism over MoE experts
+
+  def shape(self, num_devices: int) -> tuple[int, ...]:
+    sizes = [self.data, self.fsdp, self.tensor, self.expert]
+    if sizes.count(-1) > 1:
+      raise ValueError(f"MeshConfig{tuple(sizes)}: at most one axis may be -1")
+    for name, size in zip(MESH_AXES, sizes):
+      if size == 0 or size < -1:
+        raise ValueError(f"MeshConfig.{name}={size}: must be positive or -1")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+      if num_devices % known:
+        raise ValueError(f"MeshConfig{tuple(sizes)}: {num_devices} devices are not divisible "
+                         f"by the fixed axes' product {known}")
+      sizes[sizes.index(-1)] = num_devices // known
+    if math.prod(sizes) != num_devices:
+      raise ValueError(f"MeshConfig{tuple(sizes)}: needs {math.prod(sizes)} devices, "
+                       f"have {num_devices}")
+    return tuple(sizes)
+
+
+def make_mesh(mesh_cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None
+              ) -> jax.sharding.Mesh:
+  """A mesh with axes (data, fsdp, tensor, expert) over `devices` (default: all)."""
+  devices = list(jax.devices() if devices is None else devices)
+  shape = mesh_cfg.shape(len(devices))
+  return jax.sharding.Mesh(np.array(devices).reshape(shape), MESH_AXES)
+
+
+def logical_to_spec(axes: Sequence[Optional[str]], rules, mesh) -> PartitionSpec:
+  """PartitionSpec for logical `axes` under `rules`; mesh axes of size 1 or absent are dropped,
+  and a mesh axis is used at most once (first dimension wins)."""
+  table = dict(rules)
+  used: set[str] = set()
+  spec = []
+  for name in axes:
+    mesh_axes = table.get(name) if name is not None else None
+    if name is not None and name not in table:
+      raise KeyError(f"logical axis {name!r} has no sharding rule; known: {sorted(table)}")
+    picked = tuple(a for a in (mesh_axes or ()) if a in mesh.shape and mesh.shape[a] > 1
+                   and a not in used)
+    used.update(picked)
+    spec.append(None if not picked else picked[0] if len(picked) == 1 else picked)
+  return PartitionSpec(*spec)
+
+
+def _divisible(spec: PartitionSpec, shape, mesh) -> PartitionSpec:
+  """Replicate dimensions whose size the assigned mesh axes do not divide."""
+  out = []
+  for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    names = (axes,) if isinstance(axes, str) else (axes or ())
+    size = math.prod(mesh.shape[a] for a in names)
+    out.append(axes if size and dim % size == 0 else None)
+  return PartitionSpec(*out)
+
+
+def state_shardings(state: nnx.State, cfg: ModelConfig, mesh) -> nnx.State:
+  """NamedSharding for every variable of `state` from its `axes` metadata (replicated if none)."""
+  def one(var):
+    axes = var.get_metadata().get("axes")
+    shape = var.shape if hasattr(var, "shape") else var[...].shape
+    if axes is None:
+      return var.replace(NamedSharding(mesh, PartitionSpec()))
+    spec = _divisible(logical_to_spec(axes, cfg.sharding_rules, mesh), shape, mesh)
+    return var.replace(NamedSharding(mesh, spec))
+  return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def init_sharded(cfg: ModelConfig, mesh, seed: int = 0):
+  """Initialise a Transformer directly sharded on `mesh` (no full copy on one device)."""
+  from models.transformer import Transformer, abstract
+  graphdef, abstract_state = nnx.split(abstract(cfg))
+  shardings = state_shardings(abstract_state, cfg, mesh)
+
+  def create(key):
+    return nnx.split(Transformer(cfg, nnx.Rngs(key)))[1]
+
+  create = jax.jit(create, out_shardings=shardings)
+  with jax.set_mesh(mesh):
+    state = create(jax.random.key(seed))
+  return nnx.merge(graphdef, state)
+
+
+def shard_model(model, mesh):
+  """Place an existing model's variables on `mesh` by the rules (e.g. after a HF import)."""
+  graphdef, state = nnx.split(model)
+  shardings = state_shardings(state, model.cfg, mesh)
+  return nnx.merge(graphdef, jax.device_put(state, shardings))
+
+
+def batch_sharding(cfg: ModelConfig, mesh, ndim: int = 2) -> NamedSharding:
+  """Sharding of a [batch, seq, ...] input array: batch over the rules' `batch` axes."""
+  spec = logical_to_spec(("batch",) + (None,) * (ndim - 1), cfg.sharding_rules, mesh)
+  return NamedSharding(mesh, spec)

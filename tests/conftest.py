@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny models built once per test session."""
+
+import jax
+import pytest
+
+from models.config import ModelConfig
+from models import transformer
+
+# fp32 everywhere: tests compare against references at 1e-5.
+jax.config.update("jax_default_matmul_precision", "highest")
+
+TINY_DENSE = ModelConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16, intermediate_size=96, qkv_bias=True,
+                         initializer_range=0.1)
+TINY_MOE_MLA = ModelConfig(
+    vocab_size=128, hidden_size=64, num_layers=3, num_heads=4, intermediate_size=96,
+    attention="mla", q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=16, num_experts=8, num_shared_experts=1, experts_per_token=2, n_group=2,
+    topk_group=1, score_func="sigmoid", router_bias=True, routed_scaling_factor=2.0,
+    first_k_dense_replace=1, moe_intermediate_size=32, rope_type="yarn", rope_factor=4.0,
+    rope_original_max_position=32, yarn_mscale=1.0, yarn_mscale_all_dim=1.0,
+    initializer_range=0.1)
+
+
+@pytest.fixture(scope="session")
+def dense_model():
+  return transformer.init(TINY_DENSE, seed=0)
+
+
+@pytest.fixture(scope="session")
+def moe_mla_model():
+  model = transformer.init(TINY_MOE_MLA, seed=0)
+  bias = model.moe_layers.mlp.router_bias
+  bias[...] = 0.1 * jax.random.normal(jax.random.key(7), bias[...].shape)  # non-zero selection bias
+  return model
