@@ -39,15 +39,15 @@ def cache_view(index: jax.Array, s: int, capacity: int) -> tuple[jax.Array, jax.
 class GQA(nnx.Module):
   """Grouped-query attention with optional q/k/v bias (Qwen2) and q/k RMSNorm (Qwen3)."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig):
     self.cfg = cfg
     d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    self.q_proj = Dense((d,), (h, hd), ("embed",), ("heads", "kv"), cfg, rngs, bias=cfg.qkv_bias)
-    self.k_proj = Dense((d,), (kvh, hd), ("embed",), ("kv_heads", "kv"), cfg, rngs,
+    self.q_proj = Dense((d,), (h, hd), ("embed",), ("heads", "kv"), cfg, bias=cfg.qkv_bias)
+    self.k_proj = Dense((d,), (kvh, hd), ("embed",), ("kv_heads", "kv"), cfg,
                         bias=cfg.qkv_bias)
-    self.v_proj = Dense((d,), (kvh, hd), ("embed",), ("kv_heads", "kv"), cfg, rngs,
+    self.v_proj = Dense((d,), (kvh, hd), ("embed",), ("kv_heads", "kv"), cfg,
                         bias=cfg.qkv_bias)
-    self.o_proj = Dense((h, hd), (d,), ("heads", "kv"), ("embed",), cfg, rngs)
+    self.o_proj = Dense((h, hd), (d,), ("heads", "kv"), ("embed",), cfg)
     if cfg.qk_norm:
       self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
       self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
@@ -82,22 +82,21 @@ class MLA(nnx.Module):
   [k_nope, v]; the rotary key (last rope features of W_DKV·x) is one vector shared by heads.
   """
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig):
     self.cfg = cfg
     d, h = cfg.hidden_size, cfg.num_heads
     qk, r = cfg.qk_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank is None:
-      self.q_proj = Dense((d,), (h, qk), ("embed",), ("heads", "kv"), cfg, rngs)
+      self.q_proj = Dense((d,), (h, qk), ("embed",), ("heads", "kv"), cfg)
     else:
-      self.q_a_proj = Dense((d,), (cfg.q_lora_rank,), ("embed",), ("q_lora",), cfg, rngs)
+      self.q_a_proj = Dense((d,), (cfg.q_lora_rank,), ("embed",), ("q_lora",), cfg)
       self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-      self.q_b_proj = Dense((cfg.q_lora_rank,), (h, qk), ("q_lora",), ("heads", "kv"), cfg, rngs)
-    self.kv_a_proj = Dense((d,), (r + cfg.qk_rope_head_dim,), ("embed",), ("kv_lora",), cfg,
-                           rngs)
+      self.q_b_proj = Dense((cfg.q_lora_rank,), (h, qk), ("q_lora",), ("heads", "kv"), cfg)
+    self.kv_a_proj = Dense((d,), (r + cfg.qk_rope_head_dim,), ("embed",), ("kv_lora",), cfg)
     self.kv_a_norm = RMSNorm(r, cfg.rms_norm_eps)
     self.kv_b_proj = Dense((r,), (h, cfg.qk_nope_head_dim + cfg.v_head_dim), ("kv_lora",),
-                           ("heads", "kv"), cfg, rngs)
-    self.o_proj = Dense((h, cfg.v_head_dim), (d,), ("heads", "kv"), ("embed",), cfg, rngs)
+                           ("heads", "kv"), cfg)
+    self.o_proj = Dense((h, cfg.v_head_dim), (d,), ("heads", "kv"), ("embed",), cfg)
 
   def init_cache(self, batch: int, capacity: int) -> dict:
     cfg = self.cfg

@@ -7,8 +7,8 @@ Supported families (transformers class, `model_type`):
   DeepSeek-V3 `DeepseekV3ForCausalLM` deepseek_v3 | kimi_k2   MLA, sigmoid group-limited router
 
 Python:
-    model = load(hf_dir)                  # config.json + safetensors (sharded, bf16 or FP8) -> Transformer
-    save(model, out_dir, dtype="bfloat16")  # -> config.json + safetensors, loadable by transformers
+    model = load(hf_dir)  # config.json + safetensors (sharded; fp32, bf16 or FP8) -> Transformer
+    save(model, out_dir, dtype="bfloat16")  # -> config.json + safetensors for transformers
 
 CLI:
     python -m models.hf import --hf_dir IN --out OUT   # HF dir -> orbax state + model_config.json
@@ -71,7 +71,7 @@ class CheckpointError(ValueError):
 
 
 def family_of(hf_config: dict) -> str:
-  """The Arbor family of an HF config, from `architectures` (or `model_type`); ValueError if none."""
+  """The family of an HF config, from `architectures` (else `model_type`); ValueError if none."""
   archs = hf_config.get("architectures") or []
   model_type = hf_config.get("model_type")
   if archs:
@@ -121,6 +121,9 @@ def _rope_from_hf(hf: dict, arch: str) -> dict:
     factor = hf["max_position_embeddings"] / original  # HF's YaRN default
   out["rope_factor"] = float(factor)
   if rope_type == "linear":
+    if params.get("mscale_all_dim") and arch == "DeepseekV3ForCausalLM":
+      raise _unsupported(arch, "rope_parameters.mscale_all_dim", params["mscale_all_dim"],
+                         "the softmax mscale is modelled for YaRN only")
     return out
   attention_factor = params.get("attention_factor")
   out.update(rope_original_max_position=int(original),
@@ -186,18 +189,20 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     if hf.get("moe_layer_freq", 1) != 1:
       raise _unsupported(arch, "moe_layer_freq", hf["moe_layer_freq"], "every layer after "
                          "first_k_dense_replace must be MoE")
-    if rope["rope_type"] == "linear" and hf.get("rope_parameters", {}).get("mscale_all_dim"):
-      raise _unsupported(arch, "rope_parameters.mscale_all_dim", "linear",
-                         "softmax mscale is modelled for YaRN only")
     n_experts = _get(hf, "n_routed_experts", "num_local_experts", default=0) or 0
+    if common["rms_norm_eps"] != 1e-6:
+      # transformers (and DeepSeek's reference code) build q_a_layernorm / kv_a_layernorm with
+      # eps 1e-6 whatever rms_norm_eps says; Arbor's MLA uses rms_norm_eps for all norms.
+      logger.warning("%s: rms_norm_eps=%g; the MLA latent norms use it too, while transformers "
+                     "uses 1e-6 there: logits will differ slightly", arch, common["rms_norm_eps"])
     moe = dict(
         num_experts=n_experts, num_shared_experts=hf.get("n_shared_experts") or 0,
-        experts_per_token=hf.get("num_experts_per_tok") or 1, n_group=hf.get("n_group") or 1,
+        experts_per_token=hf["num_experts_per_tok"], n_group=hf.get("n_group") or 1,
         topk_group=hf.get("topk_group") or 1, score_func="sigmoid",
         norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
         first_k_dense_replace=min(hf.get("first_k_dense_replace") or 0, hf["num_hidden_layers"]),
-        moe_intermediate_size=hf.get("moe_intermediate_size") or 1,
+        moe_intermediate_size=hf["moe_intermediate_size"],
         router_bias=True) if n_experts else {}
     return ModelConfig(
         **common, **rope, **moe, attention="mla", num_kv_heads=heads,
@@ -232,7 +237,8 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     raise _unsupported(arch, "mlp_only_layers", hf["mlp_only_layers"], "every layer must be MoE")
   return ModelConfig(
       **common, **rope, head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, qk_norm=True,
-      num_experts=_get(hf, "num_experts", "num_local_experts"), experts_per_token=hf["num_experts_per_tok"],
+      num_experts=_get(hf, "num_experts", "num_local_experts"),
+      experts_per_token=hf["num_experts_per_tok"],
       score_func="softmax", norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
       moe_intermediate_size=hf["moe_intermediate_size"])
 
@@ -323,7 +329,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                 moe_intermediate_size=cfg.moe_intermediate_size,
                 scoring_func="sigmoid", topk_method="noaux_tc")
     else:  # all layers dense
-      hf.update(n_routed_experts=None, first_k_dense_replace=cfg.num_layers)
+      hf.update(n_routed_experts=0, n_shared_experts=0, first_k_dense_replace=cfg.num_layers)
     return hf
   hf.update(num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, use_sliding_window=False,
             sliding_window=None)
@@ -483,7 +489,10 @@ def load_with_stats(path: str | os.PathLike, dtype: Optional[str] = None,
                     **overrides) -> tuple[Transformer, LoadStats]:
   """`load`, plus counts of what was read."""
   path = os.fspath(path)
-  cfg = config_from_hf(read_hf_config(path))
+  hf_config = read_hf_config(path)
+  cfg = config_from_hf(hf_config)
+  block = _fp8_block(hf_config)
+  arch = _FAMILY_ARCH[family_of(hf_config)]
   if dtype is not None:
     overrides["dtype"] = dtype
   cfg = cfg.replace(**overrides)
@@ -491,7 +500,7 @@ def load_with_stats(path: str | os.PathLike, dtype: Optional[str] = None,
   graphdef, state = nnx.split(abstract(cfg))
   variables = dict(nnx.to_flat_state(state))
   arrays = {p: np.zeros(v.shape, np.float32) for p, v in variables.items()}
-  filled = {p: np.zeros(v.shape[:_index_depth(p)], bool) for p, v in variables.items()}
+  filled: dict[tuple[str, ...], np.ndarray] = {}  # which slices of each variable were read
   stats = LoadStats()
   consumed: set[str] = set()
   for entry in entries(cfg):
@@ -499,21 +508,26 @@ def load_with_stats(path: str | os.PathLike, dtype: Optional[str] = None,
     want = entry.hf_shape(target.shape)
     if entry.hf not in ckpt:
       raise CheckpointError(f"tensor {entry.hf!r} is missing from the checkpoint in {path} "
-                            f"(expected shape {list(want)} for {_FAMILY_ARCH[family_of_config(cfg)]})")
+                            f"(expected shape {list(want)} for {arch})")
     found = ckpt.shape(entry.hf)
     if tuple(found) != want:
       raise CheckpointError(f"tensor {entry.hf!r} in {path} has shape {list(found)}; expected "
                             f"{list(want)} (from config.json)")
-    target[...] = entry.to_arbor(ckpt.get_dequantized(entry.hf, np.float32), target.shape)
-    filled[entry.path][entry.index] = True
+    target[...] = entry.to_arbor(ckpt.get_dequantized(entry.hf, np.float32, block),
+                                 target.shape)
+    mask = filled.setdefault(entry.path, np.zeros(variables[entry.path].shape[:len(entry.index)],
+                                                  bool))
+    if mask[entry.index]:
+      raise RuntimeError(f"internal: {entry.hf} maps to a slice already read (name table)")
+    mask[entry.index] = True
     consumed.add(entry.hf)
-  for p, mask in filled.items():  # the tables must cover every variable exactly
-    if not mask.all():
+  for p in variables:  # the tables must cover every variable exactly once
+    if p not in filled or not filled[p].all():
       raise RuntimeError(f"internal: no HF tensor maps to {'/'.join(p)} (name table incomplete)")
   stats.tensors = len(consumed)
 
   if cfg.tie_embeddings and "lm_head.weight" in ckpt:
-    head = ckpt.get_dequantized("lm_head.weight", np.float32)
+    head = ckpt.get_dequantized("lm_head.weight", np.float32, block)
     if head.shape != arrays[("embed",)].shape or not np.array_equal(head, arrays[("embed",)]):
       raise CheckpointError(f"tie_word_embeddings=True but lm_head.weight in {path} differs from "
                             f"model.embed_tokens.weight")
@@ -527,13 +541,13 @@ def load_with_stats(path: str | os.PathLike, dtype: Optional[str] = None,
       stats.scales += 1
       continue
     m = re.match(r"model\.layers\.(\d+)\.", name)
-    if m and int(m.group(1)) >= cfg.num_layers and cfg.attention == "mla":
+    if m and int(m.group(1)) >= cfg.num_layers and arch == "DeepseekV3ForCausalLM":
       mtp.append(name)
       continue
     unexpected.append(name)
   if unexpected:
     raise CheckpointError(f"{len(unexpected)} unexpected tensor(s) in {path} for "
-                          f"{_FAMILY_ARCH[family_of_config(cfg)]} with this config.json, e.g. "
+                          f"{arch} with this config.json, e.g. "
                           f"{unexpected[:5]}")
   if mtp:
     layers = sorted({int(re.match(r"model\.layers\.(\d+)\.", n).group(1)) for n in mtp})
@@ -548,13 +562,21 @@ def load_with_stats(path: str | os.PathLike, dtype: Optional[str] = None,
   return nnx.merge(graphdef, nnx.from_flat_state(new_state)), stats
 
 
-def _index_depth(path: tuple[str, ...]) -> int:
-  """Number of leading Arbor dims addressed by entry indices: layer (+ expert for routed experts)."""
-  if path[0] not in ("dense_layers", "moe_layers"):
-    return 0
-  if path[1:] in (("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj")):
-    return 2
-  return 1
+def _fp8_block(hf_config: dict) -> int:
+  """Block size of FP8 `weight_scale_inv` scales (`quantization_config.weight_block_size`,
+  128 when absent); other quantisation methods are rejected."""
+  qc = hf_config.get("quantization_config")
+  if not qc:
+    return 128
+  arch = (hf_config.get("architectures") or [hf_config.get("model_type")])[0]
+  if qc.get("quant_method") != "fp8":
+    raise _unsupported(arch, "quantization_config.quant_method", qc.get("quant_method"),
+                       "only FP8 with block scales (weight_scale_inv) is read")
+  rows, cols = qc.get("weight_block_size") or (128, 128)
+  if rows != cols:
+    raise _unsupported(arch, "quantization_config.weight_block_size", [rows, cols],
+                       "square blocks only")
+  return int(rows)
 
 
 def hf_tensors(model: Transformer, dtype: str = "float32") -> dict[str, np.ndarray]:

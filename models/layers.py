@@ -18,17 +18,27 @@ class RouterBias(nnx.Variable):
   """Aux-loss-free expert selection bias: state updated outside the gradient, never trained."""
 
 
-def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str, ...], *,
-          init: str = "normal", std: float = 0.02) -> nnx.Param:
-  """An fp32 parameter of `shape` annotated with logical `axes` (one name per dimension)."""
+def param(shape: tuple[int, ...], axes: tuple[str, ...], *, init: str = "normal",
+          std: float = 0.02) -> nnx.Param:
+  """An fp32 parameter of `shape` annotated with logical `axes` (one name per dimension).
+
+  The value is a placeholder (zeros or ones); the initialiser is recorded in the metadata
+  (`init`, `std`) and applied by `models.transformer.init` / `models.sharding.init_sharded`,
+  so building a model costs no random-number compilation and one code path fills parameters
+  on the host or directly sharded on a mesh.
+  """
   assert len(shape) == len(axes), (shape, axes)
-  if init == "normal":
-    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
-  elif init == "ones":
-    value = jnp.ones(shape, jnp.float32)
-  else:
-    value = jnp.zeros(shape, jnp.float32)
-  return nnx.Param(value, axes=axes)
+  value = (jnp.ones if init == "ones" else jnp.zeros)(shape, jnp.float32)
+  return nnx.Param(value, axes=axes, init=init, std=std)
+
+
+def initial_value(var: nnx.Variable, key: jax.Array) -> jax.Array:
+  """The initial value of a parameter made by `param` (normal(0, std), ones or zeros)."""
+  meta = var.get_metadata()
+  shape = var.shape
+  if meta.get("init") == "normal":
+    return meta["std"] * jax.random.normal(key, shape, jnp.float32)
+  return (jnp.ones if meta.get("init") == "ones" else jnp.zeros)(shape, var.dtype)
 
 
 def dtype_of(cfg: ModelConfig):
@@ -49,7 +59,7 @@ class RMSNorm(nnx.Module):
 
   def __init__(self, dim: int, eps: float, axes: tuple[str, ...] = ("norm",)):
     self.eps = eps
-    self.scale = param(None, (dim,), axes, init="ones")
+    self.scale = param((dim,), axes, init="ones")
 
   def __call__(self, x: jax.Array) -> jax.Array:
     xf = x.astype(jnp.float32)
@@ -67,12 +77,11 @@ class Dense(nnx.Module):
 
   def __init__(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...],
                in_axes: tuple[str, ...], out_axes: tuple[str, ...], cfg: ModelConfig,
-               rngs: nnx.Rngs, bias: bool = False):
+               bias: bool = False):
     self.n_in = len(in_shape)
     self.dtype = dtype_of(cfg)
-    self.kernel = param(rngs, in_shape + out_shape, in_axes + out_axes,
-                        std=cfg.initializer_range)
-    self.bias = param(None, out_shape, out_axes, init="zeros") if bias else None
+    self.kernel = param(in_shape + out_shape, in_axes + out_axes, std=cfg.initializer_range)
+    self.bias = param(out_shape, out_axes, init="zeros") if bias else None
 
   def __call__(self, x: jax.Array) -> jax.Array:
     w = self.kernel[...].astype(self.dtype)
@@ -87,11 +96,11 @@ class Dense(nnx.Module):
 class MLP(nnx.Module):
   """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-  def __init__(self, hidden: int, width: int, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, hidden: int, width: int, cfg: ModelConfig):
     self.cfg = cfg
-    self.gate_proj = Dense((hidden,), (width,), ("embed",), ("mlp",), cfg, rngs)
-    self.up_proj = Dense((hidden,), (width,), ("embed",), ("mlp",), cfg, rngs)
-    self.down_proj = Dense((width,), (hidden,), ("mlp",), ("embed",), cfg, rngs)
+    self.gate_proj = Dense((hidden,), (width,), ("embed",), ("mlp",), cfg)
+    self.up_proj = Dense((hidden,), (width,), ("embed",), ("mlp",), cfg)
+    self.down_proj = Dense((width,), (hidden,), ("mlp",), ("embed",), cfg)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)

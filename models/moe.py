@@ -57,17 +57,17 @@ def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array | None,
 class MoE(nnx.Module):
   """Routed experts (+ shared experts) replacing the dense MLP of a block."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig):
     self.cfg = cfg
     d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     std = cfg.initializer_range
-    self.router = param(rngs, (d, e), ("embed", "experts"), std=std)
+    self.router = param((d, e), ("embed", "experts"), std=std)
     self.router_bias = RouterBias(jnp.zeros((e,), jnp.float32), axes=("experts",)) \
         if cfg.router_bias else None
-    self.gate_proj = param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), std=std)
-    self.up_proj = param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), std=std)
-    self.down_proj = param(rngs, (e, f, d), ("experts", "expert_mlp", "embed"), std=std)
-    self.shared = MLP(d, f * cfg.num_shared_experts, cfg, rngs) if cfg.num_shared_experts \
+    self.gate_proj = param((e, d, f), ("experts", "embed", "expert_mlp"), std=std)
+    self.up_proj = param((e, d, f), ("experts", "embed", "expert_mlp"), std=std)
+    self.down_proj = param((e, f, d), ("experts", "expert_mlp", "embed"), std=std)
+    self.shared = MLP(d, f * cfg.num_shared_experts, cfg) if cfg.num_shared_experts \
         else None
 
   def __call__(self, x: jax.Array, token_weights: jax.Array,

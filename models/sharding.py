@@ -97,14 +97,10 @@ def state_shardings(state: nnx.State, cfg: ModelConfig, mesh) -> nnx.State:
 
 def init_sharded(cfg: ModelConfig, mesh, seed: int = 0):
   """Initialise a Transformer directly sharded on `mesh` (no full copy on one device)."""
-  from models.transformer import Transformer, abstract
+  from models.transformer import abstract, initial_state
   graphdef, abstract_state = nnx.split(abstract(cfg))
   shardings = state_shardings(abstract_state, cfg, mesh)
-
-  def create(key):
-    return nnx.split(Transformer(cfg, nnx.Rngs(key)))[1]
-
-  create = jax.jit(create, out_shardings=shardings)
+  create = jax.jit(lambda key: initial_state(abstract_state, key), out_shardings=shardings)
   with jax.set_mesh(mesh):
     state = create(jax.random.key(seed))
   return nnx.merge(graphdef, state)

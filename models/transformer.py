@@ -14,16 +14,16 @@ models `moe_load` [moe_layers, experts], `balance_loss` and `expert_ids`
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models.attention import GQA, MLA
 from models.config import ModelConfig
-from models.layers import MLP, RMSNorm, constrain, dtype_of, param
+from models.layers import MLP, RMSNorm, constrain, dtype_of, initial_value, param
 from models.moe import MoE
 from models.rope import cos_sin
 
@@ -36,11 +36,11 @@ REMAT_POLICIES = {
 class Block(nnx.Module):
   """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)) (dense or MoE)."""
 
-  def __init__(self, cfg: ModelConfig, moe: bool, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, moe: bool):
     self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-    self.attn = MLA(cfg, rngs) if cfg.attention == "mla" else GQA(cfg, rngs)
+    self.attn = MLA(cfg) if cfg.attention == "mla" else GQA(cfg)
     self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-    self.mlp = MoE(cfg, rngs) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, cfg, rngs)
+    self.mlp = MoE(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, cfg)
 
   def __call__(self, x, cos, sin, end, token_weights, cache=None, index=None, expert_ids=None):
     h, max_logits, cache = self.attn(self.attn_norm(x), cos, sin, end, cache, index)
@@ -54,14 +54,13 @@ class Block(nnx.Module):
     return x + h, aux, cache
 
 
-def _stacked_blocks(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs) -> Block:
-  """A Block whose parameters carry a leading `layers` axis of size n (independent inits)."""
-  keys = jax.random.split(rngs.params(), n)
-  states = jax.vmap(lambda key: nnx.split(Block(cfg, moe, nnx.Rngs(key)))[1])(keys)
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, moe, nnx.Rngs(0))))
-  block = nnx.merge(graphdef, states)
+def _stacked_blocks(cfg: ModelConfig, moe: bool, n: int) -> Block:
+  """A Block whose variables carry a leading `layers` axis of size n (placeholder values;
+  `init` draws each layer's parameters independently)."""
+  block = Block(cfg, moe)
   for _, var in nnx.iter_graph(block):
-    if isinstance(var, nnx.Variable) and "axes" in var.get_metadata():
+    if isinstance(var, nnx.Variable):
+      var.set_value(jnp.broadcast_to(var[...], (n,) + var.shape))
       var.set_metadata(axes=("layers",) + tuple(var.get_metadata()["axes"]))
   return block
 
@@ -69,16 +68,16 @@ def _stacked_blocks(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs) -> Bloc
 class Transformer(nnx.Module):
   """Decoder-only transformer (see module docstring)."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig):
     self.cfg = cfg
-    self.embed = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
+    self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
                        std=cfg.initializer_range)
     n_dense, n_moe = cfg.num_dense_layers, cfg.num_moe_layers
-    self.dense_layers = _stacked_blocks(cfg, False, n_dense, rngs) if n_dense else None
-    self.moe_layers = _stacked_blocks(cfg, True, n_moe, rngs) if n_moe else None
+    self.dense_layers = _stacked_blocks(cfg, False, n_dense) if n_dense else None
+    self.moe_layers = _stacked_blocks(cfg, True, n_moe) if n_moe else None
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
     self.lm_head = None if cfg.tie_embeddings else param(
-        rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), std=cfg.initializer_range)
+        (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), std=cfg.initializer_range)
 
   def lm_head_weight(self) -> jax.Array:
     """[hidden, vocab] fp32 output projection (the embedding, transposed, when tied)."""
@@ -174,17 +173,35 @@ def _scan(stack: Block, cfg: ModelConfig, x, cos, sin, end, token_weights, cache
   return x, aux, cache
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _init_state(cfg: ModelConfig, key: jax.Array):
-  return nnx.split(Transformer(cfg, nnx.Rngs(key)))[1]
+def initial_state(abstract_state: nnx.State, key: jax.Array) -> nnx.State:
+  """Initial values for every variable of `abstract_state` (one key per variable, folded from
+  `key` by its position in the state), per the initialiser recorded by `layers.param`."""
+  leaves, treedef = jax.tree.flatten(abstract_state,
+                                     is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return jax.tree.unflatten(treedef, [
+      var.replace(initial_value(var, jax.random.fold_in(key, i))) for i, var in enumerate(leaves)])
 
 
 def init(cfg: ModelConfig, seed: int = 0) -> Transformer:
-  """A randomly initialised Transformer (jitted initialisation)."""
-  graphdef = nnx.graphdef(abstract(cfg))
-  return nnx.merge(graphdef, _init_state(cfg, jax.random.key(seed)))
+  """A randomly initialised Transformer on the default device, drawn on the host with NumPy.
+
+  Host drawing compiles nothing (XLA's CPU compile of one random program per parameter costs
+  ~0.5 s each). On a mesh use `models.sharding.init_sharded`, which draws directly sharded with
+  `jax.random` (different numbers for the same seed).
+  """
+  graphdef, state = nnx.split(abstract(cfg))
+  rng = np.random.default_rng(seed)
+
+  def value(var):
+    meta = var.get_metadata()
+    if meta.get("init") == "normal":
+      return jnp.asarray(meta["std"] * rng.standard_normal(var.shape, np.float32))
+    return (jnp.ones if meta.get("init") == "ones" else jnp.zeros)(var.shape, var.dtype)
+
+  return nnx.merge(graphdef, jax.tree.map(lambda v: v.replace(value(v)), state,
+                                          is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
 def abstract(cfg: ModelConfig) -> Transformer:
   """The model with ShapeDtypeStruct leaves: shapes and axes without allocating anything."""
-  return nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+  return nnx.eval_shape(lambda: Transformer(cfg))

@@ -16,13 +16,11 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
-import transformers
 from flax import nnx
 from transformers import (AutoModelForCausalLM, DeepseekV3Config, Qwen2Config, Qwen3Config,
                           Qwen3MoeConfig)
 
 from models import hf
-from models.config import ModelConfig
 
 BATCH, LENGTH, ATOL = 2, 64, 1e-4
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -147,6 +145,45 @@ def test_logits_match_transformers_and_round_trip(name, cases, tmp_path):
     assert hf.config_from_hf(json.load(f)) == model.cfg
 
 
+def test_bf16_sharded_export(cases, tmp_path):
+  """bf16 weights in several shards with an index: transformers loads them, and re-importing
+  gives the logits transformers computes from the same (bf16-rounded) weights."""
+  case = cases("qwen2")
+  hf.save(hf.load(case.dir), tmp_path / "bf16", dtype="bfloat16", max_shard_bytes=40_000)
+  files = os.listdir(tmp_path / "bf16")
+  assert "model.safetensors.index.json" in files and len([f for f in files if
+                                                          f.endswith(".safetensors")]) > 1
+  back = load_torch(tmp_path / "bf16")
+  assert back.dtype == torch.bfloat16
+  want = hf_logits(back.float(), case.tokens)
+  got = arbor_logits(hf.load(tmp_path / "bf16"), case.tokens)
+  print(f"bf16 sharded: max abs err {np.abs(got - want).max():.2e}")
+  np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("config_cls, kwargs", [
+    (Qwen3Config, dict(COMMON, num_key_value_heads=2, head_dim=32, rope_parameters=dict(
+        rope_type="yarn", rope_theta=1e6, factor=8.0, original_max_position_embeddings=32,
+        mscale=1.0, mscale_all_dim=0.5, beta_fast=16, beta_slow=2))),
+    (Qwen3Config, dict(COMMON, num_key_value_heads=2, head_dim=32, rope_parameters=dict(
+        rope_type="yarn", rope_theta=1e6, factor=8.0, original_max_position_embeddings=32,
+        attention_factor=1.3, truncate=False))),
+    (DeepseekV3Config, dict(DEEPSEEK, q_lora_rank=24, n_group=4, topk_group=2,
+                            rope_parameters=dict(YARN, mscale=0.8, factor=40.0))),
+])
+def test_rope_frequencies_and_scales_match_transformers(config_cls, kwargs):
+  from models.rope import inv_freq_and_factor
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+  config = config_cls(**kwargs)
+  cfg = hf.config_from_hf(config.to_dict())
+  inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+  got_inv_freq, got_factor = inv_freq_and_factor(cfg)
+  np.testing.assert_allclose(got_inv_freq, inv_freq.numpy(), rtol=1e-6)
+  assert got_factor == pytest.approx(factor, rel=1e-6)
+  model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+  assert cfg.softmax_scale == pytest.approx(model.model.layers[0].self_attn.scaling, rel=1e-6)
+
+
 def test_config_tables_match_transformers_configs(cases):
   """Key fields of config_from_hf, and the experts' layout on disk, checked against the
   transformers objects (not our own output)."""
@@ -221,15 +258,18 @@ def test_fp8_block_scales_and_mtp_skipped(tmp_path, caplog):
                                 metadata={"format": "pt"})
     weight_map.update(dict.fromkeys(part, fname))
   (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-  shutil.copy(tmp_path / "fp32" / "config.json", out / "config.json")
+  config = json.loads((tmp_path / "fp32" / "config.json").read_text())
+  config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                   "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+  (out / "config.json").write_text(json.dumps(config))
   assert any(v.dtype == torch.float8_e4m3fn for v in stored.values())
 
   with caplog.at_level(logging.INFO, logger="models.hf"):
     imported, stats = hf.load_with_stats(out)
   mtp_lines = [r for r in caplog.records if "multi-token" in r.getMessage()]
   assert len(mtp_lines) == 1 and f"[{n}]" in mtp_lines[0].getMessage()
-  assert stats.skipped == len(mtp) and stats.scales == sum(k.endswith("_scale_inv") for k in
-                                                             stored) - 1
+  n_scales = sum(k.endswith("_scale_inv") for k in stored)
+  assert stats.skipped == len(mtp) and stats.scales == n_scales - 1  # the MTP scale is skipped
   got = hf.hf_tensors(imported)
   assert sorted(got) == sorted(reference)
   for name, want in reference.items():
@@ -294,6 +334,16 @@ def test_unsupported_architecture(cases, tmp_path, arch):
   (d / "config.json").write_text(json.dumps(config))
   with pytest.raises(ValueError, match=f"{arch}.*supported families.*Qwen2ForCausalLM.*"
                                        "DeepseekV3ForCausalLM"):
+    hf.load(d)
+
+
+def test_other_quantization_rejected(cases, tmp_path):
+  d = tmp_path / "ckpt"
+  shutil.copytree(cases("qwen2").dir, d)
+  config = json.loads((d / "config.json").read_text())
+  config["quantization_config"] = {"quant_method": "compressed-tensors"}
+  (d / "config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match="quant_method.*compressed-tensors"):
     hf.load(d)
 
 
@@ -363,5 +413,6 @@ def test_cli_import_export(cases, tmp_path, capsys):
   saved = json.loads((tmp_path / "arbor" / "model_config.json").read_text())
   assert hf.config_from_json(saved) == hf.config_from_hf(
       json.loads((tmp_path / "hf_out" / "config.json").read_text()))
-  back = load_torch(tmp_path / "hf_out")
-  np.testing.assert_allclose(hf_logits(back, case.tokens), case.logits, atol=ATOL, rtol=0)
+  got = hf_logits(load_torch(tmp_path / "hf_out"), case.tokens)
+  print(f"cli import/export: max abs err {np.abs(got - case.logits).max():.2e}")
+  np.testing.assert_allclose(got, case.logits, atol=ATOL, rtol=0)

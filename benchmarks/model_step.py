@@ -1,0 +1,150 @@
+"""Forward+backward training-step throughput of ~10M-parameter MoE+MLA and dense GQA models.
+
+    python -m benchmarks.model_step [--repeats=5 --batch=4 --seq=128 --out=x.json]
+
+Prints one JSON object and (with --update_docs, the default) rewrites the model_step section of
+docs/benchmarks.md. The MoE config runs twice: `moe_impl="ragged"` and the all-experts
+`moe_impl="dense"` reference, which is the in-process baseline of the reported ratio.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from flax import nnx
+
+from models import transformer
+from models.config import ModelConfig
+from models.logprobs import token_logprobs
+from models.presets import count_params
+
+flags.DEFINE_integer("repeats", 5, "timed steps per config (the median is reported)")
+flags.DEFINE_integer("batch", 4, "rows per step")
+flags.DEFINE_integer("seq", 128, "tokens per row")
+flags.DEFINE_bool("update_docs", True, "rewrite the model_step section of docs/benchmarks.md")
+flags.DEFINE_string("out", None, "also write the JSON result to this path")
+FLAGS = flags.FLAGS
+
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                    "benchmarks.md")
+START, END = "<!-- model_step:start -->", "<!-- model_step:end -->"
+PREAMBLE = """# Benchmarks
+
+Scripts in `benchmarks/` measure throughput on the current JAX backend, print one JSON object
+and rewrite their own section of this file (between `<!-- name:start -->` / `<!-- name:end -->`
+markers). Each reports the median of several timed repeats after a separate compile, and every
+speed-up is a ratio against a baseline run in the same process on the same machine. Numbers
+depend on the machine and its load; they are never asserted in tests.
+"""
+
+MOE_MLA = ModelConfig(
+    vocab_size=8192, hidden_size=256, num_layers=4, num_heads=8, intermediate_size=768,
+    attention="mla", q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32,
+    qk_rope_head_dim=16, v_head_dim=32, num_experts=16, num_shared_experts=1,
+    experts_per_token=2, n_group=4, topk_group=2, score_func="sigmoid", routed_scaling_factor=2.5,
+    first_k_dense_replace=1, moe_intermediate_size=128, router_bias=True, seq_balance_coef=1e-4)
+DENSE_GQA = ModelConfig(
+    vocab_size=8192, hidden_size=256, num_layers=7, num_heads=8, num_kv_heads=4, head_dim=32,
+    intermediate_size=768)
+CONFIGS = {"moe-mla-ragged": MOE_MLA, "moe-mla-dense": MOE_MLA.replace(moe_impl="dense"),
+           "dense-gqa": DENSE_GQA}
+
+
+def machine() -> str:
+  cpu = "unknown cpu"
+  if os.path.exists("/proc/cpuinfo"):
+    with open("/proc/cpuinfo") as f:
+      cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
+  dev = jax.devices()[0]
+  return f"{platform.node()}, {cpu}, {os.cpu_count()} cores, {jax.default_backend()} {dev.device_kind}"
+
+
+def bench(name: str, cfg: ModelConfig, state: nnx.State, batch: int, seq: int,
+          repeats: int) -> dict:
+  model = nnx.merge(nnx.graphdef(transformer.abstract(cfg)), state)  # cfg may change moe_impl
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0, cfg.vocab_size, jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+  end = jnp.full((batch, seq), seq, jnp.int32)  # causal rows
+
+  def loss_fn(params, tokens):
+    model = nnx.merge(graphdef, params, rest)
+    hidden, aux, _ = model.hidden(tokens, positions, end)
+    logp, _ = token_logprobs(hidden[:, :-1], model.lm_head_weight(), tokens[:, 1:],
+                             cfg.logits_chunk)
+    return -logp.mean() + aux.get("balance_loss", 0.0)
+
+  t0 = time.perf_counter()
+  step = jax.jit(jax.value_and_grad(loss_fn)).lower(params, tokens).compile()
+  compile_s = time.perf_counter() - t0
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(step(params, tokens))
+    times.append(time.perf_counter() - t0)
+  median = statistics.median(times)
+  return {"name": name, "params": count_params(cfg), "compile_s": round(compile_s, 3),
+          "median_step_s": round(median, 4), "tokens_per_s": round(batch * seq / median, 1)}
+
+
+def update_docs(result: dict, command: str) -> None:
+  rows = ["| date | machine | config | params | median step (s) | tokens/s | ratio |",
+          "|---|---|---|---|---|---|---|"]
+  ratio = result["ratios"]["moe_ragged_over_dense"]
+  for r in result["results"]:
+    cell = {"moe-mla-ragged": f"{ratio:.2f}x vs moe-mla-dense",
+            "moe-mla-dense": "1.00 (baseline)"}.get(r["name"], "-")
+    rows.append(f"| {result['date']} | {result['machine']} | {r['name']} | {r['params']:,} "
+                f"| {r['median_step_s']} | {r['tokens_per_s']:,.0f} | {cell} |")
+  section = "\n".join([
+      START, "## model_step: forward+backward training step", "",
+      "Loss = mean next-token NLL (`token_logprobs`) + MoE balance loss; `jax.grad` w.r.t. the "
+      f"`nnx.Param` state; batch {result['batch']}, seq {result['seq']}, median of "
+      f"{result['repeats']} steps after compile. Ratio = ragged / dense (all-experts) MoE "
+      "tokens/s, same process.", "", *rows, "", "```", command, "```", END])
+  text = open(DOCS).read() if os.path.exists(DOCS) else PREAMBLE
+  if START in text and END in text:
+    text = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: section, text, flags=re.S)
+  else:
+    text = text.rstrip("\n") + "\n\n" + section + "\n"
+  with open(DOCS, "w") as f:
+    f.write(text)
+
+
+def main(argv):
+  del argv
+  for name, cfg in CONFIGS.items():
+    print(f"{name}: {count_params(cfg):,} params", flush=True)
+  states = {}  # the two MoE runs share one initialisation (same weights, one init compile)
+  results = []
+  for name, cfg in CONFIGS.items():
+    key = cfg.replace(moe_impl="ragged")
+    if key not in states:
+      states[key] = nnx.state(transformer.init(key, seed=0))
+    results.append(bench(name, cfg, states[key], FLAGS.batch, FLAGS.seq, FLAGS.repeats))
+  tps = {r["name"]: r["tokens_per_s"] for r in results}
+  result = {
+      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+      "machine": machine(), "jax_version": jax.__version__, "batch": FLAGS.batch,
+      "seq": FLAGS.seq, "repeats": FLAGS.repeats, "results": results,
+      "ratios": {"moe_ragged_over_dense": round(tps["moe-mla-ragged"] / tps["moe-mla-dense"], 3)}}
+  print(json.dumps(result, indent=2))
+  if FLAGS.out:
+    with open(FLAGS.out, "w") as f:
+      json.dump(result, f, indent=2)
+  if FLAGS.update_docs:
+    update_docs(result, f"python -m benchmarks.model_step --repeats={FLAGS.repeats} "
+                        f"--batch={FLAGS.batch} --seq={FLAGS.seq}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,1 @@
+"""Experiments as Python files with `get_config(arg=None) -> ml_collections.ConfigDict`."""
