@@ -17,6 +17,10 @@ from models.kernels.attention import attention
 from models.layers import Dense, RMSNorm, constrain, dtype_of
 from models.rope import apply_rope
 
+# DeepSeek's reference code and transformers build the MLA latent norms (q_a_layernorm,
+# kv_a_layernorm) with eps 1e-6 whatever rms_norm_eps says.
+MLA_LATENT_NORM_EPS = 1e-6
+
 
 def write_cache(cache: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
   """Write new [batch, s, ...] into cache [batch, capacity, ...] at per-row offsets index [batch]."""
@@ -90,10 +94,10 @@ class MLA(nnx.Module):
       self.q_proj = Dense((d,), (h, qk), ("embed",), ("heads", "kv"), cfg)
     else:
       self.q_a_proj = Dense((d,), (cfg.q_lora_rank,), ("embed",), ("q_lora",), cfg)
-      self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+      self.q_a_norm = RMSNorm(cfg.q_lora_rank, MLA_LATENT_NORM_EPS)
       self.q_b_proj = Dense((cfg.q_lora_rank,), (h, qk), ("q_lora",), ("heads", "kv"), cfg)
     self.kv_a_proj = Dense((d,), (r + cfg.qk_rope_head_dim,), ("embed",), ("kv_lora",), cfg)
-    self.kv_a_norm = RMSNorm(r, cfg.rms_norm_eps)
+    self.kv_a_norm = RMSNorm(r, MLA_LATENT_NORM_EPS)
     self.kv_b_proj = Dense((r,), (h, cfg.qk_nope_head_dim + cfg.v_head_dim), ("kv_lora",),
                            ("heads", "kv"), cfg)
     self.o_proj = Dense((h, cfg.v_head_dim), (d,), ("heads", "kv"), ("embed",), cfg)

@@ -190,11 +190,6 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
       raise _unsupported(arch, "moe_layer_freq", hf["moe_layer_freq"], "every layer after "
                          "first_k_dense_replace must be MoE")
     n_experts = _get(hf, "n_routed_experts", "num_local_experts", default=0) or 0
-    if common["rms_norm_eps"] != 1e-6:
-      # transformers (and DeepSeek's reference code) build q_a_layernorm / kv_a_layernorm with
-      # eps 1e-6 whatever rms_norm_eps says; Arbor's MLA uses rms_norm_eps for all norms.
-      logger.warning("%s: rms_norm_eps=%g; the MLA latent norms use it too, while transformers "
-                     "uses 1e-6 there: logits will differ slightly", arch, common["rms_norm_eps"])
     moe = dict(
         num_experts=n_experts, num_shared_experts=hf.get("n_shared_experts") or 0,
         experts_per_token=hf["num_experts_per_tok"], n_group=hf.get("n_group") or 1,

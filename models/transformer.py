@@ -24,7 +24,7 @@ from flax import nnx
 from models.attention import GQA, MLA
 from models.config import ModelConfig
 from models.layers import MLP, RMSNorm, constrain, dtype_of, initial_value, param
-from models.moe import MoE
+from models.moe import MoE, update_router_bias
 from models.rope import cos_sin
 
 REMAT_POLICIES = {
@@ -124,6 +124,16 @@ class Transformer(nnx.Module):
     h, aux, _ = self.hidden(tokens, positions, end, **kwargs)
     logits = jnp.dot(h.astype(jnp.float32), self.lm_head_weight())
     return constrain(logits, ("batch", "seq", "act_vocab"), self.cfg), aux
+
+  def update_router_bias(self, moe_load: jax.Array) -> None:
+    """Aux-loss-free balancing, outside the gradient: nudge each MoE layer's selection bias
+    by `bias_update_rate` towards the mean load, from a step's aux["moe_load"]
+    [moe_layers, experts] (averaged over micro-batches and data-parallel replicas)."""
+    bias = None if self.moe_layers is None else self.moe_layers.mlp.router_bias
+    if bias is None:
+      raise ValueError("update_router_bias: the model has no router bias "
+                       f"(num_experts={self.cfg.num_experts}, router_bias={self.cfg.router_bias})")
+    bias[...] = update_router_bias(bias[...], moe_load, self.cfg.bias_update_rate)
 
   def init_cache(self, batch: int, capacity: int) -> dict:
     """Zeroed decode caches {stack: {name: [layers, batch, capacity, ...]}}."""

@@ -213,6 +213,14 @@ def test_router_bias_update_rule():
   load = jnp.array([[0.5, 0.25, 0.125, 0.125], [0.25, 0.25, 0.25, 0.25]])
   new = update_router_bias(jnp.zeros((2, 4)), load, rate=0.01)
   np.testing.assert_allclose(new, [[-0.01, 0.0, 0.01, 0.01], [0, 0, 0, 0]])
+  model = transformer.init(TINY_MOE_MLA)
+  moe_load = jnp.asarray(np.random.default_rng(0).dirichlet(np.ones(8), 2), jnp.float32)
+  model.update_router_bias(moe_load)
+  want = TINY_MOE_MLA.bias_update_rate * np.sign(moe_load.mean(-1, keepdims=True) - moe_load)
+  np.testing.assert_allclose(model.moe_layers.mlp.router_bias[...], want)
+  assert not isinstance(model.moe_layers.mlp.router_bias, nnx.Param)  # never trained
+  with pytest.raises(ValueError, match="no router bias"):
+    transformer.init(TINY_DENSE).update_router_bias(moe_load)
 
 
 def test_chunked_logprobs_equal_full_log_softmax():
@@ -256,7 +264,7 @@ def test_remat_policies_leave_gradients_unchanged(dense_model):
 
   base = grads("none")
   assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(base)) > 0
-  for remat in ("full", "save_dots"):
+  for remat in ("full", "save_dots", "offload"):
     for a, b in zip(jax.tree.leaves(grads(remat)), jax.tree.leaves(base)):
       assert_grad_close(a, b)
 

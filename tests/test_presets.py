@@ -9,6 +9,7 @@ checkpoints or safetensors metadata (sources named next to each number).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -180,3 +181,18 @@ def test_unknown_preset_names_the_choices():
   assert "'nope'" in message
   for name in PRESETS:
     assert name in message
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_model_parameter_tree_matches_count(name):
+  """The Transformer built from each preset (abstractly: shapes only, nothing allocated) has
+  exactly the analytic count, so the published totals above are totals of our model."""
+  from flax import nnx
+  from models import transformer
+  cfg = PRESETS[name]
+  state = nnx.state(transformer.abstract(cfg))
+  params = sum(math.prod(v.shape) for _, v in nnx.to_flat_state(state) if isinstance(v, nnx.Param))
+  buffers = sum(math.prod(v.shape) for _, v in nnx.to_flat_state(state)
+                if not isinstance(v, nnx.Param))
+  assert params == count_params(cfg)
+  assert params + buffers == count_params(cfg, include_buffers=True)
