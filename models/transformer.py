@@ -97,7 +97,10 @@ class Transformer(nnx.Module):
     cache/index: decode caches from `init_cache` and per-row write offsets [batch].
     """
     cfg = self.cfg
-    x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype_of(cfg))
+    # Gather the FSDP shards of the table first: the batch is sharded over fsdp too, and XLA
+    # cannot move a gather result from embed-sharded to batch-sharded without replicating.
+    table = constrain(self.embed[...], ("vocab", None), cfg)
+    x = jnp.take(table, tokens, axis=0).astype(dtype_of(cfg))
     x = constrain(x, ("batch", "seq", "act_embed"), cfg)
     cos, sin = cos_sin(cfg, positions)
     if token_weights is None:
