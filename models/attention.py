@@ -73,7 +73,8 @@ class GQA(nnx.Module):
       cache = {"k": write_cache(cache["k"], k, index), "v": write_cache(cache["v"], v, index)}
       k, v = cache["k"], cache["v"]
       q_index, end = cache_view(index, x.shape[1], k.shape[1])
-    out, max_logits = attention(q, k, v, end, scale=cfg.softmax_scale, q_index=q_index)
+    out, max_logits = attention(q, k, v, end, scale=cfg.softmax_scale, q_index=q_index,
+                                impl=cfg.attention_impl)
     return self.o_proj(out), max_logits, cache
 
 
@@ -134,7 +135,7 @@ class MLA(nnx.Module):
     k_rope = jnp.broadcast_to(k_rope[:, :, None], k_nope.shape[:-1] + k_rope.shape[-1:])
     q = constrain(jnp.concatenate([q_nope, q_rope], -1), ("batch", "seq", "act_heads", None), cfg)
     k = jnp.concatenate([k_nope, k_rope], -1)
-    out, max_logits = attention(q, k, v, end, scale=cfg.softmax_scale)
+    out, max_logits = attention(q, k, v, end, scale=cfg.softmax_scale, impl=cfg.attention_impl)
     return self.o_proj(out), max_logits, None
 
   def _absorbed(self, q_nope, q_rope, c_kv, k_rope, cache, index):

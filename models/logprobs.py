@@ -49,3 +49,26 @@ def token_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array,
   _, (lp, ent) = jax.lax.scan(body, None, (h.reshape(-1, chunk, h.shape[-1]),
                                           t.reshape(-1, chunk)))
   return lp.reshape(-1)[:n].reshape(lead), ent.reshape(-1)[:n].reshape(lead)
+
+
+def sequence_logprobs(hidden: jax.Array, lm_head: jax.Array, seq_pred: jax.Array,
+                      seq_tokens: jax.Array, chunk: int = 1024) -> tuple[jax.Array, jax.Array]:
+  """Per-sequence log-probs and entropies of sampled tokens on a tree-packed batch.
+
+  Each sampled token c is scored from the logits of its predicting position pred[c] (its
+  parent in the tree), so a branching position scores the first token of every child. The
+  gather's backward is a scatter-add: gradients of shared positions sum over the sequences
+  that use them, exactly as if each path were trained alone (docs/design.md §3).
+
+  Args:
+    hidden: [rows, row_len, hidden] final-normed hidden states of a TreeBatch.
+    lm_head: [hidden, vocab].
+    seq_pred: [num_seqs, seq_len] flat index (row * row_len + col) of each token's predictor.
+    seq_tokens: [num_seqs, seq_len] the sampled token ids.
+
+  Returns:
+    (logprobs, entropy), each [num_seqs, seq_len] fp32; padding entries hold garbage values
+    and must be masked by the batch's `seq_valid`.
+  """
+  flat = hidden.reshape(-1, hidden.shape[-1])
+  return token_logprobs(jnp.take(flat, seq_pred, axis=0), lm_head, seq_tokens, chunk)

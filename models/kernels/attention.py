@@ -1,4 +1,4 @@
-"""Attention under the tree rule, pure-XLA reference.
+"""Attention under the tree rule: one function, three implementations.
 
 The rule (docs/design.md §3): query at row index `i` may attend to key `j` iff
 `j <= i < end[j]`. One O(length) array `end` describes causal rows (`end = len`), packed
@@ -7,9 +7,18 @@ exclusive end of the key's subtree) and padding (`end = j + 1`).
 
 For decoding against a cache, `q_index` gives each query's row index in the key array
 (its cache slot); by default queries and keys are the same rows.
+
+`impl` picks the implementation: "xla" (this file's reference, materialises [q, kv] logits),
+"pallas_tpu" (models/kernels/tree_attention_tpu.py) or "pallas_gpu"
+(models/kernels/tree_attention_gpu.py), flash kernels that read `end` directly and skip fully
+masked blocks; "auto" takes the kernel of the running backend and the reference elsewhere. A
+Pallas kernel asked for on another backend runs in interpret mode (slow; for tests). Decoding
+(`q_index` given) always uses the reference.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +36,8 @@ def allowed(end: jax.Array, q_index: jax.Array) -> jax.Array:
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array, *, scale: float,
-              q_index: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+              q_index: jax.Array | None = None, impl: str = "xla"
+              ) -> tuple[jax.Array, jax.Array]:
   """Multi-head attention with grouped key/value heads under the tree rule.
 
   Args:
@@ -37,12 +47,19 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array, *, scale
     end: [batch, kv_len] int, exclusive end of each key's subtree.
     scale: softmax scale applied to q·k.
     q_index: [batch, q_len] int row index of each query; default `arange(q_len)`.
+    impl: "xla" | "pallas_tpu" | "pallas_gpu" | "auto" (see module docstring).
 
   Returns:
     out: [batch, q_len, heads, v_dim] in q's dtype.
     max_logits: [heads] fp32, the largest scaled logit over allowed pairs of the whole batch
       (what QK-Clip needs).
   """
+  if impl == "auto":
+    impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "xla")
+  if impl != "xla" and q_index is None:
+    return _kernel(impl)(q, k, v, end, scale=scale)
+  if impl not in ("xla", "pallas_tpu", "pallas_gpu"):
+    raise ValueError(f"attention impl={impl!r}: expected xla, pallas_tpu, pallas_gpu or auto")
   b, lq, h, _ = q.shape
   kvh = k.shape[2]
   if h % kvh:
@@ -57,3 +74,18 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array, *, scale
   probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
   return out.reshape(b, lq, h, v.shape[-1]).astype(q.dtype), jax.lax.stop_gradient(max_logits)
+
+
+@functools.cache
+def _kernel(impl: str):
+  """The Pallas kernel for `impl`, in interpret mode when not on its own backend."""
+  if impl == "pallas_tpu":
+    from models.kernels.tree_attention_tpu import tree_attention
+    native = "tpu"
+  elif impl == "pallas_gpu":
+    from models.kernels.tree_attention_gpu import tree_attention
+    native = "gpu"
+  else:
+    raise ValueError(f"attention impl={impl!r}: expected xla, pallas_tpu, pallas_gpu or auto")
+  interpret = jax.default_backend() != native
+  return functools.partial(tree_attention, interpret=interpret)

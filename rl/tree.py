@@ -1,0 +1,171 @@
+"""Trajectory trees: the LLM calls of a group in one token trie, flattened in pre-order.
+
+A node is (parent, token): identical token sequences share nodes whatever their origin, because
+logits depend only on the context. Each call's full sequence (input_ids + output_ids) is one
+path from a root. Whether a token is trained, and with which per-token fields (sampler log-prob,
+loss mask, turn, teacher log-prob …), belongs to a (trajectory, sampled token) pair and is kept
+in the trajectory's `Seq`, never in the node.
+
+Flattened arrays (docs/design.md §3), n = number of nodes:
+  tokens [n]     token id of each node, depth-first pre-order
+  positions [n]  depth (the position the token has in every path through it)
+  end [n]        exclusive end of the node's subtree: query i sees key j iff j <= i < end[j]
+  pred [n]       index of the node whose logits predict this token (its parent); -1 for roots
+  seqs           one `Seq` per trajectory: the node index of every token it sampled, in order
+                 (a token repeated as context by later calls is not repeated), with its fields
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class CallTokens:
+  """One LLM call as the engine saw it. `fields` are per output token (e.g. "logprobs",
+  "loss_mask", "teacher_logprobs"), each of len(output_ids)."""
+
+  input_ids: Sequence[int]
+  output_ids: Sequence[int]
+  fields: Mapping[str, Sequence[float]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrajectoryTokens:
+  """The calls of one episode in order, plus per-trajectory scalars (reward, advantage, …)."""
+
+  calls: Sequence[CallTokens]
+  scalars: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Seq:
+  """A trajectory's sampled tokens inside a tree.
+
+  index [m]: node index of each sampled token, in sampling order. fields: name -> [m] arrays,
+  always including "loss_mask" (1 = trained) and "turn" (index of the call that sampled the
+  token). scalars: the trajectory's scalars.
+  """
+
+  index: np.ndarray
+  fields: dict[str, np.ndarray]
+  scalars: dict[str, float]
+
+
+@dataclasses.dataclass
+class Tree:
+  """One group's trie in pre-order (see module docstring)."""
+
+  tokens: np.ndarray
+  positions: np.ndarray
+  end: np.ndarray
+  pred: np.ndarray
+  seqs: list[Seq]
+
+  def __len__(self) -> int:
+    return len(self.tokens)
+
+  def path(self, node: int) -> list[int]:
+    """Token ids from the root to `node` inclusive (the context that predicts its child)."""
+    out = []
+    while node >= 0:
+      out.append(int(self.tokens[node]))
+      node = int(self.pred[node])
+    return out[::-1]
+
+
+def from_trajectory(trajectory: Any, scalar_names: Iterable[str] = ("reward",)
+                    ) -> TrajectoryTokens:
+  """Adapt any object with `.calls` (each with `.input_ids`, `.output_ids` and optionally
+  `.output_logprobs`) and scalar attributes (e.g. envs' Trajectory) to `TrajectoryTokens`."""
+  calls = []
+  for call in trajectory.calls:
+    fields = {}
+    if getattr(call, "output_logprobs", None) is not None:
+      fields["logprobs"] = call.output_logprobs
+    calls.append(CallTokens(list(call.input_ids), list(call.output_ids), fields))
+  scalars = {name: float(getattr(trajectory, name)) for name in scalar_names
+             if getattr(trajectory, name, None) is not None}
+  return TrajectoryTokens(calls, scalars)
+
+
+def build_tree(trajectories: Sequence[TrajectoryTokens]) -> Tree:
+  """Insert every call of `trajectories` (typically one group) into a trie and flatten it."""
+  parent: list[int] = []
+  token: list[int] = []
+  children: list[dict[int, int]] = []
+  roots: dict[int, int] = {}
+
+  def child(node: int, tok: int) -> int:
+    table = roots if node < 0 else children[node]
+    if tok not in table:
+      table[tok] = len(token)
+      parent.append(node)
+      token.append(tok)
+      children.append({})
+    return table[tok]
+
+  sampled: list[tuple[list[int], dict[str, np.ndarray]]] = []
+  for t, traj in enumerate(trajectories):
+    nodes: list[int] = []
+    per_call: list[dict[str, np.ndarray]] = []
+    for c, call in enumerate(traj.calls):
+      m = len(call.output_ids)
+      if len(call.input_ids) == 0 and m:
+        raise ValueError(f"trajectory {t} call {c}: input_ids is empty, so its first sampled "
+                         "token has no context to be predicted from (a root is never a loss "
+                         "token); start every call with at least one prompt token")
+      fields = {"loss_mask": np.ones(m, np.float32), "turn": np.full(m, c, np.float32)}
+      for name, values in call.fields.items():
+        if len(values) != m:
+          raise ValueError(f"trajectory {t} call {c}: field {name!r} has {len(values)} values "
+                           f"for {m} output tokens")
+        fields[name] = np.asarray(values, np.float32)
+      per_call.append(fields)
+      node = -1
+      for tok in list(call.input_ids) + list(call.output_ids):
+        node = child(node, int(tok))
+        nodes.append(node)
+      del nodes[len(nodes) - len(call.output_ids) - len(call.input_ids):len(nodes) - m]
+    names = sorted({name for fields in per_call for name in fields})
+    # a field some calls lack is 0 for their tokens
+    sampled.append((nodes, {name: np.concatenate(
+        [f.get(name, np.zeros(len(f["turn"]), np.float32)) for f in per_call] or
+        [np.zeros(0, np.float32)]) for name in names}))
+
+  order, depth, end = _pre_order(parent, children, list(roots.values()))
+  n = len(token)
+  new = np.empty(n, np.int64)
+  new[order] = np.arange(n)  # old node id -> pre-order index
+  tokens = np.asarray(token, np.int32)[order]
+  pred = np.asarray([new[p] if p >= 0 else -1 for p in np.asarray(parent)[order]], np.int32) \
+      if n else np.zeros(0, np.int32)
+  seqs = [Seq(index=new[np.asarray(nodes, np.int64)].astype(np.int32), fields=fields,
+              scalars={k: float(v) for k, v in traj.scalars.items()})
+          for (nodes, fields), traj in zip(sampled, trajectories)]
+  return Tree(tokens=tokens, positions=depth, end=end, pred=pred, seqs=seqs)
+
+
+def _pre_order(parent, children, roots):
+  """(order: pre-order index -> node id, depth [n], end [n]) by an explicit-stack DFS (trees
+  can be deeper than Python's recursion limit). A popped ("close", i) entry marks the end of
+  pre-order index i's subtree."""
+  n = len(parent)
+  order = np.empty(n, np.int64)
+  depth = np.empty(n, np.int32)
+  end = np.empty(n, np.int32)
+  stack: list[tuple[str, int, int]] = [("open", r, 0) for r in reversed(roots)]
+  i = 0
+  while stack:
+    kind, x, d = stack.pop()
+    if kind == "close":
+      end[x] = i
+      continue
+    order[i], depth[i] = x, d
+    stack.append(("close", i, d))
+    i += 1
+    stack.extend(("open", c, d + 1) for c in reversed(list(children[x].values())))
+  return order, depth, end
