@@ -9,12 +9,7 @@ docs/benchmarks.md. The MoE config runs twice: `moe_impl="ragged"` and the all-e
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
-import platform
-import re
-import statistics
 import time
 
 import jax
@@ -22,6 +17,7 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax import nnx
 
+from benchmarks.common import machine, median_time, today, write_section
 from models import transformer
 from models.config import ModelConfig
 from models.logprobs import token_logprobs
@@ -34,18 +30,6 @@ flags.DEFINE_bool("update_docs", True, "rewrite the model_step section of docs/b
 flags.DEFINE_string("out", None, "also write the JSON result to this path")
 FLAGS = flags.FLAGS
 
-DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
-                    "benchmarks.md")
-START, END = "<!-- model_step:start -->", "<!-- model_step:end -->"
-PREAMBLE = """# Benchmarks
-
-Scripts in `benchmarks/` measure throughput on the current JAX backend, print one JSON object
-and rewrite their own section of this file (between `<!-- name:start -->` / `<!-- name:end -->`
-markers). Each reports the median of several timed repeats after a separate compile, and every
-speed-up is a ratio against a baseline run in the same process on the same machine. Numbers
-depend on the machine and its load; they are never asserted in tests.
-"""
-
 MOE_MLA = ModelConfig(
     vocab_size=8192, hidden_size=256, num_layers=4, num_heads=8, intermediate_size=768,
     attention="mla", q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32,
@@ -57,15 +41,6 @@ DENSE_GQA = ModelConfig(
     intermediate_size=768)
 CONFIGS = {"moe-mla-ragged": MOE_MLA, "moe-mla-dense": MOE_MLA.replace(moe_impl="dense"),
            "dense-gqa": DENSE_GQA}
-
-
-def machine() -> str:
-  cpu = "unknown cpu"
-  if os.path.exists("/proc/cpuinfo"):
-    with open("/proc/cpuinfo") as f:
-      cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
-  dev = jax.devices()[0]
-  return f"{platform.node()}, {cpu}, {os.cpu_count()} cores, {jax.default_backend()} {dev.device_kind}"
 
 
 def bench(name: str, cfg: ModelConfig, state: nnx.State, batch: int, seq: int,
@@ -86,12 +61,7 @@ def bench(name: str, cfg: ModelConfig, state: nnx.State, batch: int, seq: int,
   t0 = time.perf_counter()
   step = jax.jit(jax.value_and_grad(loss_fn)).lower(params, tokens).compile()
   compile_s = time.perf_counter() - t0
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(step(params, tokens))
-    times.append(time.perf_counter() - t0)
-  median = statistics.median(times)
+  median = median_time(lambda: step(params, tokens), repeats)
   return {"name": name, "params": count_params(cfg), "compile_s": round(compile_s, 3),
           "median_step_s": round(median, 4), "tokens_per_s": round(batch * seq / median, 1)}
 
@@ -105,19 +75,12 @@ def update_docs(result: dict, command: str) -> None:
             "moe-mla-dense": "1.00 (baseline)"}.get(r["name"], "-")
     rows.append(f"| {result['date']} | {result['machine']} | {r['name']} | {r['params']:,} "
                 f"| {r['median_step_s']} | {r['tokens_per_s']:,.0f} | {cell} |")
-  section = "\n".join([
-      START, "## model_step: forward+backward training step", "",
+  write_section("model_step", "\n".join([
+      "## model_step: forward+backward training step", "",
       "Loss = mean next-token NLL (`token_logprobs`) + MoE balance loss; `jax.grad` w.r.t. the "
       f"`nnx.Param` state; batch {result['batch']}, seq {result['seq']}, median of "
       f"{result['repeats']} steps after compile. Ratio = ragged / dense (all-experts) MoE "
-      "tokens/s, same process.", "", *rows, "", "```", command, "```", END])
-  text = open(DOCS).read() if os.path.exists(DOCS) else PREAMBLE
-  if START in text and END in text:
-    text = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: section, text, flags=re.S)
-  else:
-    text = text.rstrip("\n") + "\n\n" + section + "\n"
-  with open(DOCS, "w") as f:
-    f.write(text)
+      "tokens/s, same process.", "", *rows, "", "```", command, "```"]))
 
 
 def main(argv):
@@ -133,7 +96,7 @@ def main(argv):
     results.append(bench(name, cfg, states[key], FLAGS.batch, FLAGS.seq, FLAGS.repeats))
   tps = {r["name"]: r["tokens_per_s"] for r in results}
   result = {
-      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+      "date": today(),
       "machine": machine(), "jax_version": jax.__version__, "batch": FLAGS.batch,
       "seq": FLAGS.seq, "repeats": FLAGS.repeats, "results": results,
       "ratios": {"moe_ragged_over_dense": round(tps["moe-mla-ragged"] / tps["moe-mla-dense"], 3)}}
