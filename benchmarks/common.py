@@ -11,6 +11,8 @@ import time
 
 import jax
 
+from models.config import ModelConfig
+
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
                     "benchmarks.md")
 PREAMBLE = """# Benchmarks
@@ -21,6 +23,15 @@ Each reports the median of several timed repeats after a separate compile, and e
 is a ratio against a baseline run in the same process on the same machine. Numbers depend on
 the machine and its load; they are never asserted in tests.
 """
+
+
+# The ~10M-parameter MoE + MLA model of the benchmarks.
+MOE_MLA = ModelConfig(
+    vocab_size=8192, hidden_size=256, num_layers=4, num_heads=8, intermediate_size=768,
+    attention="mla", q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32,
+    qk_rope_head_dim=16, v_head_dim=32, num_experts=16, num_shared_experts=1,
+    experts_per_token=2, n_group=4, topk_group=2, score_func="sigmoid", routed_scaling_factor=2.5,
+    first_k_dense_replace=1, moe_intermediate_size=128, router_bias=True, seq_balance_coef=1e-4)
 
 
 def today() -> str:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax import nnx
 
-from benchmarks.common import machine, median_time, today, write_section
+from benchmarks.common import MOE_MLA, machine, median_time, today, write_section
 from models import transformer
 from models.config import ModelConfig
 from models.logprobs import token_logprobs
@@ -30,12 +30,6 @@ flags.DEFINE_bool("update_docs", True, "rewrite the model_step section of docs/b
 flags.DEFINE_string("out", None, "also write the JSON result to this path")
 FLAGS = flags.FLAGS
 
-MOE_MLA = ModelConfig(
-    vocab_size=8192, hidden_size=256, num_layers=4, num_heads=8, intermediate_size=768,
-    attention="mla", q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32,
-    qk_rope_head_dim=16, v_head_dim=32, num_experts=16, num_shared_experts=1,
-    experts_per_token=2, n_group=4, topk_group=2, score_func="sigmoid", routed_scaling_factor=2.5,
-    first_k_dense_replace=1, moe_intermediate_size=128, router_bias=True, seq_balance_coef=1e-4)
 DENSE_GQA = ModelConfig(
     vocab_size=8192, hidden_size=256, num_layers=7, num_heads=8, num_kv_heads=4, head_dim=32,
     intermediate_size=768)

@@ -130,7 +130,7 @@ def build_tree(trajectories: Sequence[TrajectoryTokens]) -> Tree:
         node = child(node, int(tok))
         nodes.append(node)
       del nodes[len(nodes) - len(call.output_ids) - len(call.input_ids):len(nodes) - m]
-    names = sorted({name for fields in per_call for name in fields})
+    names = sorted({"loss_mask", "turn"} | {name for fields in per_call for name in fields})
     # a field some calls lack is 0 for their tokens
     sampled.append((nodes, {name: np.concatenate(
         [f.get(name, np.zeros(len(f["turn"]), np.float32)) for f in per_call] or

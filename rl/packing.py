@@ -1,0 +1,271 @@
+"""Packing trajectory trees into fixed-length rows and micro-batches (docs/design.md §3).
+
+Each tree (one group) is cut into *parts* that fit a row, parts are placed first-fit decreasing
+into rows, and rows are grouped into micro-batches (`TreeBatch`) so that a group never spans two
+micro-batches. A row holds several parts back to back; within a part the nodes keep their tree's
+pre-order, so `end`/`pred` are the tree's arrays renumbered and shifted by the part's start column.
+
+Partition of a tree larger than a row. A *part* is an ancestor-closed set of the tree's nodes
+(every node comes with its root path) kept in pre-order; nodes it does not own are context-only
+*copies*. Copies keep their true depth as position, their `end` covers the part's nodes under
+them, and every owner's `pred` (its parent or the parent's copy) lies in the same row, so every
+sampled token is predicted from its full, true context. Two greedy steps:
+  1. Items: walk the tree depth-first from the roots. A node whose subtree fits a row together
+     with its root path (depth + subtree size <= row_len) is an item: its root path (copies)
+     plus its whole subtree (owned). Any other node is a *spine* node: descend into its
+     children; a spine node is carried by every item under it and owned by the first of them.
+  2. Parts: items first-fit decreasing into parts, where an item costs only the nodes its part
+     does not already hold (siblings share their carried root path, e.g. the prompt).
+Every node is owned by exactly one part, and sequence entries point to owners. Cutting at
+subtree boundaries keeps carried paths short (a cut inside a long trajectory would carry it
+whole). A node deeper than a row (depth + 1 > row_len) - one LLM call longer than a row -
+cannot be packed exactly and raises ValueError; every leaf fits, so step 1 always terminates.
+
+Plain SFT packing is the degenerate case: one single-call tree per sequence (`pack_sequences`),
+each a chain whose `end` is its own end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+from rl.tree import CallTokens, TrajectoryTokens, Tree, build_tree
+
+
+@dataclasses.dataclass
+class TreeBatch:
+  """One micro-batch of fixed shapes (numpy; the trainer moves them to devices).
+
+  Per position, [rows, row_len]:
+    tokens     int32  token id (padding 0)
+    positions  int32  depth of the node in its tree (padding 0)
+    end        int32  exclusive end column of the node's subtree in this row; query i attends to
+                      key j iff j <= i < end[j]; padding end = j + 1
+    pred       int32  column (same row) whose logits predict this token; -1 for roots, padding
+    group      int32  index of the tree (group) in pack's input list; -1 for padding
+    node       int32  node index within that tree; -1 for padding
+    owner      bool   real position that is not a context-only copy (each node is an owner once)
+  Per sequence (one per trajectory of every group in the batch), [num_seqs, seq_len]:
+    seq_index  int32  flat index row * row_len + col of each sampled token's owner (padding 0)
+    seq_pred   int32  flat index of its predicting position, in the same row (padding 0)
+    seq_tokens int32  the sampled token id (padding 0)
+    seq_valid  bool   real entries
+    fields     dict name -> float32 [num_seqs, seq_len]: the Seq fields ("loss_mask", "turn",
+               "logprobs", ...), 0 at padding and where a trajectory lacks the field
+    scalars    dict name -> float32 [num_seqs]: the Seq scalars (0 where absent), plus "group"
+    seq_trajectory int32 [num_seqs]: index of the trajectory within its group (tree.seqs)
+  num_real_rows: int, rows holding at least one token (the rest are all padding).
+  """
+
+  tokens: np.ndarray
+  positions: np.ndarray
+  end: np.ndarray
+  pred: np.ndarray
+  group: np.ndarray
+  node: np.ndarray
+  owner: np.ndarray
+  seq_index: np.ndarray
+  seq_pred: np.ndarray
+  seq_tokens: np.ndarray
+  seq_valid: np.ndarray
+  fields: dict[str, np.ndarray]
+  scalars: dict[str, np.ndarray]
+  seq_trajectory: np.ndarray
+  num_real_rows: int
+
+
+@dataclasses.dataclass
+class _Part:
+  group: int
+  nodes: np.ndarray  # [k] sorted node indices of the tree (ancestor-closed)
+  owner: np.ndarray  # [k] bool, False for carried copies
+
+
+def _check_depth(tree: Tree, row_len: int, group: int) -> None:
+  """Raise ValueError naming the call (trajectory, turn, length) if a path exceeds a row."""
+  deep = tree.positions + 1 > row_len
+  if not deep.any():
+    return
+  for t, seq in enumerate(tree.seqs):
+    too = deep[seq.index]
+    if too.any():
+      turn = seq.fields["turn"][too][0]
+      length = int(tree.positions[seq.index[seq.fields["turn"] == turn]].max()) + 1
+      raise ValueError(f"group {group} trajectory {t} call {int(turn)}: the call's length "
+                       f"{length} (input + output tokens) exceeds row_len {row_len}; a call "
+                       "longer than a row cannot be packed exactly")
+  raise ValueError(f"group {group}: a context path of {int(tree.positions.max()) + 1} tokens "
+                   f"exceeds row_len {row_len}")
+
+
+def _siblings(end: np.ndarray, first: int, stop: int) -> list[int]:
+  """The consecutive sibling subtrees starting at pre-order index `first`, up to `stop`."""
+  out = []
+  while first < stop:
+    out.append(first)
+    first = int(end[first])
+  return out
+
+
+def partition(tree: Tree, row_len: int, group: int = 0) -> list[_Part]:
+  """Cut `tree` into ancestor-closed parts of <= row_len nodes (module docstring)."""
+  n, end, depth = len(tree), tree.end, tree.positions
+  if n <= row_len:
+    return [_Part(group, np.arange(n), np.ones(n, bool))] if n else []
+  _check_depth(tree, row_len, group)
+  # 1. items: maximal subtrees that fit a row with their root path (pre-order DFS over spines)
+  items, path, pending = [], [], []  # item: (root, ancestors, owned spine nodes)
+  stack = _siblings(end, 0, n)[::-1]
+  while stack:
+    v = stack.pop()
+    del path[depth[v]:]  # now exactly v's ancestors (all spine nodes)
+    if depth[v] + end[v] - v <= row_len:
+      items.append((v, np.asarray(path, np.int64), np.asarray(pending, np.int64)))
+      pending = []
+    else:  # a spine node: carried by every item under it, owned by the first one
+      pending.append(v)
+      path.append(v)
+      stack.extend(_siblings(end, v + 1, end[v])[::-1])  # its children
+  # 2. first-fit decreasing of items into parts; an item costs its nodes not yet in the part
+  parts = []  # [member [n] bool, owner [n] bool, size]
+  for v, ancestors, owned in sorted(items, key=lambda it: -(len(it[1]) + end[it[0]] - it[0])):
+    size = int(end[v] - v) + len(ancestors)
+    part = next((p for p in parts if p[2] + size - p[0][ancestors].sum() <= row_len), None)
+    if part is None:
+      part = [np.zeros(n, bool), np.zeros(n, bool), 0]
+      parts.append(part)
+    part[2] += size - int(part[0][ancestors].sum())
+    part[0][ancestors] = part[0][v:end[v]] = True
+    part[1][owned] = part[1][v:end[v]] = True
+  return [_Part(group, np.flatnonzero(m), o[m]) for m, o, _ in parts]
+
+
+def _place(parts: list[_Part], free: list[int], max_rows: float, row_len: int):
+  """First-fit of `parts` into rows with `free` space, opening rows up to max_rows: the row of
+  each part, or None if they do not fit."""
+  free, where = list(free), []
+  for p in parts:
+    r = next((r for r, f in enumerate(free) if f >= len(p.nodes)), len(free))
+    if r == len(free):
+      if r >= max_rows:
+        return None
+      free.append(row_len)
+    free[r] -= len(p.nodes)
+    where.append(r)
+  return where
+
+
+def pack(trees: list[Tree], row_len: int, rows_per_batch: int | None = None,
+         seq_len: int | None = None) -> list[TreeBatch]:
+  """Pack trees (one per group) into TreeBatches of [rows, row_len].
+
+  Groups are taken largest first; each goes first-fit into the first micro-batch that can hold
+  all its parts (each part first-fit into a row), else into a new one. rows_per_batch=None: one
+  micro-batch with as many rows as needed; else every TreeBatch has exactly rows_per_batch rows
+  (a group needing more raises ValueError). seq_len: padded sequence length (default: the
+  longest sequence in the batch rounded up to a multiple of 8).
+  """
+  if not isinstance(row_len, (int, np.integer)) or row_len <= 0 or row_len % 128:
+    raise ValueError(f"row_len={row_len!r} must be a positive multiple of 128")
+  if rows_per_batch is not None and rows_per_batch < 1:
+    raise ValueError(f"rows_per_batch={rows_per_batch!r} must be >= 1 (or None)")
+  parts = [partition(tree, row_len, g) for g, tree in enumerate(trees)]
+  max_rows = rows_per_batch or math.inf
+  free: list[list[int]] = []  # micro-batch -> free columns of each row
+  rows: list[list[list[_Part]]] = []  # micro-batch -> row -> parts
+  members: list[list[int]] = []  # micro-batch -> groups
+  for g in sorted(range(len(trees)), key=lambda g: -sum(len(p.nodes) for p in parts[g])):
+    mine = sorted(parts[g], key=lambda p: -len(p.nodes))
+    for b in range(len(rows)):
+      where = _place(mine, free[b], max_rows, row_len)
+      if where is not None:
+        break
+    else:
+      where = _place(mine, [], max_rows, row_len)
+      if where is None:
+        need = max(_place(mine, [], math.inf, row_len)) + 1
+        raise ValueError(f"group {g} needs {need} rows of row_len {row_len} but "
+                         f"rows_per_batch={rows_per_batch}; a group must fit one micro-batch")
+      b = len(rows)
+      free.append([])
+      rows.append([])
+      members.append([])
+    for p, r in zip(mine, where):
+      if r == len(rows[b]):
+        rows[b].append([])
+        free[b].append(row_len)
+      rows[b][r].append(p)
+      free[b][r] -= len(p.nodes)
+    members[b].append(g)
+  field_names = sorted({k for t in trees for s in t.seqs for k in s.fields})
+  scalar_names = sorted({k for t in trees for s in t.seqs for k in s.scalars} | {"group"})
+  if any("group" in s.scalars for t in trees for s in t.seqs):
+    raise ValueError('a trajectory scalar is named "group", which pack sets to the group index')
+  return [_batch(trees, rows[b], sorted(members[b]), row_len, rows_per_batch or len(rows[b]),
+                 seq_len, field_names, scalar_names) for b in range(len(rows))]
+
+
+def _batch(trees, rows, groups, row_len, num_rows, seq_len, field_names, scalar_names):
+  """Fill the arrays of one TreeBatch from its rows of parts and its groups' seqs."""
+  shape = (num_rows, row_len)
+  tokens, positions = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+  end = np.tile(np.arange(1, row_len + 1, dtype=np.int32), (num_rows, 1))
+  pred, group, node = (np.full(shape, -1, np.int32) for _ in range(3))
+  owner = np.zeros(shape, bool)
+  flat = {g: np.full(len(trees[g]), -1, np.int64) for g in groups}  # node -> owner flat index
+  for r, row in enumerate(rows):
+    col = 0
+    for p in row:
+      tree, k, cols = trees[p.group], len(p.nodes), slice(col, col + len(p.nodes))
+      tokens[r, cols], positions[r, cols] = tree.tokens[p.nodes], tree.positions[p.nodes]
+      end[r, cols] = np.searchsorted(p.nodes, tree.end[p.nodes]) + col
+      parent = tree.pred[p.nodes]
+      pred[r, cols] = np.where(parent >= 0, np.searchsorted(p.nodes, parent) + col, -1)
+      group[r, cols], node[r, cols], owner[r, cols] = p.group, p.nodes, p.owner
+      flat[p.group][p.nodes[p.owner]] = r * row_len + col + np.flatnonzero(p.owner)
+      col += k
+  seqs = [(g, t, s) for g in groups for t, s in enumerate(trees[g].seqs)]
+  longest = max([len(s.index) for _, _, s in seqs], default=0)
+  if seq_len is None:
+    seq_len = max(8, -(-longest // 8) * 8)
+  elif seq_len < longest:
+    raise ValueError(f"seq_len={seq_len} is smaller than the longest sequence ({longest} sampled "
+                     f"tokens) of a micro-batch holding groups {groups}")
+  m = len(seqs)
+  seq_index, seq_pred, seq_tokens = (np.zeros((m, seq_len), np.int32) for _ in range(3))
+  seq_valid = np.zeros((m, seq_len), bool)
+  fields = {k: np.zeros((m, seq_len), np.float32) for k in field_names}
+  scalars = {k: np.zeros(m, np.float32) for k in scalar_names}
+  for i, (g, t, s) in enumerate(seqs):
+    idx, n = flat[g][s.index], len(s.index)
+    if (roots := trees[g].pred[s.index] < 0).any():
+      raise ValueError(f"group {g} trajectory {t}: sampled token {int(np.argmax(roots))} "
+                       "is a root, so no position predicts it")
+    seq_index[i, :n], seq_tokens[i, :n], seq_valid[i, :n] = idx, trees[g].tokens[s.index], True
+    seq_pred[i, :n] = idx - idx % row_len + pred.reshape(-1)[idx]
+    for k, v in s.fields.items():
+      fields[k][i, :n] = v
+    for k, v in s.scalars.items():
+      scalars[k][i] = v
+    scalars["group"][i] = g
+  return TreeBatch(tokens=tokens, positions=positions, end=end, pred=pred, group=group, node=node,
+                   owner=owner, seq_index=seq_index, seq_pred=seq_pred, seq_tokens=seq_tokens,
+                   seq_valid=seq_valid, fields=fields, scalars=scalars,
+                   seq_trajectory=np.asarray([t for _, t, _ in seqs], np.int32).reshape(m),
+                   num_real_rows=len(rows))
+
+
+def pack_sequences(sequences: Sequence[CallTokens | tuple[Sequence[int], Sequence[int]]],
+                   row_len: int, rows_per_batch: int | None = None,
+                   seq_len: int | None = None) -> list[TreeBatch]:
+  """Ordinary sequence packing (SFT): each (prompt_ids, response_ids) pair, or a CallTokens with
+  per-token fields such as "loss_mask", becomes its own single-call tree (group i) and is packed
+  with `pack`; each packed sequence has `end` = its own end."""
+  calls = [s if isinstance(s, CallTokens) else CallTokens(list(s[0]), list(s[1]))
+           for s in sequences]
+  return pack([build_tree([TrajectoryTokens([c])]) for c in calls], row_len, rows_per_batch,
+              seq_len)
