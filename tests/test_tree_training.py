@@ -95,3 +95,25 @@ def test_tree_gradients_equal_unpacked(which, request):
   for (path, a), b in zip(flat, jax.tree.leaves(ref_grad)):
     err, norm = float(jnp.linalg.norm(a - b)), float(jnp.linalg.norm(b))
     assert err <= 1e-5 * norm + 1e-7, (jax.tree_util.keystr(path), err, norm)
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+def test_transformer_with_pallas_kernel_matches_xla(impl, moe_mla_model):
+  """`attention_impl` routes the Transformer through the Pallas kernel (interpret mode on CPU):
+  logits and the tree loss's gradients equal the XLA reference on a packed tree batch."""
+  from models import transformer
+  from tests.conftest import TINY_MOE_MLA
+  batch = pack([build_tree(groups()[0])], row_len=ROW)[0]
+  n_tokens = int(batch.seq_valid.sum())
+  graphdef, params, rest = nnx.split(moe_mla_model, nnx.Param, ...)
+  kernel_graphdef = nnx.graphdef(transformer.abstract(TINY_MOE_MLA.replace(attention_impl=impl)))
+
+  def run(gd):
+    f = lambda p: tree_loss(nnx.merge(gd, p, rest), batch, n_tokens)
+    return jax.jit(jax.value_and_grad(f))(params)
+
+  (loss, grad), (ref_loss, ref_grad) = run(kernel_graphdef), run(graphdef)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad)):
+    err, norm = float(jnp.linalg.norm(a - b)), float(jnp.linalg.norm(b))
+    assert err <= 1e-4 * norm + 1e-7, (err, norm)
