@@ -94,6 +94,13 @@ def _tile_kind(q0, block_q, k0, block_k, min_end, max_end):
   return skip, full
 
 
+def _run_tile(skip, full, tile, carry):
+  """carry unchanged for a skipped tile, else tile(carry, masked=...) (no mask when full)."""
+  computed = lambda c: lax.cond(full, functools.partial(tile, masked=False),
+                                functools.partial(tile, masked=True), c)
+  return lax.cond(skip, lambda c: c, computed, carry)
+
+
 def _tile_mask(rows, cols, end_cols):
   """Elementwise rule for a [rows, cols] tile: j <= i < end[j]."""
   return (cols[None, :] <= rows[:, None]) & (rows[:, None] < end_cols[None, :])
@@ -134,9 +141,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, end_ref, min_ref, max_ref,  # inputs
 
   def body(kb, carry):
     skip, full = _tile_kind(q0, block_q, kb * block_k, block_k, min_ref[kb], max_ref[kb])
-    computed = lambda c: lax.cond(full, functools.partial(tile, kb, masked=False),
-                                  functools.partial(tile, kb, masked=True), c)
-    return lax.cond(skip, lambda c: c, computed, carry)
+    return _run_tile(skip, full, functools.partial(tile, kb), carry)
 
   carry = (jnp.zeros((block_q, dv), jnp.float32),
            jnp.full((block_q,), -jnp.inf, jnp.float32),
@@ -221,9 +226,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, end_ref, min_ref
 
   def body(kb, dq):
     skip, full = _tile_kind(q0, block_q, kb * block_k, block_k, min_ref[kb], max_ref[kb])
-    computed = lambda c: lax.cond(full, functools.partial(tile, kb, masked=False),
-                                  functools.partial(tile, kb, masked=True), c)
-    return lax.cond(skip, lambda c: c, computed, dq)
+    return _run_tile(skip, full, functools.partial(tile, kb), dq)
 
   num_k = lax.div(q0 + block_q + block_k - 1, block_k)
   dq = lax.fori_loop(0, num_k, body, jnp.zeros(q.shape, jnp.float32))

@@ -118,6 +118,13 @@ class _Cfg:
 # ----------------------------------------------------------------------------- block tests
 
 
+
+def _run_block(computed, unmasked, step) -> None:
+  """Run step(masked=...) for a block the metadata says is computed: without the elementwise
+  rule when the block is fully allowed, with it otherwise."""
+  pl.when(computed & unmasked)(lambda: step(masked=False))
+  pl.when(computed & jnp.logical_not(unmasked))(lambda: step(masked=True))
+
 def _div(a, b: int):
   """a // b for non-negative a: truncating division (jnp's floor_divide adds a sign fix-up
   that Mosaic lowers with chip-specific rules)."""
@@ -213,13 +220,7 @@ def _fwd_kernel(cfg: _Cfg, kmin_ref, ktab_ref, q_ref, k_ref, v_ref, end_ref, *re
     m_scr[...] = jnp.broadcast_to(m_new, m_scr.shape)
     l_scr[...] = jnp.broadcast_to(l_new, l_scr.shape)
 
-  @pl.when(computed & unmasked)
-  def _full():
-    step(masked=False)
-
-  @pl.when(computed & jnp.logical_not(unmasked))
-  def _partial():
-    step(masked=True)
+  _run_block(computed, unmasked, step)
 
   @pl.when(kj == pl.num_programs(3) - 1)
   def _finish():
@@ -324,13 +325,7 @@ def _dq_kernel(cfg: _Cfg, kmin_ref, ktab_ref, q_ref, k_ref, v_ref, do_ref, lse_r
                                lse_ref[...], delta_ref[...], end_ref[...])
     dq_scr[...] += jax.lax.dot(ds.T.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
-  @pl.when(computed & unmasked)
-  def _full():
-    step(masked=False)
-
-  @pl.when(computed & jnp.logical_not(unmasked))
-  def _partial():
-    step(masked=True)
+  _run_block(computed, unmasked, step)
 
   @pl.when(kj == pl.num_programs(3) - 1)
   def _finish():
@@ -357,13 +352,7 @@ def _dkv_kernel(cfg: _Cfg, kmin_ref, ktab_ref, q_ref, k_ref, v_ref, do_ref, lse_
     dk_scr[...] += jax.lax.dot_general(ds.astype(q.dtype), q, (((1,), (0,)), ((), ())),
                                        preferred_element_type=jnp.float32)
 
-  @pl.when(computed & unmasked)
-  def _full():
-    step(masked=False)
-
-  @pl.when(computed & jnp.logical_not(unmasked))
-  def _partial():
-    step(masked=True)
+  _run_block(computed, unmasked, step)
 
   @pl.when((gi == pl.num_programs(3) - 1) & (qi == pl.num_programs(4) - 1))
   def _finish():
