@@ -1,0 +1,480 @@
+"""Advantage estimators and reward shaping on per-sequence arrays (design §3, rl_peers §4).
+
+A *sequence* is one trajectory (`TreeBatch.seqs`). Inputs are per-sequence arrays of the whole
+batch: `rewards` [S] float, `group` [S] integer group ids (the G samples of one task share an
+id; ids need not be contiguous or sorted) and an optional `valid` [S] bool mask (padding
+sequences or sequences dropped by a filter). Invalid sequences take no part in any statistic and
+get advantage 0.
+
+Group statistics use an [S, S] same-group matrix (row i = the valid members of i's group) and
+element-wise masked reductions, so every function is jittable with no Python loop over groups.
+Reductions are element-wise sums, never matmuls: an f32 matmul on TPU runs in bf16 passes by
+default and would perturb means and variances. Memory is O(S^2); S is the number of
+trajectories in the batch (thousands at most), not tokens.
+
+Degenerate groups. A group whose valid rewards are all equal (this includes a group of one)
+carries no learning signal: its advantage is exactly 0 in every estimator here. The test is
+exact (group max == group min) rather than `std == 0`, because the float mean of equal values
+can be off by an ulp, and an ulp divided by `std + eps` is not small.
+
+All functions return float32.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+f32 = jnp.float32
+
+
+# --------------------------------------------------------------------------------------------
+# Input checks (static: shapes, dtypes and Python-number hyper-parameters; safe under jit).
+
+
+def _check_number(name: str, value, low: Optional[float] = None, high: Optional[float] = None,
+                  low_open: bool = False):
+  """ValueError unless a Python number lies in [low, high] (low exclusive if low_open).
+
+  Traced values (a hyper-parameter passed through jit) cannot be checked and are accepted.
+  """
+  if not isinstance(value, numbers.Real):
+    return
+  if (low is not None and (value < low or (low_open and value == low))) or (
+      high is not None and value > high):
+    lo = "(" if low_open else "["
+    raise ValueError(f"{name} must be in {lo}{low}, {high}], got {value!r}")
+
+
+def _as(x, dtype=None):
+  """x as an array of dtype, without running device ops on host data.
+
+  Host data (lists, NumPy) is converted by NumPy and handed to the jitted core as is; a
+  jax.Array (or tracer) is cast on device only if its dtype differs. Eager JAX conversions
+  would each compile a tiny XLA program per shape.
+  """
+  if isinstance(x, jax.Array):
+    return x if dtype is None or x.dtype == dtype else x.astype(dtype)
+  if any(isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(x)):
+    return jnp.asarray(x, dtype)  # e.g. a list of tracers (a list argument under jit)
+  return np.asarray(x, dtype)
+
+
+def _seq_inputs(rewards, group, valid) -> tuple[Array, Array, Array]:
+  """Validated (rewards f32 [S], group int [S], valid bool [S])."""
+  rewards = _as(rewards, f32)
+  group = _as(group)
+  if rewards.ndim != 1:
+    raise ValueError(f"rewards must be 1-D [S], got shape {rewards.shape}")
+  if group.shape != rewards.shape:
+    raise ValueError(f"group must have the shape of rewards {rewards.shape}, got {group.shape}")
+  if not jnp.issubdtype(group.dtype, jnp.integer):
+    raise ValueError(f"group must hold integer ids, got dtype {group.dtype}")
+  valid = _valid(valid, rewards.shape)
+  return rewards, group, valid
+
+
+def _valid(valid, shape) -> Array:
+  if valid is None:
+    return np.ones(shape, bool)
+  valid = _as(valid)
+  if valid.shape != tuple(shape):
+    raise ValueError(f"valid must have shape {tuple(shape)}, got {valid.shape}")
+  return _as(valid, bool)
+
+
+# --------------------------------------------------------------------------------------------
+# Group statistics.
+
+
+def same_group(group: Array, valid: Array) -> Array:
+  """[S, S] bool: same[i, j] = sequences i and j share a group and j is valid.
+
+  Row i selects the members that define i's group statistics (i itself only if valid).
+  """
+  return (group[:, None] == group[None, :]) & valid[None, :]
+
+
+def _row_sum(same: Array, x: Array) -> Array:
+  """[S]: sum of x [S] over the True entries of each row of same [S, S]."""
+  return jnp.sum(jnp.where(same, x[None, :], 0.0), axis=1)
+
+
+def _group_stats(rewards: Array, same: Array):
+  """Per sequence, stats of its group's valid members: (n, mean, population std, degenerate).
+
+  n [S] f32 member count; mean, std [S] f32 (0 where n = 0); degenerate [S] bool = all member
+  rewards equal (exact max == min; true for n <= 1).
+  """
+  n = jnp.sum(same, axis=1).astype(f32)
+  safe_n = jnp.maximum(n, 1.0)
+  mean = _row_sum(same, rewards) / safe_n
+  # Two-pass variance: no catastrophic cancellation of E[x^2] - E[x]^2.
+  var = jnp.sum(jnp.where(same, (rewards[None, :] - mean[:, None]) ** 2, 0.0), axis=1) / safe_n
+  gmax = jnp.max(jnp.where(same, rewards[None, :], -jnp.inf), axis=1)
+  gmin = jnp.min(jnp.where(same, rewards[None, :], jnp.inf), axis=1)
+  degenerate = (n <= 1) | (gmax == gmin)
+  return n, mean, jnp.sqrt(var), degenerate
+
+
+def group_mean(values, group, valid=None) -> Array:
+  """[S]: mean of `values` [S] over the valid members of each sequence's group (0 if none)."""
+  return _group_mean(*_seq_inputs(values, group, valid))
+
+
+@jax.jit
+def _group_mean(values, group, valid):
+  return _group_stats(values, same_group(group, valid))[1]
+
+
+# --------------------------------------------------------------------------------------------
+# Group-relative estimators (registry `ADVANTAGES`).
+
+
+def grpo(rewards, group, valid=None, eps: float = 1e-6) -> Array:
+  """GRPO: A_i = (R_i - mean_g) / (std_g + eps), population std over the group's valid members.
+
+  rewards [S] float, group [S] int, valid [S] bool or None -> [S] f32.
+  Decision: a group with std 0 (all rewards equal, or a single member) gets A = 0 exactly,
+  not (R - mean)/eps, which would amplify float rounding of the mean to O(1e-2).
+  """
+  _check_number("eps", eps, low=0.0)
+  return _grpo(*_seq_inputs(rewards, group, valid), eps)
+
+
+@jax.jit
+def _grpo(rewards, group, valid, eps):
+  _, mean, std, degenerate = _group_stats(rewards, same_group(group, valid))
+  adv = (rewards - mean) / (std + eps)
+  return jnp.where(valid & ~degenerate, adv, 0.0)
+
+
+def dr_grpo(rewards, group, valid=None) -> Array:
+  """Dr. GRPO (mean-only baseline): A_i = R_i - mean_g. [S] -> [S] f32.
+
+  No std division (it up-weights near-constant groups). Constant groups give exactly 0.
+  """
+  return _dr_grpo(*_seq_inputs(rewards, group, valid))
+
+
+@jax.jit
+def _dr_grpo(rewards, group, valid):
+  _, mean, _, degenerate = _group_stats(rewards, same_group(group, valid))
+  return jnp.where(valid & ~degenerate, rewards - mean, 0.0)
+
+
+def rloo(rewards, group, valid=None) -> Array:
+  """RLOO: A_i = R_i - (1/(n-1)) sum_{j != i} R_j over the group's valid members. [S] -> [S] f32.
+
+  A group of one has no "others": A = 0 (as for constant groups).
+  """
+  return _rloo(*_seq_inputs(rewards, group, valid))
+
+
+@jax.jit
+def _rloo(rewards, group, valid):
+  same = same_group(group, valid)
+  n, _, _, degenerate = _group_stats(rewards, same)
+  others = (_row_sum(same, rewards) - rewards) / jnp.maximum(n - 1.0, 1.0)
+  return jnp.where(valid & ~degenerate, rewards - others, 0.0)
+
+
+def reinforce_pp_baseline(rewards, group, valid=None, eps: float = 1e-6,
+                          weights=None) -> Array:
+  """REINFORCE++-baseline: group-centre the rewards, then whiten over the whole batch.
+
+  c_i = R_i - mean_g;  A_i = (c_i - m) / (s + eps), with m, s the mean and population std of c
+  over all valid sequences of the batch (each weighted by `weights` [S], default 1; pass token
+  counts to reproduce OpenRLHF, which whitens over tokens, i.e. length-weighted).
+  rewards [S], group [S], valid [S] or None -> [S] f32.
+  Decision: sequences of constant groups keep A = 0 (with unit weights m = 0, so this only
+  removes rounding; with other weights it keeps "no signal from a zero-variance group").
+  """
+  _check_number("eps", eps, low=0.0)
+  rewards, group, valid = _seq_inputs(rewards, group, valid)
+  if weights is None:
+    weights = np.ones(rewards.shape, np.float32)
+  weights = _as(weights, f32)
+  if weights.shape != rewards.shape:
+    raise ValueError(f"weights must have shape {rewards.shape}, got {weights.shape}")
+  return _reinforce_pp_baseline(rewards, group, valid, eps, weights)
+
+
+@jax.jit
+def _reinforce_pp_baseline(rewards, group, valid, eps, weights):
+  _, mean, _, degenerate = _group_stats(rewards, same_group(group, valid))
+  centred = jnp.where(valid, rewards - mean, 0.0)
+  w = jnp.where(valid, weights, 0.0)
+  total = jnp.maximum(jnp.sum(w), 1e-30)
+  m = jnp.sum(w * centred) / total
+  s = jnp.sqrt(jnp.sum(w * (centred - m) ** 2) / total)
+  return jnp.where(valid & ~degenerate, (centred - m) / (s + eps), 0.0)
+
+
+ADVANTAGES: dict[str, Callable[..., Array]] = {
+    "grpo": grpo,
+    "dr_grpo": dr_grpo,
+    "rloo": rloo,
+    "reinforce_pp_baseline": reinforce_pp_baseline,
+}
+
+
+def compute(name: str, rewards, group, valid=None, **kwargs) -> Array:
+  """The `name` estimator of ADVANTAGES on (rewards [S], group [S], valid [S]) -> [S] f32.
+
+  kwargs go to the estimator (e.g. eps for grpo).
+  """
+  if name not in ADVANTAGES:
+    raise ValueError(f"unknown advantage estimator name={name!r}; valid names: "
+                     f"{sorted(ADVANTAGES)}")
+  return ADVANTAGES[name](rewards, group, valid, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Rescaling and broadcasting.
+
+
+def kat_rescale(advantages, group, entropy, *, difficulty_coef: float, entropy_coef: float,
+                rewards=None, success=None, threshold: float = 0.0, valid=None) -> Array:
+  """KAT-Coder difficulty- and entropy-aware rescaling of sequence advantages.
+
+  A'_ij = A_ij * max(0, 1 + λ (D_g - mean_g' D_g')) * max(0, 1 + μ (H_ij - mean_j H_ij))
+  with D_g = 1 - success rate of group g (harder groups weigh more), the mean over groups
+  counting each group once (not each sequence), H_ij the trajectory's mean token entropy and
+  mean_j the mean over its group (more exploratory trajectories weigh more). Both factors are
+  clamped at 0 so a large coefficient can never flip an advantage's sign.
+
+  advantages [S] f32 (e.g. from `grpo`), group [S] int, entropy [S] f32; success is either
+  `success` [S] (bool or 0/1) or `rewards` [S] > threshold (exactly one of the two).
+  difficulty_coef = λ >= 0, entropy_coef = μ >= 0 (the report gives no values: choose them).
+  valid [S] bool or None: invalid sequences are excluded from all means and get 0.
+  Returns [S] f32.
+  """
+  _check_number("difficulty_coef", difficulty_coef, low=0.0)
+  _check_number("entropy_coef", entropy_coef, low=0.0)
+  advantages, group, valid = _seq_inputs(advantages, group, valid)
+  entropy = _as(entropy, f32)
+  if entropy.shape != advantages.shape:
+    raise ValueError(f"entropy must have shape {advantages.shape}, got {entropy.shape}")
+  if (rewards is None) == (success is None):
+    raise ValueError("pass exactly one of rewards (with threshold) or success, got "
+                     f"rewards={'None' if rewards is None else 'array'}, "
+                     f"success={'None' if success is None else 'array'}")
+  if success is None:
+    rewards = _as(rewards, f32)
+    if rewards.shape != advantages.shape:
+      raise ValueError(f"rewards must have shape {advantages.shape}, got {rewards.shape}")
+    success = rewards > threshold
+  success = _as(success)
+  if success.shape != advantages.shape:
+    raise ValueError(f"success must have shape {advantages.shape}, got {success.shape}")
+  return _kat_rescale(advantages, group, entropy, _as(success, f32), valid, difficulty_coef,
+                      entropy_coef)
+
+
+@jax.jit
+def _kat_rescale(advantages, group, entropy, success, valid, difficulty_coef, entropy_coef):
+  same = same_group(group, valid)
+  n, rate, _, _ = _group_stats(success, same)
+  _, mean_entropy, _, _ = _group_stats(entropy, same)
+  difficulty = 1.0 - rate
+  # Each valid sequence weighted 1/n_g: every group then contributes weight 1 in total.
+  per_group = jnp.where(valid, 1.0 / jnp.maximum(n, 1.0), 0.0)
+  mean_difficulty = jnp.sum(per_group * difficulty) / jnp.maximum(jnp.sum(per_group), 1e-30)
+  group_factor = jnp.maximum(0.0, 1.0 + difficulty_coef * (difficulty - mean_difficulty))
+  sample_factor = jnp.maximum(0.0, 1.0 + entropy_coef * (entropy - mean_entropy))
+  return jnp.where(valid, advantages * group_factor * sample_factor, 0.0)
+
+
+def resum_broadcast(traj_values, segment_traj, traj_ids=None) -> Array:
+  """ReSum: give every summary segment its trajectory's value (reward or advantage).
+
+  With context summarisation one trajectory is trained as several segments (sequences). Compute
+  rewards/advantages once per *trajectory* (so a trajectory with more segments does not weigh
+  more in its group's statistics), then broadcast them here.
+  traj_values [N] f32; segment_traj [S] int trajectory id of each segment; traj_ids [N] int the
+  ids of traj_values (default: positions 0..N-1; ids should be unique, else the first matches).
+  Returns [S] f32; a segment whose id matches no trajectory gets 0.
+  """
+  traj_values = _as(traj_values, f32)
+  segment_traj = _as(segment_traj)
+  if traj_values.ndim != 1:
+    raise ValueError(f"traj_values must be 1-D [N], got shape {traj_values.shape}")
+  if segment_traj.ndim != 1:
+    raise ValueError(f"segment_traj must be 1-D [S], got shape {segment_traj.shape}")
+  if traj_ids is None:
+    traj_ids = np.arange(traj_values.shape[0])
+  traj_ids = _as(traj_ids)
+  if traj_ids.shape != traj_values.shape:
+    raise ValueError(f"traj_ids must have shape {traj_values.shape}, got {traj_ids.shape}")
+  if traj_values.shape[0] == 0:  # nothing to match (argmax over an empty axis is undefined)
+    return jnp.zeros(segment_traj.shape, f32)
+  return _resum_broadcast(traj_values, segment_traj, traj_ids)
+
+
+@jax.jit
+def _resum_broadcast(traj_values, segment_traj, traj_ids):
+  # Match matrix, not traj_values[segment_traj]: a JAX gather clamps bad ids silently.
+  match = segment_traj[:, None] == traj_ids[None, :]  # [S, N]
+  first = jnp.argmax(match, axis=1)
+  return jnp.where(jnp.any(match, axis=1), traj_values[first], 0.0)
+
+
+def returns_to_go(turn_rewards, gamma: float = 1.0, turn_valid=None) -> Array:
+  """Discounted return-to-go per turn: G_k = sum_{k' >= k} γ^(k'-k) r_k'.
+
+  turn_rewards [S, K] f32 (per-turn or per-step rewards; put a terminal reward on the last real
+  turn), turn_valid [S, K] bool or None (padding turns: reward ignored, return 0).
+  Returns [S, K] f32. gamma in [0, 1].
+  """
+  _check_number("gamma", gamma, low=0.0, high=1.0)
+  turn_rewards = _as(turn_rewards, f32)
+  if turn_rewards.ndim != 2:
+    raise ValueError(f"turn_rewards must be 2-D [S, K], got shape {turn_rewards.shape}")
+  return _returns_to_go(turn_rewards, gamma, _valid(turn_valid, turn_rewards.shape))
+
+
+@jax.jit
+def _returns_to_go(turn_rewards, gamma, turn_valid):
+  r = jnp.where(turn_valid, turn_rewards, 0.0)
+
+  def step(carry, r_k):
+    g = r_k + gamma * carry
+    return g, g
+
+  _, out = jax.lax.scan(step, jnp.zeros(r.shape[:1], f32), r.T, reverse=True)
+  return jnp.where(turn_valid, out.T, 0.0)
+
+
+def turn_broadcast(turn_values, turn_id, mask=None) -> Array:
+  """Per-token values from per-turn values: out[s, t] = turn_values[s, turn_id[s, t]].
+
+  turn_values [S, K] f32; turn_id [S, T] int (or float, as `SeqBatch.turn`) = the call that
+  produced each token; mask [S, T] (nonzero = real token) or None.
+  Returns [S, T] f32; 0 where masked or where turn_id is outside [0, K).
+  """
+  turn_values = _as(turn_values, f32)
+  turn_id = _as(turn_id)
+  if turn_values.ndim != 2:
+    raise ValueError(f"turn_values must be 2-D [S, K], got shape {turn_values.shape}")
+  if turn_id.ndim != 2 or turn_id.shape[0] != turn_values.shape[0]:
+    raise ValueError(f"turn_id must be [S, T] with S = {turn_values.shape[0]}, "
+                     f"got shape {turn_id.shape}")
+  mask = np.ones(turn_id.shape, bool) if mask is None else _valid(mask, turn_id.shape)
+  return _turn_broadcast(turn_values, turn_id, mask)
+
+
+@jax.jit
+def _turn_broadcast(turn_values, turn_id, mask):
+  ids = turn_id.astype(jnp.int32)
+  num_turns = turn_values.shape[1]
+  in_range = (ids >= 0) & (ids < num_turns)
+  gathered = jnp.take_along_axis(turn_values, jnp.clip(ids, 0, num_turns - 1), axis=1)
+  return jnp.where(in_range & mask, gathered, 0.0)
+
+
+def per_turn_advantages(turn_rewards, turn_id, gamma: float = 1.0, mask=None,
+                        turn_valid=None) -> Array:
+  """Per-token advantage = return-to-go of the token's turn (no baseline subtracted).
+
+  turn_rewards [S, K], turn_id [S, T], mask [S, T] or None, turn_valid [S, K] or None
+  -> [S, T] f32. See `returns_to_go` and `turn_broadcast`; subtract a baseline (e.g. a group
+  mean of the per-turn returns) before calling if one is wanted.
+  """
+  return turn_broadcast(returns_to_go(turn_rewards, gamma, turn_valid), turn_id, mask)
+
+
+def broadcast(seq_values, mask) -> Array:
+  """[S] per-sequence values -> [S, T] per-token: seq_values[s] where mask[s, t] != 0, else 0."""
+  seq_values = _as(seq_values, f32)
+  mask = _as(mask)
+  if seq_values.ndim != 1 or mask.ndim != 2 or mask.shape[0] != seq_values.shape[0]:
+    raise ValueError(f"need seq_values [S] and mask [S, T], got seq_values shape "
+                     f"{seq_values.shape}, mask shape {mask.shape}")
+  return _broadcast(seq_values, mask)
+
+
+@jax.jit
+def _broadcast(seq_values, mask):
+  return jnp.where(mask != 0, seq_values[:, None], 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Reward shaping.
+
+
+def overlong_penalty(lengths, max_len: int = 20480, cache_len: int = 4096) -> Array:
+  """DAPO soft overlong punishment R_len(L), added to the task reward.
+
+  R_len = 0 if L <= L_max - L_c;  ((L_max - L_c) - L) / L_c if L_max - L_c < L <= L_max;
+  -1 if L > L_max. Linear from 0 to -1 across the cache zone. Paper: L_max 20480, L_c 4096.
+  lengths [S] int (response tokens) -> [S] f32. Requires 0 < cache_len <= max_len.
+  """
+  _check_number("max_len", max_len, low=0.0, low_open=True)
+  _check_number("cache_len", cache_len, low=0.0, high=max_len if isinstance(
+      max_len, numbers.Real) else None, low_open=True)
+  return _overlong_penalty(_as(lengths, f32), max_len, cache_len)
+
+
+@jax.jit
+def _overlong_penalty(length, max_len, cache_len):
+  start = max_len - cache_len
+  ramp = (start - length) / cache_len
+  return jnp.where(length <= start, 0.0, jnp.where(length <= max_len, ramp, -1.0))
+
+
+def cap_step_rewards(step_rewards, cap, step_valid=None) -> Array:
+  """Rescale each trajectory's step rewards so that |sum over steps| <= cap.
+
+  step_rewards [S, K] f32; cap scalar or [S] (>= 0); step_valid [S, K] or None (padding -> 0).
+  A trajectory within the cap is unchanged; one above it is multiplied by cap / |sum|, which
+  keeps the relative shape of its dense signal. Returns [S, K] f32.
+  """
+  step_rewards = _as(step_rewards, f32)
+  if step_rewards.ndim != 2:
+    raise ValueError(f"step_rewards must be 2-D [S, K], got shape {step_rewards.shape}")
+  _check_number("cap", cap, low=0.0)
+  return _cap_step_rewards(step_rewards, _as(cap, f32),
+                           _valid(step_valid, step_rewards.shape))
+
+
+@jax.jit
+def _cap_step_rewards(step_rewards, cap, step_valid):
+  r = jnp.where(step_valid, step_rewards, 0.0)
+  size = jnp.abs(jnp.sum(r, axis=1))
+  cap = jnp.broadcast_to(cap, size.shape)
+  scale = jnp.where(size > cap, cap / jnp.maximum(size, 1e-30), 1.0)
+  return r * scale[:, None]
+
+
+def dense_step_rewards(terminal_rewards, step_rewards, terminal_scale, fraction: float = 0.5,
+                       step_valid=None) -> Array:
+  """GLM-style shaping: terminal reward plus dense step rewards capped at a fraction of it.
+
+  R_i = terminal_i + sum_k step'_ik, where step' = `cap_step_rewards(step, fraction *
+  terminal_scale)`: the shaping can never outweigh the verifiable outcome (with fraction 0.5 a
+  failed run cannot out-score a passing one by shaping alone).
+  terminal_rewards [S] f32; step_rewards [S, K] f32; terminal_scale scalar >= 0, the scale of
+  the verifiable reward (e.g. max |terminal reward|, 1 for 0/1 rewards); fraction in [0, 1];
+  step_valid [S, K] or None. Returns [S] f32.
+  """
+  _check_number("fraction", fraction, low=0.0, high=1.0)
+  _check_number("terminal_scale", terminal_scale, low=0.0)
+  terminal_rewards = _as(terminal_rewards, f32)
+  step_rewards = _as(step_rewards, f32)
+  if terminal_rewards.ndim != 1 or step_rewards.shape[:1] != terminal_rewards.shape:
+    raise ValueError(f"need terminal_rewards [S] and step_rewards [S, K], got shapes "
+                     f"{terminal_rewards.shape} and {step_rewards.shape}")
+  return _dense_step_rewards(terminal_rewards, step_rewards, _as(terminal_scale, f32),
+                             fraction, _valid(step_valid, step_rewards.shape))
+
+
+@jax.jit
+def _dense_step_rewards(terminal_rewards, step_rewards, terminal_scale, fraction, step_valid):
+  capped = _cap_step_rewards(step_rewards, fraction * terminal_scale, step_valid)
+  return terminal_rewards + jnp.sum(capped, axis=1)
