@@ -15,7 +15,7 @@ ROPE_TYPES = ("default", "linear", "yarn")
 SCORE_FUNCS = ("softmax", "sigmoid")
 MOE_IMPLS = ("ragged", "dense")
 REMAT_POLICIES = ("none", "full", "save_dots", "offload")
-ATTENTION_IMPLS = ("xla", "pallas_tpu", "pallas_gpu", "auto")
+ATTENTION_IMPLS = ("xla", "xla_flash", "pallas_tpu", "pallas_gpu", "auto")
 DTYPES = ("float32", "bfloat16", "float16")
 
 # Logical axis name -> mesh axes. Parameters and activations are annotated with logical names
@@ -102,7 +102,7 @@ class ModelConfig:
   # --- numerics and memory
   dtype: str = "float32"  # compute dtype; params stay fp32, logits and losses fp32
   remat: str = "none"  # "none" | "full" | "save_dots" | "offload" rematerialisation per block
-  attention_impl: str = "xla"  # "xla" reference | "pallas_tpu" | "pallas_gpu" | "auto" (by backend)
+  attention_impl: str = "xla"  # "xla" reference | "xla_flash" (blocked, skips masked blocks) | "pallas_tpu" | "pallas_gpu" | "auto" (by backend)
   logits_chunk: int = 1024  # tokens per vocabulary-projection chunk in log-prob helpers
   initializer_range: float = 0.02  # stddev of the normal initialiser
   sharding_rules: tuple = DEFAULT_SHARDING_RULES  # logical axis -> mesh axes table

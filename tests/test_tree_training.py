@@ -97,9 +97,9 @@ def test_tree_gradients_equal_unpacked(which, request):
     assert err <= 1e-5 * norm + 1e-7, (jax.tree_util.keystr(path), err, norm)
 
 
-@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
-def test_transformer_with_pallas_kernel_matches_xla(impl, moe_mla_model):
-  """`attention_impl` routes the Transformer through the Pallas kernel (interpret mode on CPU):
+@pytest.mark.parametrize("impl", ["xla_flash", "pallas_tpu", "pallas_gpu"])
+def test_transformer_with_kernel_matches_xla(impl, moe_mla_model):
+  """`attention_impl` routes the Transformer through a kernel (Pallas ones in interpret mode):
   logits and the tree loss's gradients equal the XLA reference on a packed tree batch."""
   from models import transformer
   from tests.conftest import TINY_MOE_MLA

@@ -1,4 +1,4 @@
-"""Attention under the tree rule: one function, three implementations.
+"""Attention under the tree rule: one function, four implementations.
 
 The rule (docs/design.md §3): query at row index `i` may attend to key `j` iff
 `j <= i < end[j]`. One O(length) array `end` describes causal rows (`end = len`), packed
@@ -26,6 +26,9 @@ import jax.numpy as jnp
 # Finite, so a fully masked row (never produced by the rule: a query always sees itself)
 # cannot yield NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# Below this many keys the dense reference beats the blocked loop on CPU (one fused einsum).
+FLASH_MIN_LENGTH = 1024
+IMPLS = ("xla", "xla_flash", "pallas_tpu", "pallas_gpu")
 
 
 def allowed(end: jax.Array, q_index: jax.Array) -> jax.Array:
@@ -47,7 +50,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array, *, scale
     end: [batch, kv_len] int, exclusive end of each key's subtree.
     scale: softmax scale applied to q·k.
     q_index: [batch, q_len] int row index of each query; default `arange(q_len)`.
-    impl: "xla" | "pallas_tpu" | "pallas_gpu" | "auto" (see module docstring).
+    impl: "xla" | "xla_flash" | "pallas_tpu" | "pallas_gpu" | "auto" (see module docstring).
 
   Returns:
     out: [batch, q_len, heads, v_dim] in q's dtype.
@@ -55,11 +58,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array, *, scale
       (what QK-Clip needs).
   """
   if impl == "auto":
-    impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "xla")
+    fallback = "xla_flash" if k.shape[1] >= FLASH_MIN_LENGTH else "xla"
+    impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), fallback)
+  if impl not in IMPLS:
+    raise ValueError(f"attention impl={impl!r}: expected one of {IMPLS} or 'auto'")
   if impl != "xla" and q_index is None:
     return _kernel(impl)(q, k, v, end, scale=scale)
-  if impl not in ("xla", "pallas_tpu", "pallas_gpu"):
-    raise ValueError(f"attention impl={impl!r}: expected xla, pallas_tpu, pallas_gpu or auto")
   b, lq, h, _ = q.shape
   kvh = k.shape[2]
   if h % kvh:
@@ -78,7 +82,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array, *, scale
 
 @functools.cache
 def _kernel(impl: str):
-  """The Pallas kernel for `impl`, in interpret mode when not on its own backend."""
+  """The kernel for `impl`; a Pallas kernel runs in interpret mode off its own backend."""
+  if impl == "xla_flash":
+    from models.kernels.tree_attention_xla import tree_attention
+    return tree_attention
   if impl == "pallas_tpu":
     from models.kernels.tree_attention_tpu import tree_attention
     native = "tpu"
@@ -86,6 +93,6 @@ def _kernel(impl: str):
     from models.kernels.tree_attention_gpu import tree_attention
     native = "gpu"
   else:
-    raise ValueError(f"attention impl={impl!r}: expected xla, pallas_tpu, pallas_gpu or auto")
+    raise ValueError(f"attention impl={impl!r}: expected one of {IMPLS}")
   interpret = jax.default_backend() != native
   return functools.partial(tree_attention, interpret=interpret)
