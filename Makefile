@@ -8,6 +8,7 @@ TESTS ?= tests
 PYTEST_ARGS ?=
 # apt-get needs root; elsewhere go through sudo (and fail loudly if that is not possible).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+APT_PACKAGES := bubblewrap redis-server python3-pytest openssl util-linux
 
 .PHONY: demo test venv clean
 
@@ -23,11 +24,13 @@ venv: $(VENV)/.stamp
 # Rebuilt whenever the dependency lists change, or a top-level package appears (the editable
 # install maps package names when it is made).
 $(VENV)/.stamp: setup.py requirements-lock.txt $(wildcard */__init__.py)
-	@# Sandboxes run in bubblewrap; the RL queue tests start a real redis-server.
-	@if ! command -v bwrap >/dev/null || ! command -v redis-server >/dev/null; then \
-		echo "Installing Debian packages: bubblewrap redis-server"; \
+	@# Sandboxes run in bubblewrap (the verifier runs the sandbox's system python3 with pytest);
+	@# the RL queue tests start a real redis-server; openssl makes their TLS certificates.
+	@if ! command -v bwrap >/dev/null || ! command -v redis-server >/dev/null || \
+	    ! command -v openssl >/dev/null || ! /usr/bin/python3 -c "import pytest" 2>/dev/null; then \
+		echo "Installing Debian packages: $(APT_PACKAGES)"; \
 		$(SUDO) apt-get update -qq && \
-		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap redis-server; \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES); \
 	fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

@@ -1,0 +1,119 @@
+"""The sandbox protocol every backend implements (bwrap, local, docker, remote).
+
+A sandbox is one isolated workspace where untrusted, model-written code runs. All methods are
+async so that a rollout worker can drive many sandboxes from one event loop. Paths given to the
+file methods are relative to the workspace root; anything that would leave it (absolute paths,
+`..`, symlinks pointing out) raises `PathError` (see `confine`).
+
+    async with make_sandbox("bwrap", limits=Limits(memory_mb=512)) as sb:
+      await sb.write_file("main.py", "print(1)")
+      result = await sb.exec("python3 main.py", timeout=10)
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import os
+import posixpath
+from typing import Mapping, Optional
+
+
+class SandboxError(RuntimeError):
+  """The sandbox itself failed (could not start, died, server unreachable): not the command."""
+
+
+class PathError(ValueError):
+  """A file-API path leaves the workspace (absolute, `..`, or through a symlink)."""
+
+
+class SandboxFull(SandboxError):
+  """No capacity for another sandbox (server answered 429, or the uid pool is exhausted)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """Resource bounds of one sandbox. Every backend enforces what its platform allows and
+  documents the rest."""
+
+  memory_mb: int = 1024          # memory (+swap) for all processes of the sandbox
+  pids: int = 128                # processes/threads of the sandbox
+  cpus: float = 1.0              # CPU quota in cores (cgroup cpu.max where available)
+  disk_mb: int = 256             # size of each tmpfs: workspace, /tmp, /dev/shm
+  output_bytes: int = 64 * 1024  # stdout and stderr are each truncated to this many bytes
+  file_bytes: int = 8 * 1024 * 1024  # largest file accepted by write_file / returned by read_file
+  default_timeout: float = 60.0  # seconds, when exec() is called without one
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecResult:
+  """What one command did. `stdout`/`stderr` are decoded as UTF-8 with replacement."""
+
+  exit_code: int              # the command's exit status; -signal if killed; -1 on timeout
+  stdout: str
+  stderr: str
+  timed_out: bool = False
+  duration: float = 0.0       # seconds of wall time
+  stdout_truncated: bool = False
+  stderr_truncated: bool = False
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: Mapping) -> "ExecResult":
+    return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+class Sandbox(abc.ABC):
+  """One isolated workspace. Use as `async with`; `close()` kills everything inside."""
+
+  limits: Limits = Limits()
+
+  @abc.abstractmethod
+  async def exec(self, cmd: str, timeout: Optional[float] = None, stdin: Optional[str] = None,
+                 env: Optional[Mapping[str, str]] = None) -> ExecResult:
+    """Run `cmd` with `/bin/sh -c` in the workspace (the working directory)."""
+
+  @abc.abstractmethod
+  async def write_file(self, path: str, content: str | bytes) -> None:
+    """Create or replace a workspace file (parent directories are created)."""
+
+  @abc.abstractmethod
+  async def read_file(self, path: str) -> bytes:
+    """The bytes of a workspace file."""
+
+  @abc.abstractmethod
+  async def list_files(self, path: str = ".") -> list[str]:
+    """Workspace-relative paths of the regular files under `path`, sorted."""
+
+  @abc.abstractmethod
+  async def close(self) -> None:
+    """Kill every process of the sandbox and delete its workspace. Idempotent."""
+
+  async def __aenter__(self) -> "Sandbox":
+    return self
+
+  async def __aexit__(self, *exc) -> None:
+    await self.close()
+
+
+def confine(root: str, path: str) -> str:
+  """Host path of workspace-relative `path` under `root`, or PathError if it would leave it.
+
+  Rejects absolute paths, `..` components and any existing symlink along the path (a symlink
+  inside the workspace is written by untrusted code and may point anywhere).
+  """
+  if not isinstance(path, str) or not path or "\x00" in path:
+    raise PathError(f"path={path!r}: expected a non-empty workspace-relative path")
+  if posixpath.isabs(path):
+    raise PathError(f"path={path!r}: absolute paths are not allowed (workspace-relative only)")
+  parts = [p for p in path.split("/") if p not in ("", ".")]
+  if ".." in parts:
+    raise PathError(f"path={path!r}: '..' is not allowed")
+  current = os.path.realpath(root)
+  for part in parts:
+    current = os.path.join(current, part)
+    if os.path.islink(current):
+      raise PathError(f"path={path!r}: {part!r} is a symlink")
+  return current

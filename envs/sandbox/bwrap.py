@@ -1,0 +1,365 @@
+"""`bwrap` backend: the hardened default for Linux hosts that run Arbor as root.
+
+Why each piece is there (bwrap started by root maps the sandbox user onto host uid 0, so the
+sandbox must never reach bwrap with root's credentials):
+
+- **Dedicated unprivileged uid.** Each live sandbox holds one uid (gid = uid) from a pool
+  (default 2000000000..+255), locked across processes with flock on `LOCK_DIR/<uid>.lock`.
+  A root `/bin/sh` joins the sandbox's cgroups, sets rlimits, then execs `setpriv` which drops
+  to uid/gid with no supplementary groups and no-new-privs before exec'ing bwrap. Inside,
+  the user is that same uid: no capabilities, no access to root-owned 0600/0640 files, no write
+  to `/proc/sys`, and RLIMIT_NPROC counts exactly this sandbox's processes.
+- **Clean process state.** The wrapper and bwrap get an empty environment and no file
+  descriptors besides the three pipes (`close_fds`); inside, `--clearenv` and a small explicit
+  environment (`BASE_ENV` + the exec's `env`), also for pid 1 (`/proc/1/environ`).
+- **Namespaces.** `--unshare-all` (network: only a private loopback; ipc; pid; uts; cgroup),
+  `--unshare-user --disable-userns` (no nested user namespace), `--cap-drop ALL`,
+  `--new-session` (no TIOCSTI into a terminal), `--die-with-parent`.
+- **File system.** Read-only binds of /usr and /etc (with the /bin, /lib... links), or of the
+  top-level entries of a per-task root filesystem; optional extra read-only binds; a fresh
+  /proc with /proc/sys bound read-only (bwrap alone leaves the namespaced ipc/pid sysctls
+  writable) and a minimal /dev; `/` and `/dev` remounted read-only. The workspace, /tmp and
+  /dev/shm are three host tmpfs mounts of `limits.disk_mb` each (a real quota; `nr_inodes`
+  bounds file counts at one per 4 KiB), owned by the sandbox uid, mounted nodev,nosuid under
+  `<root_dir>/<uid>/` and bound into every exec. They persist across execs and are filled
+  through the file API (host side, as root but symlink-safe: `hostfs`; files are chowned to
+  the sandbox uid) or by commands. Pages the sandbox writes there also count against its
+  memory cgroup; pages the file API writes count only against the tmpfs size.
+- **Resources.** cgroup v2 or v1 (`cgroups.py`): memory = memory+swap, pids, CPU quota.
+  Without a memory cgroup, RLIMIT_AS per process (a forked memory bomb can then use up to
+  pids x memory_mb); without a pids cgroup, RLIMIT_NPROC on the dedicated uid still bounds
+  processes; without a cpu cgroup, only the exec timeout bounds CPU. Always RLIMIT_CORE 0 and
+  RLIMIT_NOFILE 4096.
+- **Lifetime.** Every exec is its own bwrap with its own PID namespace whose pid 1 is a small
+  shell (`_INIT`) that runs the command and reaps orphans: when the command exits, or on
+  timeout when pid 1 is SIGKILLed, the kernel kills everything left inside (background jobs,
+  setsid daemons). Nothing runs between execs, so an agent cannot keep a server running from
+  one exec to the next. close() kills running execs, empties the cgroup (or, without one,
+  SIGKILLs every live process of the uid), unmounts the tmpfs mounts and only then returns
+  the uid to the pool. A crashed holder's left-overs are swept by the uid's next holder.
+- bwrap errors (e.g. an unreadable bind source) come back as an ExecResult with exit code 1
+  and a `bwrap: ...` stderr: they are not turned into SandboxError, since a command can print
+  the same.
+- bwrap reports a command killed by signal N as exit code 128+N (shell convention), not -N.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import fcntl
+import itertools
+import os
+import shutil
+import signal
+import time
+from typing import Mapping, Optional, Sequence
+
+from envs.sandbox import hostfs, process
+from envs.sandbox.base import ExecResult, Limits, Sandbox, SandboxError, SandboxFull
+from envs.sandbox.cgroups import Cgroup
+
+DEFAULT_UIDS = range(2_000_000_000, 2_000_000_256)
+DEFAULT_ROOT = "/run/arbor-sandbox"
+# uid locks live in one fixed place whatever root_dir a process uses, so two processes can
+# never hold the same uid.
+LOCK_DIR = "/run/arbor-sandbox-uids"
+SYSTEM_DIRS = ("usr", "etc", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
+# Top-level entries of a task root filesystem that the sandbox provides itself.
+SKIP_IN_ROOTFS = {"proc", "dev", "sys", "tmp", "run", "workspace", "root", "home", "mnt",
+                  "media", "lost+found"}
+WORKSPACE = "/workspace"
+BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp",
+            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "USER": "sandbox", "LOGNAME": "sandbox"}
+NOFILE = 4096
+# pid 1 of every exec's PID namespace (bwrap --as-pid-1): runs the command as its child and
+# reaps every orphan while it waits; its exit tears the namespace down. bwrap's own init is not
+# used because the outer bwrap exits without reaping it, leaving a zombie for the host's init.
+# An asynchronous list gets /dev/null as stdin, hence the fd 3 dance.
+_INIT = 'exec 3<&0; /bin/sh -c "$1" <&3 3<&- & wait $!; exit $?'
+# Runs as root: join the cgroups named before `--`, set rlimits, exec the rest (setpriv ...).
+_JOIN = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; '
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
+
+
+def _mount_tmpfs(target: str, size_mb: int, uid: int) -> None:
+  opts = f"size={size_mb}m,nr_inodes={max(1024, size_mb * 256)},mode=0700,uid={uid},gid={uid}"
+  if _libc.mount(b"tmpfs", target.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts.encode()):
+    e = ctypes.get_errno()
+    raise SandboxError(f"mount tmpfs on {target} ({opts}): {os.strerror(e)}")
+
+
+def _umount(target: str) -> None:
+  while _libc.umount2(target.encode(), _MNT_DETACH) == 0:
+    pass  # stacked mounts of a crashed holder: peel them all
+
+
+def _processes_of(uid: int) -> list[int]:
+  """Live host pids with `uid` as real, effective, saved or fs uid (the uid is dedicated to
+  one sandbox). Reads `Uid:` in /proc/PID/status: the owner of /proc/PID is root for a process
+  that made itself non-dumpable."""
+  out, want = [], str(uid)
+  for name in os.listdir("/proc"):
+    if name.isdigit():
+      try:
+        with open(f"/proc/{name}/status") as f:
+          lines = {l.split(":", 1)[0]: l for l in f if l.startswith(("State:", "Uid:"))}
+      except OSError:
+        continue
+      zombie = lines.get("State", "").split()[1:2] == ["Z"]  # dead already, awaiting reaping
+      if not zombie and want in lines.get("Uid", "").split()[1:5]:
+        out.append(int(name))
+  return out
+
+
+def _children_of(pid: int) -> list[int]:
+  out = []
+  for name in os.listdir("/proc"):
+    if name.isdigit():
+      try:
+        with open(f"/proc/{name}/stat", "rb") as f:
+          stat = f.read()
+      except OSError:
+        continue
+      if int(stat[stat.rindex(b")") + 2:].split()[1]) == pid:
+        out.append(int(name))
+  return out
+
+
+def _sigkill(pid: int) -> None:
+  try:
+    os.kill(pid, signal.SIGKILL)
+  except ProcessLookupError:
+    pass
+
+
+class UidPool:
+  """Host uids for sandboxes, one per live sandbox, exclusive across processes (flock)."""
+
+  def __init__(self, uids: Sequence[int] = DEFAULT_UIDS, root_dir: str = DEFAULT_ROOT):
+    if not uids or min(uids) < 1000 or max(uids) >= 2**32 - 1:
+      raise ValueError(f"uids={uids!r}: expected a non-empty range of unused uids >= 1000")
+    self.uids, self.root_dir = list(uids), root_dir
+    self._held: dict[int, int] = {}  # uid -> lock fd
+    self._next = itertools.count()
+    os.makedirs(LOCK_DIR, mode=0o700, exist_ok=True)
+    os.makedirs(root_dir, mode=0o711, exist_ok=True)
+    os.chmod(root_dir, 0o711)  # sandbox uids must traverse it to bind their mounts
+
+  def acquire(self) -> tuple[int, bool]:
+    """(uid, stale): stale when a crashed holder may have left processes/mounts behind."""
+    start = next(self._next)
+    for i in range(len(self.uids)):
+      uid = self.uids[(start + i) % len(self.uids)]
+      if uid in self._held:
+        continue
+      fd = os.open(os.path.join(LOCK_DIR, f"{uid}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        os.close(fd)
+        continue
+      stale = os.pread(fd, 1, 0) != b""
+      os.pwrite(fd, b"%d\n" % os.getpid(), 0)
+      self._held[uid] = fd
+      return uid, stale
+    raise SandboxFull(f"all {len(self.uids)} sandbox uids are in use (uids={self.uids[0]}..)")
+
+  def release(self, uid: int) -> None:
+    fd = self._held.pop(uid)
+    os.ftruncate(fd, 0)  # clean release: the next holder need not sweep
+    os.close(fd)         # drops the flock
+
+
+_pools: dict[tuple, UidPool] = {}
+
+
+def _pool(uids: Sequence[int], root_dir: str) -> UidPool:
+  key = (tuple(uids), root_dir)
+  if key not in _pools:
+    _pools[key] = UidPool(uids, root_dir)
+  return _pools[key]
+
+
+def _fs_binds(rootfs: Optional[str]) -> list[str]:
+  """bwrap arguments for the read-only system view: host /usr,/etc... or a task rootfs."""
+  if rootfs is None:
+    base, names = "/", SYSTEM_DIRS
+  else:
+    if not os.path.isdir(rootfs):
+      raise ValueError(f"rootfs={rootfs!r}: not a directory")
+    base, names = rootfs, sorted(set(os.listdir(rootfs)) - SKIP_IN_ROOTFS)
+  args = []
+  for name in names:
+    src = os.path.join(base, name)
+    if os.path.islink(src):  # e.g. bin -> usr/bin; resolved inside the sandbox
+      args += ["--symlink", os.readlink(src), "/" + name]
+    elif os.path.isdir(src):
+      args += ["--ro-bind", src, "/" + name]
+  return args
+
+
+class BwrapSandbox(Sandbox):
+  """See the module docstring. Create with `await BwrapSandbox.create(limits, ...)`."""
+
+  def __init__(self, limits: Limits, uid: int, pool: UidPool, cgroup: Optional[Cgroup],
+               binds: list[str]):
+    self.limits, self.uid, self._pool, self.cgroup = limits, uid, pool, cgroup
+    self.host_dir = os.path.join(pool.root_dir, str(uid))
+    self.workspace = os.path.join(self.host_dir, "workspace")  # host path of /workspace
+    self._binds = binds
+    self._closed = False
+    self._running: set[int] = set()       # outer bwrap pids of running execs
+    self._tasks: set[asyncio.Task] = set()
+    self._bwrap, self._setpriv = shutil.which("bwrap"), shutil.which("setpriv")
+
+  @classmethod
+  async def create(cls, limits: Limits = Limits(), *, rootfs: Optional[str] = None,
+                   ro_binds: Sequence[str | tuple[str, str]] = (),
+                   uids: Sequence[int] = DEFAULT_UIDS, root_dir: str = DEFAULT_ROOT,
+                   cgroups: bool = True) -> "BwrapSandbox":
+    """A started sandbox. `ro_binds`: extra host paths bound read-only (`path`, or
+    `(host_path, sandbox_path)`), e.g. a task's virtualenv. `cgroups=False` forces the rlimit
+    fallback (for tests of it)."""
+    if os.geteuid() != 0:
+      raise SandboxError(f"bwrap backend needs root (euid={os.geteuid()}) to mount the quota "
+                         "tmpfs, set up cgroups and drop to a dedicated uid")
+    for tool in ("bwrap", "setpriv"):
+      if shutil.which(tool) is None:
+        raise SandboxError(f"{tool} not found on PATH (Debian packages bubblewrap, util-linux)")
+    binds = _fs_binds(rootfs)
+    for b in ro_binds:
+      src, dst = (b, b) if isinstance(b, str) else b
+      if not (os.path.isabs(src) and os.path.isabs(dst) and os.path.exists(src)):
+        raise ValueError(f"ro_binds entry {b!r}: expected existing absolute host path(s)")
+      binds += ["--ro-bind", src, dst]
+    pool = _pool(uids, root_dir)
+    uid, stale = pool.acquire()
+    cgroup = None
+    try:
+      host_dir = os.path.join(root_dir, str(uid))
+      if stale:
+        cls._sweep(uid, host_dir)
+      os.makedirs(host_dir, mode=0o711, exist_ok=True)
+      for name in ("workspace", "tmp", "shm"):
+        path = os.path.join(host_dir, name)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        _mount_tmpfs(path, limits.disk_mb, uid)
+      if cgroups:
+        cgroup = Cgroup.create(str(uid), limits)
+    except BaseException:
+      cls._sweep(uid, os.path.join(root_dir, str(uid)))
+      pool.release(uid)
+      raise
+    return cls(limits, uid, pool, cgroup, binds)
+
+  @staticmethod
+  def _sweep(uid: int, host_dir: str, by_uid: bool = True) -> None:
+    """Kill every process of `uid` and unmount its tmpfs mounts (stale or closing state)."""
+    for _ in range(200 if by_uid else 0):
+      pids = _processes_of(uid)
+      if not pids:
+        break
+      for pid in pids:
+        _sigkill(pid)
+      time.sleep(0.005)
+    for name in ("workspace", "tmp", "shm"):
+      _umount(os.path.join(host_dir, name))
+      with contextlib.suppress(OSError):
+        os.rmdir(os.path.join(host_dir, name))
+    with contextlib.suppress(OSError):
+      os.rmdir(host_dir)
+
+  def _argv(self, cmd: str, env: Mapping[str, str]) -> list[str]:
+    lim = self.limits
+    missing = self.cgroup.missing if self.cgroup else ("memory", "pids", "cpu")
+    ulimits = f"ulimit -c 0 && ulimit -n {NOFILE} && ulimit -p {lim.pids}"
+    if "memory" in missing:
+      ulimits += f" && ulimit -v {lim.memory_mb * 1024}"
+    join = self.cgroup.procs_files if self.cgroup else []
+    script = _JOIN + ulimits + ' || exit 125; exec "$@"'
+    u = str(self.uid)
+    bw = [self._bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL",
+          "--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv"]
+    for k, v in {**BASE_ENV, **env}.items():
+      bw += ["--setenv", k, v]
+    bw += self._binds
+    # bwrap leaves the new /proc/sys writable where the sandbox owns the namespace (ipc, pid
+    # sysctls); a read-only bind of it shows the same per-namespace values, read-only.
+    bw += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev",
+           "--bind", self.workspace, WORKSPACE,
+           "--bind", os.path.join(self.host_dir, "tmp"), "/tmp",
+           "--bind", os.path.join(self.host_dir, "shm"), "/dev/shm",
+           "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", WORKSPACE,
+           "--as-pid-1", "/bin/sh", "-c", _INIT, "sh", cmd]
+    return (["/bin/sh", "-c", script, "arbor-sandbox", *join, "--", self._setpriv,
+             "--reuid", u, "--regid", u, "--clear-groups", "--no-new-privs", "--"] + bw)
+
+  def _kill_exec(self, pid: int) -> None:
+    """End one exec: SIGKILL its namespace's pid 1 (the kernel kills the whole PID namespace,
+    the outer bwrap reaps pid 1 and exits), or the outer bwrap itself if pid 1 is not there
+    yet (its --die-with-parent takes pid 1 along)."""
+    children = _children_of(pid)
+    for child in children:
+      _sigkill(child)
+    if not children:
+      _sigkill(pid)
+
+  def _check_open(self) -> None:
+    if self._closed:
+      raise SandboxError(f"sandbox uid={self.uid} is closed")
+
+  async def exec(self, cmd: str, timeout: Optional[float] = None, stdin: Optional[str] = None,
+                 env: Optional[Mapping[str, str]] = None) -> ExecResult:
+    self._check_open()
+    timeout = process.check_exec_args(cmd, timeout, stdin, self.limits.default_timeout)
+    argv = self._argv(cmd, process.check_env(env))
+    task = asyncio.current_task()
+    self._tasks.add(task)
+    pids = []
+
+    def started(pid: int) -> None:
+      pids.append(pid)
+      self._running.add(pid)
+      if self._closed:  # close() ran while we were spawning
+        self._kill_exec(pid)
+
+    try:
+      return await process.run(argv, timeout=timeout, output_bytes=self.limits.output_bytes,
+                               stdin=stdin, kill=self._kill_exec, on_start=started)
+    finally:
+      self._running.difference_update(pids)
+      self._tasks.discard(task)
+
+  async def write_file(self, path: str, content: str | bytes) -> None:
+    self._check_open()
+    hostfs.write_file(self.workspace, path, content, self.limits.file_bytes,
+                      owner=(self.uid, self.uid))
+
+  async def read_file(self, path: str) -> bytes:
+    self._check_open()
+    return hostfs.read_file(self.workspace, path, self.limits.file_bytes)
+
+  async def list_files(self, path: str = ".") -> list[str]:
+    self._check_open()
+    return hostfs.list_files(self.workspace, path)
+
+  async def close(self) -> None:
+    if self._closed:
+      return
+    self._closed = True
+    for pid in list(self._running):
+      self._kill_exec(pid)
+    others = self._tasks - {asyncio.current_task()}
+    if others:  # running execs return as soon as their processes are gone
+      await asyncio.wait(others, timeout=10)
+    # Every sandbox process is in the cgroup (joined before bwrap started; it cannot leave):
+    # emptying it is enough. Without one, or if it will not empty, sweep the uid itself.
+    emptied = self.cgroup is not None and self.cgroup.kill()
+    if self.cgroup is not None:
+      self.cgroup.remove()
+    self._sweep(self.uid, self.host_dir, by_uid=not emptied)
+    self._pool.release(self.uid)

@@ -1,0 +1,147 @@
+"""The file API on a host directory that untrusted code can modify concurrently.
+
+`confine` rejects absolute paths and `..` up front; the walk below then opens every component
+relative to its parent's descriptor with O_NOFOLLOW, so a symlink planted by the sandbox (even
+between the check and the open) is never followed, and a FIFO or device is never opened for
+real I/O (O_NONBLOCK + a regular-file check). Used by the local and bwrap backends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+from typing import Iterator, Optional
+
+from envs.sandbox.base import PathError, confine
+
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _parts(root: str, path: str) -> list[str]:
+  confine(root, path)  # absolute / `..` / NUL / existing symlinks: clear errors first
+  return [p for p in path.split("/") if p not in ("", ".")]
+
+
+@contextlib.contextmanager
+def _walk(root: str, path: str, parts: list[str], create: bool = False,
+          owner: Optional[tuple[int, int]] = None) -> Iterator[int]:
+  """A descriptor of the directory root/parts (created if asked), never through a symlink."""
+  fd = os.open(root, _DIR)
+  try:
+    for part in parts:
+      try:
+        new = os.open(part, _DIR, dir_fd=fd)
+      except FileNotFoundError:
+        if not create:
+          raise FileNotFoundError(errno.ENOENT, f"path={path!r}: no such directory {part!r}")
+        os.mkdir(part, 0o755, dir_fd=fd)
+        if owner is not None:
+          os.chown(part, *owner, dir_fd=fd, follow_symlinks=False)
+        new = os.open(part, _DIR, dir_fd=fd)
+      except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+          raise PathError(f"path={path!r}: {part!r} is a symlink or not a directory") from None
+        raise
+      os.close(fd)
+      fd = new
+    yield fd
+  finally:
+    os.close(fd)
+
+
+def _open_file(name: str, flags: int, dir_fd: int, path: str, mode: int = 0o644) -> int:
+  try:
+    fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+  except OSError as e:
+    if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENOTDIR):
+      raise PathError(f"path={path!r}: a symlink, directory or special file") from None
+    if e.errno == errno.ENOENT:
+      raise FileNotFoundError(errno.ENOENT, f"path={path!r}: no such file") from None
+    raise
+  if not stat.S_ISREG(os.fstat(fd).st_mode):
+    os.close(fd)
+    raise PathError(f"path={path!r}: not a regular file")
+  return fd
+
+
+def write_file(root: str, path: str, content: str | bytes, max_bytes: int,
+               owner: Optional[tuple[int, int]] = None) -> None:
+  """Create or replace root/path (parents created), chowned to `owner` (uid, gid) if given."""
+  data = content.encode() if isinstance(content, str) else content
+  if not isinstance(data, bytes):
+    raise ValueError(f"content: expected str or bytes, got {type(content).__name__}")
+  if len(data) > max_bytes:
+    raise ValueError(f"content of {path!r}: {len(data)} bytes > limits.file_bytes={max_bytes}")
+  parts = _parts(root, path)
+  if not parts:
+    raise PathError(f"path={path!r}: names the workspace itself, not a file")
+  with _walk(root, path, parts[:-1], create=True, owner=owner) as dfd:
+    fd = _open_file(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, dfd, path)
+    try:
+      if owner is not None:
+        os.fchown(fd, *owner)
+      view = memoryview(data)
+      while view:
+        view = view[os.write(fd, view):]
+    finally:
+      os.close(fd)
+
+
+def read_file(root: str, path: str, max_bytes: int) -> bytes:
+  """The bytes of root/path; ValueError if larger than max_bytes."""
+  parts = _parts(root, path)
+  if not parts:
+    raise PathError(f"path={path!r}: names the workspace itself, not a file")
+  with _walk(root, path, parts[:-1]) as dfd:
+    fd = _open_file(parts[-1], os.O_RDONLY, dfd, path)
+    try:
+      size = os.fstat(fd).st_size
+      if size > max_bytes:
+        raise ValueError(f"{path!r}: {size} bytes > limits.file_bytes={max_bytes}")
+      chunks, n = [], 0
+      while n <= max_bytes and (chunk := os.read(fd, 1 << 20)):
+        chunks.append(chunk)
+        n += len(chunk)
+      if n > max_bytes:  # grew while we read it
+        raise ValueError(f"{path!r}: more than limits.file_bytes={max_bytes} bytes")
+      return b"".join(chunks)
+    finally:
+      os.close(fd)
+
+
+def list_files(root: str, path: str = ".") -> list[str]:
+  """Sorted workspace-relative paths of the regular files under root/path (symlinks skipped)."""
+  parts = _parts(root, path)
+  prefix = "/".join(parts)
+  with _walk(root, path, parts[:-1]) as dfd:
+    if not parts:
+      top = os.dup(dfd)
+    else:
+      try:
+        st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+      except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, f"path={path!r}: no such file or directory") from None
+      if stat.S_ISREG(st.st_mode):
+        return [prefix]
+      if not stat.S_ISDIR(st.st_mode):
+        raise PathError(f"path={path!r}: a symlink or special file")
+      try:
+        top = os.open(parts[-1], _DIR, dir_fd=dfd)
+      except OSError as e:  # replaced by a symlink after the stat
+        raise PathError(f"path={path!r}: {e.strerror}") from None
+  out = []
+  try:
+    for dirpath, _, files, dirfd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
+      for name in files:
+        try:
+          mode = os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode
+        except FileNotFoundError:  # deleted by the sandbox while we walked
+          continue
+        if stat.S_ISREG(mode):
+          rel = os.path.normpath(os.path.join(dirpath, name))
+          out.append(f"{prefix}/{rel}" if prefix else rel)
+  finally:
+    os.close(top)
+  return sorted(out)

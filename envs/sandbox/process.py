@@ -1,0 +1,145 @@
+"""Run one child process with a deadline and capped output (shared by the local and bwrap
+backends).
+
+The child's stdout/stderr are read concurrently; the first `output_bytes` of each are kept and
+the rest is read and discarded (closing the pipe instead would SIGPIPE a test run that is merely
+verbose). On timeout the caller's `kill` callback must make the process exit (and take its
+descendants with it); we then wait for it, so no zombie and no open pipe outlives the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Callable, Mapping, Optional, Sequence
+
+from envs.sandbox.base import ExecResult
+
+_CHUNK = 1 << 16
+
+
+def check_env(env: Optional[Mapping[str, str]]) -> dict[str, str]:
+  """Validated copy of a caller-given environment (names are shell-safe identifiers)."""
+  out = {}
+  for k, v in (env or {}).items():
+    if not isinstance(k, str) or not k or not (k[0].isalpha() or k[0] == "_") or not all(
+        c.isalnum() or c == "_" for c in k):
+      raise ValueError(f"env name {k!r}: expected [A-Za-z_][A-Za-z0-9_]*")
+    if not isinstance(v, str) or "\x00" in v:
+      raise ValueError(f"env[{k!r}]={v!r}: expected a string without NUL")
+    out[k] = v
+  return out
+
+
+def check_exec_args(cmd, timeout, stdin, default_timeout: float) -> float:
+  """Validate exec() arguments; returns the timeout in seconds."""
+  if not isinstance(cmd, str) or not cmd or "\x00" in cmd:
+    raise ValueError(f"cmd={cmd!r}: expected a non-empty string without NUL")
+  if stdin is not None and not isinstance(stdin, (str, bytes)):
+    raise ValueError(f"stdin: expected str, bytes or None, got {type(stdin).__name__}")
+  timeout = default_timeout if timeout is None else timeout
+  if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e6:
+    raise ValueError(f"timeout={timeout!r}: expected seconds in (0, 1e6)")
+  return float(timeout)
+
+
+class _Capped:
+  """The first `cap` bytes of a stream; the rest is dropped."""
+
+  def __init__(self, cap: int):
+    self.cap, self.parts, self.n, self.truncated = cap, [], 0, False
+
+  def add(self, chunk: bytes) -> None:
+    if self.n < self.cap:
+      self.parts.append(chunk[:self.cap - self.n])
+    self.truncated = self.truncated or self.n + len(chunk) > self.cap
+    self.n = min(self.cap, self.n + len(chunk))
+
+  def text(self) -> str:
+    return b"".join(self.parts).decode("utf-8", "replace")
+
+
+class _Protocol(asyncio.SubprocessProtocol):
+  """Collects capped output and tells apart "the process exited" from "its pipes closed" (a
+  background child may hold them open after the command itself is done)."""
+
+  def __init__(self, cap: int):
+    loop = asyncio.get_running_loop()
+    self.out, self.err = _Capped(cap), _Capped(cap)
+    self.exited, self.closed = loop.create_future(), loop.create_future()
+
+  def pipe_data_received(self, fd: int, data: bytes) -> None:
+    (self.out if fd == 1 else self.err).add(data)
+
+  def process_exited(self) -> None:
+    if not self.exited.done():
+      self.exited.set_result(None)
+
+  def connection_lost(self, exc) -> None:
+    if not self.closed.done():
+      self.closed.set_result(None)
+
+
+async def run(argv: Sequence[str], *, timeout: float, output_bytes: int,
+              stdin: Optional[str | bytes] = None, env: Optional[Mapping[str, str]] = None,
+              cwd: Optional[str] = None, kill: Optional[Callable[[int], None]] = None,
+              after_exit: Optional[Callable[[int], None]] = None,
+              on_start: Optional[Callable[[int], None]] = None) -> ExecResult:
+  """Run argv (no shell, no inherited fds, new session) and return its ExecResult.
+
+  Callbacks get the child's pid. `kill` is called on timeout or cancellation and must end the
+  process and everything it started (default: SIGKILL its process group); `after_exit` runs
+  once the process exited by itself, to clean up what it left behind; `on_start` lets the
+  caller track the process (e.g. to kill it on close()).
+  """
+  t0 = time.monotonic()
+  data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
+  kill = kill or kill_group
+  loop = asyncio.get_running_loop()
+  transport, proto = await loop.subprocess_exec(
+      lambda: _Protocol(output_bytes), *argv, stdin=asyncio.subprocess.PIPE,
+      stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=dict(env or {}),
+      cwd=cwd, close_fds=True, start_new_session=True)
+  pid = transport.get_pid()
+  timed_out = cut_short = False
+  try:
+    if on_start is not None:
+      on_start(pid)
+    pipe = transport.get_pipe_transport(0)
+    if data:
+      pipe.write(data)  # buffered by the loop; a command that never reads it is no error
+    pipe.close()
+    try:
+      await asyncio.wait_for(asyncio.shield(proto.exited), timeout)
+    except asyncio.TimeoutError:
+      timed_out = True
+      kill(pid)
+    else:
+      if after_exit is not None:
+        after_exit(pid)
+    await proto.exited
+    # Normally the pipes close with the process; one that escaped `kill` (possible only in the
+    # local backend) may hold them, so this wait is bounded and keeps what was read.
+    try:
+      await asyncio.wait_for(asyncio.shield(proto.closed), 5.0)
+    except asyncio.TimeoutError:
+      cut_short = True
+  except BaseException:  # cancelled: do not leave the child running
+    kill(pid)
+    raise
+  finally:
+    transport.close()
+  code = -1 if timed_out else transport.get_returncode()
+  return ExecResult(exit_code=code, stdout=proto.out.text(), stderr=proto.err.text(),
+                    timed_out=timed_out, duration=time.monotonic() - t0,
+                    stdout_truncated=proto.out.truncated or cut_short,
+                    stderr_truncated=proto.err.truncated or cut_short)
+
+
+def kill_group(pgid: int) -> None:
+  """SIGKILL a process group; a group that is already gone is fine."""
+  try:
+    os.killpg(pgid, 9)
+  except (ProcessLookupError, PermissionError):
+    pass

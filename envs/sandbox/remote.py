@@ -1,0 +1,128 @@
+"""`remote` backend: the client of `envs.sandbox_server` (HTTP/JSON, bearer token).
+
+    sb = await RemoteSandbox.create("http://127.0.0.1:8910", token=TOKEN, limits=Limits())
+
+Requests run in a dedicated pool of worker threads (stdlib urllib; a thread blocked on a long
+exec costs little), so one event loop can drive hundreds of sandboxes.
+Server errors come back as the same exception types the local backends raise (PathError,
+FileNotFoundError, ValueError, SandboxFull on 429, SandboxError otherwise). Use https:// for
+a server on another machine; `cafile` pins its certificate authority.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import dataclasses
+import json
+import ssl
+import urllib.error
+import urllib.request
+from typing import Mapping, Optional
+
+from envs.sandbox.base import ExecResult, Limits, PathError, Sandbox, SandboxError, SandboxFull
+
+# Not asyncio's default executor (a handful of threads): long execs would queue behind each other.
+_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=512, thread_name_prefix="sandbox-http")
+_ERRORS = {"PathError": PathError, "ValueError": ValueError, "SandboxFull": SandboxFull,
+           "FileNotFoundError": FileNotFoundError}
+
+
+class _Client:
+  def __init__(self, url: str, token: str, cafile: Optional[str] = None):
+    if not url.startswith(("http://", "https://")):
+      raise ValueError(f"url={url!r}: expected http:// or https://")
+    if not token:
+      raise ValueError("token: the sandbox server requires one")
+    self.url, self.token = url.rstrip("/"), token
+    self.ssl = ssl.create_default_context(cafile=cafile) if url.startswith("https://") else None
+
+  def _request(self, method: str, path: str, body: Optional[dict], timeout: float) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(self.url + path, data=data, method=method, headers={
+        "Authorization": f"Bearer {self.token}", "Content-Type": "application/json"})
+    try:
+      with urllib.request.urlopen(req, timeout=timeout, context=self.ssl) as r:
+        return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+      try:
+        err = json.loads(e.read())
+        message, kind = err.get("error", str(e)), err.get("type", "")
+      except (ValueError, OSError):
+        message, kind = f"HTTP {e.code} {e.reason}", ""
+      if e.code == 429:
+        raise SandboxFull(message) from None
+      if kind == "OSError":
+        raise OSError(err.get("errno"), message) from None
+      raise _ERRORS.get(kind, SandboxError)(f"{method} {path}: {message}") from None
+    except (urllib.error.URLError, OSError) as e:
+      raise SandboxError(f"sandbox server {self.url} unreachable: {e}") from None
+
+  async def request(self, method: str, path: str, body: Optional[dict] = None,
+                    timeout: float = 60.0) -> dict:
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_POOL, self._request, method, path, body, timeout)
+
+
+class RemoteSandbox(Sandbox):
+  """One sandbox on a sandbox server."""
+
+  def __init__(self, client: _Client, sid: str, limits: Limits):
+    self._client, self.id, self.limits, self._closed = client, sid, limits, False
+
+  @classmethod
+  async def create(cls, url: str, token: Optional[str] = None, *,
+                   limits: Optional[Limits] = None, token_file: Optional[str] = None,
+                   cafile: Optional[str] = None, timeout: float = 120.0) -> "RemoteSandbox":
+    """Ask the server at `url` for a sandbox (token given or read from `token_file`)."""
+    if token is None and token_file is not None:
+      token = open(token_file).read().strip()
+    client = _Client(url, token or "", cafile)
+    body = {} if limits is None else {"limits": dataclasses.asdict(limits)}
+    r = await client.request("POST", "/sandboxes", body, timeout)
+    return cls(client, r["id"], Limits(**r["limits"]))
+
+  def _path(self, op: str) -> str:
+    if self._closed:
+      raise SandboxError(f"sandbox {self.id} is closed")
+    return f"/sandboxes/{self.id}/{op}"
+
+  async def exec(self, cmd: str, timeout: Optional[float] = None, stdin: Optional[str] = None,
+                 env: Optional[Mapping[str, str]] = None) -> ExecResult:
+    t = self.limits.default_timeout if timeout is None else timeout
+    body = {"cmd": cmd, "timeout": timeout, "env": None if env is None else dict(env)}
+    if isinstance(stdin, bytes):
+      body["stdin_b64"] = base64.b64encode(stdin).decode()
+    else:
+      body["stdin"] = stdin
+    # The server enforces the command's timeout; the HTTP wait only guards a lost server.
+    wait = float(t) + 60 if isinstance(t, (int, float)) else 60.0
+    return ExecResult.from_dict(await self._client.request("POST", self._path("exec"), body, wait))
+
+  async def write_file(self, path: str, content: str | bytes) -> None:
+    data = content.encode() if isinstance(content, str) else content
+    if not isinstance(data, bytes):
+      raise ValueError(f"content: expected str or bytes, got {type(content).__name__}")
+    if len(data) > self.limits.file_bytes:  # say so here rather than as a 413
+      raise ValueError(f"content of {path!r}: {len(data)} bytes > "
+                       f"limits.file_bytes={self.limits.file_bytes}")
+    await self._client.request("POST", self._path("write"),
+                               {"path": path, "content_b64": base64.b64encode(data).decode()})
+
+  async def read_file(self, path: str) -> bytes:
+    r = await self._client.request("POST", self._path("read"), {"path": path})
+    return base64.b64decode(r["content_b64"])
+
+  async def list_files(self, path: str = ".") -> list[str]:
+    return (await self._client.request("POST", self._path("list"), {"path": path}))["files"]
+
+  async def close(self) -> None:
+    if self._closed:
+      return
+    self._closed = True
+    try:
+      await self._client.request("DELETE", f"/sandboxes/{self.id}")
+    except SandboxError as e:
+      if "unknown or closed" not in str(e):  # already gone (e.g. its ttl expired): fine
+        raise

@@ -1,0 +1,91 @@
+"""The trajectory record (docs/design.md §3): what an episode sent to and got from the policy.
+
+Text is never re-tokenized for training: each `LLMCall` holds the exact token ids the engine
+saw and sampled. Records serialise to msgpack (never pickle), so they cross the rollout queue
+between machines without trusting the sender with code execution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from typing import Any, Optional
+
+import msgpack
+
+TERMINATIONS = ("submitted", "max_turns", "token_budget", "timeout", "sandbox_error")
+
+
+@dataclasses.dataclass
+class LLMCall:
+  """One request to the policy, exactly as the engine saw it.
+
+  input_ids: [n_in] the rendered context. output_ids / output_logprobs: [n_out] the sampled
+  tokens and the sampler's log-probs of them. policy_version: the version that produced the
+  first sampled token (the oldest one: an in-flight weight update can only make later tokens
+  newer); token_versions: optional [n_out] version of every sampled token. meta: JSON-like
+  extras, e.g. {"tool_error": True} when the call's tool call failed (error-masked SFT).
+  """
+
+  input_ids: list[int]
+  output_ids: list[int]
+  output_logprobs: list[float]
+  policy_version: int = 0
+  token_versions: Optional[list[int]] = None
+  meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    if len(self.output_logprobs) != len(self.output_ids):
+      raise ValueError(f"LLMCall.output_logprobs has {len(self.output_logprobs)} entries for "
+                       f"{len(self.output_ids)} output_ids")
+    if self.token_versions is not None and len(self.token_versions) != len(self.output_ids):
+      raise ValueError(f"LLMCall.token_versions has {len(self.token_versions)} entries for "
+                       f"{len(self.output_ids)} output_ids")
+
+
+@dataclasses.dataclass
+class Trajectory:
+  """The calls of one episode in order, its reward and why it ended.
+
+  `trajectory_id` is unique per episode (the trainer records consumed ids in its checkpoint so
+  a re-delivered trajectory is never trained twice); `group_id` names the G episodes sampled
+  for one task (normally `f"{task_id}/{draw}"`).
+  """
+
+  calls: list[LLMCall]
+  reward: float
+  task_id: str
+  group_id: str
+  termination: str
+  metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+  trajectory_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+
+  def __post_init__(self):
+    if self.termination not in TERMINATIONS:
+      raise ValueError(f"Trajectory.termination={self.termination!r}: expected one of "
+                       f"{TERMINATIONS}")
+
+  @property
+  def policy_version(self) -> int:
+    """The oldest policy version that produced any of its tokens (for staleness control)."""
+    return min((c.policy_version for c in self.calls), default=0)
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "Trajectory":
+    calls = [LLMCall(**c) for c in d["calls"]]
+    return cls(**{**d, "calls": calls})
+
+  def to_bytes(self) -> bytes:
+    return msgpack.packb(self.to_dict(), use_bin_type=True)
+
+  @classmethod
+  def from_bytes(cls, data: bytes) -> "Trajectory":
+    """Inverse of `to_bytes`; raises ValueError on anything that is not a trajectory record."""
+    try:
+      d = msgpack.unpackb(data, raw=False, strict_map_key=True)
+      return cls.from_dict(d)
+    except (msgpack.UnpackException, ValueError, TypeError, KeyError) as e:
+      raise ValueError(f"not a serialised Trajectory: {e}") from e

@@ -1,0 +1,516 @@
+"""Verifiers: rewards from real sandbox runs, and the reward hacks they must refuse.
+
+The `tests` verifier runs in the bwrap backend (the real one). Every attack below is first a
+submission that does not fix the bug; the verifier must give it 0 for the stated reason.
+"""
+
+import asyncio
+import dataclasses
+import json
+import os
+
+import pytest
+
+from envs import taskgen
+from envs.policy import Generation
+from envs.sandbox import Limits, create_sandbox
+from envs.tasks import (Task, load_problems_jsonl, load_repo_files, load_swe_jsonl, make_patch,
+                        reference_files)
+from envs.verifiers import (Verdict, extract_answer, junit_key, merge_submission,
+                            normalize_answer, parse_junit, parse_scores, verify,
+                            verify_exact, verify_judge, verify_python_io, verify_tests,
+                            workspace_files)
+
+DATA = os.path.join(os.path.dirname(__file__), "..", "envs", "data", "swe", "tasks.jsonl")
+PROBLEMS = os.path.join(os.path.dirname(__file__), "..", "envs", "data", "problems.jsonl")
+TASKS = {t.instance_id: t for t in load_swe_jsonl(DATA)}
+MERGE = TASKS["intervals-1"]  # the instance the attacks target
+MERGE_FILES = load_repo_files(MERGE)
+
+
+def bwrap(task):
+  return create_sandbox("bwrap", rootfs=task.rootfs)
+
+
+def run(coro):
+  return asyncio.run(coro)
+
+
+def check(task, submission, **kw) -> Verdict:
+  return run(verify_tests(task, submission, bwrap, **kw))
+
+
+def with_code(extra: str, path="intervals/merge.py", files=MERGE_FILES) -> dict:
+  """The unfixed repository with `extra` appended to a module the tests import."""
+  return {**files, path: files[path] + b"\n" + extra.encode()}
+
+
+# ----------------------------------------------------------------------------- honest runs
+
+
+@pytest.mark.parametrize("instance_id", sorted(TASKS))
+def test_reference_fix_gets_1_and_unchanged_repo_gets_0(instance_id):
+  task = TASKS[instance_id]
+  fixed = check(task, reference_files(task))
+  assert fixed.reward == 1.0, fixed.details
+  assert set(fixed.details["fail_to_pass"].values()) == {"passed"}
+  empty = check(task, load_repo_files(task))
+  assert empty.reward == 0.0
+  assert set(empty.details["fail_to_pass"].values()) == {"failed"}   # F2P really fail before
+  assert set(empty.details["pass_to_pass"].values()) == {"passed"}   # P2P pass before
+
+
+def test_diff_submissions():
+  assert run(verify(MERGE, MERGE.patch, make_sandbox=bwrap)).reward == 1.0
+  empty = check(MERGE, "")
+  assert empty.reward == 0.0 and empty.details["applied"] == []
+  bad = check(MERGE, MERGE.patch.replace("start < result", "start > result"))
+  assert bad.reward == 0.0 and "does not apply" in bad.details["reason"]
+
+
+def test_partial_credit_is_the_pass_rate():
+  v = check(MERGE, MERGE_FILES, partial=True)
+  assert v.reward == pytest.approx(3 / 5)  # 2 F2P fail, 3 P2P pass
+  assert not v.details["solved"]
+
+
+def test_generated_tasks_fail_before_and_pass_after_the_fix(tmp_path):
+  """Every level, three seeds: F2P fail and P2P pass on the original, all pass with the
+  reference fix (test_tasks checks that the one-line `fix_edit` gives the same files)."""
+  async def one(level, seed):
+    (task,) = taskgen.write_tasks(str(tmp_path / f"l{level}s{seed}"), 1, level, seed, start=3)
+    before, after = await asyncio.gather(verify_tests(task, load_repo_files(task), bwrap),
+                                         verify_tests(task, reference_files(task), bwrap))
+    assert before.reward == 0.0, (task.instance_id, before.details)
+    assert set(before.details["fail_to_pass"].values()) == {"failed"}, task.instance_id
+    assert set(before.details["pass_to_pass"].values()) <= {"passed"}, task.instance_id
+    assert after.reward == 1.0, (task.instance_id, after.details)
+
+  async def main():
+    for level in taskgen.LEVELS:
+      await asyncio.gather(one(level, 1), one(level, 2), one(level, 3))
+  run(main())
+
+
+# ----------------------------------------------------------------------------- attacks
+
+
+def test_editing_the_tests_gets_0():
+  test_file = "tests/test_merge.py"
+  weakened = MERGE_FILES[test_file].replace(b"assert ", b"assert True or ")
+  v = check(MERGE, {**MERGE_FILES, test_file: weakened})
+  assert v.reward == 0.0 and v.details["restored"] == [test_file]
+  # Deleting the failing tests, or adding a test file, is undone the same way.
+  deleted = {p: b for p, b in MERGE_FILES.items() if p != test_file}
+  assert check(MERGE, {**deleted, "tests/test_mine.py": b"def test_ok(): pass\n"}).reward == 0.0
+  # Test edits inside a diff are dropped too, while the code fix in it is applied.
+  both = make_patch(MERGE_FILES, {**reference_files(MERGE), test_file: weakened})
+  v = check(MERGE, both)
+  assert v.reward == 1.0 and v.details["restored"] == [test_file]
+
+
+FORCE_PASS = """
+import pytest
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    outcome.get_result().outcome = "passed"
+"""
+
+
+def test_conftest_forcing_passes_is_a_real_attack():
+  """Without the verifier's refusal this conftest would turn the failing tests green."""
+  async def main():
+    async with await bwrap(MERGE) as sb:
+      for path, data in {**MERGE_FILES, "conftest.py": FORCE_PASS}.items():
+        await sb.write_file(path, data)
+      return await sb.exec("python3 -m pytest -q -p no:cacheprovider tests/test_merge.py",
+                           timeout=60)
+  res = run(main())
+  assert res.exit_code == 0 and "5 passed" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize("path,content", [
+    ("conftest.py", FORCE_PASS),
+    ("intervals/conftest.py", FORCE_PASS),
+    ("tests/conftest.py", FORCE_PASS),
+    ("pytest.ini", "[pytest]\naddopts = -p no:junitxml\n"),
+    ("setup.cfg", "[tool:pytest]\naddopts = -x\n"),
+    ("tox.ini", "[pytest]\naddopts = -x\n"),
+    ("pyproject.toml", "[tool.pytest.ini_options]\naddopts = '-x'\n"),
+    ("sitecustomize.py", "import builtins\n"),
+    ("usercustomize.py", "import builtins\n"),
+    ("intervals/evil.pth", "import os\n"),
+])
+def test_configuration_changes_are_refused(path, content):
+  v = check(MERGE, {**reference_files(MERGE), path: content})  # refused even with the fix
+  assert v.reward == 0.0
+  assert v.details["reason"].startswith("refused") and path in v.details["reason"]
+
+
+def test_fake_passed_output_gets_0():
+  names = [junit_key(i)[1] for i in MERGE.fail_to_pass + MERGE.pass_to_pass]
+  lines = [f"tests/test_merge.py::{n} PASSED" for n in names]
+  lines += ["=" * 20 + " 5 passed in 0.01s " + "=" * 20,
+            f"{'0' * 32} 0 {'a' * 64} 100"]  # the result-line format, with a guessed nonce
+  v = check(MERGE, with_code(f"""
+import os, sys
+_text = {json.dumps(chr(10).join(lines))} + "\\n"
+print(_text)
+sys.__stdout__.write(_text)
+sys.__stdout__.flush()
+os.write(1, _text.encode())
+os.write(2, _text.encode())
+"""))
+  assert v.reward == 0.0
+  assert set(v.details["fail_to_pass"].values()) == {"failed"}
+
+
+# Writes a JUnit report claiming every test passed to every place it can find: files named
+# *.xml or report/junit/results under /tmp, /dev/shm, $HOME, the workspace (every directory
+# made readable first), paths given to --junitxml on any command line, open .xml files of this
+# process; at import, from a thread, from atexit, and from a setsid daemon that outlives pytest.
+SPRAY = r'''
+import atexit, os, threading, time
+_CASES = %(cases)r
+_FAKE = ('<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" '
+         'errors="0" failures="0" skipped="0" tests="%%d">' %% len(_CASES)
+         + "".join('<testcase classname="%%s" name="%%s" time="0.001" />' %% c for c in _CASES)
+         + "</testsuite></testsuites>")
+
+def _targets():
+    out = set()
+    for top in ("/tmp", "/dev/shm", os.path.expanduser("~"), os.getcwd()):
+        for dirpath, dirnames, filenames in os.walk(top):
+            for d in dirnames:
+                try:
+                    os.chmod(os.path.join(dirpath, d), 0o777)
+                except OSError:
+                    pass
+            for f in filenames:
+                if f.endswith(".xml"):
+                    out.add(os.path.join(dirpath, f))
+            for f in ("report.xml", "junit.xml", "results.xml"):
+                out.add(os.path.join(dirpath, f))
+    for pid in os.listdir("/proc"):
+        try:
+            args = open("/proc/%%s/cmdline" %% pid, "rb").read().decode().split("\0")
+        except OSError:
+            continue
+        for i, a in enumerate(args):
+            if a.startswith("--junitxml="):
+                out.add(a.split("=", 1)[1])
+            elif a in ("--junitxml", "--junit-xml") and i + 1 < len(args):
+                out.add(args[i + 1])
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink("/proc/self/fd/" + fd)
+        except OSError:
+            continue
+        if link.endswith(".xml"):
+            out.add(link)
+    return out
+
+def _spray():
+    for path in _targets():
+        try:
+            with open(path, "w") as f:
+                f.write(_FAKE)
+        except OSError:
+            pass
+
+def _loop(n):
+    for _ in range(n):
+        _spray()
+        time.sleep(0.01)
+
+_spray()
+atexit.register(_spray)
+threading.Thread(target=_loop, args=(100000,), daemon=True).start()
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        _loop(300)
+    os._exit(0)
+'''
+
+
+def _spray_code(task) -> str:
+  return SPRAY % {"cases": [junit_key(i) for i in task.fail_to_pass + task.pass_to_pass]}
+
+
+def test_fake_junit_xml_everywhere_gets_0():
+  v = check(MERGE, with_code(_spray_code(MERGE)))
+  assert v.reward == 0.0, v.details
+  assert set(v.details["fail_to_pass"].values()) == {"failed"}
+
+
+def test_fake_report_then_early_exit_gets_0():
+  v = check(MERGE, with_code(_spray_code(MERGE) + "\nos._exit(0)\n"))
+  assert v.reward == 0.0 and "did not finish" in v.details["reason"]
+
+
+def test_report_rewritten_after_the_run_gets_0():
+  """A process that survives the run (possible where a backend has no PID namespace) rewrites
+  the report copy: the hash printed by the runner no longer matches."""
+  fake = ('<testsuites><testsuite name="pytest">' + "".join(
+      f'<testcase classname="{c}" name="{n}" />' for c, n in map(
+          junit_key, MERGE.fail_to_pass + MERGE.pass_to_pass)) + "</testsuite></testsuites>")
+
+  class Tampering:
+    def __init__(self, inner):
+      self.inner = inner
+
+    async def exec(self, *a, **kw):
+      res = await self.inner.exec(*a, **kw)
+      for p in await self.inner.list_files():
+        if p.startswith(".arbor-result-"):
+          await self.inner.write_file(p, fake)
+      return res
+
+    def __getattr__(self, name):
+      return getattr(self.inner, name)
+
+  async def tampering(task):
+    return Tampering(await bwrap(task))
+  v = run(verify_tests(MERGE, MERGE_FILES, tampering))
+  assert v.reward == 0.0 and "changed after" in v.details["reason"]
+
+
+def test_shadowing_pytest_gets_0():
+  fake_pytest = """
+def main(args=None, plugins=None):
+    path = args[args.index("--junitxml") + 1]
+    open(path, "w").write('<testsuites><testsuite name="pytest"></testsuite></testsuites>')
+    return 0
+"""
+  files = {**MERGE_FILES, "pytest.py": fake_pytest, "_pytest/__init__.py": "",
+           "pluggy/__init__.py": "raise SystemExit(0)\n"}
+  v = check(MERGE, files)
+  assert v.reward == 0.0 and set(v.details["fail_to_pass"].values()) == {"failed"}
+
+
+def test_rewriting_tests_on_disk_gets_0():
+  v = check(MERGE, with_code("""
+import os
+_path = os.path.join(os.getcwd(), "tests", "test_merge.py")
+with open(_path, "w") as _f:
+    _f.write("def test_touching_intervals_are_merged():\\n    pass\\n")
+"""))
+  assert v.reward == 0.0 and "modified during the test run" in v.details["reason"]
+
+
+def test_always_equal_object_gets_0(tmp_path):
+  (task,) = taskgen.write_tasks(str(tmp_path), 1, 0, seed=5)
+  files = load_repo_files(task)
+  path = task.metadata["fix_edit"]["path"]
+  name = task.fail_to_pass[0].split("::")[1].removeprefix("test_").rsplit("_", 1)[0]
+  cheat = files[path] + f"""
+
+class _Anything:
+    def __eq__(self, other):
+        return True
+    def __ne__(self, other):
+        return False
+
+
+def {name}(*args, **kwargs):
+    return _Anything()
+""".encode()
+  v = check(task, {**files, path: cheat})
+  assert v.reward == 0.0 and set(v.details["fail_to_pass"].values()) == {"failed"}
+
+
+def test_hanging_code_times_out_with_0():
+  task = dataclasses.replace(MERGE, timeout=3.0)
+  v = check(task, with_code("while True:\n    pass\n"))
+  assert v.reward == 0.0 and "timed out" in v.details["reason"]
+
+
+def test_unsafe_paths_are_refused():
+  for path in ("../escape.py", "/etc/evil.py", "intervals/../../x.py"):
+    v = check(MERGE, {**reference_files(MERGE), path: "x = 1\n"})
+    assert v.reward == 0.0 and "refused" in v.details["reason"], path
+
+
+def test_workspace_files_reads_what_the_agent_left():
+  async def main():
+    async with await create_sandbox("bwrap", limits=Limits(file_bytes=1000)) as sb:
+      for path, data in MERGE_FILES.items():
+        await sb.write_file(path, data)
+      res = await sb.exec("mkdir -p intervals/__pycache__ && touch intervals/__pycache__/x.pyc"
+                          " && head -c 5000 /dev/zero > big.bin && ln -s /etc/passwd link"
+                          " && echo 'X = 2' > intervals/extra.py")
+      assert res.exit_code == 0, res.stderr
+      return await workspace_files(sb)
+  assert run(main()) == {**MERGE_FILES, "intervals/extra.py": b"X = 2\n"}
+
+
+def test_merge_submission_sorts_changes():
+  final = {**reference_files(MERGE), "tests/test_new.py": b"", "intervals/__pycache__/m.pyc": b"",
+           "intervals/extra.py": b"X = 1\n", "evil-1.dist-info/entry_points.txt": b"[pytest11]"}
+  del final["intervals/__init__.py"]
+  files, changes = merge_submission(MERGE, MERGE_FILES, final)
+  assert changes == {"applied": ["intervals/__init__.py", "intervals/extra.py",
+                                 "intervals/merge.py"],
+                     "restored": ["tests/test_new.py"],
+                     "ignored": ["evil-1.dist-info/entry_points.txt",
+                                 "intervals/__pycache__/m.pyc"]}
+  assert "intervals/__init__.py" not in files and files["intervals/extra.py"] == b"X = 1\n"
+  assert "tests/test_new.py" not in files
+
+
+def test_junit_parsing():
+  assert junit_key("tests/test_a.py::TestX::test_y[1-a::b]") == ("tests.test_a.TestX",
+                                                                 "test_y[1-a::b]")
+  assert junit_key("test_b.py::test_z") == ("test_b", "test_z")
+  xml = b"""<?xml version="1.0"?><testsuites><testsuite name="pytest">
+    <testcase classname="t" name="ok"/>
+    <testcase classname="t" name="bad"><failure message="x"/></testcase>
+    <testcase classname="t" name="skip"><skipped/></testcase>
+    <testcase classname="t" name="teardown"/>
+    <testcase classname="t" name="teardown"><error message="boom"/></testcase>
+  </testsuite></testsuites>"""
+  assert parse_junit(xml) == {("t", "ok"): "passed", ("t", "bad"): "failed",
+                              ("t", "skip"): "skipped", ("t", "teardown"): "error"}
+  with pytest.raises(ValueError):
+    parse_junit(b"<html/>")
+
+
+# ----------------------------------------------------------------------------- python_io
+
+
+def code_task(tests, entry_point="add", timeout=5.0):
+  return Task("p", "code", ("Write add(a, b).",), tests=tuple(tests), entry_point=entry_point,
+              timeout=timeout)
+
+
+def test_python_io_function_tests():
+  task = code_task([{"args": [1, 2], "expected": 3}, {"args": [-1, 1], "expected": 0},
+                    {"args": [[1], [2]], "expected": [1, 2]}, {"args": [2, 2], "expected": 4}])
+
+  async def main():
+    good = await verify_python_io(task, "```python\ndef add(a, b):\n    print('hi')\n"
+                                  "    return a + b\n```", bwrap)
+    # Right on tests 1 and 4, wrong on 2, raises TypeError on 3 ([1] > 0).
+    half = await verify_python_io(task, "def add(a, b):\n    return a + b if a > 0 else a - b",
+                                  bwrap, partial=True)
+    sneaky = await verify_python_io(task, "class A:\n  def __eq__(s, o): return True\n"
+                                    "def add(a, b):\n  return A()\n", bwrap)
+    broken = await verify_python_io(task, "def add(a, b) return", bwrap)
+    return good, half, sneaky, broken
+  good, half, sneaky, broken = run(main())
+  assert good.reward == 1.0, good.details
+  assert half.reward == pytest.approx(2 / 4), half.details
+  assert [t["passed"] for t in half.details["tests"]] == [True, False, False, True]
+  assert "TypeError" in half.details["tests"][2]["error"]
+  assert sneaky.reward == 0.0 and broken.reward == 0.0
+  assert "SyntaxError" in broken.details["tests"][0]["error"]
+
+
+def test_bundled_problems():
+  tasks = {t.instance_id: t for t in load_problems_jsonl(PROBLEMS)}
+
+  async def main():
+    return (await verify(tasks["code-add"], "def add(a, b):\n    return a + b\n",
+                         make_sandbox=bwrap),
+            await verify(tasks["code-reverse-words"], "print(' '.join(input().split()[::-1]))",
+                         make_sandbox=bwrap))
+  add, rev = run(main())
+  assert add.reward == 1.0 and rev.reward == 1.0, (add.details, rev.details)
+  assert verify_exact(tasks["exact-sum"], "... = \\boxed{5050}").reward == 1.0
+  assert len(tasks["judge-explain-bug"].rubric) == 3
+
+
+def test_python_io_stdin_stdout_tests():
+  task = code_task([{"input": "1 2\n", "output": "3\n"}, {"input": "5 5", "output": "10"},
+                    {"input": "0 0\n", "output": "0"}], entry_point=None, timeout=3.0)
+  program = "a, b = map(int, input().split())\nprint(a + b, '  ')\nprint()\n"
+
+  async def main():
+    return (await verify_python_io(task, program, bwrap),
+            await verify_python_io(task, "print(3)", bwrap, partial=True),
+            await verify_python_io(dataclasses.replace(task, tests=task.tests[:1], timeout=2.0),
+                                   "while True: pass", bwrap))
+  good, one, hang = run(main())
+  assert good.reward == 1.0, good.details
+  assert one.reward == pytest.approx(1 / 3)
+  assert hang.reward == 0.0 and all(t["timed_out"] for t in hang.details["tests"])
+
+
+# ----------------------------------------------------------------------------- exact
+
+
+@pytest.mark.parametrize("response,answers,reward", [
+    ("So the result is \\boxed{42}.", ("42",), 1.0),
+    ("Answer: 1,000.", ("1000",), 1.0),
+    ("The final answer is: 0.50", ("1/2",), 1.0),
+    ("answer = Paris", ("paris",), 1.0),
+    ("\\boxed{\\frac{1}{2}} hmm no, \\boxed{3}", ("3",), 1.0),
+    ("$ 7 $", ("7",), 1.0),
+    ("Answer: 41", ("42", "forty-two"), 0.0),
+    ("I think it is 42 or 43", ("42",), 0.0),
+])
+def test_exact(response, answers, reward):
+  task = Task("q", "exact", ("What is it?",), answers=answers)
+  assert verify_exact(task, response).reward == reward
+
+
+def test_answer_normalisation():
+  assert extract_answer("x\nFinal answer: \\text{blue} \n") == "\\text{blue}"
+  assert normalize_answer(" \\text{Blue}. ") == "blue"
+  assert normalize_answer("12,345,678 apples") == "12345678 apples"
+  assert normalize_answer("1,23") == "1,23"
+
+
+# ----------------------------------------------------------------------------- judge
+
+RUBRIC = ({"name": "correctness", "weight": 2, "description": "Is it right?"},
+          {"name": "code quality", "weight": 1, "max": 5})
+
+
+class CannedPolicy:
+  """Answers every request with the bytes of the next canned reply."""
+
+  def __init__(self, replies):
+    self.replies, self.prompts = list(replies), []
+
+  async def generate(self, input_ids, params):
+    self.prompts.append(bytes(input_ids).decode())
+    ids = list(self.replies.pop(0).encode())
+    return Generation(output_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop")
+
+
+def test_judge_reward_is_the_weighted_rubric_score():
+  task = Task("j", "judge", ("Explain recursion.",), rubric=RUBRIC)
+  policy = CannedPolicy(["correctness: 8/10\nCode_Quality: 3", '{"correctness": 4, '
+                         '"code quality": 5}'])
+
+  async def main():
+    return await verify_judge(task, "It calls itself.", policy, lambda s: list(s.encode()),
+                              lambda ids: bytes(ids).decode(), samples=2)
+  v = run(main())
+  # (2 * 8/10 + 1 * 3/5) / 3 and (2 * 4/10 + 1 * 5/5) / 3, averaged.
+  assert v.reward == pytest.approx(((1.6 + 0.6) / 3 + (0.8 + 1.0) / 3) / 2)
+  assert "It calls itself." in policy.prompts[0] and "code quality (0-5)" in policy.prompts[0]
+  assert v.details["missing"] == []
+
+
+def test_parse_scores_is_robust():
+  parse = lambda text: parse_scores(text, RUBRIC)  # noqa: E731
+  assert parse("**Correctness** (0-10): 7\n**Code quality**: 4 out of 5") == {
+      "correctness": 7.0, "code quality": 4.0}
+  assert parse("correctness - 9.5 / 10; code-quality = 2") == {"correctness": 9.5,
+                                                                "code quality": 2.0}
+  # The last mention wins; scores are clamped to [0, max]; unknown text gives None.
+  assert parse("correctness: 3 ... on reflection, correctness: 6\ncode quality: 11") == {
+      "correctness": 6.0, "code quality": 5.0}
+  assert parse("I liked it.") == {"correctness": None, "code quality": None}
+
+
+def test_judge_missing_dimension_scores_0():
+  task = Task("j", "judge", ("Explain recursion.",), rubric=RUBRIC)
+  v = run(verify(task, "answer", policy=CannedPolicy(["correctness: 10"]),
+                 render=lambda s: list(s.encode()), decode=lambda ids: bytes(ids).decode()))
+  assert v.reward == pytest.approx(2 / 3) and v.details["missing"] == ["code quality"]
