@@ -21,6 +21,8 @@ setup(
             "configs", "configs.*",
         ]
     ),
+    # Bundled example tasks (SWE-format repositories and code problems).
+    package_data={"envs": ["data/*.jsonl", "data/swe/*.jsonl", "data/swe/repos/**/*"]},
     install_requires=[
         JAX,
         "flax>=0.12.8,<0.13",
@@ -34,6 +36,10 @@ setup(
         "numpy>=2.4,<3",
         "safetensors>=0.8.0,<0.9",
         "docker>=7.2.0,<8",
+        "msgpack>=1.2.4,<2",  # trajectory records (never pickle)
+        "redis>=8.1.0,<9",  # Redis Streams rollout queue
+        "tokenizers>=0.23.3,<0.24",  # envs.chat: Hugging Face tokenizer.json
+        "tiktoken>=0.14.0,<0.15",  # envs.chat: Kimi K2 / Moonlight tokenizers
         "google-cloud-storage>=3.17.1,<4",
     ],
     extras_require={
@@ -44,7 +50,6 @@ setup(
             "hypothesis>=6.170,<7",
             "torch==2.13.0",
             "transformers>=5.23,<6",
-            "tokenizers>=0.23.3,<0.24",
         ],
         "tpu": [JAX.replace("jax", "jax[tpu]", 1)],
         "gpu": [JAX.replace("jax", "jax[cuda12]", 1)],
