@@ -216,6 +216,28 @@ def _decode(data: bytes, entry_id: str) -> Trajectory:
 # In-memory backend.
 
 
+def _admit(queue, entry_id: str, data: Optional[bytes], count: int, taken: set[str],
+           out: list[Delivery]) -> None:
+  """Append one fetched entry to `out` as a Delivery, or dead-letter it (delivered more than
+  `max_deliveries` times, or not a trajectory). Both backends' get_batch go through here."""
+  if entry_id in taken:  # re-claimed by ourselves in a call longer than claim_timeout
+    return
+  taken.add(entry_id)
+  if count > queue.max_deliveries:
+    why = f"entry {entry_id} delivered {count - 1} times without ack"
+    queue._dead_letter(entry_id, data, count, why)
+    queue.counters.count("dead_letter", why=why)
+    return
+  try:
+    if data is None:
+      raise ValueError(f"entry {entry_id}: no 'data' field")
+    out.append(Delivery(entry_id, _decode(data, entry_id), count))
+  except ValueError as e:
+    queue._dead_letter(entry_id, data, count, str(e))
+    queue.counters.count("malformed", why=str(e))
+    queue.counters.count("dead_letter", why=str(e))
+
+
 class _MemState:
   """Everything an in-memory queue holds; shared by handles made with `with_consumer`."""
 
@@ -318,20 +340,7 @@ class InMemoryQueue:
     with self._s.cond:
       while True:
         for entry_id, data, count in self._take(n - len(out)):
-          if entry_id in taken:  # re-claimed by ourselves in a call longer than claim_timeout
-            continue
-          taken.add(entry_id)
-          if count > self.max_deliveries:
-            why = f"entry {entry_id} delivered {count - 1} times without ack"
-            self._dead_letter(entry_id, data, count, why)
-            self.counters.count("dead_letter", why=why)
-            continue
-          try:
-            out.append(Delivery(entry_id, _decode(data, entry_id), count))
-          except ValueError as e:
-            self._dead_letter(entry_id, data, count, str(e))
-            self.counters.count("malformed", why=str(e))
-            self.counters.count("dead_letter", why=str(e))
+          _admit(self, entry_id, data, count, taken, out)
         remaining = deadline - time.monotonic()
         if len(out) >= n or remaining <= 0:
           break
@@ -672,22 +681,7 @@ class RedisQueue:
       remaining = deadline - time.monotonic()
       block_ms = max(1, int(remaining * 1000)) if remaining > 0 else None
       for entry_id, data, count in self._fetch(n - len(out), block_ms):
-        if entry_id in taken:  # re-claimed by ourselves in a call longer than claim_timeout
-          continue
-        taken.add(entry_id)
-        if count > self.max_deliveries:
-          why = f"entry {entry_id} delivered {count - 1} times without ack"
-          self._dead_letter(entry_id, data, count, why)
-          self.counters.count("dead_letter", why=why)
-          continue
-        try:
-          if data is None:
-            raise ValueError(f"entry {entry_id}: no 'data' field")
-          out.append(Delivery(entry_id, _decode(data, entry_id), count))
-        except ValueError as e:
-          self._dead_letter(entry_id, data, count, str(e))
-          self.counters.count("malformed", why=str(e))
-          self.counters.count("dead_letter", why=str(e))
+        _admit(self, entry_id, data, count, taken, out)
       if len(out) >= n or time.monotonic() >= deadline:
         break
     self.counters.count("delivered", len(out))

@@ -43,12 +43,7 @@ def _kernel_blocks(q, k, v, end, *, scale, block_q, block_k):
                         interpret=True, debug_blocks=True)
 
 
-def _inputs(seed, batch, length, heads, kv_heads, qk_dim, v_dim, dtype=jnp.float32):
-  rng = np.random.default_rng(seed)
-  shapes = [(batch, length, heads, qk_dim), (batch, length, kv_heads, qk_dim),
-            (batch, length, kv_heads, v_dim), (batch, length, heads, v_dim)]
-  q, k, v, ct = (jnp.asarray(rng.standard_normal(s), jnp.float32).astype(dtype) for s in shapes)
-  return q, k, v, ct
+_inputs = tc.random_qkv
 
 
 def _tree(seed, n, **kw):

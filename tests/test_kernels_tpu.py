@@ -26,12 +26,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 TOL = 2e-5  # fp32, absolute
 
 
-def _inputs(seed, b, length, heads, kv_heads, dqk, dv, dtype=jnp.float32):
-  """Random q, k, v and output cotangent (numpy randoms: no per-shape compile)."""
-  rng = np.random.default_rng(seed)
-  shapes = [(b, length, heads, dqk), (b, length, kv_heads, dqk), (b, length, kv_heads, dv),
-            (b, length, heads, dv)]
-  return tuple(jnp.asarray(rng.standard_normal(s, np.float32), dtype) for s in shapes)
+_inputs = tc.random_qkv
 
 
 @functools.lru_cache(maxsize=None)

@@ -23,11 +23,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 TOL = 2e-5  # fp32, absolute
 
 
-def _inputs(seed, b, length, heads, kv_heads, dqk, dv, dtype=jnp.float32):
-  rng = np.random.default_rng(seed)
-  shapes = [(b, length, heads, dqk), (b, length, kv_heads, dqk), (b, length, kv_heads, dv),
-            (b, length, heads, dv)]
-  return tuple(jnp.asarray(rng.standard_normal(s, np.float32), dtype) for s in shapes)
+_inputs = tc.random_qkv
 
 
 def _with_vjp(fn):

@@ -77,3 +77,14 @@ def allowed(end: np.ndarray) -> np.ndarray:
   i = np.arange(len(end))[:, None]
   j = np.arange(len(end))[None, :]
   return (j <= i) & (i < end[None, :])
+
+
+def random_qkv(seed: int, batch: int, length: int, heads: int, kv_heads: int, qk_dim: int,
+               v_dim: int, dtype=np.float32):
+  """Random q [b, L, heads, qk_dim], k [b, L, kv_heads, qk_dim], v [b, L, kv_heads, v_dim] and
+  an output cotangent [b, L, heads, v_dim] as jax arrays (numpy randoms: no per-shape compile)."""
+  import jax.numpy as jnp
+  rng = np.random.default_rng(seed)
+  shapes = [(batch, length, heads, qk_dim), (batch, length, kv_heads, qk_dim),
+            (batch, length, kv_heads, v_dim), (batch, length, heads, v_dim)]
+  return tuple(jnp.asarray(rng.standard_normal(s, np.float32)).astype(dtype) for s in shapes)
