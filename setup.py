@@ -41,6 +41,8 @@ setup(
         "tokenizers>=0.23.3,<0.24",  # envs.chat: Hugging Face tokenizer.json
         "tiktoken>=0.14.0,<0.15",  # envs.chat: Kimi K2 / Moonlight tokenizers
         "google-cloud-storage>=3.17.1,<4",
+        "matplotlib>=3.11.2,<4",  # end-of-run report (trainer/report.py)
+        "tqdm>=4.70,<5",  # progress bar
     ],
     extras_require={
         # Tests compare against Hugging Face transformers on PyTorch CPU.
