@@ -43,6 +43,7 @@ setup(
         "google-cloud-storage>=3.17.1,<4",
         "matplotlib>=3.11.2,<4",  # end-of-run report (trainer/report.py)
         "tqdm>=4.70,<5",  # progress bar
+        "pyarrow>=26.0.1,<27",  # Parquet SFT data
     ],
     extras_require={
         # Tests compare against Hugging Face transformers on PyTorch CPU.
@@ -53,7 +54,8 @@ setup(
             "torch==2.13.0",
             "transformers>=5.23,<6",
         ],
-        "tpu": [JAX.replace("jax", "jax[tpu]", 1)],
+        # gcsfs lets orbax/etils read and write gs:// workdirs.
+        "tpu": [JAX.replace("jax", "jax[tpu]", 1), "gcsfs>=2026.9.0"],
         "gpu": [JAX.replace("jax", "jax[cuda12]", 1)],
     },
 )

@@ -1,0 +1,250 @@
+"""Pieces shared by the launchers: commands that are run or printed, configs, names, secrets.
+
+A launcher builds a list of `Command`s (argv lists, never shell strings) and hands it to `run`,
+which prints them under `--dry_run` and runs them otherwise. Secrets never appear in a command
+or a script: scripts name Secret Manager secrets and fetch them on the machine into root-only
+files (`secret_fetch_lines`), and a value that must be fed to gcloud (a generated token) goes
+through the command's stdin, which is never printed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tarfile
+from typing import Iterable, Optional, Sequence, TextIO
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# GCE / TPU resource names: RFC 1035 labels (lower case, digits, dashes; start with a letter).
+_NAME_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+# Secret Manager secret ids: letters, digits, dashes and underscores, at most 255.
+_SECRET_RE = re.compile(r"^[A-Za-z0-9_-]{1,255}$")
+# File names under /run/arbor/secrets (a config refers to them by this name).
+_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+# Where scripts on the VMs put fetched secrets: /run is a tmpfs, so they never reach a disk.
+SECRETS_DIR = "/run/arbor/secrets"
+# Pinned so every VM bootstraps the same installer (PyPI `uv`).
+UV_VERSION = "0.13.8"
+
+
+class LaunchError(ValueError):
+  """A bad flag or value; the message names the flag and the value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+  """One program invocation. `stdin` (e.g. a generated token) is fed to it and never printed."""
+
+  argv: tuple[str, ...]
+  why: str = ""  # one line printed above the command in --dry_run output
+  stdin: Optional[bytes] = dataclasses.field(default=None, repr=False)
+  stdin_note: str = ""  # what the stdin holds, for the dry-run listing (never the value)
+
+  def __str__(self) -> str:
+    return shlex.join(self.argv)
+
+
+def print_commands(commands: Iterable[Command], out: Optional[TextIO] = None) -> None:
+  out = out or sys.stdout  # looked up per call: tests redirect it
+  for c in commands:
+    if c.why:
+      print(f"# {c.why}", file=out)
+    line = str(c)
+    if c.stdin is not None:
+      line += f"  # stdin: {c.stdin_note or 'data'} (not shown)"
+    print(line, file=out)
+
+
+def run(commands: Sequence[Command], dry_run: bool, out: Optional[TextIO] = None) -> None:
+  """Print the commands (dry run) or run them in order, stopping at the first failure."""
+  out = out or sys.stdout
+  if dry_run:
+    print_commands(commands, out)
+    return
+  for c in commands:
+    print_commands([c], out)
+    out.flush()
+    subprocess.run(c.argv, input=c.stdin, check=True)
+
+
+def capture(argv: Sequence[str]) -> str:
+  """stdout of a command (for polling, e.g. a queued resource's state)."""
+  return subprocess.run(list(argv), check=True, capture_output=True, text=True).stdout.strip()
+
+
+def print_script(title: str, path: str, script: str, out: Optional[TextIO] = None) -> None:
+  out = out or sys.stdout
+  print(f"# ---- {title} ({path}) ----", file=out)
+  print(script.rstrip("\n"), file=out)
+  print(f"# ---- end of {title} ----", file=out)
+
+
+def write_script(directory: str, name: str, script: str) -> str:
+  """Write a script (mode 0700: it names secrets, never holds them) and return its path."""
+  path = os.path.join(directory, name)
+  with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o700), "w") as f:
+    f.write(script)
+  return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def check_name(flag: str, value: str) -> str:
+  if not _NAME_RE.match(value or ""):
+    raise LaunchError(f"{flag}={value!r}: expected a resource name of lower-case letters, digits "
+                      "and dashes, starting with a letter, at most 63 characters")
+  return value
+
+
+def check_gcs(flag: str, value: str) -> str:
+  if not (value or "").startswith("gs://") or len(value) <= len("gs://"):
+    raise LaunchError(f"{flag}={value!r}: expected a gs://BUCKET/PATH URL (TPU and fleet VMs "
+                      "cannot see this machine's disk)")
+  return value.rstrip("/")
+
+
+def parse_secrets(flag: str, values: Sequence[str]) -> dict[str, str]:
+  """`NAME=SECRET_ID` pairs -> {file name: Secret Manager secret id}."""
+  out: dict[str, str] = {}
+  for v in values or ():
+    name, sep, secret = v.partition("=")
+    if not sep or not _FILE_RE.match(name) or not _SECRET_RE.match(secret):
+      raise LaunchError(f"{flag}={v!r}: expected NAME=SECRET_ID (NAME a file name under "
+                        f"{SECRETS_DIR}, SECRET_ID a Secret Manager secret id; the value itself "
+                        "never goes on a command line)")
+    if name in out:
+      raise LaunchError(f"{flag}: file name {name!r} given twice")
+    out[name] = secret
+  return out
+
+
+def secret_fetch_lines(secrets: dict[str, str], project: str,
+                       directory: str = SECRETS_DIR) -> list[str]:
+  """Bash lines that fetch each secret's latest version into `directory/NAME`, mode 0600, root.
+
+  The VM's service account needs roles/secretmanager.secretAccessor on each secret.
+  """
+  if not secrets:
+    return []
+  lines = [f"install -d -m 0700 -o root -g root {shlex.quote(directory)}",
+           "( umask 077"]
+  for name, secret in sorted(secrets.items()):
+    path = shlex.quote(f"{directory}/{name}")
+    lines.append(f"  gcloud secrets versions access latest --secret={shlex.quote(secret)} "
+                 f"--project={shlex.quote(project)} --out-file={path}")
+  lines.append(")")
+  return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs and overrides (launch/ may import configs only: docs/design.md §1)
+
+
+def split_config_arg(config: str) -> tuple[str, Optional[str]]:
+  """'configs/X.py:ARG' -> ('configs/X.py', 'ARG')."""
+  path, sep, arg = config.partition(":")
+  return path, (arg if sep else None)
+
+
+def check_config_path(flag: str, config: str) -> str:
+  """The config must be a .py file inside the repository (it is shipped with the code)."""
+  path, _ = split_config_arg(config or "")
+  if not path.endswith(".py"):
+    raise LaunchError(f"{flag}={config!r}: expected configs/NAME.py[:ARG]")
+  full = os.path.abspath(os.path.join(REPO_ROOT, path))
+  if not full.startswith(REPO_ROOT + os.sep):
+    raise LaunchError(f"{flag}={config!r}: the config must live inside the repository "
+                      f"({REPO_ROOT}) so that it ships with the code")
+  if not os.path.isfile(full):
+    raise LaunchError(f"{flag}={config!r}: no such file {full}")
+  _, arg = split_config_arg(config)
+  return os.path.relpath(full, REPO_ROOT) + ("" if arg is None else f":{arg}")
+
+
+def load_config(config: str):
+  """`get_config(ARG)` of a config file (an ml_collections.ConfigDict)."""
+  path, arg = split_config_arg(config)
+  full = os.path.join(REPO_ROOT, path)
+  spec = importlib.util.spec_from_file_location(f"_arbor_config_{abs(hash(full))}", full)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg) if arg is not None else module.get_config()
+
+
+def check_override_keys(config: str, keys: Iterable[str], flag: str) -> None:
+  """Every dotted key must name a field of the config (so typos fail here, not on a pod)."""
+  cfg = load_config(config)
+  for key in keys:
+    node = cfg
+    for i, part in enumerate(key.split(".")):
+      try:
+        node = node[part]
+      except (KeyError, TypeError, AttributeError):
+        where = ".".join(key.split(".")[:i]) or "the top level"
+        fields = sorted(node.keys()) if hasattr(node, "keys") else []
+        raise LaunchError(f"{flag}: {key!r} is not a field of {config} (no {part!r} at {where}; "
+                          f"fields there: {fields})") from None
+
+
+def split_overrides(extra: Sequence[str], flag_help: str) -> list[str]:
+  """Unparsed command-line arguments: only `--config.KEY=VALUE` overrides are allowed."""
+  out = []
+  for a in extra:
+    if not (a.startswith("--config.") and "=" in a):
+      raise LaunchError(f"unknown argument {a!r}: {flag_help}")
+    out.append(a)
+  return out
+
+
+def override_keys(overrides: Sequence[str]) -> list[str]:
+  return [a[len("--config."):].split("=", 1)[0] for a in overrides]
+
+
+# ---------------------------------------------------------------------------------------------
+# Source tarball
+
+
+def source_files(root: str = REPO_ROOT) -> list[str]:
+  """Files git tracks plus untracked files it does not ignore (so uncommitted work ships)."""
+  out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                       cwd=root, check=True, capture_output=True).stdout
+  names = sorted({n for n in out.decode().split("\0") if n})
+  return [n for n in names if os.path.isfile(os.path.join(root, n))]
+
+
+def make_tarball(path: str, root: str = REPO_ROOT) -> str:
+  """A gzipped tarball of `source_files` with paths relative to the repository root."""
+  with tarfile.open(path, "w:gz") as tar:
+    for name in source_files(root):
+      tar.add(os.path.join(root, name), arcname=name, recursive=False)
+  return path
+
+
+def install_lines(src: str, venv: str, extra: str) -> list[str]:
+  """Bash lines that install the code at `src` into a Python 3.11 venv at `venv`.
+
+  uv provides Python 3.11 where the image has an older one (TPU images run Ubuntu 22.04's
+  3.10; numpy 2.4 needs 3.11) and installs with requirements-lock.txt as constraints, so VMs
+  run the versions the tests ran.
+  """
+  q = shlex.quote
+  return [
+      "if ! python3 -c 'import ensurepip' 2>/dev/null; then  # Debian/Ubuntu split venv out",
+      "  apt-get -qq update && DEBIAN_FRONTEND=noninteractive apt-get -qq install -y python3-venv",
+      "fi",
+      "python3 -m venv /opt/arbor/bootstrap",
+      f"/opt/arbor/bootstrap/bin/pip install -q uv=={UV_VERSION}",
+      f"rm -rf {q(venv)}",  # fresh each boot, like the code it installs
+      f"/opt/arbor/bootstrap/bin/uv venv --python 3.11 {q(venv)}",
+      f"/opt/arbor/bootstrap/bin/uv pip install --python {q(venv)}/bin/python "
+      f"-c {q(src)}/requirements-lock.txt -e {q(f'{src}[{extra}]' if extra else src)}",
+  ]

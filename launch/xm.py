@@ -1,0 +1,236 @@
+"""Parameter sweeps of `trainer.main`: one job per point, locally or on TPU slices.
+
+    python -m launch.xm --config=configs/X.py[:ARG] --workdir=/tmp/sweep \\
+        --sweep='optimizer.learning_rate=1e-4,3e-4;rl.loss=grpo,cispo' [--dry_run]
+    python -m launch.xm --config=configs/X.py --workdir=gs://B/sweep --executor=tpu \\
+        --tpu=v5p-64 --zone=Z --project=P --spot --sweep='seed=0,1,2'
+
+The sweep is given on the command line (one convention, chosen over a `get_sweep()` in the
+config so that any config can be swept without editing it): `;` separates axes, each axis is
+`KEY=V1,V2,...`, and the jobs are the Cartesian product of the axes (2 x 2 = 4 jobs above).
+KEY is a dotted config field, checked against the config before anything starts; values are
+passed verbatim as `--config.KEY=VALUE` (so `1e-4` stays `1e-4`; a value cannot contain `,` or
+`;`). Extra `--config.KEY=VALUE` arguments apply to every job. Job i writes to
+`WORKDIR/i_KEY=VALUE_...`.
+
+Executors:
+  local       XManager's local executor (the `xmanager` package): one experiment, one work
+              unit per job, run as local processes.
+  subprocess  the same jobs one after another as plain subprocesses (no xmanager needed).
+  tpu         one queued-resource TPU slice per job, through launch.tpu's helpers (detached:
+              each job's slice runs and checkpoints on its own; no xmanager needed).
+`--dry_run` prints each job's command (or, for tpu, its gcloud commands and boot script) and
+works without xmanager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+from typing import Optional, Sequence
+
+from launch import common
+from launch import tpu as tpu_launch
+from launch.common import LaunchError
+
+EXECUTORS = ("local", "subprocess", "tpu")
+XMANAGER_PIN = "xmanager==0.8.5.post1"
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepJob:
+  index: int
+  point: tuple[tuple[str, str], ...]  # (config key, value text) of this job
+  overrides: tuple[str, ...]  # every --config.KEY=VALUE of the job (shared ones first)
+  workdir: str
+
+  @property
+  def label(self) -> str:
+    return ",".join(f"{k}={v}" for k, v in self.point) or "base"
+
+
+def parse_sweep(spec: str) -> list[tuple[str, list[str]]]:
+  """'a=1,2;b=x' -> [('a', ['1', '2']), ('b', ['x'])]; errors name --sweep and the part."""
+  axes: list[tuple[str, list[str]]] = []
+  for part in (p.strip() for p in (spec or "").split(";")):
+    if not part:
+      continue
+    key, sep, values = part.partition("=")
+    key = key.strip()
+    vals = [v.strip() for v in values.split(",")]
+    if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", key):
+      raise LaunchError(f"--sweep: {part!r}: expected KEY=V1,V2,... with KEY a dotted config "
+                        "field (axes separated by ';')")
+    if not all(vals):
+      raise LaunchError(f"--sweep: {part!r}: empty value (values are separated by ',')")
+    if key in (k for k, _ in axes):
+      raise LaunchError(f"--sweep: key {key!r} appears in two axes")
+    if len(set(vals)) != len(vals):
+      raise LaunchError(f"--sweep: {part!r}: repeated value")
+    axes.append((key, vals))
+  return axes
+
+
+def _slug(point: Sequence[tuple[str, str]]) -> str:
+  text = "_".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in point) or "base"
+  return re.sub(r"[^A-Za-z0-9=._-]+", "-", text)[:80]
+
+
+def expand(axes: Sequence[tuple[str, Sequence[str]]], shared: Sequence[str],
+           workdir: str) -> list[SweepJob]:
+  """The Cartesian product of the axes, in order (the last axis varies fastest)."""
+  keys = [k for k, _ in axes]
+  jobs = []
+  for i, values in enumerate(itertools.product(*[v for _, v in axes])):
+    point = tuple(zip(keys, values))
+    overrides = tuple(shared) + tuple(f"--config.{k}={v}" for k, v in point)
+    jobs.append(SweepJob(i, point, overrides, f"{workdir.rstrip('/')}/{i}_{_slug(point)}"))
+  return jobs
+
+
+def job_argv(config: str, job: SweepJob, python: str = sys.executable) -> list[str]:
+  return [python, "-m", "trainer.main", f"--config={config}", *job.overrides,
+          f"--workdir={job.workdir}"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Executors
+
+
+def import_xmanager():
+  """(xm, xm_local), or a LaunchError that says how to get them."""
+  try:
+    from xmanager import xm, xm_local  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise LaunchError(f"--executor=local needs the xmanager package, which is not installed "
+                      f"({e}); `pip install {XMANAGER_PIN}` (note: it pins protobuf<7 and pulls "
+                      "in Vertex AI and Kubernetes clients), or use --executor=subprocess or "
+                      "--dry_run") from None
+  return xm, xm_local
+
+
+def run_xmanager_local(config: str, jobs: Sequence[SweepJob], title: str) -> int:
+  """One XManager experiment; each job a work unit running trainer.main as a local binary."""
+  xm, xm_local = import_xmanager()
+  os.chdir(common.REPO_ROOT)  # local jobs inherit it: `python -m trainer.main` resolves here
+  with xm_local.create_experiment(experiment_title=title) as experiment:
+    [executable] = experiment.package([xm.binary(
+        path=sys.executable, executor_spec=xm_local.LocalSpec())])
+    for job in jobs:
+      args = job_argv(config, job)[1:]  # the binary is the interpreter
+      experiment.add(xm.Job(executable=executable, executor=xm_local.Local(), args=args))
+  return 0
+
+
+def run_subprocesses(config: str, jobs: Sequence[SweepJob]) -> int:
+  failed = []
+  for job in jobs:
+    argv = job_argv(config, job)
+    print(f"# job {job.index}: {job.label}\n{shlex.join(argv)}", flush=True)
+    if subprocess.run(argv, cwd=common.REPO_ROOT).returncode:
+      failed.append(job.index)
+  if failed:
+    print(f"launch.xm: jobs {failed} failed", file=sys.stderr)
+  return 1 if failed else 0
+
+
+def tpu_job(args: argparse.Namespace, config: str, job: SweepJob) -> tpu_launch.Job:
+  sl = tpu_launch.parse_accelerator(args.tpu)
+  base = args.name or tpu_launch.default_name(config, args.tpu)
+  name = common.check_name("--name", f"{base[:63 - 1 - len(str(job.index))]}-{job.index}")
+  return tpu_launch.Job(name=name, slice=sl, zone=args.zone, project=args.project,
+                        config=config, overrides=job.overrides, workdir=job.workdir,
+                        spot=args.spot, secrets=tuple(sorted(
+                            common.parse_secrets("--secret", args.secret).items())))
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="python -m launch.xm", description=__doc__, allow_abbrev=False,
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog="Extra --config.KEY=VALUE arguments apply to every job.")
+  a = p.add_argument
+  a("--config", required=True, help="configs/NAME.py[:ARG]")
+  a("--sweep", default="", help="'KEY=V1,V2;KEY2=V3,V4': Cartesian product of the axes")
+  a("--workdir", required=True, help="parent of the jobs' workdirs (gs:// for --executor=tpu)")
+  a("--executor", default="local", choices=EXECUTORS, help="where the jobs run")
+  a("--title", default="", help="experiment title (default: config name + sweep)")
+  a("--tpu", default="", help="--executor=tpu: accelerator type, e.g. v5p-64")
+  a("--zone", default="", help="--executor=tpu: zone")
+  a("--project", default="", help="--executor=tpu: project")
+  a("--name", default="", help="--executor=tpu: queued resource name prefix (job index added)")
+  a("--spot", action="store_true", help="--executor=tpu: spot capacity")
+  a("--secret", action="append", default=[], metavar="NAME=SECRET_ID",
+    help="--executor=tpu: Secret Manager secret into /run/arbor/secrets/NAME")
+  a("--dry_run", action="store_true", help="print the jobs; run nothing")
+  return p
+
+
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, str, list[SweepJob]]:
+  args, extra = build_parser().parse_known_args(list(argv))
+  shared = common.split_overrides(extra, "launch.xm passes only --config.KEY=VALUE on")
+  config = common.check_config_path("--config", args.config)
+  axes = parse_sweep(args.sweep)
+  keys = common.override_keys(shared)
+  for k, _ in axes:
+    if k in keys:
+      raise LaunchError(f"--sweep: {k!r} is also given as --config.{k}=...; pick one")
+  common.check_override_keys(config, keys + [k for k, _ in axes], "--sweep/--config.KEY")
+  if args.executor == "tpu":
+    for flag in ("tpu", "zone", "project"):
+      if not getattr(args, flag):
+        raise LaunchError(f"--executor=tpu needs --{flag}")
+    workdir = common.check_gcs("--workdir", args.workdir)
+    tpu_launch.parse_accelerator(args.tpu)
+  else:
+    workdir = args.workdir
+  return args, config, expand(axes, shared, workdir)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  try:
+    args, config, jobs = parse(argv)
+    title = args.title or f"{os.path.basename(config.split(':')[0])} {args.sweep}".strip()
+    print(f"# launch.xm: {len(jobs)} job(s), executor {args.executor}: {title}")
+    if args.executor == "tpu":
+      tpu_jobs = [tpu_job(args, config, j) for j in jobs]
+      for job, tj in zip(jobs, tpu_jobs):
+        print(f"# ==== job {job.index}: {job.label} -> {tj.name}")
+        tmp = os.path.join(tempfile.gettempdir(), f"arbor-launch-{tj.name}")
+        if args.dry_run:
+          script = os.path.join(tmp, "startup.sh")
+          common.print_script("boot script", script, tpu_launch.boot_script(tj))
+          common.run(tpu_launch.launch_commands(tj, script, os.path.join(tmp, "arbor-src.tar.gz")),
+                     dry_run=True)
+        else:
+          os.makedirs(tmp, exist_ok=True)
+          script = common.write_script(tmp, "startup.sh", tpu_launch.boot_script(tj))
+          tarball = common.make_tarball(os.path.join(tmp, "arbor-src.tar.gz"))
+          tpu_launch.execute(tj, script, tarball, max_requeues=0, detach=True, logs_worker="0")
+      return 0
+    if args.dry_run:
+      for job in jobs:
+        print(f"# job {job.index}: {job.label}\n{shlex.join(job_argv(config, job))}")
+      return 0
+    if args.executor == "local":
+      return run_xmanager_local(config, jobs, title)
+    return run_subprocesses(config, jobs)
+  except LaunchError as e:
+    print(f"launch.xm: error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())
