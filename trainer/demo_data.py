@@ -1,0 +1,197 @@
+"""Demo SFT data: real tool-call episodes of a scripted solver on generated bug-fixing tasks.
+
+    chat = make_chat("chatml", load_tokenizer("tok_dir"))
+    trajectories = demo_trajectories(chat, n=200, level=0, seed=0)   # bwrap sandboxes
+    records = [chat_record(t) for t in trajectories]                 # the same, as chat records
+
+Each episode is the react scaffold (`envs.scaffold.run_episode`, the rollout worker's loop and
+tools) driven by a `ScriptedPolicy` on an `envs.taskgen` task, in a sandbox holding the task's
+repository, so observations are real tool outputs:
+
+    read_file(fix path) -> [a failed str_replace] -> str_replace(fix_edit) -> submit
+
+With probability `error_rate` the solver first makes a typical mistake (old_str copied with the
+read_file line-number prefix, or a wrong path); the tool answers with an error, the turn is
+marked `meta["tool_error"]` and error-masked SFT trains the recovery but not the mistake.
+
+Sandboxes: "bwrap" (default; isolated) or "local" (a plain temporary directory, no isolation).
+"local" is acceptable here only because the scripted solver runs no code: read_file and
+str_replace just read and write files. `demo_corpus` (text for the tokenizer) uses it, with a
+byte-level stand-in tokenizer, since the real tokenizer does not exist yet at that point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import random
+import tempfile
+from typing import Optional, Sequence
+
+import numpy as np
+
+from envs.chat.formats import ChatFormat, make_chat
+from envs.scaffold import ScaffoldConfig, ScriptedPolicy, run_episode
+from envs.taskgen import write_tasks
+from envs.tasks import Task, load_repo_files
+from envs.tools import default_tools
+from envs.trajectory import Trajectory
+
+SANDBOXES = ("bwrap", "local")
+# Short episodes: the demo trains a tiny model on a 2-core CPU.
+DEMO_SCAFFOLD = ScaffoldConfig(max_turns=6, max_new_tokens=512, max_context_tokens=8192,
+                               timeout_s=60.0)
+
+
+def _call(name: str, **arguments) -> dict:
+  return {"role": "assistant", "content": None,
+          "tool_calls": [{"function": {"name": name, "arguments": arguments}}]}
+
+
+def scripted_turns(task: Task, rng: random.Random, error_rate: float = 0.0) -> list[dict]:
+  """The solver's assistant turns for `task` (its metadata["fix_edit"] {"path", "old", "new"})."""
+  fix = task.metadata.get("fix_edit")
+  if not fix:
+    raise ValueError(f"task {task.instance_id!r}: metadata has no fix_edit (not an "
+                     "envs.taskgen task?)")
+  path, old, new = fix["path"], fix["old"], fix["new"]
+  turns = [_call("read_file", path=path)]
+  if rng.random() < error_rate:
+    if rng.random() < 0.5:  # old_str copied with read_file's line-number prefix: "not found"
+      turns.append(_call("str_replace", path=path, old_str=f"     1\t{old}", new_str=new))
+    else:  # the file's base name without its package directory: "no such file"
+      turns.append(_call("str_replace", path="src/" + os.path.basename(path), old_str=old,
+                         new_str=new))
+  return turns + [_call("str_replace", path=path, old_str=old, new_str=new), _call("submit")]
+
+
+async def _episode(task: Task, chat: ChatFormat, sandbox: str, seed: int, error_rate: float,
+                   config: ScaffoldConfig, verify: bool) -> Trajectory:
+  """One scripted episode, set up as `envs.rollout_worker.make_react_episode` does (prompt
+  drawn with the episode seed, fresh sandbox with the repository, default tools)."""
+  from envs.rollout_worker import make_sandbox_factory
+  from envs.verifiers import verify_tests, workspace_files
+
+  make_sandbox = make_sandbox_factory(sandbox, allow_unsafe=sandbox == "local")
+  prompt = task.prompt(np.random.default_rng(seed))
+  policy = ScriptedPolicy(chat, scripted_turns(task, random.Random(seed), error_rate))
+  box = await make_sandbox(task)
+  try:
+    for path, data in load_repo_files(task).items():
+      await box.write_file(path, data)
+    result = await run_episode(policy, box, prompt, default_tools(task.test_command), chat,
+                               dataclasses.replace(config, seed=seed))
+    reward, meta = 0.0, {"verified": False}
+    if verify and result.termination == "submitted":
+      verdict = await verify_tests(task, await workspace_files(box), make_sandbox)
+      reward, meta = float(verdict.reward), {"verified": True}
+  finally:
+    await box.close()
+  if result.termination != "submitted":
+    raise RuntimeError(f"demo episode of {task.instance_id} ended with {result.termination!r} "
+                       f"({result.error or result.messages[-1:]!r:.300})")
+  meta.update(messages=result.messages, tools=[t.schema() for t in
+                                               default_tools(task.test_command)],
+              fix_edit=dict(task.metadata["fix_edit"]))
+  return result.to_trajectory(reward, task.instance_id, task.instance_id, metadata=meta)
+
+
+def demo_trajectories(chat: ChatFormat, n: int, *, level: int = 0, seed: int = 0,
+                      start: int = 0, error_rate: float = 0.0, sandbox: str = "bwrap",
+                      config: ScaffoldConfig = DEMO_SCAFFOLD, verify: bool = False,
+                      concurrency: int = 4) -> list[Trajectory]:
+  """Scripted episodes on the taskgen tasks (level, seed, start..start+n-1), in task order.
+
+  Every call's input extends the previous call's input + output (the scaffold never
+  re-tokenizes). metadata: "messages" and "tools" (the transcript as a chat record, see
+  `chat_record`), "fix_edit", "verified". reward: the `tests` verifier's reward when
+  `verify` (a second sandbox runs pytest: ~15x slower), else 0.0 with verified=False.
+  """
+  if sandbox not in SANDBOXES:
+    raise ValueError(f"sandbox={sandbox!r}: expected one of {SANDBOXES}")
+  if not 0.0 <= error_rate <= 1.0:
+    raise ValueError(f"error_rate={error_rate!r}: expected a probability in [0, 1]")
+  with tempfile.TemporaryDirectory(prefix="arbor-demo-tasks-") as d:
+    tasks = write_tasks(d, n, level, seed, start)
+
+    async def run_all():
+      limit = asyncio.Semaphore(concurrency)
+
+      async def one(i: int, task: Task) -> Trajectory:
+        async with limit:
+          return await _episode(task, chat, sandbox, seed * 1_000_003 + start + i, error_rate,
+                                config, verify)
+      return await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks)))
+    return list(asyncio.run(run_all()))
+
+
+def chat_record(trajectory: Trajectory) -> dict:
+  """A demo trajectory as an SFT chat record: {"messages", "tools", "id"}; assistant turns whose
+  call had meta["tool_error"] carry "tool_error": true. Rendering it with the episode's chat
+  format gives the trajectory's tokens exactly."""
+  messages, k = [], 0
+  for m in trajectory.metadata["messages"]:
+    m = {key: v for key, v in m.items() if key != "text"}
+    if m["role"] == "assistant":
+      m["tool_error"] = bool(trajectory.calls[k].meta.get("tool_error"))
+      k += 1
+    messages.append(m)
+  return {"messages": messages, "tools": trajectory.metadata["tools"],
+          "id": trajectory.trajectory_id}
+
+
+class ByteTokenizer:
+  """UTF-8 bytes as ids 0..255, then named control tokens: a stand-in tokenizer that lets the
+  chat formats render text before a real tokenizer has been trained."""
+
+  def __init__(self, control: Sequence[str], bos: str = "<s>", eos: str = "</s>"):
+    self.names = [bos, eos] + [t for t in control if t not in (bos, eos)]
+    self.vocab_size = 256 + len(self.names)
+    self.bos_id, self.eos_id, self.pad_id = 256, 257, None
+    self.special_ids = frozenset(range(256, self.vocab_size))
+
+  def encode(self, text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+  def decode(self, ids: Sequence[int]) -> str:
+    out, run = [], bytearray()
+    for i in ids:
+      if i >= 256:
+        out += [run.decode("utf-8", "replace"), self.names[i - 256]]
+        run = bytearray()
+      else:
+        run.append(i)
+    return "".join(out) + run.decode("utf-8", "replace")
+
+  def token_to_id(self, token: str) -> Optional[int]:
+    if token in self.names:
+      return 256 + self.names.index(token)
+    b = token.encode("utf-8")
+    return b[0] if len(b) == 1 else None
+
+
+def demo_corpus(chat_format: str = "chatml", n: int = 64, *, level: int = 0, seed: int = 12345,
+                control: Sequence[str] = ()) -> list[str]:
+  """Tokenizer training text: the texts that `chat_format` puts between control tokens in `n`
+  scripted demo episodes (system prompt, tool schemas, task statements, tool calls, file
+  contents, tool outputs), one string per run of text. Episodes use the "local" sandbox (the
+  solver runs no code) and half of them carry an error turn."""
+  from trainer.tokenizer_train import BOS_EOS, chat_symbols
+
+  tok = ByteTokenizer(list(chat_symbols(chat_format)[0]) + list(control),
+                      *BOS_EOS.get(chat_format, ("<s>", "</s>")))
+  chat = make_chat(chat_format, tok)
+  texts = []
+  for t in demo_trajectories(chat, n, level=level, seed=seed, error_rate=0.5, sandbox="local"):
+    last = t.calls[-1]
+    ids = list(last.input_ids) + list(last.output_ids)
+    run: list[int] = []
+    for i in ids + [tok.eos_id]:
+      if i in tok.special_ids:
+        if run:
+          texts.append(tok.decode(run))
+        run = []
+      else:
+        run.append(i)
+  return texts

@@ -1,0 +1,141 @@
+"""The train state: everything one training step reads and writes, as one pytree of arrays.
+
+    opt = optimizers.build(config.optimizer, model_cfg)
+    state = create(model_cfg, opt, seed=0, mesh=mesh)   # sharded by the model's logical axes
+    model = state.model(model_cfg)                       # an nnx Transformer view (engine, eval)
+
+The model's graph (module structure) is not part of the state: it is rebuilt from the
+`ModelConfig` (`graphdef`), so the state holds only arrays and checkpoints as a plain pytree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional, Union
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from models import sharding, transformer
+from models.config import ModelConfig
+from trainer import optimizers
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["params", "model_state", "opt_state", "step", "rng", "policy_version"],
+    meta_fields=[])
+@dataclasses.dataclass
+class TrainState:
+  """params         pure `nnx.Param` state of the Transformer (fp32)
+  model_state    pure non-Param variables (the MoE `RouterBias`; empty for dense models):
+                 updated by the step outside the gradient, never seen by the optimizer
+  opt_state      `Optimizer.init(params)`
+  step           int32 [], optimizer steps taken
+  rng            uint32 [2], raw key data (`jax.random.wrap_key_data` to use it); the step does
+                 not consume it: loops derive keys with `jax.random.fold_in(key, step)`
+  policy_version int32 [], version of `params`: +1 per optimizer step; the engine stamps
+                 rollouts with it, and staleness is measured in it
+  """
+
+  params: Any
+  model_state: Any
+  opt_state: Any
+  step: jax.Array
+  rng: jax.Array
+  policy_version: jax.Array
+
+  def replace(self, **kw) -> "TrainState":
+    return dataclasses.replace(self, **kw)
+
+  def model(self, model_cfg: ModelConfig) -> transformer.Transformer:
+    """The parameters as an nnx Transformer (shares the arrays; no copy)."""
+    return nnx.merge(graphdef(model_cfg), self.params, self.model_state)
+
+  def key(self) -> jax.Array:
+    return jax.random.wrap_key_data(self.rng)
+
+
+@functools.lru_cache(maxsize=None)
+def graphdef(model_cfg: ModelConfig) -> nnx.GraphDef:
+  """The Transformer's graph for `model_cfg` (merge it with TrainState.params/model_state)."""
+  return nnx.graphdef(transformer.abstract(model_cfg))
+
+
+def split_model(model: transformer.Transformer) -> tuple[Any, Any]:
+  """(params, model_state) of an nnx Transformer, both pure states."""
+  _, params, rest = nnx.split(model, nnx.Param, ...)
+  return nnx.as_pure(params), nnx.as_pure(rest)
+
+
+def _build(optimizer: Union[optimizers.Optimizer, Any], model_cfg: ModelConfig
+           ) -> optimizers.Optimizer:
+  if isinstance(optimizer, optimizers.Optimizer):
+    return optimizer
+  return optimizers.build(optimizer, model_cfg)
+
+
+def _scalars(seed: int) -> dict:
+  return {"step": jnp.zeros([], jnp.int32), "policy_version": jnp.zeros([], jnp.int32),
+          "rng": jax.random.key_data(jax.random.key(seed))}
+
+
+def create(model_cfg: ModelConfig, optimizer: Union[optimizers.Optimizer, Any], seed: int = 0,
+           mesh: Optional[jax.sharding.Mesh] = None,
+           model: Optional[transformer.Transformer] = None) -> TrainState:
+  """A fresh train state.
+
+  optimizer: a built `trainer.optimizers.Optimizer`, or its config (built here).
+  mesh: None = default device, parameters drawn on the host (`transformer.init`); a mesh =
+    drawn directly sharded (`sharding.init_sharded`: other numbers for the same seed) and the
+    optimizer state created with `Optimizer.state_shardings`.
+  model: start from these weights (e.g. a Hugging Face import or an SFT checkpoint) instead
+    of a random initialisation; placed on `mesh` when one is given.
+  """
+  opt = _build(optimizer, model_cfg)
+  if model is None:
+    model = (transformer.init(model_cfg, seed) if mesh is None
+             else sharding.init_sharded(model_cfg, mesh, seed))
+  params, model_state = split_model(model)
+  if mesh is None:
+    opt_state = jax.jit(opt.init)(params)
+    return TrainState(params=params, model_state=model_state, opt_state=opt_state,
+                      **_scalars(seed))
+  sh = shardings(model_cfg, opt, mesh)
+  params, model_state = jax.device_put((params, model_state), (sh.params, sh.model_state))
+  opt_state = opt.init_sharded(params, sh.params)
+  scalars = jax.device_put(_scalars(seed), NamedSharding(mesh, PartitionSpec()))
+  return TrainState(params=params, model_state=model_state, opt_state=opt_state, **scalars)
+
+
+def shardings(model_cfg: ModelConfig, optimizer: Union[optimizers.Optimizer, Any],
+              mesh: jax.sharding.Mesh) -> TrainState:
+  """A TrainState of `NamedSharding`s: parameters and router bias by the model's logical axes
+  and sharding rules, optimizer moments like their parameters (`Optimizer.state_shardings`),
+  counters and the key replicated."""
+  opt = _build(optimizer, model_cfg)
+  _, params, rest = nnx.split(transformer.abstract(model_cfg), nnx.Param, ...)
+  param_sh = nnx.as_pure(sharding.state_shardings(params, model_cfg, mesh))
+  rest_sh = nnx.as_pure(sharding.state_shardings(rest, model_cfg, mesh))
+  replicated = NamedSharding(mesh, PartitionSpec())
+  abstract_params = nnx.as_pure(params)
+  return TrainState(params=param_sh, model_state=rest_sh,
+                    opt_state=opt.state_shardings(abstract_params, param_sh),
+                    step=replicated, rng=replicated, policy_version=replicated)
+
+
+def abstract(model_cfg: ModelConfig, optimizer: Union[optimizers.Optimizer, Any],
+             mesh: Optional[jax.sharding.Mesh] = None) -> TrainState:
+  """The state's shapes and dtypes (with shardings on a mesh) without allocating anything:
+  the target for restoring a checkpoint."""
+  opt = _build(optimizer, model_cfg)
+  params, rest = split_model(transformer.abstract(model_cfg))
+  shapes = TrainState(params=params, model_state=rest, opt_state=jax.eval_shape(opt.init, params),
+                      **jax.eval_shape(lambda: _scalars(0)))
+  if mesh is None:
+    return shapes
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                      shapes, shardings(model_cfg, opt, mesh))

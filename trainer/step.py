@@ -1,0 +1,479 @@
+"""The jitted train step and the forward-only scoring pass on tree-packed micro-batches.
+
+    opt = optimizers.build(config.optimizer, model_cfg)
+    state = state_lib.create(model_cfg, opt, seed, mesh)
+    step = make_train_step(model_cfg, LossConfig(name="cispo"), opt, mesh=mesh)
+    score = make_score_fn(model_cfg, mesh=mesh)
+    mb = batches.make_micro_batches(groups, shape)
+    mb = mb.with_fields(ref_logprobs=score(ref_state, mb))     # when a KL term is configured
+    state, metrics = step(state, mb)
+
+One step = one optimizer update on M micro-batches (docs/design.md §3):
+  1. global `Counts` over all micro-batches (rl.batch.global_counts), so the masked-sum losses
+     of the micro-batches add up to the loss of the whole batch;
+  2. `lax.scan` over the micro-batches, each: Transformer.hidden on the tree rows (with the
+     logical token counts for MoE load, optional routing replay), sampled-token log-probs
+     (models.logprobs.sequence_logprobs: prompt/observation positions never reach the vocab
+     projection), `from_tree_batch`, correction weights from the sampler log-probs
+     (rl.corrections), `rl.losses.compute`, value_and_grad; gradients and losses SUMMED;
+     an all-padding micro-batch is skipped by `lax.cond`;
+  3. `optimizer.update(sum of gradients, max_logits = max over micro-batches)` (clipping once,
+     QK-Clip), then the aux-loss-free router bias step from the load of all micro-batches,
+     weighted by logical token counts.
+Steps 1-2 are one jitted function (`TrainStep.gradients`), step 3 another
+(`TrainStep.apply_gradients`); the summed gradient stays on device between them (donated to
+the update). Why `lax.scan` over micro-batches inside one jit rather than a Python loop over a
+compiled micro-step: one compile for all micro-batches (the body is compiled once), no host
+round trip per micro-batch, and memory is one micro-batch's activations plus one gradient
+accumulator. The price is a fixed micro-batch count per compile, which
+`BatchShape.micro_batches` and the skip of padding micro-batches make cheap. Why two jits
+rather than one: the update compiles without the model (seconds, not tens of seconds on CPU),
+and the gradients can be inspected with no second compile; fusing the last accumulation into
+the update would save one pass over a gradient-sized buffer.
+
+Metrics (scalars): loss; the loss's own metrics (clip_fraction, ratio, kl, ...) and the
+mismatch metrics (mismatch_kl_k3, ..., when the batch has the sampler's "logprobs") averaged
+over micro-batches weighted by their loss tokens (exact for token means; names containing
+"max" take the max); num_tokens/num_seqs/num_groups (global counts); max_logit (attention,
+over layers and heads); grad_norm (before clipping), lr, qk_clipped_heads (QK-Clip);
+param_norm; moe_max_load (largest expert load over the mean, 1 = balanced) and balance_loss
+for MoE models; entropy when asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from models import sharding, transformer
+from models.config import ModelConfig
+from models.logprobs import sequence_logprobs
+from rl import corrections, losses
+from rl.batch import Counts, global_counts, from_tree_batch
+from trainer import optimizers
+from trainer import state as state_lib
+from trainer.batches import MicroBatches
+from trainer.state import TrainState
+
+# Losses whose per-token terms need advantages ("advantage", as a per-trajectory scalar or a
+# per-token field).
+_NO_ADVANTAGE = ("sft", "opd", "dpo", "kimi_pmd")
+
+
+# ----------------------------------------------------------------------------- input checks
+
+
+def required_inputs(loss_cfg: losses.LossConfig,
+                    correction_cfg: Optional[corrections.CorrectionConfig] = None
+                    ) -> list[tuple[str, str, str]]:
+  """(where, name, why) of every micro-batch input the configuration needs: where is "fields"
+  (per token), "scalars" (per sequence) or "either" (advantage: a scalar or a field)."""
+  need = []
+  c = loss_cfg
+  if c.name not in _NO_ADVANTAGE:
+    need.append(("either", "advantage", f"LossConfig.name={c.name!r} needs advantages"))
+  if c.name in ("kimi_pmd", "dpo"):
+    need.append(("scalars", "reward", f"LossConfig.name={c.name!r} needs rewards"))
+  if c.kl_coef or c.name == "dpo":
+    why = (f"LossConfig.kl_coef={c.kl_coef}" if c.kl_coef else "LossConfig.name='dpo'")
+    need.append(("fields", "ref_logprobs", f"{why} needs reference log-probs (score the batch "
+                 "with the reference policy: mb.with_fields(ref_logprobs=score(ref, mb)))"))
+  if c.name == "opd" or c.opd_coef:
+    need.append(("fields", "teacher_logprobs", "on-policy distillation needs teacher log-probs "
+                 "(mb.with_fields(teacher_logprobs=make_score_fn(teacher_cfg)(teacher, mb)))"))
+  if c.decoupled:
+    need.append(("fields", "old_logprobs", "LossConfig.decoupled=True needs π_old"))
+    need.append(("fields", "logprobs", "LossConfig.decoupled=True needs the sampler's log-probs"))
+  if c.mask_failed_turns:
+    need.append(("fields", "failed", "LossConfig.mask_failed_turns=True needs per-token "
+                 "failed-turn flags"))
+  if correction_cfg is not None and correction_cfg.kind != "none":
+    need.append(("fields", "logprobs", f"CorrectionConfig.kind={correction_cfg.kind!r} needs "
+                 "the sampler's log-probs"))
+  return need
+
+
+def check_micro_batches(mb: MicroBatches, model_cfg: ModelConfig,
+                        loss_cfg: Optional[losses.LossConfig] = None,
+                        correction_cfg: Optional[corrections.CorrectionConfig] = None) -> None:
+  """Raise ValueError naming the micro-batch field for a missing input or a shape mismatch
+  (plain Python on static shapes: call it before the jitted step)."""
+  if not isinstance(mb, MicroBatches):
+    raise ValueError(f"micro_batches: expected trainer.batches.MicroBatches, got "
+                     f"{type(mb).__name__}")
+  shape = lambda x: tuple(jnp.shape(x))
+  rows = shape(mb.tokens)
+  if len(rows) != 3:
+    raise ValueError(f"micro_batches.tokens: shape {rows}, expected [M, R, L]")
+  for name in ("positions", "end", "token_weights"):
+    if shape(getattr(mb, name)) != rows:
+      raise ValueError(f"micro_batches.{name}: shape {shape(getattr(mb, name))}, expected "
+                       f"tokens' {rows}")
+  seqs = shape(mb.seq_valid)
+  if len(seqs) != 3 or seqs[0] != rows[0]:
+    raise ValueError(f"micro_batches.seq_valid: shape {seqs}, expected [M={rows[0]}, S, T]")
+  for name in ("seq_pred", "seq_tokens"):
+    if shape(getattr(mb, name)) != seqs:
+      raise ValueError(f"micro_batches.{name}: shape {shape(getattr(mb, name))}, expected "
+                       f"seq_valid's {seqs}")
+  for name, x in mb.fields.items():
+    if shape(x) != seqs:
+      raise ValueError(f"micro_batches.fields[{name!r}]: shape {shape(x)}, expected [M, S, T] = "
+                       f"{seqs}")
+  per_seq = [(f"scalars[{k!r}]", x) for k, x in mb.scalars.items()] + [("seq_id", mb.seq_id)]
+  for where, x in per_seq:
+    if shape(x) != seqs[:2]:
+      raise ValueError(f"micro_batches.{where}: shape {shape(x)}, expected [M, S] = {seqs[:2]}")
+  for where, name in (("fields", "loss_mask"), ("fields", "turn"), ("scalars", "group")):
+    if name not in getattr(mb, where):
+      raise ValueError(f"micro_batches.{where}[{name!r}] is missing (make_micro_batches sets it)")
+  if mb.expert_ids is not None:
+    if not model_cfg.is_moe:
+      raise ValueError("micro_batches.expert_ids: routing replay given for a dense model")
+    want = (rows[0], model_cfg.num_moe_layers, rows[1], rows[2], model_cfg.experts_per_token)
+    if shape(mb.expert_ids) != want:
+      raise ValueError(f"micro_batches.expert_ids: shape {shape(mb.expert_ids)}, expected "
+                       f"[M, moe_layers, R, L, k] = {want}")
+  if loss_cfg is None:
+    return
+  for where, name, why in required_inputs(loss_cfg, correction_cfg):
+    present = (name in mb.fields or name in mb.scalars) if where == "either" else \
+        name in getattr(mb, where)
+    if not present:
+      place = "fields or scalars" if where == "either" else where
+      raise ValueError(f"micro_batches.{place}[{name!r}] is missing: {why}; present: fields "
+                       f"{sorted(mb.fields)}, scalars {sorted(mb.scalars)}")
+
+
+def _batch_axes(model_cfg: ModelConfig, mesh) -> tuple[Any, int]:
+  """The mesh axes of the logical `batch` axis and their total size."""
+  spec = sharding.logical_to_spec(("batch",), model_cfg.sharding_rules, mesh)[0]
+  names = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+  return spec, math.prod(mesh.shape[a] for a in names)
+
+
+def batch_shardings(model_cfg: ModelConfig, mesh, mb: MicroBatches) -> MicroBatches:
+  """Shardings of a MicroBatches: rows [M, R, L] (and expert_ids' R) over the mesh's batch axes
+  (data, fsdp); per-sequence arrays over them too when S divides, else replicated."""
+  spec, size = _batch_axes(model_cfg, mesh)
+  rows = mb.tokens.shape[1]
+  if rows % size:
+    raise ValueError(f"micro_batches: {rows} rows per micro-batch are not divisible by the "
+                     f"mesh's batch axes {spec} of size {size} (BatchShape.rows)")
+  on = lambda *s: NamedSharding(mesh, PartitionSpec(*s))
+  seq = spec if mb.seq_valid.shape[1] % size == 0 else None
+  return MicroBatches(
+      tokens=on(None, spec), positions=on(None, spec), end=on(None, spec),
+      token_weights=on(None, spec), seq_pred=on(None, seq), seq_tokens=on(None, seq),
+      seq_valid=on(None, seq), seq_id=on(None, seq),
+      fields={k: on(None, seq) for k in mb.fields}, scalars={k: on(None, seq) for k in mb.scalars},
+      expert_ids=None if mb.expert_ids is None else on(None, None, spec))
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _forward(graphdef, model_cfg: ModelConfig, params, model_state, mb: MicroBatches):
+  """One micro-batch: (log-probs [S, T], entropy [S, T], aux) of the sampled tokens."""
+  model = nnx.merge(graphdef, params, model_state)
+  hidden, aux, _ = model.hidden(mb.tokens, mb.positions, mb.end, token_weights=mb.token_weights,
+                                expert_ids=mb.expert_ids)
+  lp, ent = sequence_logprobs(hidden, model.lm_head_weight(), mb.seq_pred, mb.seq_tokens,
+                              model_cfg.logits_chunk)
+  return lp, ent, aux
+
+
+def _is_real(mb: MicroBatches) -> jax.Array:
+  """[M] bool: micro-batches with a valid sequence entry or a real token (others are padding)."""
+  return jnp.asarray(mb.seq_valid).any((1, 2)) | (jnp.asarray(mb.token_weights).sum((1, 2)) > 0)
+
+
+def _scan_real(fn: Callable, mb: MicroBatches, init, combine, out_shape):
+  """Fold `combine(carry, fn(mb_i), real_i)` over micro-batches; on padding micro-batches fn is
+  skipped and its output is zeros of `out_shape` (a tree of ShapeDtypeStructs)."""
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
+
+  def body(carry, xs):
+    mb_i, real_i = xs
+    out = jax.lax.cond(real_i, fn, lambda _: zeros, mb_i)
+    return combine(carry, out, real_i), None
+
+  return jax.lax.scan(body, init, (mb, _is_real(mb)))[0]
+
+
+def _source(source) -> tuple[Any, Any]:
+  """(params, model_state) of a TrainState, an nnx Transformer or a (params, model_state) pair."""
+  if isinstance(source, TrainState):
+    return source.params, source.model_state
+  if isinstance(source, transformer.Transformer):
+    return state_lib.split_model(source)
+  params, model_state = source
+  return params, model_state
+
+
+def _placed(mesh, fn: Callable) -> Callable:
+  """fn run with `mesh` set (activation sharding constraints), or as is without a mesh."""
+  def run(*args):
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+      return fn(*args)
+  return run
+
+
+# ----------------------------------------------------------------------------- score
+
+
+def make_score_fn(model_cfg: ModelConfig, *, mesh=None, entropy: bool = False) -> Callable:
+  """A jitted forward-only pass: score(source, micro_batches) -> log-probs [M, S, T] fp32 of
+  every sampled token (0 at padding entries), or (log-probs, entropy) with `entropy`.
+
+  source: a TrainState, an nnx Transformer or a (params, model_state) pair; the model must
+  have `model_cfg` (a teacher with another config gets its own score function). Uses: the
+  reference policy's log-probs (KL), π_old recomputed by the trainer (instead of trusting the
+  sampler's), teacher log-probs (distillation), and MCLA (`mcla_logprobs`). The routing replay
+  in `expert_ids`, if any, is used.
+  """
+  graphdef = state_lib.graphdef(model_cfg)
+
+  def one(params, model_state, mb):
+    lp, ent, _ = _forward(graphdef, model_cfg, params, model_state, mb)
+    valid = jnp.asarray(mb.seq_valid)
+    return jnp.where(valid, lp, 0.0), jnp.where(valid, ent, 0.0)
+
+  @jax.jit
+  def score_all(params, model_state, mb):
+    # lax.map over micro-batches; padding micro-batches are skipped (zeros)
+    real = _is_real(mb)
+    first = jax.tree.map(lambda x: x[0], mb)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                         jax.eval_shape(one, params, model_state, first))
+    return jax.lax.map(lambda xs: jax.lax.cond(
+        xs[1], lambda m: one(params, model_state, m), lambda m: zeros, xs[0]), (mb, real))
+
+  def score(source, mb: MicroBatches):
+    check_micro_batches(mb, model_cfg)
+    params, model_state = _source(source)
+    if mesh is not None:
+      mb = jax.device_put(mb, batch_shardings(model_cfg, mesh, mb))
+    lp, ent = _placed(mesh, score_all)(params, model_state, mb)
+    return (lp, ent) if entropy else lp
+
+  return score
+
+
+def mcla_logprobs(score: Callable, source, mb: MicroBatches, passes: int,
+                  mode: str = "logprob") -> jax.Array:
+  """MCLA (KAT-Coder-V2): `passes` scoring passes combined by `rl.corrections.mcla_average`
+  ([M, S, T]). The passes differ only where the backend is nondeterministic (kernels,
+  reduction order, MoE routing near ties); on a deterministic backend they are identical."""
+  if passes < 1:
+    raise ValueError(f"mcla passes={passes!r}: must be >= 1")
+  runs = jnp.stack([score(source, mb) for _ in range(passes)])   # [K, M, S, T]
+  k, m, s, t = runs.shape
+  return corrections.mcla_average(runs.reshape(k, m * s, t), mode).reshape(m, s, t)
+
+
+# ----------------------------------------------------------------------------- train step
+
+
+def _counts(mb: MicroBatches, loss_cfg: losses.LossConfig) -> Counts:
+  """Global counts over all micro-batches (sequences of all of them as one batch)."""
+  mask = jnp.asarray(mb.seq_valid, jnp.float32) * mb.fields["loss_mask"]
+  if loss_cfg.mask_failed_turns:  # error-masked SFT normalises by the tokens actually trained
+    mask = mask * (1.0 - mb.fields["failed"])
+  m, s, t = mask.shape
+  return global_counts(mask.reshape(m * s, t), mb.scalars["group"].reshape(m * s))
+
+
+def _combine_metrics(total: dict, new: dict, weight: jax.Array, real: jax.Array) -> dict:
+  out = {}
+  for k, v in new.items():
+    if "max" in k:
+      out[k] = jnp.maximum(total[k], jnp.where(real, v, -jnp.inf))
+    else:
+      out[k] = total[k] + weight * v
+  return out
+
+
+class TrainStep:
+  """What `make_train_step` returns: `step(state, micro_batches) -> (state, metrics)`.
+
+  `gradients(state, micro_batches) -> (loss, grads, metrics)` runs the same accumulation
+  without the update (tests, debugging, gradient-noise measurements).
+  """
+
+  def __init__(self, model_cfg: ModelConfig, loss_cfg: losses.LossConfig,
+               optimizer: optimizers.Optimizer, *,
+               correction_cfg: Optional[corrections.CorrectionConfig] = None, mesh=None,
+               entropy: bool = False, donate: bool = True):
+    losses.check_config(loss_cfg)
+    if correction_cfg is not None and not isinstance(correction_cfg,
+                                                     corrections.CorrectionConfig):
+      raise ValueError(f"correction_cfg: expected rl.corrections.CorrectionConfig, got "
+                       f"{type(correction_cfg).__name__}")
+    if not isinstance(optimizer, optimizers.Optimizer):
+      optimizer = optimizers.build(optimizer, model_cfg)
+    self.model_cfg, self.loss_cfg, self.optimizer = model_cfg, loss_cfg, optimizer
+    self.correction_cfg, self.mesh, self.entropy = correction_cfg, mesh, entropy
+    self.graphdef = state_lib.graphdef(model_cfg)
+    self._state_shardings = None if mesh is None else state_lib.shardings(model_cfg, optimizer,
+                                                                         mesh)
+    self._gradients = jax.jit(self._accumulate)
+    out = None if mesh is None else (self._state_shardings, None)
+    self._apply = jax.jit(self._update, donate_argnums=(0, 1) if donate else (),
+                          out_shardings=out)
+
+  # --- the pieces (traced)
+
+  def _micro_loss(self, params, model_state, mb: MicroBatches, counts: Counts,
+                  row_scale: jax.Array):
+    """Loss of one micro-batch (a masked sum normalised by the global counts) and its aux."""
+    cfg, loss_cfg = self.model_cfg, self.loss_cfg
+    lp, ent, aux = _forward(self.graphdef, cfg, params, model_state, mb)
+    use_entropy = self.entropy or loss_cfg.entropy_coef > 0
+    seq = from_tree_batch(mb, lp, ent if use_entropy else None, counts=counts)
+    metrics = {}
+    if seq.sampler_logprobs is not None:
+      # π_train for the mismatch: the recomputed π_old when given, else the current π_θ
+      train = seq.old_logprobs if seq.old_logprobs is not None else jax.lax.stop_gradient(lp)
+      if self.correction_cfg is not None and self.correction_cfg.kind != "none":
+        weights, m = corrections.apply(self.correction_cfg, train, seq.sampler_logprobs,
+                                       seq.mask, seq.advantages)
+        seq = seq.replace(weights=weights)
+      else:
+        m = corrections.mismatch_metrics(train, seq.sampler_logprobs, seq.mask)
+      metrics.update(m)
+    loss, loss_metrics = losses.compute(seq, loss_cfg)
+    metrics.update(loss_metrics)
+    if self.entropy:
+      live = seq.mask > 0
+      metrics["entropy"] = jax.lax.stop_gradient(
+          jnp.where(live, ent, 0.0).sum() / jnp.maximum(live.sum(), 1))
+    if cfg.is_moe and cfg.seq_balance_coef > 0:  # outside the tree contract (design §3)
+      balance = aux["balance_loss"] * row_scale
+      loss = loss + balance
+      metrics["balance_loss"] = jax.lax.stop_gradient(balance)
+    return loss, (metrics, aux)
+
+  def _accumulate(self, params, model_state, mb: MicroBatches):
+    """(loss, summed gradients, metrics, max_logits [layers, heads], load [moe_layers, E])."""
+    cfg = self.model_cfg
+    counts = _counts(mb, self.loss_cfg)
+    rows_real = (jnp.asarray(mb.token_weights).sum(-1) > 0).sum()
+    # the per-row balance loss: a mean over the real rows of all micro-batches
+    row_scale = mb.tokens.shape[1] / jnp.maximum(rows_real, 1).astype(jnp.float32)
+    grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
+
+    def one(mb_i):
+      (loss, (metrics, aux)), grads = grad_fn(params, model_state, mb_i, counts, row_scale)
+      weight = (jnp.asarray(mb_i.seq_valid) * mb_i.fields["loss_mask"]).sum()
+      out = {"loss": loss, "grads": grads, "metrics": metrics, "weight": weight,
+             "max_logits": aux["max_logits"]}
+      if "moe_load" in aux:  # shares -> logical assignment counts (÷ k), summed below
+        out["load"] = aux["moe_load"] * jnp.asarray(mb_i.token_weights).sum()
+        out["load_weight"] = jnp.asarray(mb_i.token_weights).sum()
+      return out
+
+    first = jax.eval_shape(one, jax.tree.map(lambda x: x[0], mb))
+    init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), first)
+    init["max_logits"] = jnp.full(first["max_logits"].shape, -jnp.inf, jnp.float32)
+    init["metrics"] = {k: jnp.full(s.shape, -jnp.inf if "max" in k else 0.0, s.dtype)
+                       for k, s in first["metrics"].items()}
+
+    def combine(total, out, real):
+      new = {k: total[k] + out[k] for k in ("loss", "weight") + (
+          ("load", "load_weight") if "load" in out else ())}
+      new["grads"] = jax.tree.map(jnp.add, total["grads"], out["grads"])
+      new["max_logits"] = jnp.maximum(total["max_logits"],
+                                      jnp.where(real, out["max_logits"], -jnp.inf))
+      new["metrics"] = _combine_metrics(total["metrics"], out["metrics"], out["weight"], real)
+      return new
+
+    total = _scan_real(one, mb, init, combine, first)
+    metrics = {k: v if "max" in k else v / jnp.maximum(total["weight"], 1.0)
+               for k, v in total["metrics"].items()}
+    metrics.update(loss=total["loss"], num_tokens=counts.num_tokens, num_seqs=counts.num_seqs,
+                   num_groups=counts.num_groups, max_logit=total["max_logits"].max())
+    load = None
+    if "load" in total:
+      load = total["load"] / jnp.maximum(total["load_weight"], 1e-9)
+      metrics["moe_max_load"] = (load.max(-1) / jnp.maximum(load.mean(-1), 1e-9)).max()
+    return total["loss"], total["grads"], metrics, total["max_logits"], load
+
+  def _update(self, state: TrainState, grads, max_logits: jax.Array,
+              load: Optional[jax.Array]):
+    """The optimizer step on the summed gradient, then the router bias step."""
+    cfg, opt = self.model_cfg, self.optimizer
+    updates, opt_state = opt.update(grads, state.opt_state, state.params,
+                                    max_logits if opt.config.uses_qk_clip else None)
+    params = optax.apply_updates(state.params, updates)
+    model_state = state.model_state
+    if load is not None and cfg.router_bias:  # aux-loss-free balancing, outside the gradient
+      model = nnx.merge(self.graphdef, params, model_state)
+      model.update_router_bias(load)
+      model_state = state_lib.split_model(model)[1]
+    metrics = optimizers.metrics(opt, opt_state)
+    metrics["param_norm"] = optax.tree.norm(params)
+    new = state.replace(params=params, model_state=model_state, opt_state=opt_state,
+                        step=state.step + 1, policy_version=state.policy_version + 1)
+    return new, metrics
+
+  # --- the calls
+
+  def _prepare(self, state: TrainState, mb: MicroBatches):
+    check_micro_batches(mb, self.model_cfg, self.loss_cfg, self.correction_cfg)
+    if self.mesh is not None:
+      mb = jax.device_put(mb, batch_shardings(self.model_cfg, self.mesh, mb))
+      state = jax.device_put(state, self._state_shardings)
+    return state, mb
+
+  def __call__(self, state: TrainState, micro_batches: MicroBatches
+               ) -> tuple[TrainState, dict]:
+    state, mb = self._prepare(state, micro_batches)
+    _, grads, metrics, max_logits, load = _placed(self.mesh, self._gradients)(
+        state.params, state.model_state, mb)
+    state, opt_metrics = _placed(self.mesh, self._apply)(state, grads, max_logits, load)
+    # QK-Clip's own max_logit equals ours: the max of max_logits over micro-batches
+    return state, {**metrics, **opt_metrics}
+
+  def gradients(self, state: TrainState, micro_batches: MicroBatches
+                ) -> tuple[jax.Array, Any, dict]:
+    """(loss, summed gradients, metrics) of the step, without the update."""
+    state, mb = self._prepare(state, micro_batches)
+    loss, grads, metrics, _, _ = _placed(self.mesh, self._gradients)(state.params,
+                                                                     state.model_state, mb)
+    return loss, grads, metrics
+
+  def apply_gradients(self, state: TrainState, grads, max_logits: jax.Array,
+                      load: Optional[jax.Array] = None) -> tuple[TrainState, dict]:
+    """The update half of the step: optimizer on `grads` (summed over micro-batches) with
+    `max_logits` [layers, heads] for QK-Clip, then the router bias step from `load`
+    [moe_layers, experts] (expert shares of the logical tokens)."""
+    if self.mesh is not None:
+      state = jax.device_put(state, self._state_shardings)
+      grads = jax.device_put(grads, self._state_shardings.params)
+    return _placed(self.mesh, self._apply)(state, grads, max_logits, load)
+
+
+def make_train_step(model_cfg: ModelConfig, loss_cfg: losses.LossConfig,
+                    optimizer: Union[optimizers.Optimizer, Any], *,
+                    correction_cfg: Optional[corrections.CorrectionConfig] = None,
+                    mesh=None, entropy: bool = False, donate: bool = True) -> TrainStep:
+  """The jitted train step `step(state, micro_batches) -> (new state, metrics)` (module
+  docstring). Compiles on the first call and once per distinct micro-batch shape/field set.
+
+  optimizer: a built `trainer.optimizers.Optimizer` (or its config); correction_cfg: the
+  mismatch correction whose weights multiply the loss terms (needs the sampler's "logprobs");
+  mesh: shard the step (state by the logical axes, rows over the data axes); entropy: compute
+  the policy entropy metric (the entropy bonus, `entropy_coef`, turns it on anyway); donate:
+  reuse the input state's buffers for the output (the input state is invalid afterwards).
+  Inputs are checked before tracing; errors name the missing or misshapen field.
+  """
+  return TrainStep(model_cfg, loss_cfg, optimizer, correction_cfg=correction_cfg, mesh=mesh,
+                   entropy=entropy, donate=donate)

@@ -1,0 +1,124 @@
+"""Train a small sentencepiece tokenizer from local text (`python -m trainer.data train_tokenizer`).
+
+    python -m trainer.data train_tokenizer --input a.txt b.py --vocab_size 2048 --out DIR
+    python -m trainer.data train_tokenizer --demo_corpus --vocab_size 1024 --out DIR
+
+writes DIR/tokenizer.model (`envs.chat.load_tokenizer(DIR)` loads it) and
+DIR/tokenizer_info.json (the options used, for the record).
+
+The model is made for `envs.chat`: chat formats encode the text between control tokens piece by
+piece and concatenate the ids, so text must round-trip exactly and encode the same wherever it
+is cut. Hence: byte fallback (no unknown characters), identity normalisation, no dummy prefix,
+whitespace kept as is, and pieces may span whitespace (indentation, "\\n    return").
+
+The chat format's tokens become single ids: turn markers (ChatML's <|im_start|>/<|im_end|>,
+DeepSeek-V3's <｜...｜> tokens) as *control* symbols, which encoding never produces from text
+(a tool output cannot forge a turn boundary), and tool-call markers (<tool_call>, ...) as
+*user-defined* symbols, which are matched in text as Qwen's tokenizer does. Ids: <unk> 0,
+BOS 1, EOS 2, <pad> 3, then the control and user-defined symbols in order. BOS/EOS are <s> and
+</s>, or the format's own (DeepSeek-V3's <｜begin▁of▁sentence｜>, <｜end▁of▁sentence｜>).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from typing import Iterable, Sequence
+
+from envs.chat.formats import FORMATS, DeepSeekV3
+
+# chat format -> (control symbols, user-defined symbols)
+_HERMES = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+CHAT_SYMBOLS = {
+    "chatml": (("<|im_start|>", "<|im_end|>"), _HERMES),
+    "qwen2.5": (("<|im_start|>", "<|im_end|>"), _HERMES),
+    "deepseek_v3": (tuple(v for k, v in DeepSeekV3.TOKENS.items() if k not in ("bos", "eos")),
+                    ()),
+    "plain": ((), _HERMES[:2]),
+}
+# chat format -> (BOS, EOS) piece names, where the format names them (default <s>, </s>)
+BOS_EOS = {"deepseek_v3": (DeepSeekV3.TOKENS["bos"], DeepSeekV3.TOKENS["eos"])}
+MAX_CHUNK = 2000  # characters per training "sentence" (sentencepiece skips very long ones)
+
+
+def chat_symbols(chat_format: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """(control, user-defined) symbols `chat_format` needs as single tokens."""
+  if chat_format not in CHAT_SYMBOLS:
+    raise ValueError(f"chat_format={chat_format!r}: expected one of {', '.join(FORMATS)}")
+  return CHAT_SYMBOLS[chat_format]
+
+
+def chunks(text: str, size: int = MAX_CHUNK) -> list[str]:
+  """`text` cut at line ends into pieces of at most `size` characters (a longer line is cut
+  anywhere); newlines stay inside the pieces, so pieces may learn "\\n" + indentation."""
+  out, cur = [], ""
+  for line in text.splitlines(keepends=True):
+    while len(line) > size:
+      out += [cur] if cur else []
+      out.append(line[:size])
+      cur, line = "", line[size:]
+    if len(cur) + len(line) > size:
+      out.append(cur)
+      cur = ""
+    cur += line
+  return out + ([cur] if cur else [])
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str, *,
+                    chat_format: str = "chatml", special_tokens: Sequence[str] = (),
+                    user_symbols: Sequence[str] = (), model_type: str = "bpe",
+                    split_digits: bool = True) -> str:
+  """Train on `texts` (each cut with `chunks`) and write out_dir/tokenizer.model; its path.
+
+  special_tokens / user_symbols: extra control / user-defined symbols beyond the chat
+  format's. Raises ValueError naming vocab_size when the text is too small for it.
+  """
+  import sentencepiece as spm
+
+  control, user = chat_symbols(chat_format)
+  bos, eos = BOS_EOS.get(chat_format, ("<s>", "</s>"))
+  control = list(dict.fromkeys(list(control) + list(special_tokens)))
+  user = [s for s in dict.fromkeys(list(user) + list(user_symbols)) if s not in control]
+  sentences = [c for t in texts for c in chunks(t) if c]
+  if not sentences:
+    raise ValueError("train_tokenizer: no text to train on (empty inputs)")
+  if not isinstance(vocab_size, int) or vocab_size < 4 + len(control) + len(user) + 1:
+    raise ValueError(f"vocab_size={vocab_size!r}: expected an integer larger than the "
+                     f"{4 + len(control) + len(user)} reserved and special pieces")
+  model = io.BytesIO()
+  try:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size,
+        model_type=model_type, character_coverage=1.0, byte_fallback=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False,
+        add_dummy_prefix=False, split_by_whitespace=False, allow_whitespace_only_pieces=True,
+        split_digits=split_digits, max_sentence_length=4 * MAX_CHUNK + 16,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=3, bos_piece=bos, eos_piece=eos,
+        control_symbols=control,
+        user_defined_symbols=user, num_threads=1, minloglevel=2)
+  except RuntimeError as e:
+    if "Vocabulary size" in str(e):
+      raise ValueError(f"vocab_size={vocab_size}: too large for this text ({e})") from None
+    raise
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, "tokenizer.model")
+  with open(path + ".tmp", "wb") as f:
+    f.write(model.getvalue())
+  os.replace(path + ".tmp", path)
+  with open(os.path.join(out_dir, "tokenizer_info.json"), "w") as f:
+    json.dump({"vocab_size": vocab_size, "chat_format": chat_format, "control_symbols": control,
+               "user_defined_symbols": user, "model_type": model_type,
+               "split_digits": split_digits, "sentences": len(sentences)}, f, indent=1)
+  return path
+
+
+def read_texts(paths: Sequence[str]) -> list[str]:
+  """The contents of text files (UTF-8; undecodable bytes replaced)."""
+  out = []
+  for p in paths:
+    if not os.path.isfile(p):
+      raise ValueError(f"--input {p!r}: no such file")
+    with open(p, encoding="utf-8", errors="replace") as f:
+      out.append(f.read())
+  return out
