@@ -20,6 +20,7 @@ same process. Per workload one JSON line: `bound` = linearized tokens / tree tok
 from __future__ import annotations
 
 import json
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +96,8 @@ def loss_fn(params, graphdef, rest, batch, n_tokens):
   return -(lp * batch["weight"]).sum() / n_tokens
 
 
-def run(name: str, trees, row_len: int, rows_per_batch: int, model, n_tokens: int) -> dict:
+def prepare(trees, row_len: int, rows_per_batch: int, model, n_tokens: int) -> dict:
+  """Pack, compile (once per distinct micro-batch shape) and return the variant's step."""
   batches = pack(trees, row_len=row_len, rows_per_batch=rows_per_batch)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   arrays = [{"tokens": b.tokens, "positions": b.positions, "end": b.end, "seq_pred": b.seq_pred,
@@ -108,21 +110,33 @@ def run(name: str, trees, row_len: int, rows_per_batch: int, model, n_tokens: in
     if key not in compiled:
       compiled[key] = grad_fn.lower(params, graphdef, rest, a, n_tokens).compile()
   add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
-
-  losses = []
+  result = {"rows": sum(b.tokens.shape[0] for b in batches), "micro_batches": len(batches),
+            "temp_bytes": int(max(c.memory_analysis().temp_size_in_bytes
+                                  for c in compiled.values())), "times": []}
 
   def step():
     total, grads = 0.0, None
     for a in arrays:
       loss, g = compiled[tuple(v.shape for v in a.values())](params, rest, a, n_tokens)
       total, grads = total + loss, g if grads is None else add(grads, g)
-    losses.append(total)
+    result["loss"] = float(total)
     return total, grads
 
-  seconds = median_time(step, FLAGS.repeats)
-  temp = max(c.memory_analysis().temp_size_in_bytes for c in compiled.values())
-  return {"rows": sum(b.tokens.shape[0] for b in batches), "micro_batches": len(batches),
-          "step_s": round(seconds, 3), "temp_bytes": int(temp), "loss": float(losses[-1])}
+  result["step"] = step
+  return result
+
+
+def measure(variants: list[dict], repeats: int) -> None:
+  """Time the variants' steps interleaved (lin, tree, lin, tree, ...) after one warm-up each,
+  so a change in machine load hits both alike; record the median step time of each."""
+  for v in variants:
+    jax.block_until_ready(v["step"]())
+  for _ in range(repeats):
+    for v in variants:
+      v["times"].append(median_time(v["step"], 1))
+  for v in variants:
+    v["step_s"] = round(statistics.median(v.pop("times")), 3)
+    del v["step"]
 
 
 def main(argv):
@@ -140,8 +154,9 @@ def main(argv):
     linear_tokens = sum(len(c.input_ids) + len(c.output_ids) for c in calls)
     print(f"{name}: {len(calls)} calls, {linear_tokens} linearized tokens, {len(tree)} tree "
           f"tokens, rows of {row_len}", flush=True)
-    lin = run(name, linear, row_len, rows_per_batch, model, n_tokens)
-    tre = run(name, [tree], row_len, rows_per_batch, model, n_tokens)
+    lin = prepare(linear, row_len, rows_per_batch, model, n_tokens)
+    tre = prepare([tree], row_len, rows_per_batch, model, n_tokens)
+    measure([lin, tre], FLAGS.repeats)
     assert abs(lin["loss"] - tre["loss"]) <= 1e-4 * abs(lin["loss"]), (lin["loss"], tre["loss"])
     line = {"workload": name, "date": today(), "machine": machine(), "repeats": FLAGS.repeats,
             "row_len": row_len, "rows_per_micro_batch": rows_per_batch,
@@ -166,7 +181,7 @@ def main(argv):
         "## tree_speedup: tree-packed vs linearized train step", "",
         f"Machine: {lines[0]['machine'] if lines else ''}. ~10M-parameter MoE+MLA model "
         f"(benchmarks/common.py MOE_MLA, remat full), attention `{FLAGS.attention_impl}`, "
-        f"fp32, median of {FLAGS.repeats}; same process, packer, row length and micro-batch "
+        f"fp32, median of {FLAGS.repeats} interleaved repeats after a warm-up; same process, packer, row length and micro-batch "
         "shape for both variants. Goal: speedup >= 0.8 x bound.", "", *rows, "",
         "Temporary memory is equal because both variants compile the same micro-batch shape; "
         "the tree step needs fewer micro-batches.", "", "```",
