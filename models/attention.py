@@ -22,11 +22,21 @@ from models.rope import apply_rope
 MLA_LATENT_NORM_EPS = 1e-6
 
 
-def write_cache(cache: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
-  """Write new [batch, s, ...] into cache [batch, capacity, ...] at per-row offsets index [batch]."""
-  def one(c, n, i):
-    return jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), i, axis=0)
-  return jax.vmap(one)(cache, new, index)
+def write_cache(cache: jax.Array, new: jax.Array, index: jax.Array, seq_axis: int = 1
+                ) -> jax.Array:
+  """Write new [batch, s, ...] into cache at per-row offsets index [batch] along `seq_axis`.
+
+  The cache has the batch first, the capacity at `seq_axis` and new's trailing axes, in order,
+  elsewhere (e.g. [batch, capacity, ...] or [batch, kv_heads, capacity, head_dim]). Positions
+  past the capacity are dropped, never clamped: a padded prefill chunk near the end of a row
+  must not shift back over cached keys (and the scatter is faster than a vmapped
+  dynamic_update_slice on CPU).
+  """
+  b, s = new.shape[:2]
+  pos = index[:, None] + jnp.arange(s, dtype=index.dtype)[None]
+  where = [slice(None)] * cache.ndim
+  where[0], where[seq_axis] = jnp.arange(b)[:, None], pos
+  return cache.at[tuple(where)].set(new.astype(cache.dtype), mode="drop")
 
 
 def cache_view(index: jax.Array, s: int, capacity: int) -> tuple[jax.Array, jax.Array]:
@@ -57,8 +67,11 @@ class GQA(nnx.Module):
       self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
   def init_cache(self, batch: int, capacity: int) -> dict:
-    shape = (batch, capacity, self.cfg.num_kv_heads, self.cfg.head_dim)
-    return {"k": jnp.zeros(shape, dtype_of(self.cfg)), "v": jnp.zeros(shape, dtype_of(self.cfg))}
+    """k [batch, kv_heads, capacity, head_dim], v [batch, kv_heads, head_dim, capacity]: the
+    layouts the two attention matmuls read without transposing the cache every decode step."""
+    kvh, hd, dt = self.cfg.num_kv_heads, self.cfg.head_dim, dtype_of(self.cfg)
+    return {"k": jnp.zeros((batch, kvh, capacity, hd), dt),
+            "v": jnp.zeros((batch, kvh, hd, capacity), dt)}
 
   def __call__(self, x, cos, sin, end, cache=None, index=None):
     cfg = self.cfg
@@ -70,8 +83,8 @@ class GQA(nnx.Module):
     q = constrain(q, ("batch", "seq", "act_heads", None), cfg)
     q_index = None
     if cache is not None:
-      cache = {"k": write_cache(cache["k"], k, index), "v": write_cache(cache["v"], v, index)}
-      k, v = cache["k"], cache["v"]
+      cache = {"k": write_cache(cache["k"], k, index, 2), "v": write_cache(cache["v"], v, index, 3)}
+      k, v = jnp.swapaxes(cache["k"], 1, 2), jnp.transpose(cache["v"], (0, 3, 1, 2))
       q_index, end = cache_view(index, x.shape[1], k.shape[1])
     out, max_logits = attention(q, k, v, end, scale=cfg.softmax_scale, q_index=q_index,
                                 impl=cfg.attention_impl)

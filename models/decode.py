@@ -1,4 +1,6 @@
-"""A simple batched decode loop over the Transformer's caches (the full engine is models/engine).
+"""A simple batched decode loop over the Transformer's caches: the reference that tests check
+the model's decode path with. Serving and rollouts use models/engine.py (continuous batching,
+prefix reuse, per-request sampling, weight updates).
 
     tokens, logprobs = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=8)
 

@@ -66,15 +66,24 @@ def _stacked_blocks(cfg: ModelConfig, moe: bool, n: int) -> Block:
 
 
 class Transformer(nnx.Module):
-  """Decoder-only transformer (see module docstring)."""
+  """Decoder-only transformer (see module docstring).
 
-  def __init__(self, cfg: ModelConfig):
+  `stacked=False` keeps each layer as its own Block in an `nnx.List`, applied by a Python loop
+  (made with `unstack`, for decoding: a scanned stack copies every layer's weights and cache
+  slice on each step on CPU; compile time then grows with depth, and `remat` is not applied).
+  """
+
+  def __init__(self, cfg: ModelConfig, stacked: bool = True):
     self.cfg = cfg
     self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
                        std=cfg.initializer_range)
     n_dense, n_moe = cfg.num_dense_layers, cfg.num_moe_layers
-    self.dense_layers = _stacked_blocks(cfg, False, n_dense) if n_dense else None
-    self.moe_layers = _stacked_blocks(cfg, True, n_moe) if n_moe else None
+    if stacked:
+      self.dense_layers = _stacked_blocks(cfg, False, n_dense) if n_dense else None
+      self.moe_layers = _stacked_blocks(cfg, True, n_moe) if n_moe else None
+    else:
+      self.dense_layers = nnx.List([Block(cfg, False) for _ in range(n_dense)]) if n_dense else None
+      self.moe_layers = nnx.List([Block(cfg, True) for _ in range(n_moe)]) if n_moe else None
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
     self.lm_head = None if cfg.tie_embeddings else param(
         (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), std=cfg.initializer_range)
@@ -112,7 +121,8 @@ class Transformer(nnx.Module):
         continue
       ids = expert_ids if name == "moe" else None
       layer_cache = None if cache is None else cache[name]
-      x, stack_aux, new_cache[name] = _scan(stack, cfg, x, cos, sin, end, token_weights,
+      apply = _loop if isinstance(stack, nnx.List) else _scan
+      x, stack_aux, new_cache[name] = apply(stack, cfg, x, cos, sin, end, token_weights,
                                             layer_cache, index, ids)
       for key, value in stack_aux.items():
         aux.setdefault(key, []).append(value)
@@ -132,6 +142,8 @@ class Transformer(nnx.Module):
     """Aux-loss-free balancing, outside the gradient: nudge each MoE layer's selection bias
     by `bias_update_rate` towards the mean load, from a step's aux["moe_load"]
     [moe_layers, experts] (averaged over micro-batches and data-parallel replicas)."""
+    if isinstance(self.moe_layers, nnx.List):
+      raise ValueError("update_router_bias: the model is unstacked (update the stacked model)")
     bias = None if self.moe_layers is None else self.moe_layers.mlp.router_bias
     if bias is None:
       raise ValueError("update_router_bias: the model has no router bias "
@@ -139,10 +151,14 @@ class Transformer(nnx.Module):
     bias[...] = update_router_bias(bias[...], moe_load, self.cfg.bias_update_rate)
 
   def init_cache(self, batch: int, capacity: int) -> dict:
-    """Zeroed decode caches {stack: {name: [layers, batch, capacity, ...]}}."""
+    """Zeroed decode caches {stack: {name: [layers, batch, ...]}} (see the attention layers'
+    `init_cache` for the rest of the shape); an unstacked model has a list of per-layer
+    {name: [batch, ...]} per stack."""
     out = {}
     for name, stack in (("dense", self.dense_layers), ("moe", self.moe_layers)):
-      if stack is not None:
+      if isinstance(stack, nnx.List):
+        out[name] = [block.attn.init_cache(batch, capacity) for block in stack]
+      elif stack is not None:
         n = _num_layers(stack)
         one = stack.attn.init_cache(batch, capacity)
         out[name] = jax.tree.map(lambda a: jnp.broadcast_to(a, (n,) + a.shape), one)
@@ -184,6 +200,33 @@ def _scan(stack: Block, cfg: ModelConfig, x, cos, sin, end, token_weights, cache
     body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat])
   x, (aux, cache) = jax.lax.scan(body, x, (state, cache, expert_ids))
   return x, aux, cache
+
+
+def _loop(blocks: nnx.List, cfg: ModelConfig, x, cos, sin, end, token_weights, caches, index,
+          expert_ids):
+  """Apply unstacked blocks in order; aux gets a leading layer axis, as from `_scan`."""
+  auxes, new_caches = [], []
+  for i, block in enumerate(blocks):
+    ids = None if expert_ids is None else expert_ids[i]
+    x, aux, cache = block(x, cos, sin, end, token_weights, None if caches is None else caches[i],
+                          index, ids)
+    auxes.append(aux)
+    new_caches.append(cache)
+  return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes), (None if caches is None else new_caches)
+
+
+def unstack(model: Transformer) -> Transformer:
+  """The same model with each layer as a Block of its own (weights copied out of the stacks)."""
+  out = nnx.eval_shape(lambda: Transformer(model.cfg, stacked=False))
+  values = nnx.to_pure_dict(nnx.state(model))
+  for name in ("dense_layers", "moe_layers"):
+    if name in values:
+      values[name] = {i: jax.tree.map(lambda a: a[i], values[name])
+                      for i in range(len(getattr(out, name)))}
+  state = nnx.state(out)
+  nnx.replace_by_pure_dict(state, values)
+  nnx.update(out, state)
+  return out
 
 
 def initial_state(abstract_state: nnx.State, key: jax.Array) -> nnx.State:

@@ -1,0 +1,732 @@
+"""Generation engine: continuous batching over a bounded pool of KV-cache rows.
+
+    engine = Engine(model, EngineConfig(slots=8, max_seq_len=1024))
+    outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=16, temperature=0))
+    engine.start()                                   # or: a background thread steps the engine
+    future = engine.submit([1, 2, 3], SamplingParams(max_tokens=16))   # from any thread
+    engine.update_params(new_model_or_state, version=1)
+
+How it works (all shapes static, so nothing recompiles after warm-up):
+- The cache is a pool of `slots + prefix_cache_rows` rows, each holding the keys/values (GQA) or
+  latents (MLA) of one token sequence; the host keeps each row's token ids. A request takes a
+  row; the row with the longest common prefix is reused (in place when the request just extends
+  it, else copied), so G samples of a prompt prefill it once and the next turn of an agent
+  episode prefills only its new tokens. Rows not in use are evicted least-recently-used first.
+- A request of sequence `seq` (its input, plus anything already sampled) has `seq[:-1]` in its
+  row and decodes from `seq[-1]`: prefill never needs logits, and the first token is sampled by
+  the same code as every other.
+- Prefill runs in chunks of at most `prefill_chunk` tokens per row, many rows per call (lengths
+  padded to a multiple of `prefill_bucket`, rows to a power of two).
+- Decode runs `steps_per_call` steps per jitted call (a `lax.while_loop` over the `slots`
+  decode batch, gathered from the pool), sampling, log-probs and stop-token/length checks on
+  device; the host sees the results once per call, checks stop strings, finishes requests and
+  refills free slots from the queue. The call exits early when a slot finishes while requests
+  are waiting.
+- Weights are a jit argument: `update_params` swaps them between calls without recompiling.
+
+Log-probs are those of the model itself (temperature 1, no top-k/top-p truncation): exactly
+what a teacher-forced forward pass of the finished sequence gives the trainer.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import functools
+import logging
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models import transformer
+
+logger = logging.getLogger(__name__)
+
+FINISH_REASONS = ("stop", "length")
+ON_UPDATE = ("finish", "resubmit", "restart")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How to sample one completion (the fields of envs.policy.SamplingParams)."""
+
+  max_tokens: int = 256                 # new tokens at most
+  temperature: float = 1.0              # 0 = greedy
+  top_p: float = 1.0                    # nucleus mass (1 = off)
+  top_k: int = 0                        # 0 = off
+  stop_token_ids: tuple[int, ...] = ()  # generation stops after emitting one of these
+  stop: tuple[str, ...] = ()            # stop strings (checked on detokenised text)
+  seed: Optional[int] = None            # per-request seed (None: drawn from the engine's stream)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Sizes and behaviour of an Engine. Every field is checked by `Engine`."""
+
+  slots: int = 8                  # sequences decoded together (the decode batch)
+  max_seq_len: int = 2048         # longest sequence (input + output) a cache row holds
+  prefix_cache_rows: int = 8      # cache rows beyond `slots`, kept for prefix reuse (LRU)
+  min_prefix: int = 8             # shortest cached prefix worth reusing (shorter: prefill)
+  prefill_chunk: int = 512        # most tokens per row in one prefill call
+  prefill_bucket: int = 64        # prefill lengths are padded to a multiple of this
+  prefill_rows: int = 0           # most rows per prefill call (0 = slots)
+  steps_per_call: int = 16        # decode steps per jitted call (one host round trip each)
+  max_stop_token_ids: int = 8     # stop token ids a request may give
+  top_logprobs: int = 0           # top-n log-probs returned per token (0 = none)
+  return_expert_ids: bool = False  # MoE: return the experts chosen per token per layer
+  on_update: str = "finish"       # in-flight requests at update_params: "finish" (drain on old
+                                  # weights) | "resubmit" (keep tokens, continue on new weights)
+                                  # | "restart" (drop tokens, start again on new weights)
+  seed: int = 0                   # seeds requests that give none
+
+
+@dataclasses.dataclass
+class Completion:
+  """One finished request. logprobs[i] = log p(output_ids[i]) under token_versions[i]'s weights."""
+
+  output_ids: list[int]
+  logprobs: list[float]
+  finish_reason: str              # "stop" (stop token or string) | "length"
+  token_versions: list[int]       # policy version that sampled each token
+  policy_version: int             # version of the first token
+  prompt_tokens: int              # len(input_ids)
+  cached_tokens: int              # prefix tokens reused from the cache (last admission)
+  top_logprobs: Optional[list[list[tuple[int, float]]]] = None  # per token: (id, log-prob) best first
+  expert_ids: Optional[np.ndarray] = None  # [tokens, moe_layers, k]: experts at the position
+                                           # that predicted each token
+
+
+class _Request:
+  """Host-side state of one request."""
+
+  def __init__(self, input_ids: np.ndarray, params: SamplingParams, seed: int):
+    self.input_ids = input_ids
+    self.params = params
+    self.seed = seed
+    self.future: concurrent.futures.Future = concurrent.futures.Future()
+    self.output: list[int] = []
+    self.logprobs: list[float] = []
+    self.versions: list[int] = []
+    self.top: list[list[tuple[int, float]]] = []
+    self.experts: list[np.ndarray] = []
+    self.cached = 0
+    self.started = False  # its Future is running
+    self.checked = 0  # output tokens already searched for stop strings
+    self.row = -1
+
+  def seq(self) -> np.ndarray:
+    return np.concatenate([self.input_ids, np.asarray(self.output, np.int32)])
+
+
+def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+           keys: jax.Array) -> jax.Array:
+  """Token ids [batch] from fp32 logits [batch, vocab] with per-row settings [batch].
+
+  temperature 0 = greedy (argmax); top_k 0 and top_p 1 = off. Top-k is applied first, then
+  top-p keeps the smallest prefix of the renormalised top-k distribution whose mass reaches
+  top_p. keys [batch]: one PRNG key per row (Gumbel-max sampling).
+  """
+  greedy = jnp.argmax(logits, -1).astype(jnp.int32)
+
+  def draw(_):
+    x = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    x = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), _truncate, lambda x, *_: x,
+                     x, top_k, top_p)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, x.shape[-1:], jnp.float32))(keys)
+    return jnp.argmax(x + gumbel, -1).astype(jnp.int32)
+
+  drawn = jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)
+  return jnp.where(temperature > 0, drawn, greedy)
+
+
+def _truncate(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+  """Set logits outside each row's top-k / top-p set to -inf."""
+  v = x.shape[-1]
+  sorted_x = jnp.sort(x, axis=-1)[:, ::-1]
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+  ranks = jnp.arange(v)[None]
+  in_k = ranks < k[:, None]
+  p = jax.nn.softmax(jnp.where(in_k, sorted_x, -jnp.inf), axis=-1)
+  mass_before = jnp.cumsum(p, axis=-1) - p
+  n_keep = jnp.maximum(jnp.sum(in_k & (mass_before < top_p[:, None]), -1), 1)
+  threshold = jnp.take_along_axis(sorted_x, (n_keep - 1)[:, None], axis=-1)
+  return jnp.where(x >= threshold, x, -jnp.inf)
+
+
+def _is_unstacked(model) -> bool:
+  return any(isinstance(s, nnx.List) for s in (model.dense_layers, model.moe_layers))
+
+
+def _is_stacked_state(state: nnx.State) -> bool:
+  """Whether a model state has layer stacks (an unstacked one has per-layer entries 0, 1, ...)."""
+  values = nnx.to_pure_dict(state)
+  return any(name in values and not all(isinstance(k, int) for k in values[name])
+             for name in ("dense_layers", "moe_layers"))
+
+
+def _gather_rows(pool: dict, rows: jax.Array) -> dict:
+  """Rows [n] of every cache array [pool_rows, ...]; out-of-range rows read zeros."""
+  return jax.tree.map(lambda a: jnp.take(a, rows, axis=0, mode="fill", fill_value=0), pool)
+
+
+def _scatter_rows(pool: dict, rows: jax.Array, sub: dict) -> dict:
+  """Write sub [n, ...] back to rows [n]; out-of-range rows are dropped (padding)."""
+  return jax.tree.map(lambda a, s: a.at[rows].set(s, mode="drop"), pool, sub)
+
+
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+  """Length of the common prefix of two token arrays."""
+  n = min(len(a), len(b))
+  diff = np.flatnonzero(a[:n] != b[:n])
+  return int(diff[0]) if len(diff) else n
+
+
+def _round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def _lcp(rows: np.ndarray, lengths: np.ndarray, target: np.ndarray) -> np.ndarray:
+  """Common-prefix length of target [n] with each row's tokens rows[r, :lengths[r]]."""
+  n = len(target)
+  if n == 0:
+    return np.zeros(len(rows), np.int64)
+  eq = (rows[:, :n] == target[None]) & (np.arange(n)[None] < lengths[:, None])
+  return np.where(eq.all(1), n, np.argmin(eq, axis=1))
+
+
+# ---------------------------------------------------------------------- jitted functions
+# Module-level with the model's graphdef and sizes as static arguments, so engines of one model
+# config share compiled code. TRACES counts traces per function: a retrace is a recompile.
+TRACES: collections.Counter = collections.Counter()
+
+
+def _forward(graphdef, state, tokens, positions, cache, index):
+  """(model, final hidden [b, s, hidden], aux, cache) after running tokens [b, s]."""
+  model = nnx.merge(graphdef, state)
+  end = jnp.zeros(tokens.shape, jnp.int32)  # unused with a cache: the cache view rules
+  h, aux, cache = model.hidden(tokens, positions, end, cache=cache, index=index)
+  return model, h, aux, cache
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _prefill(graphdef, state, pool, rows, tokens, starts):
+  """Write the cache of tokens [b, p] at positions starts[b]... into pool rows [b]."""
+  TRACES["prefill"] += 1
+  sub = _gather_rows(pool, rows)
+  positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+  _, _, _, sub = _forward(graphdef, state, tokens, positions, sub, starts)
+  return _scatter_rows(pool, rows, sub)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _copy(pool, src, dst):
+  """Copy pool row src to row dst."""
+  TRACES["copy"] += 1
+  return jax.tree.map(lambda a: a.at[dst].set(a[src]), pool)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+def _decode(graphdef, k: int, top_n: int, experts: bool, state, pool, rows, tokens, lengths,
+            active, counts, limits, temperature, top_k, top_p, seeds, stop_ids, max_steps,
+            exit_on_finish):
+  """Up to max_steps (<= k) decode steps of the slots batch (arrays [slots] unless noted).
+
+  rows: pool row of each slot (out of range = empty slot); tokens: the next input token;
+  lengths: its position (= tokens in the row); counts/limits: tokens generated so far / at
+  most; stop_ids [slots, max_stop_token_ids] (-1 = none). top_n: top log-probs per token;
+  experts: record MoE expert ids. Returns the pool, the number of steps run, the final
+  tokens/lengths/active/counts and per-step outputs [k, ...].
+  """
+  TRACES["decode"] += 1
+  model = nnx.merge(graphdef, state)
+  mc = model.cfg
+  lm_head = model.lm_head_weight()
+  s = rows.shape[0]
+  out = {"tokens": jnp.zeros((k, s), jnp.int32), "logprobs": jnp.zeros((k, s), jnp.float32)}
+  if top_n:
+    out["top_ids"] = jnp.zeros((k, s, top_n), jnp.int32)
+    out["top_logprobs"] = jnp.zeros((k, s, top_n), jnp.float32)
+  if experts:
+    out["expert_ids"] = jnp.zeros((k, mc.num_moe_layers, s, mc.experts_per_token), jnp.int32)
+  base_keys = jax.vmap(jax.random.key)(seeds)
+
+  def cond(carry):
+    step, _, _, _, act, _, finished, _ = carry
+    return (step < max_steps) & jnp.any(act) & ~(exit_on_finish & finished)
+
+  def body(carry):
+    step, sub, tok, length, act, count, finished, out = carry
+    _, h, aux, sub = _forward(graphdef, state, tok[:, None], length[:, None], sub, length)
+    logits = jnp.dot(h[:, 0].astype(jnp.float32), lm_head)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    keys = jax.vmap(jax.random.fold_in)(base_keys, count)
+    nxt = sample(logits, temperature, top_k, top_p, keys)
+    out = dict(out)
+    out["tokens"] = out["tokens"].at[step].set(nxt)
+    out["logprobs"] = out["logprobs"].at[step].set(
+        jnp.take_along_axis(logp, nxt[:, None], axis=-1)[:, 0])
+    if top_n:
+      vals, ids = jax.lax.top_k(logp, top_n)
+      out["top_ids"] = out["top_ids"].at[step].set(ids)
+      out["top_logprobs"] = out["top_logprobs"].at[step].set(vals)
+    if experts:
+      out["expert_ids"] = out["expert_ids"].at[step].set(aux["expert_ids"][:, :, 0])
+    count = count + act
+    done = act & (jnp.any(nxt[:, None] == stop_ids, axis=-1) | (count >= limits))
+    length = length + act
+    tok = jnp.where(act, nxt, tok)
+    return (step + 1, sub, tok, length, act & ~done, count, finished | jnp.any(done), out)
+
+  sub = _gather_rows(pool, rows)
+  carry = (jnp.int32(0), sub, tokens, lengths, active, counts, jnp.bool_(False), out)
+  step, sub, tokens, lengths, active, counts, _, out = jax.lax.while_loop(cond, body, carry)
+  return _scatter_rows(pool, rows, sub), step, tokens, lengths, active, counts, out
+
+
+class Engine:
+  """Batched generation for a `models.transformer.Transformer` (see module docstring).
+
+  Thread safety: `submit`, `update_params` and `counters` may be called from any thread;
+  `step`/`generate` from one thread at a time (or let `start()` run them in the background).
+  """
+
+  def __init__(self, model, config: EngineConfig = EngineConfig(),
+               detokenize: Optional[Callable[[Sequence[int]], str]] = None):
+    self.cfg = config
+    self.model_cfg = model.cfg
+    self.detokenize = detokenize
+    self._check_config()
+    c = config
+    self.num_rows = c.slots + c.prefix_cache_rows
+    self.capacity = c.max_seq_len
+    self.prefill_rows = c.prefill_rows or c.slots
+    # Decoding runs the unstacked model: every layer reads its own weight and cache buffers.
+    self._stacked_graphdef = None if _is_unstacked(model) else nnx.graphdef(model)
+    model = model if _is_unstacked(model) else transformer.unstack(model)
+    self._graphdef, self._state = nnx.split(model)
+    self.version = 0
+    self._new_pool = lambda: model.init_cache(self.num_rows, self.capacity)
+    self._pool = self._new_pool()
+    # Host mirror of the pool: tokens of each row, valid length, params version, last use.
+    self._row_tokens = np.zeros((self.num_rows, self.capacity), np.int32)
+    self._row_len = np.zeros(self.num_rows, np.int64)
+    self._row_version = np.full(self.num_rows, -1, np.int64)
+    self._row_used = np.zeros(self.num_rows, np.int64)
+    self._row_owner: list[Optional[_Request]] = [None] * self.num_rows
+    self._tick = 0
+    # Decode batch: the request in each slot.
+    self._slots: list[Optional[_Request]] = [None] * c.slots
+    self._queue: collections.deque[_Request] = collections.deque()
+    self._incoming: list[_Request] = []
+    self._pending_update: Optional[tuple[Any, int, str]] = None
+    self._lock = threading.Lock()
+    self._wakeup = threading.Event()
+    self._thread: Optional[threading.Thread] = None
+    self._stopping = False
+    self._rng = np.random.default_rng(c.seed)
+    self._counters = collections.Counter()
+
+  def _check_config(self) -> None:
+    c, m = self.cfg, self.model_cfg
+
+    def fail(field, why):
+      raise ValueError(f"EngineConfig.{field}={getattr(c, field)!r}: {why}")
+
+    for field in ("slots", "max_seq_len", "prefill_chunk", "prefill_bucket", "steps_per_call",
+                  "min_prefix"):
+      if getattr(c, field) <= 0:
+        fail(field, "must be positive")
+    for field in ("prefix_cache_rows", "prefill_rows", "max_stop_token_ids", "top_logprobs"):
+      if getattr(c, field) < 0:
+        fail(field, "must be >= 0")
+    if c.top_logprobs > m.vocab_size:
+      fail("top_logprobs", f"exceeds vocab_size={m.vocab_size}")
+    if c.on_update not in ON_UPDATE:
+      fail("on_update", f"expected one of {ON_UPDATE}")
+    if c.return_expert_ids and not m.is_moe:
+      fail("return_expert_ids", "the model has no MoE layers")
+
+  # ------------------------------------------------------------------ public API
+
+  def submit(self, input_ids: Sequence[int], params: SamplingParams = SamplingParams()
+             ) -> concurrent.futures.Future:
+    """Queue a request; its Future resolves to a Completion. ValueError for bad input."""
+    req = self._make_request(input_ids, params)
+    with self._lock:
+      self._incoming.append(req)
+    self._wakeup.set()
+    return req.future
+
+  def generate(self, inputs: Sequence[Sequence[int]],
+               params: SamplingParams | Sequence[SamplingParams] = SamplingParams()
+               ) -> list[Completion]:
+    """Run requests to completion on the calling thread (not while `start()`ed)."""
+    if self._thread is not None:
+      raise RuntimeError("Engine.generate: the engine runs in a background thread; use submit")
+    if isinstance(params, SamplingParams):
+      params = [params] * len(inputs)
+    if len(params) != len(inputs):
+      raise ValueError(f"generate: {len(inputs)} inputs but {len(params)} sampling params")
+    futures = [self.submit(x, p) for x, p in zip(inputs, params)]
+    while not all(f.done() for f in futures):
+      self.step()
+    return [f.result() for f in futures]
+
+  def update_params(self, params, version: int, on_update: Optional[str] = None) -> None:
+    """Use new weights from the next decode call on, tagging the tokens they sample with
+    `version`. params: a Transformer (stacked or not) or the full nnx.State of one, with the
+    engine model's shapes and dtypes. In-flight requests follow `on_update` (default
+    `EngineConfig.on_update`). Nothing recompiles."""
+    on_update = on_update or self.cfg.on_update
+    if on_update not in ON_UPDATE:
+      raise ValueError(f"on_update={on_update!r}: expected one of {ON_UPDATE}")
+    if isinstance(params, nnx.State) and _is_stacked_state(params):
+      if self._stacked_graphdef is None:
+        raise ValueError("update_params: got a stacked state for an engine built from an "
+                         "unstacked model; pass a Transformer")
+      params = nnx.merge(self._stacked_graphdef, params)
+    if not isinstance(params, nnx.State):
+      params = nnx.state(params if _is_unstacked(params) else transformer.unstack(params))
+    # Compare and rebuild by value only: variable metadata (e.g. an initialiser's std) is part
+    # of the state's tree structure, and a different structure would retrace the jit.
+    new_values, old_values = nnx.to_pure_dict(params), nnx.to_pure_dict(self._state)
+    if jax.tree.structure(new_values) != jax.tree.structure(old_values):
+      raise ValueError("update_params: the new weights do not have the engine model's "
+                       "structure (other layers or parameters)")
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree.leaves_with_path(old_values)]
+    new_leaves, old_leaves = jax.tree.leaves(new_values), jax.tree.leaves(old_values)
+    for path, a, b in zip(paths, old_leaves, new_leaves):
+      if a.shape != b.shape or a.dtype != b.dtype:
+        raise ValueError(f"update_params: {path} is {b.dtype}{list(b.shape)}, expected "
+                         f"{a.dtype}{list(a.shape)}")
+    state = jax.tree.unflatten(jax.tree.structure(self._state),
+                               [jnp.asarray(b) for b in new_leaves])
+    with self._lock:
+      self._pending_update = (state, int(version), on_update)
+    self._wakeup.set()
+
+  def _count(self, **deltas: int) -> None:
+    with self._lock:
+      self._counters.update(deltas)
+
+  @property
+  def counters(self) -> dict[str, int]:
+    """prefill_tokens (real tokens prefilled), prefill_padded_tokens, prefill_calls,
+    decode_calls, decode_steps, decoded_tokens, cache_hits (requests that reused a prefix),
+    reused_tokens, row_copies, evictions, finished, resubmitted, updates."""
+    with self._lock:
+      return dict(self._counters)
+
+  def pending(self) -> int:
+    """Requests queued or running."""
+    with self._lock:
+      incoming = len(self._incoming)
+    return incoming + len(self._queue) + sum(r is not None for r in self._slots)
+
+  def start(self) -> None:
+    """Step the engine in a daemon thread until `stop()`."""
+    if self._thread is None:
+      self._stopping = False
+      self._thread = threading.Thread(target=self._run, name="arbor-engine", daemon=True)
+      self._thread.start()
+
+  def stop(self) -> None:
+    if self._thread is not None:
+      self._stopping = True
+      self._wakeup.set()
+      self._thread.join()
+      self._thread = None
+
+  def _run(self) -> None:
+    while not self._stopping:
+      try:
+        busy = self.step()
+      except Exception as e:  # keep serving: fail the requests in flight, not the thread
+        self._fail_all(e)
+        busy = False
+      if not busy:
+        self._wakeup.wait(0.05)
+        self._wakeup.clear()
+
+  def _fail_all(self, error: Exception) -> None:
+    """Fail the running requests and start from an empty cache (a failed call may have
+    consumed the donated pool); queued requests stay queued."""
+    logger.exception("engine step failed; failing %d running requests",
+                     sum(r is not None for r in self._slots))
+    for i, req in enumerate(self._slots):
+      if req is not None:
+        self._release(req)
+        self._slots[i] = None
+        if not req.future.done():
+          req.future.set_exception(error)
+    self._pool = self._new_pool()
+    self._row_len[:] = 0
+    self._row_version[:] = -1
+
+  # ------------------------------------------------------------------ scheduling
+
+  def _make_request(self, input_ids: Sequence[int], params: SamplingParams) -> _Request:
+    ids = np.asarray(list(input_ids), np.int64)
+    vocab = self.model_cfg.vocab_size
+    if ids.ndim != 1 or len(ids) == 0:
+      raise ValueError("input_ids: expected a non-empty list of token ids")
+    bad = ids[(ids < 0) | (ids >= vocab)]
+    if len(bad):
+      raise ValueError(f"input_ids: token id {int(bad[0])} is outside the vocabulary "
+                       f"[0, {vocab})")
+    p = params
+    if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
+      raise ValueError(f"max_tokens={p.max_tokens!r}: must be a positive integer")
+    if len(ids) + p.max_tokens > self.capacity:
+      raise ValueError(f"max_tokens={p.max_tokens}: {len(ids)} input tokens + max_tokens exceed "
+                       f"max_seq_len={self.capacity}")
+    if not p.temperature >= 0:
+      raise ValueError(f"temperature={p.temperature!r}: must be >= 0")
+    if not 0 < p.top_p <= 1:
+      raise ValueError(f"top_p={p.top_p!r}: must be in (0, 1]")
+    if p.top_k < 0:
+      raise ValueError(f"top_k={p.top_k!r}: must be >= 0")
+    if len(p.stop_token_ids) > self.cfg.max_stop_token_ids:
+      raise ValueError(f"stop_token_ids: {len(p.stop_token_ids)} ids, at most "
+                       f"{self.cfg.max_stop_token_ids} (EngineConfig.max_stop_token_ids)")
+    if any(not 0 <= t < vocab for t in p.stop_token_ids):
+      raise ValueError(f"stop_token_ids={list(p.stop_token_ids)}: ids must be in [0, {vocab})")
+    if p.stop and self.detokenize is None:
+      raise ValueError(f"stop={list(p.stop)}: stop strings need an engine with a detokenize "
+                       "callback")
+    if any(not isinstance(s, str) or not s for s in p.stop):
+      raise ValueError(f"stop={list(p.stop)!r}: stop strings must be non-empty strings")
+    if p.seed is None:
+      with self._lock:  # submit may be called from many threads
+        seed = int(self._rng.integers(0, 2**32))
+    else:
+      seed = int(p.seed) % 2**32
+    return _Request(ids.astype(np.int32), p, seed)
+
+  def step(self) -> bool:
+    """One scheduling round: apply a pending weight update, admit queued requests into free
+    slots (prefill), then one decode call. Returns whether there was anything to do."""
+    with self._lock:
+      self._queue.extend(self._incoming)
+      self._incoming.clear()
+    updating = self._maybe_update()
+    admitted = False if updating else self._admit()
+    if not any(r is not None for r in self._slots):
+      return admitted or updating
+    self._decode_call()
+    return True
+
+  def _maybe_update(self) -> bool:
+    """Swap in pending weights when allowed; True while an update waits for in-flight requests."""
+    with self._lock:
+      pending = self._pending_update
+    if pending is None:
+      return False
+    state, version, on_update = pending
+    running = [r for r in self._slots if r is not None]
+    if running and on_update == "finish":
+      return True  # drain: no admissions until the in-flight requests are done
+    for i, req in enumerate(self._slots):
+      if req is not None:
+        self._release(req)
+        self._slots[i] = None
+        if on_update == "restart":
+          req.output, req.logprobs, req.versions, req.top, req.experts = [], [], [], [], []
+          req.checked = 0
+    self._queue.extendleft(reversed(running))
+    with self._lock:
+      self._state, self.version = state, version
+      self._pending_update = None
+      self._counters["updates"] += 1
+      self._counters["resubmitted"] += len(running)
+    return False
+
+  def _release(self, req: _Request) -> None:
+    """Give a request's row back to the pool (its cache stays reusable until evicted)."""
+    if req.row >= 0:
+      self._row_owner[req.row] = None
+      self._tick += 1
+      self._row_used[req.row] = self._tick
+      req.row = -1
+
+  def _admit(self) -> bool:
+    """Move queued requests into free slots; prefill what the cache does not hold."""
+    admitted = False
+    while self._queue and None in self._slots:
+      free = self._slots.count(None)
+      plan: list[tuple[_Request, np.ndarray, int]] = []  # (request, row target, cached length)
+      deferred = []
+      while self._queue and len(plan) < free:
+        req = self._queue.popleft()
+        target = req.seq()[:-1]
+        src, m = self._best_row(target)
+        # A request planned in this round may share more with this one than any ready row:
+        # wait for its prefill and copy from it then.
+        if any(_common(t, target) > max(m, self.cfg.min_prefix - 1) for _, t, _ in plan):
+          deferred.append(req)
+          continue
+        if not req.started:
+          req.started = True
+          if not req.future.set_running_or_notify_cancel():
+            continue  # cancelled while queued
+        self._claim_row(req, src, m)
+        plan.append((req, target, m))
+      self._queue.extendleft(reversed(deferred))
+      if not plan:
+        break
+      self._run_prefill([(req.row, target, m) for req, target, m in plan])
+      for req, target, m in plan:
+        req.cached = m
+        self._slots[self._slots.index(None)] = req
+        self._count(cache_hits=int(m > 0), reused_tokens=m)
+      admitted = True
+    return admitted
+
+  def _best_row(self, target: np.ndarray) -> tuple[Optional[int], int]:
+    """The row sharing the longest prefix with target (computed by the current weights)."""
+    lcp = _lcp(self._row_tokens, self._row_len, target)
+    lcp[self._row_version != self.version] = 0
+    if not len(target) or lcp.max() < self.cfg.min_prefix:
+      return None, 0
+    m = int(lcp.max())
+    # Among equally good rows prefer a free one that the request just extends (no copy).
+    free_exact = [r for r in np.flatnonzero(lcp == m)
+                  if self._row_owner[r] is None and self._row_len[r] == m]
+    return (free_exact[0] if free_exact else int(np.argmax(lcp))), m
+
+  def _claim_row(self, req: _Request, src: Optional[int], m: int) -> None:
+    """Give req a row holding its first m target tokens (in place, or copied from src)."""
+    if src is not None and self._row_owner[src] is None and self._row_len[src] == m:
+      dst = src
+    else:
+      free = [r for r in range(self.num_rows) if self._row_owner[r] is None]
+      dst = min(free, key=lambda r: self._row_used[r])  # least recently used
+      if dst != src and self._row_len[dst] > 0:
+        self._count(evictions=1)
+      if src is not None and dst != src:
+        self._pool = _copy(self._pool, np.int32(src), np.int32(dst))
+        self._row_tokens[dst, :m] = self._row_tokens[src, :m]
+        self._count(row_copies=1)
+    self._row_owner[dst] = req
+    self._row_len[dst] = m
+    self._row_version[dst] = self.version
+    self._tick += 1
+    self._row_used[dst] = self._tick
+    req.row = dst
+
+  def _run_prefill(self, items: list[tuple[int, np.ndarray, int]]) -> None:
+    """Prefill target[start:] of each (row, target, start), in chunks, many rows per call."""
+    c = self.cfg
+    todo = [[row, target, start] for row, target, start in items if start < len(target)]
+    while todo:
+      batch = todo[:self.prefill_rows]
+      chunks = [min(len(t) - s, c.prefill_chunk) for _, t, s in batch]
+      length = min(_round_up(max(chunks), c.prefill_bucket), c.prefill_chunk)
+      b = min(1 << (len(batch) - 1).bit_length(), self.prefill_rows)
+      rows = np.full(b, self.num_rows, np.int32)  # padding rows: out of range, dropped
+      tokens = np.zeros((b, length), np.int32)
+      starts = np.zeros(b, np.int32)
+      for i, ((row, target, start), n) in enumerate(zip(batch, chunks)):
+        rows[i], starts[i] = row, start
+        tokens[i, :n] = target[start:start + n]
+      self._pool = _prefill(self._graphdef, self._state, self._pool, rows, tokens, starts)
+      for item, n in zip(batch, chunks):
+        row, target, start = item
+        self._row_tokens[row, start:start + n] = target[start:start + n]
+        self._row_len[row] = start + n
+        item[2] = start + n
+      self._count(prefill_calls=1, prefill_tokens=sum(chunks), prefill_padded_tokens=b * length)
+      todo = [item for item in todo if item[2] < len(item[1])]
+
+  def _decode_call(self) -> None:
+    c = self.cfg
+    s, n_stop = c.slots, max(c.max_stop_token_ids, 1)
+    rows = np.full(s, self.num_rows, np.int32)
+    tokens, lengths, counts, limits = (np.zeros(s, np.int32) for _ in range(4))
+    active = np.zeros(s, bool)
+    temperature, top_p = np.zeros(s, np.float32), np.ones(s, np.float32)
+    top_k, seeds = np.zeros(s, np.int32), np.zeros(s, np.uint32)
+    stop_ids = np.full((s, n_stop), -1, np.int32)
+    for i, req in enumerate(self._slots):
+      if req is None:
+        continue
+      p = req.params
+      seq_len = len(req.input_ids) + len(req.output)
+      rows[i], active[i] = req.row, True
+      tokens[i] = req.output[-1] if req.output else req.input_ids[-1]
+      lengths[i] = seq_len - 1
+      counts[i], limits[i] = len(req.output), p.max_tokens
+      temperature[i], top_p[i], top_k[i], seeds[i] = p.temperature, p.top_p, p.top_k, req.seed
+      stop_ids[i, :len(p.stop_token_ids)] = p.stop_token_ids
+    waiting = bool(self._queue) or bool(self._incoming)
+    self._pool, steps, _, _, _, new_counts, out = _decode(
+        self._graphdef, c.steps_per_call, c.top_logprobs, c.return_expert_ids, self._state,
+        self._pool, rows, tokens, lengths, active, counts, limits, temperature,
+        top_k, top_p, seeds, stop_ids, np.int32(c.steps_per_call), np.bool_(waiting))
+    out = jax.device_get(out)
+    new_counts, steps = np.asarray(new_counts), int(steps)
+    emitted = 0
+    for i, req in enumerate(self._slots):
+      if req is None:
+        continue
+      n = int(new_counts[i]) - len(req.output)
+      emitted += n
+      req.output.extend(out["tokens"][:n, i].tolist())
+      req.logprobs.extend(out["logprobs"][:n, i].tolist())
+      req.versions.extend([self.version] * n)
+      if c.top_logprobs:
+        req.top.extend([list(zip(out["top_ids"][t, i].tolist(), out["top_logprobs"][t, i].tolist()))
+                        for t in range(n)])
+      if c.return_expert_ids:
+        req.experts.extend(out["expert_ids"][t, :, i] for t in range(n))
+      reason = None
+      if req.output and req.output[-1] in req.params.stop_token_ids:
+        reason = "stop"
+      elif len(req.output) >= req.params.max_tokens:
+        reason = "length"
+      if req.params.stop:
+        cut = self._stop_string_cut(req)
+        if cut is not None:
+          self._truncate(req, cut)
+          reason = "stop"
+      # The row now holds seq[:-1] (tokens past a stop-string cut are cached but not counted).
+      seq, start = req.seq(), self._row_len[req.row]
+      self._row_tokens[req.row, start:len(seq) - 1] = seq[start:-1]
+      self._row_len[req.row] = len(seq) - 1
+      if reason is not None:
+        self._finish(i, req, reason)
+    self._count(decode_calls=1, decode_steps=steps, decoded_tokens=emitted)
+
+  def _stop_string_cut(self, req: _Request) -> Optional[int]:
+    """Smallest number of output tokens whose text contains a stop string, or None."""
+    stops = req.params.stop
+    window = max(map(len, stops)) + 16  # tokens that can hold a stop string (>= 1 char each)
+    start = max(0, req.checked - window)
+    out = req.output
+    found = None
+    if any(s in self.detokenize(out[start:]) for s in stops):
+      for t in range(max(req.checked, 1), len(out) + 1):
+        if any(s in self.detokenize(out[max(0, t - window):t]) for s in stops):
+          found = t
+          break
+    req.checked = len(out)
+    return found
+
+  def _truncate(self, req: _Request, n: int) -> None:
+    del req.output[n:], req.logprobs[n:], req.versions[n:], req.top[n:], req.experts[n:]
+
+  def _finish(self, slot: int, req: _Request, reason: str) -> None:
+    self._release(req)
+    self._slots[slot] = None
+    self._count(finished=1)
+    req.future.set_result(Completion(
+        output_ids=list(req.output), logprobs=list(req.logprobs), finish_reason=reason,
+        token_versions=list(req.versions), policy_version=req.versions[0],
+        prompt_tokens=len(req.input_ids), cached_tokens=req.cached,
+        top_logprobs=list(req.top) if self.cfg.top_logprobs else None,
+        expert_ids=np.stack(req.experts) if self.cfg.return_expert_ids else None))
