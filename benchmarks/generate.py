@@ -267,8 +267,8 @@ def markdown(result: dict, machine_name: str) -> str:
       f"{r['repeats']}): 16 distinct prompts {p['unshared_s']:.3f} s "
       f"({p['prefill_tokens_unshared']:,} tokens prefilled) vs 2 prompts × G = {G} samples "
       f"{p['shared_s']:.3f} s ({p['prefill_tokens_shared']:,} tokens prefilled, the rest "
-      f"copied): ratio {p['ratio']:.3f} (ideal 1/{G} = {1 / G:.3f}; the remainder is the "
-      "first decode step and the row copies).", ""]
+      f"copied): ratio {p['ratio']:.3f} (goal ≈ 1/{G} = {1 / G:.3f}; both include the "
+      "first decode step, the shared one also the row copies).", ""]
   if r.get("mismatch"):
     lines += [
         "**Train/inference mismatch** on tokens the engine sampled (temperature 1, 8 prompts × "
