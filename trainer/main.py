@@ -1,41 +1,40 @@
-"""Arbor entry point: `python -m trainer.main --config=configs/NAME.py[:ARG] --workdir=DIR`.
+"""Arbor entry point.
 
-Until the training loops land, the only mode is `smoke`: build the configured model, run one
-forward/backward pass and a short greedy decode, print what happened, and write a summary JSON
-to the workdir.
+    python -m trainer.main --config=configs/NAME.py[:ARG] --config.key=value --workdir=DIR
+
+Start-up, in order (so a bad config fails in seconds, before any device is touched):
+  1. `--config.KEY` overrides are checked against the config's fields (a typo names the
+     fields that exist there), then absl / ml_collections parse the flags;
+  2. `trainer.config.validate`: every field, with the field, the value and the valid choices;
+  3. multi-host: `jax.distributed.initialize` from the launcher's contract (docs/design.md §2.3:
+     JAX_COORDINATOR_ADDRESS, ARBOR_NUM_PROCESSES, ARBOR_PROCESS_ID) when ARBOR_NUM_PROCESSES > 1;
+  4. the mesh from `config.mesh` over all devices;
+  5. the mode: "sft" (trainer/sft.py) or "smoke" (build the model, one forward/backward, a short
+     greedy decode; configs/smoke.py). "rl", "distill", "eval" and "serve" are validated and
+     refused: their loops are not implemented yet.
+A config error exits with status 2 and one line on stderr naming the field.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import importlib.util
 import json
 import os
+import sys
 import time
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-MODES = ("smoke",)
+from trainer import config as config_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (local path).")
-
-
-def model_config(model_cfg):
-  """ModelConfig from `config.model`: a preset name plus field overrides (checked by name)."""
-  from models.config import ModelConfig
-  from models.presets import get_preset
-  overrides = dict(model_cfg.get("overrides", {}))
-  fields = {f.name for f in dataclasses.fields(ModelConfig)}
-  unknown = sorted(set(overrides) - fields)
-  if unknown:
-    raise ValueError(f"config.model.overrides: unknown ModelConfig fields {unknown}; "
-                     f"valid fields: {sorted(fields)}")
-  return get_preset(model_cfg.preset).replace(**overrides)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (local path or gs://).")
 
 
 def smoke(config, workdir: str) -> dict:
+  """Build the model, one forward/backward on random tokens, a short greedy decode."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -44,7 +43,7 @@ def smoke(config, workdir: str) -> dict:
   from models import decode, transformer
   from models.logprobs import token_logprobs
 
-  cfg = model_config(config.model)
+  cfg = config_lib.model_config(config)
   t0 = time.perf_counter()
   model = transformer.init(cfg, seed=config.seed)
   params, rest = nnx.state(model, nnx.Param), nnx.state(model, nnx.Not(nnx.Param))
@@ -94,18 +93,119 @@ def smoke(config, workdir: str) -> dict:
   return summary
 
 
+# ----------------------------------------------------------------------------- start-up
+
+
+def initialize_distributed(environ=os.environ) -> int:
+  """`jax.distributed.initialize` from the launcher's environment when ARBOR_NUM_PROCESSES > 1
+  (docs/design.md §2.3); the number of processes. Bad values fail naming the variable."""
+  raw = environ.get("ARBOR_NUM_PROCESSES", "1")
+  try:
+    n = int(raw)
+  except ValueError:
+    n = 0
+  if n < 1:
+    raise config_lib.ConfigError(f"ARBOR_NUM_PROCESSES={raw!r}: expected an integer >= 1")
+  if n == 1:
+    return 1
+  address = environ.get("JAX_COORDINATOR_ADDRESS", "")
+  raw_id = environ.get("ARBOR_PROCESS_ID", "")
+  if not address:
+    raise config_lib.ConfigError("JAX_COORDINATOR_ADDRESS is unset: a multi-host run "
+                                 f"(ARBOR_NUM_PROCESSES={n}) needs the coordinator's host:port")
+  if not raw_id.isdigit() or int(raw_id) >= n:
+    raise config_lib.ConfigError(f"ARBOR_PROCESS_ID={raw_id!r}: expected an integer in "
+                                 f"[0, {n})")
+  import jax
+  jax.distributed.initialize(coordinator_address=address, num_processes=n,
+                             process_id=int(raw_id))
+  return n
+
+
+def make_mesh(config):
+  """The device mesh of `config.mesh` over all devices (its product must match them)."""
+  import jax
+
+  from models.sharding import MESH_AXES, MeshConfig, make_mesh as build
+  shape = config_lib.mesh_shape(config, jax.device_count())
+  return build(MeshConfig(**dict(zip(MESH_AXES, shape))))
+
+
+def run(config, workdir: str) -> dict:
+  """Validate, initialise JAX (distributed, cache, mesh) and run the mode; its summary."""
+  config_lib.validate(config, workdir)
+  if config.mode == "smoke":
+    return smoke(config, workdir)
+  initialize_distributed()
+  import jax
+  if config.compile_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", config.compile_cache_dir)
+  mesh = make_mesh(config)
+  logging.info("mesh %s on %d devices (%s)", dict(mesh.shape), mesh.size,
+               jax.devices()[0].platform)
+  from trainer import sft
+  # one device: no mesh, so parameters are drawn on the host (no RNG compile) and nothing is
+  # placed; the math is the same
+  return sft.run(config, workdir, mesh if mesh.size > 1 else None)
+
+
+def _override_keys(argv) -> list[str]:
+  return [a[len("--config."):].split("=", 1)[0] for a in argv if a.startswith("--config.")]
+
+
+def _load_config_file(argv):
+  """The config that --config names (loaded as config_flags will), or None if it cannot be."""
+  spec = None
+  for i, a in enumerate(argv):
+    if a.startswith("--config="):
+      spec = a[len("--config="):]
+    elif a == "--config" and i + 1 < len(argv):
+      spec = argv[i + 1]
+  if not spec:
+    return None
+  path, sep, arg = spec.partition(":")
+  if not os.path.isfile(path):
+    return None  # config_flags reports it
+  module_spec = importlib.util.spec_from_file_location("_arbor_config_precheck", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg) if sep else module.get_config()
+
+
+def check_overrides(argv) -> None:
+  """--config.KEY=VALUE overrides must name existing fields (checked before absl parses them:
+  ml_collections would raise an AttributeError with a traceback)."""
+  keys = _override_keys(argv)
+  if keys:
+    config = _load_config_file(argv)
+    if config is not None:
+      config_lib.check_override_keys(config, keys)
+
+
 def main(argv):
   del argv
+  if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO: keep stderr readable
+    logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
   if config is None:
-    raise app.UsageError("--config is required, e.g. --config=configs/smoke.py")
+    raise app.UsageError("--config is required, e.g. --config=configs/sft_demo.py")
   if _WORKDIR.value is None:
     raise app.UsageError("--workdir is required")
-  if config.mode not in MODES:
-    raise ValueError(f"config.mode={config.mode!r}: expected one of {MODES}")
-  logging.info("config:\n%s", config)
-  smoke(config, _WORKDIR.value)
+  try:
+    run(config, _WORKDIR.value)
+  except config_lib.ConfigError as e:
+    print(f"config error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def entry_point() -> None:
+  try:
+    check_overrides(sys.argv[1:])
+  except config_lib.ConfigError as e:
+    print(f"config error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
+  app.run(main)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  entry_point()

@@ -1,0 +1,694 @@
+"""The experiment config: the sections every `configs/*.py` starts from, and their validation.
+
+    config = base_config()                     # in configs/NAME.py: get_config(arg) -> ConfigDict
+    config.mode = "sft"
+    validate(config, workdir)                  # trainer.main calls this before touching JAX
+
+Sections (each field carries a one-line comment in `base_config`):
+
+  mode, seed, compile_cache_dir   what runs, the run's one seed, the persistent XLA cache
+  model        preset + overrides (ModelConfig fields), or init from hf:DIR / ckpt:DIR
+  tokenizer    path and chat format, or a sentencepiece model trained for the demo
+  mesh         device mesh axis sizes (data, fsdp, tensor, expert); -1 = the remaining devices
+  optimizer    trainer.optimizers.default_config()
+  loss         rl.losses.LossConfig fields
+  data         SFT data: trainer.data.SFTDataConfig fields (the fixed BatchShape of a step
+               included) + held-out files + generated demo episodes
+  train        steps and the eval / checkpoint / log intervals
+  checkpoint   keep-N, async saves
+  metrics      where and how metrics are written, the end-of-run report
+  rl, distill, eval   fields of the loops still to come; validated now, the modes refuse to run
+
+`validate` runs in a few seconds: it imports ml_collections, the model config, the loss and
+optimizer configs (JAX is imported by the last two, but no backend is started and nothing is
+compiled), checks every field and raises `ConfigError` naming the field, the value and the
+valid choices. What needs the devices (the mesh's product, rows divisible by the data axes)
+is checked by `trainer.main` right after `jax.distributed.initialize`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from typing import Any, Optional
+
+import ml_collections
+
+MODES = ("smoke", "sft", "rl", "distill", "eval", "serve")
+IMPLEMENTED_MODES = ("smoke", "sft")
+MESH_AXES = ("data", "fsdp", "tensor", "expert")  # = models.sharding.MESH_AXES (no JAX here)
+INIT_KINDS = ("random", "hf:<dir>", "ckpt:<dir>")
+SFT_LOSSES = ("sft",)
+DEMO_SANDBOXES = ("bwrap", "local")              # = trainer.demo_data.SANDBOXES
+DEMO_LEVELS = (0, 1, 2, 3)                       # = envs.taskgen.LEVELS
+RL_LOOPS = ("sync", "async")
+RL_ROLLOUT_WORKERS = ("inprocess", "queue")
+RL_REFERENCES = ("initial", "ckpt:<dir>")
+SANDBOX_BACKENDS = ("bwrap", "local", "docker", "remote")  # = envs.sandbox.BACKENDS
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # = rl.advantages.ADVANTAGES
+CORRECTIONS = ("none", "tis_token", "tis_sequence", "icepop", "geo_mask", "opsm")  # rl.corrections
+MCLA_MODES = ("logprob", "prob")
+EVAL_SELECTIONS = ("none", "best_of_n", "majority_vote", "self_play")
+TEACHER_CHOICE = ("by_domain", "single")
+# The fields of the smoke config (configs/smoke.py), which predates the sections.
+SMOKE_FIELDS = ("mode", "seed", "model", "batch", "seq", "decode_tokens")
+
+
+class ConfigError(ValueError):
+  """A bad config value; the message names the field, the value and the valid choices."""
+
+
+# ----------------------------------------------------------------------------- the sections
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Every section with its defaults (an SFT run of the tiny MoE+MLA model on demo data sizes).
+
+  Config files start from this, change what they need, and add nothing at the top level.
+  """
+  from trainer import optimizers  # its default_config is the optimizer section
+
+  placeholder = ml_collections.config_dict.placeholder
+  c = ml_collections.ConfigDict()
+  c.mode = "sft"  # one of MODES: "smoke" | "sft" | "rl" | "distill" | "eval" | "serve"
+  c.seed = 0  # the run's seed: initialisation, data order (data.seed follows it), sampling
+  c.compile_cache_dir = ""  # persistent XLA compilation cache directory ("" = off)
+
+  c.model = ml_collections.ConfigDict()
+  c.model.init = "random"  # "random" (preset) | "hf:<dir>" (HF checkpoint) | "ckpt:<dir>" (below)
+  # models/presets.py name, for init="random"; must be "" otherwise (the checkpoint says)
+  c.model.preset = "tiny-moe-mla"
+  # ModelConfig fields changed on top of the preset / checkpoint; None = keep. Config files may
+  # add any other ModelConfig field here (the command line can only set fields that exist).
+  c.model.overrides = ml_collections.ConfigDict()
+  c.model.overrides.dtype = placeholder(str)  # compute dtype: "float32" | "bfloat16" | "float16"
+  c.model.overrides.remat = placeholder(str)  # "none" | "full" | "save_dots" | "offload"
+  c.model.overrides.attention_impl = placeholder(str)  # "xla" | "xla_flash" | "pallas_*" | "auto"
+  c.model.overrides.moe_impl = placeholder(str)  # "ragged" | "dense"
+  c.model.overrides.logits_chunk = placeholder(int)  # tokens per vocabulary-projection chunk
+
+  c.tokenizer = ml_collections.ConfigDict()
+  # tokenizer dir or file (tokenizer.json / tokenizer.model / tiktoken); "" = the trained demo
+  # tokenizer (train_vocab_size > 0), else the checkpoint's (hf:DIR, ckpt:DIR)
+  c.tokenizer.path = ""
+  c.tokenizer.chat_format = "chatml"  # envs.chat: "chatml" | "qwen2.5" | "deepseek_v3" | "plain"
+  # > 0 (and path ""): train a sentencepiece BPE of this size on demo text into <workdir>/tokenizer
+  c.tokenizer.train_vocab_size = 0
+  c.tokenizer.train_episodes = 64  # scripted demo episodes whose text trains that tokenizer
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = 1  # pure data parallelism (replicated parameters)
+  c.mesh.fsdp = -1  # data parallelism with sharded parameters; -1 = all remaining devices
+  c.mesh.tensor = 1  # tensor parallelism (heads, MLP width, vocabulary)
+  c.mesh.expert = 1  # expert parallelism (MoE experts)
+
+  c.optimizer = optimizers.default_config()  # trainer/optimizers.py (every field commented there)
+
+  c.loss = ml_collections.ConfigDict()  # rl.losses.LossConfig; None = the loss's paper default
+  c.loss.name = "sft"  # rl.losses.LOSSES key; mode "sft" takes "sft"
+  c.loss.aggregation = placeholder(str)  # rl.losses.AGGREGATIONS / SEQ_AGGREGATIONS (sequence)
+  c.loss.eps_low = placeholder(float)  # lower clip: ratio >= 1 - eps_low
+  c.loss.eps_high = placeholder(float)  # upper clip: ratio <= 1 + eps_high
+  c.loss.dual_clip = placeholder(float)  # PPO dual clip c > 1
+  c.loss.max_len = 0  # Dr.GRPO constant normaliser L (seq_mean_token_sum_norm)
+  c.loss.kl_coef = 0.0  # β of the KL-to-reference penalty (the rl.reference policy scores)
+  c.loss.kl_estimator = "k3"  # "k1" | "k2" | "k3" | "k3_is"
+  c.loss.entropy_coef = 0.0  # entropy bonus coefficient
+  c.loss.behaviour_cap = placeholder(float)  # decoupled PPO: cap on π_old/μ
+  c.loss.decoupled = False  # decoupled PPO: weight each token by π_old/μ (needs rl.recompute_old)
+  c.loss.turn_ratio = "product"  # turn_gspo: "product" | "geometric_mean"
+  c.loss.cispo_masked = False  # CISPO unified form with the PPO-style token mask
+  c.loss.tau = 1.0  # kimi_pmd regulariser τ
+  c.loss.opd_coef = 0.0  # add coef · OPD (needs the distill teachers)
+  c.loss.dpo_beta = 0.1  # DPO β
+  c.loss.mask_failed_turns = False  # also drop failed tool-call turns in the loss (data flags)
+
+  c.data = ml_collections.ConfigDict()  # trainer.data.SFTDataConfig + held-out and demo data
+  c.data.sources = ()  # training files: *.jsonl / *.parquet / *.msgpack, e.g. "('a.jsonl',)"
+  c.data.eval_sources = ()  # held-out files for the eval loss (same formats)
+  c.data.row_len = 2048  # L: tokens per packed row (multiple of 128; longest LLM call fits)
+  c.data.rows_per_batch = 2  # R: rows per micro-batch (a multiple of mesh data x fsdp)
+  c.data.microbatches = 1  # M: micro-batches per step, summed into one update
+  c.data.max_seqs = 8  # S: trajectories per micro-batch at most
+  c.data.seq_len = 512  # T: trained tokens per trajectory at most
+  c.data.seed = c.get_ref("seed")  # shuffle seed (follows `seed` unless set)
+  c.data.shuffle = True  # shuffle groups, differently every epoch
+  c.data.num_epochs = 0  # passes over the data; 0 = repeat until train.steps
+  c.data.group_by = "system"  # records in one tree: "field" | "prompt" | "system" | "none"
+  c.data.max_group_size = 4  # records per tree at most (0 = whole groups)
+  c.data.mask_tool_errors = True  # error-masked SFT: failed tool-call turns stay out of the loss
+  c.data.skip_bad = False  # log and count bad records instead of failing
+  c.data.num_threads = 1  # threads rendering records ahead of the packer
+  c.data.prefetch = 16  # groups rendered ahead
+  c.data.demo = ml_collections.ConfigDict()  # generated data (trainer/demo_data.py), no download
+  c.data.demo.episodes = 0  # > 0: scripted demo episodes written to <workdir>/data/train.jsonl
+  c.data.demo.eval_episodes = 0  # > 0: held-out episodes (tasks after the training ones)
+  c.data.demo.level = 0  # envs.taskgen difficulty level: 0 | 1 | 2 | 3
+  c.data.demo.seed = 0  # envs.taskgen seed of the tasks
+  c.data.demo.error_rate = 0.25  # fraction of episodes with a failed (error-masked) tool call
+  c.data.demo.sandbox = "bwrap"  # where the scripted solver's tools run: "bwrap" | "local"
+
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 100  # optimizer steps of the run (a resumed run continues to this many)
+  c.train.eval_every = 0  # eval loss on held-out data every N steps and at the end (0 = never)
+  c.train.eval_batches = 0  # held-out batches per eval (0 = all of them)
+  c.train.checkpoint_every = 50  # checkpoint every N steps (0 = only at the end); SIGTERM saves too
+  c.train.log_every = 10  # a log line every N steps (metrics are written every step)
+  c.optimizer.total_steps = c.train.get_ref("steps")  # the schedule spans the run
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.keep = 3  # latest checkpoints kept (older ones are deleted)
+  c.checkpoint.async_save = True  # write in the background while training continues
+
+  c.metrics = ml_collections.ConfigDict()
+  c.metrics.dir = ""  # local directory for metrics.jsonl, events, report ("" = <workdir>/<mode>)
+  c.metrics.tensorboard = True  # TensorBoard event files
+  c.metrics.progress = True  # progress bar on stderr
+  c.metrics.wandb_project = ""  # Weights & Biases project ("" = off; needs wandb installed)
+  c.metrics.report = True  # report.png + report.html at the end of the run
+
+  # --- the loops still to come: fields validated now, modes "rl" / "distill" / "eval" refuse
+  c.rl = ml_collections.ConfigDict()
+  c.rl.loop = "sync"  # "sync" (generate, then train) | "async" (overlapped, bounded staleness)
+  c.rl.max_staleness = 1  # async: at most k policy versions between a rollout and the trainer
+  c.rl.prompts_per_step = 8  # tasks (groups) per optimizer step
+  c.rl.group_size = 8  # samples per task (G)
+  c.rl.epochs = 1  # passes over each step's rollouts
+  c.rl.minibatches = 1  # optimizer updates per pass
+  c.rl.advantage = "grpo"  # rl.advantages: "grpo" | "dr_grpo" | "rloo" | "reinforce_pp_baseline"
+  c.rl.drop_constant_groups = True  # drop groups whose rewards are all equal (no signal)
+  c.rl.reference = "initial"  # KL reference (loss.kl_coef > 0): "initial" policy | "ckpt:<dir>"
+  c.rl.recompute_old = False  # score π_old with the trainer instead of trusting the sampler's
+  c.rl.correction = "none"  # mismatch correction: rl.corrections.KINDS
+  c.rl.mcla_passes = 0  # MCLA scoring passes averaged for π_old (0 = off)
+  c.rl.mcla_mode = "logprob"  # MCLA average: "logprob" | "prob"
+  c.rl.routing_replay = False  # MoE: replay the engine's expert choices in the training forward
+  c.rl.temperature = 1.0  # sampling temperature (0 = greedy)
+  c.rl.top_p = 1.0  # nucleus mass (1 = off)
+  c.rl.top_k = 0  # top-k (0 = off)
+  c.rl.max_new_tokens = 512  # tokens sampled per LLM call at most
+  c.rl.max_turns = 6  # agent turns per episode
+  c.rl.max_context_tokens = 8192  # one call's input + output at most
+  c.rl.sandbox = "bwrap"  # sandbox backend: "bwrap" | "local" | "docker" | "remote"
+  c.rl.rollout_workers = "inprocess"  # "inprocess" (asyncio) | "queue" (remote workers)
+  c.rl.concurrency = 8  # in-process episodes run at once
+  c.rl.queue_url = ""  # queue workers: "memory" | redis://host:port | rediss://... ("" = memory)
+  c.rl.queue_password_file = ""  # file holding the Redis password ("" = none)
+  c.rl.tasks = ""  # task JSONL file (envs.tasks); "" = generated tasks (envs.taskgen)
+  c.rl.task_level = 0  # generated tasks: taskgen level 0 | 1 | 2 | 3
+  c.rl.task_seed = 1  # generated tasks: taskgen seed (disjoint from the SFT demo's)
+
+  c.distill = ml_collections.ConfigDict()
+  c.distill.teachers = ()  # teacher checkpoints "domain=ckpt:<dir>" (one per domain expert)
+  c.distill.choose = "by_domain"  # teacher per task: "by_domain" (task domain) | "single"
+  c.distill.opd_coef = 1.0  # weight of the OPD term added to the RL loss
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.tasks = ""  # held-out task JSONL ("" = generated tasks after the training ones)
+  c.eval.num_tasks = 200  # held-out tasks evaluated
+  c.eval.k = 1  # pass@k
+  c.eval.samples = 1  # samples per task (n >= k)
+  c.eval.selection = "none"  # test-time: "none" | "best_of_n" | "majority_vote" | "self_play"
+  c.eval.temperature = 0.0  # eval sampling temperature (0 = greedy)
+  c.eval.checkpoints = ()  # checkpoints to evaluate ("ckpt:<dir>"); () = this run's latest
+  return c
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _fail(field: str, value: Any, expected: str) -> None:
+  raise ConfigError(f"config.{field}={value!r}: expected {expected}")
+
+
+def _int(config, field: str, minimum: int = 0, maximum: Optional[int] = None) -> int:
+  value = _get(config, field)
+  ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum and (
+      maximum is None or value <= maximum)
+  if not ok:
+    _fail(field, value, f"an integer >= {minimum}" + ("" if maximum is None
+                                                       else f" and <= {maximum}"))
+  return value
+
+
+def _number(config, field: str, low: float, high: float = math.inf, low_open: bool = False
+            ) -> float:
+  value = _get(config, field)
+  ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+        and math.isfinite(value) and (value > low if low_open else value >= low)
+        and value <= high)
+  if not ok:
+    _fail(field, value, f"a number in {'(' if low_open else '['}{low}, {high}]")
+  return value
+
+
+def _bool(config, field: str) -> bool:
+  value = _get(config, field)
+  if not isinstance(value, bool):
+    _fail(field, value, "True or False")
+  return value
+
+
+def _choice(config, field: str, choices) -> str:
+  value = _get(config, field)
+  if value not in choices:
+    _fail(field, value, f"one of {tuple(choices)}")
+  return value
+
+
+def _str(config, field: str) -> str:
+  value = _get(config, field)
+  if not isinstance(value, str):
+    _fail(field, value, "a string")
+  return value
+
+
+def _paths(config, field: str) -> tuple[str, ...]:
+  value = _get(config, field)
+  if isinstance(value, str):
+    value = (value,) if value else ()
+  if not isinstance(value, (tuple, list)) or not all(isinstance(p, str) and p for p in value):
+    _fail(field, value, "a tuple of file paths, e.g. \"('a.jsonl', 'b.jsonl')\"")
+  return tuple(value)
+
+
+def _get(config, field: str) -> Any:
+  node = config
+  for part in field.split("."):
+    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+      raise ConfigError(f"config.{field} is missing (configs start from "
+                        "trainer.config.base_config())")
+    node = node[part]
+  return node
+
+
+def _known_keys(config, reference, where: str) -> None:
+  """Every key of `config` exists in `reference` (both ConfigDicts), recursively, except the
+  free-form model.overrides (checked against ModelConfig)."""
+  for key in config.keys():
+    path = f"{where}.{key}" if where else key
+    if key not in reference:
+      raise ConfigError(f"config.{path}: unknown field; valid fields"
+                        f"{' of config.' + where if where else ''}: {sorted(reference.keys())}")
+    if path == "model.overrides":
+      continue
+    if isinstance(config[key], ml_collections.ConfigDict) and isinstance(
+        reference[key], ml_collections.ConfigDict):
+      _known_keys(config[key], reference[key], path)
+
+
+def check_override_keys(config: ml_collections.ConfigDict, keys) -> None:
+  """Every dotted `--config.KEY` names an existing field (ml_collections would fail with an
+  AttributeError traceback instead)."""
+  for key in keys:
+    node, done = config, []
+    for part in key.split("."):
+      if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+        where = "config." + ".".join(done) if done else "config"
+        fields = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+        extra = (" (model.overrides takes only the fields the config file lists; add others "
+                 "there)" if done[-2:] == ["model", "overrides"] else "")
+        raise ConfigError(f"--config.{key}: {where} has no field {part!r}; fields there: "
+                          f"{fields}{extra}")
+      node = node[part]
+      done.append(part)
+
+
+def init_kind(init: str) -> tuple[str, str]:
+  """"random" -> ("random", ""); "hf:DIR" -> ("hf", DIR); "ckpt:DIR" -> ("ckpt", DIR)."""
+  kind, sep, path = init.partition(":")
+  if init == "random":
+    return "random", ""
+  if sep and kind in ("hf", "ckpt") and path:
+    return kind, path
+  raise ConfigError(f"config.model.init={init!r}: expected one of {INIT_KINDS}")
+
+
+def is_remote(path: str) -> bool:
+  return "://" in path
+
+
+def overrides(config) -> dict:
+  """config.model.overrides without the unset (None) fields."""
+  return {k: v for k, v in config.model.overrides.to_dict().items() if v is not None}
+
+
+def model_config(config):
+  """The ModelConfig the run trains: the preset (init="random") or the checkpoint's
+  architecture (hf:DIR config.json, ckpt:DIR model_config.json), plus `model.overrides`."""
+  import json
+
+  from models.presets import get_preset
+
+  init = config.model.get("init", "random")  # smoke configs have no init
+  kind, path = init_kind(init)
+  over = overrides(config)
+  try:
+    if kind == "random":
+      return get_preset(config.model.preset).replace(**over)
+    if kind == "hf":
+      from models.hf import config_from_hf, read_hf_config
+      return config_from_hf(read_hf_config(path)).replace(**over)
+    from models.hf import config_from_json
+    with open(os.path.join(path, "model_config.json")) as f:
+      return config_from_json(json.load(f)).replace(**over)
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f"config.model (init={init!r}, overrides {over}): {e}") from e
+
+
+def data_config(config, *, sources: tuple[str, ...] = (), eval: bool = False):
+  """trainer.data.SFTDataConfig from config.data (held-out data: in order, one pass)."""
+  from trainer.data import SFTDataConfig
+
+  d = config.data
+  kw = dict(sources=tuple(sources), row_len=d.row_len, rows_per_batch=d.rows_per_batch,
+            microbatches=d.microbatches, max_seqs=d.max_seqs, seq_len=d.seq_len, seed=d.seed,
+            shuffle=d.shuffle and not eval, num_epochs=1 if eval else (d.num_epochs or None),
+            group_by=d.group_by, max_group_size=d.max_group_size or None,
+            mask_tool_errors=d.mask_tool_errors, skip_bad=d.skip_bad,
+            num_threads=d.num_threads, prefetch=d.prefetch)
+  try:
+    return SFTDataConfig(**kw)
+  except ValueError as e:
+    raise ConfigError(re.sub(r"^SFTDataConfig\.", "config.data.", str(e))) from e
+
+
+def loss_config(config):
+  """rl.losses.LossConfig from config.loss, checked (errors name config.loss.FIELD)."""
+  from rl import losses
+
+  fields = {f.name for f in dataclasses.fields(losses.LossConfig)}
+  given = config.loss.to_dict()
+  unknown = sorted(set(given) - fields)
+  if unknown:
+    raise ConfigError(f"config.loss: unknown fields {unknown}; valid fields: {sorted(fields)}")
+  if given.get("name") not in losses.LOSSES:
+    _fail("loss.name", given.get("name"), f"one of {tuple(sorted(losses.LOSSES))}")
+  try:
+    cfg = losses.LossConfig(**given)
+    losses.check_config(cfg)
+  except (ValueError, TypeError) as e:
+    raise ConfigError(str(e).replace("LossConfig.", "config.loss.")) from e
+  return cfg
+
+
+def tokenizer_source(config, workdir: str) -> str:
+  """Where the tokenizer is: tokenizer.path, the trained demo tokenizer, or the checkpoint's."""
+  if config.tokenizer.path:
+    return config.tokenizer.path
+  if config.tokenizer.train_vocab_size > 0:
+    return os.path.join(workdir, "tokenizer")
+  kind, path = init_kind(config.model.init)
+  if kind == "hf":
+    return path
+  if kind == "ckpt":
+    for sub in ("hf_extra", "tokenizer"):  # a `models.hf import` dir, an Arbor run's workdir
+      if os.path.isdir(os.path.join(path, sub)):
+        return os.path.join(path, sub)
+    source = os.path.join(path, "config.json")  # an Arbor run given a tokenizer.path
+    if os.path.isfile(source):
+      import json
+      with open(source) as f:
+        given = json.load(f).get("tokenizer", {}).get("path", "")
+      if given:
+        return given
+  raise ConfigError("config.tokenizer.path='': nothing provides a tokenizer; set "
+                    "tokenizer.path, tokenizer.train_vocab_size > 0 (demo), or model.init to an "
+                    "hf:<dir> / ckpt:<dir> that holds one")
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def validate(config: ml_collections.ConfigDict, workdir: Optional[str] = None) -> None:
+  """Raise ConfigError for the first bad field (see the module doc). `workdir`: the run's
+  --workdir (None: skip the checks that need it)."""
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ConfigError(f"config: expected an ml_collections.ConfigDict, got "
+                      f"{type(config).__name__}")
+  mode = _choice(config, "mode", MODES)
+  _int(config, "seed", 0, 2**32 - 1)
+  if workdir is not None and (not isinstance(workdir, str) or not workdir):
+    raise ConfigError(f"--workdir={workdir!r}: expected a directory (local path or gs://)")
+  if mode == "smoke":
+    _validate_smoke(config)
+    return
+  _known_keys(config, base_config(), "")
+  _str(config, "compile_cache_dir")
+  _validate_model(config)
+  _validate_mesh(config)
+  _validate_train(config, mode)  # before the optimizer, whose schedule spans train.steps
+  _validate_optimizer(config)
+  loss = loss_config(config)
+  if mode == "sft" and loss.name not in SFT_LOSSES:
+    _fail("loss.name", loss.name, f"one of {SFT_LOSSES} for mode 'sft'")
+  _validate_data(config, mode)
+  _validate_tokenizer(config, mode, workdir)
+  _int(config, "checkpoint.keep", 1)
+  _bool(config, "checkpoint.async_save")
+  _validate_metrics(config, workdir)
+  _validate_rl(config)
+  _validate_distill(config)
+  _validate_eval(config)
+  if mode not in IMPLEMENTED_MODES:
+    # The checks that need a mode active (task files exist, routing replay on a MoE model, a
+    # teacher per domain, ...) come with its loop.
+    hint = {"serve": " (the policy server runs as `python -m trainer.serve` meanwhile)"}.get(
+        mode, f" (config.{mode} is validated, the loop is still to come)")
+    raise ConfigError(f"config.mode={mode!r}: not implemented yet{hint}; implemented modes: "
+                      f"{IMPLEMENTED_MODES}")
+
+
+def _validate_smoke(config) -> None:
+  unknown = sorted(set(config.keys()) - set(SMOKE_FIELDS))
+  if unknown:
+    raise ConfigError(f"config.{unknown[0]}: unknown field for mode 'smoke'; valid fields: "
+                      f"{list(SMOKE_FIELDS)}")
+  for field in ("batch", "seq", "decode_tokens"):
+    _int(config, field, 1)
+  _choice(config, "model.preset", _preset_names())
+  _check_overrides(config)
+  model_config(config)  # ModelConfig's own checks
+
+
+def _preset_names() -> tuple[str, ...]:
+  from models.presets import PRESETS
+  return tuple(sorted(PRESETS))
+
+
+def _check_overrides(config) -> None:
+  from models.config import ModelConfig
+
+  node = _get(config, "model.overrides")
+  if not isinstance(node, ml_collections.ConfigDict):
+    _fail("model.overrides", node, "a ConfigDict of ModelConfig fields")
+  fields = sorted(f.name for f in dataclasses.fields(ModelConfig))
+  for key in node.keys():
+    if key not in fields:
+      raise ConfigError(f"config.model.overrides.{key}: not a ModelConfig field; valid "
+                        f"fields: {fields}")
+
+
+def _validate_model(config) -> None:
+  kind, path = init_kind(_str(config, "model.init"))
+  preset = _str(config, "model.preset")
+  _check_overrides(config)
+  if kind == "random":
+    _choice(config, "model.preset", _preset_names())
+  else:
+    if preset:
+      raise ConfigError(f"config.model.preset={preset!r}: must be '' with model.init="
+                        f"{config.model.init!r} (the checkpoint defines the architecture)")
+    if is_remote(path):
+      raise ConfigError(f"config.model.init={config.model.init!r}: expected a local directory")
+    need = "config.json" if kind == "hf" else "model_config.json"
+    if not os.path.isfile(os.path.join(path, need)):
+      raise ConfigError(f"config.model.init={config.model.init!r}: no {need} in {path!r} "
+                        + ("(an HF checkpoint directory)" if kind == "hf" else
+                           "(a `python -m models.hf import` output or an Arbor run's workdir)"))
+    if kind == "ckpt" and not any(os.path.isdir(os.path.join(path, d))
+                                  for d in ("state", "checkpoints")):
+      raise ConfigError(f"config.model.init={config.model.init!r}: {path!r} has neither state/ "
+                        "(models.hf import) nor checkpoints/ (an Arbor run)")
+  model_config(config)  # ModelConfig's own checks
+
+
+def _validate_mesh(config) -> None:
+  sizes = {}
+  for axis in MESH_AXES:
+    value = _get(config, f"mesh.{axis}")
+    if not (isinstance(value, int) and not isinstance(value, bool) and (value >= 1
+                                                                         or value == -1)):
+      _fail(f"mesh.{axis}", value, "a positive integer or -1 (the remaining devices)")
+    sizes[axis] = value
+  if list(sizes.values()).count(-1) > 1:
+    raise ConfigError(f"config.mesh={sizes}: at most one axis may be -1")
+  extra = sorted(set(config.mesh.keys()) - set(MESH_AXES))
+  if extra:
+    raise ConfigError(f"config.mesh.{extra[0]}: unknown axis; valid axes: {MESH_AXES}")
+
+
+def mesh_shape(config, num_devices: int) -> tuple[int, ...]:
+  """The mesh's axis sizes on `num_devices` devices; ConfigError when they do not fit."""
+  from models.sharding import MeshConfig
+
+  given = {a: config.mesh[a] for a in MESH_AXES}
+  try:
+    sizes = MeshConfig(**given).shape(num_devices)
+  except ValueError as e:
+    raise ConfigError(f"config.mesh={given}: {re.sub(r'^MeshConfig[^:]*: ', '', str(e))} "
+                      "(the axes' product must equal the device count; -1 = the rest)") from e
+  rows = config.data.rows_per_batch
+  batch = sizes[0] * sizes[1]
+  if rows % batch:
+    raise ConfigError(f"config.data.rows_per_batch={rows}: expected a multiple of mesh data x "
+                      f"fsdp = {batch}")
+  return tuple(sizes)
+
+
+def _validate_optimizer(config) -> None:
+  from trainer.optimizers import OptimizerConfig
+
+  try:
+    cfg = OptimizerConfig.from_config(config.optimizer)
+  except (ValueError, TypeError) as e:
+    msg = str(e)
+    msg = re.sub(r"^OptimizerConfig\.", "config.optimizer.", msg)
+    msg = re.sub(r"^optimizer\.", "config.optimizer.", msg)
+    raise ConfigError(msg if msg.startswith("config.") else f"config.optimizer: {msg}") from e
+  if cfg.accumulation_steps != 1:
+    _fail("optimizer.accumulation_steps", cfg.accumulation_steps,
+          "1: a step sums data.microbatches micro-batches itself (set that instead)")
+
+
+def _validate_data(config, mode: str) -> None:
+  for field in ("sources", "eval_sources"):
+    for p in _paths(config, f"data.{field}"):
+      if mode == "sft" and not is_remote(p) and not os.path.isfile(p):
+        raise ConfigError(f"config.data.{field}: {p!r}: no such file")
+  data_config(config)  # the SFTDataConfig fields (errors name config.data.FIELD)
+  _int(config, "data.num_epochs", 0)
+  _int(config, "data.max_group_size", 0)
+  _int(config, "data.demo.episodes", 0)
+  _int(config, "data.demo.eval_episodes", 0)
+  _choice(config, "data.demo.level", DEMO_LEVELS)
+  _int(config, "data.demo.seed", 0)
+  _number(config, "data.demo.error_rate", 0.0, 1.0)
+  _choice(config, "data.demo.sandbox", DEMO_SANDBOXES)
+  if mode == "sft" and not config.data.sources and not config.data.demo.episodes:
+    raise ConfigError("config.data.sources=(): no training data; give files or set "
+                      "data.demo.episodes > 0 (generated demo episodes)")
+
+
+def has_eval_data(config) -> bool:
+  return bool(config.data.eval_sources) or config.data.demo.eval_episodes > 0
+
+
+def _validate_train(config, mode: str) -> None:
+  steps = _int(config, "train.steps", 1)
+  for field in ("eval_every", "checkpoint_every", "eval_batches"):
+    _int(config, f"train.{field}", 0)
+  _int(config, "train.log_every", 1)
+  for field in ("eval_every", "checkpoint_every"):
+    value = config.train[field]
+    if value > steps:
+      _fail(f"train.{field}", value, f"0 or an interval <= train.steps={steps}")
+  if mode == "sft" and config.train.eval_every and not has_eval_data(config):
+    raise ConfigError(f"config.train.eval_every={config.train.eval_every}: needs held-out data; "
+                      "set data.eval_sources or data.demo.eval_episodes > 0 (or eval_every=0)")
+
+
+def _validate_tokenizer(config, mode: str, workdir: Optional[str]) -> None:
+  from envs.chat.formats import FORMATS
+
+  _choice(config, "tokenizer.chat_format", tuple(FORMATS))
+  path = _str(config, "tokenizer.path")
+  vocab = _int(config, "tokenizer.train_vocab_size", 0)
+  _int(config, "tokenizer.train_episodes", 1)
+  if path and not is_remote(path) and not os.path.exists(path):
+    raise ConfigError(f"config.tokenizer.path={path!r}: no such file or directory")
+  if path and vocab:
+    raise ConfigError(f"config.tokenizer.train_vocab_size={vocab}: must be 0 when "
+                      f"tokenizer.path={path!r} is given (one tokenizer per run)")
+  if vocab:
+    model_vocab = model_config(config).vocab_size
+    if vocab > model_vocab:
+      raise ConfigError(f"config.tokenizer.train_vocab_size={vocab}: more than the model's "
+                        f"vocab_size={model_vocab} (set model.overrides.vocab_size)")
+  if mode == "sft":
+    tokenizer_source(config, workdir or ".")
+
+
+def _validate_metrics(config, workdir: Optional[str]) -> None:
+  logdir = _str(config, "metrics.dir")
+  for field in ("tensorboard", "progress", "report"):
+    _bool(config, f"metrics.{field}")
+  _str(config, "metrics.wandb_project")
+  if is_remote(logdir):
+    _fail("metrics.dir", logdir, "a local directory (metrics are appended to files)")
+  if workdir is not None and is_remote(workdir) and not logdir:
+    raise ConfigError(f"config.metrics.dir='': set a local directory when --workdir={workdir!r} "
+                      "is remote (metrics are appended to local files)")
+  if workdir is not None and is_remote(workdir) and (config.data.demo.episodes
+                                                     or config.tokenizer.train_vocab_size):
+    raise ConfigError(f"--workdir={workdir!r}: generated demo data and tokenizers are written "
+                      "to a local workdir; use one, or give data.sources and tokenizer.path")
+
+
+def _validate_rl(config) -> None:
+  _choice(config, "rl.loop", RL_LOOPS)
+  _int(config, "rl.max_staleness", 0)
+  _int(config, "rl.prompts_per_step", 1)
+  _int(config, "rl.group_size", 2)
+  _int(config, "rl.epochs", 1)
+  _int(config, "rl.minibatches", 1)
+  _choice(config, "rl.advantage", ADVANTAGES)
+  _bool(config, "rl.drop_constant_groups")
+  ref = _str(config, "rl.reference")
+  if ref != "initial" and not (ref.startswith("ckpt:") and len(ref) > 5):
+    _fail("rl.reference", ref, f"one of {RL_REFERENCES}")
+  _bool(config, "rl.recompute_old")
+  _choice(config, "rl.correction", CORRECTIONS)
+  _int(config, "rl.mcla_passes", 0)
+  _choice(config, "rl.mcla_mode", MCLA_MODES)
+  _bool(config, "rl.routing_replay")
+  _number(config, "rl.temperature", 0.0)
+  _number(config, "rl.top_p", 0.0, 1.0, low_open=True)
+  _int(config, "rl.top_k", 0)
+  for field in ("max_new_tokens", "max_turns", "max_context_tokens", "concurrency"):
+    _int(config, f"rl.{field}", 1)
+  _choice(config, "rl.sandbox", SANDBOX_BACKENDS)
+  _choice(config, "rl.rollout_workers", RL_ROLLOUT_WORKERS)
+  url = _str(config, "rl.queue_url")
+  if url and url != "memory" and not url.startswith(("redis://", "rediss://")):
+    _fail("rl.queue_url", url, "'' | 'memory' | 'redis://host:port[/db]' | 'rediss://...'")
+  _str(config, "rl.queue_password_file")
+  _str(config, "rl.tasks")
+  _choice(config, "rl.task_level", DEMO_LEVELS)
+  _int(config, "rl.task_seed", 0)
+
+
+def _validate_distill(config) -> None:
+  teachers = _paths(config, "distill.teachers")
+  _choice(config, "distill.choose", TEACHER_CHOICE)
+  _number(config, "distill.opd_coef", 0.0)
+  for t in teachers:
+    domain, sep, ckpt = t.partition("=")
+    if not (sep and domain and ckpt.startswith("ckpt:") and len(ckpt) > 5):
+      _fail("distill.teachers", teachers, "entries 'domain=ckpt:<dir>'")
+
+
+def _validate_eval(config) -> None:
+  path = _str(config, "eval.tasks")
+  _int(config, "eval.num_tasks", 1)
+  k = _int(config, "eval.k", 1)
+  samples = _int(config, "eval.samples", 1)
+  if samples < k:
+    _fail("eval.samples", samples, f"an integer >= eval.k={k}")
+  _choice(config, "eval.selection", EVAL_SELECTIONS)
+  _number(config, "eval.temperature", 0.0)
+  for c in _paths(config, "eval.checkpoints"):
+    if not (c.startswith("ckpt:") and len(c) > 5):
+      _fail("eval.checkpoints", c, "entries 'ckpt:<dir>'")
