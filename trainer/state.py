@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from models import sharding, transformer
 from models.config import ModelConfig
-from trainer import optimizers
+from trainer import distributed, optimizers
 
 
 @functools.partial(
@@ -105,9 +105,10 @@ def create(model_cfg: ModelConfig, optimizer: Union[optimizers.Optimizer, Any], 
     return TrainState(params=params, model_state=model_state, opt_state=opt_state,
                       **_scalars(seed))
   sh = shardings(model_cfg, opt, mesh)
-  params, model_state = jax.device_put((params, model_state), (sh.params, sh.model_state))
+  # distributed.put: host weights (a `model` given on the host) reach every process's devices
+  params, model_state = distributed.put((params, model_state), (sh.params, sh.model_state))
   opt_state = opt.init_sharded(params, sh.params)
-  scalars = jax.device_put(_scalars(seed), NamedSharding(mesh, PartitionSpec()))
+  scalars = distributed.put(_scalars(seed), NamedSharding(mesh, PartitionSpec()))
   return TrainState(params=params, model_state=model_state, opt_state=opt_state, **scalars)
 
 

@@ -57,7 +57,7 @@ from models.config import ModelConfig
 from models.logprobs import sequence_logprobs
 from rl import corrections, losses
 from rl.batch import Counts, global_counts, from_tree_batch
-from trainer import optimizers
+from trainer import distributed, optimizers
 from trainer import state as state_lib
 from trainer.batches import MicroBatches
 from trainer.state import TrainState
@@ -260,7 +260,7 @@ def make_score_fn(model_cfg: ModelConfig, *, mesh=None, entropy: bool = False) -
     check_micro_batches(mb, model_cfg)
     params, model_state = _source(source)
     if mesh is not None:
-      mb = jax.device_put(mb, batch_shardings(model_cfg, mesh, mb))
+      mb = distributed.put(mb, batch_shardings(model_cfg, mesh, mb))
     lp, ent = _placed(mesh, score_all)(params, model_state, mb)
     return (lp, ent) if entropy else lp
 
@@ -428,9 +428,9 @@ class TrainStep:
 
   def _prepare(self, state: TrainState, mb: MicroBatches):
     check_micro_batches(mb, self.model_cfg, self.loss_cfg, self.correction_cfg)
-    if self.mesh is not None:
-      mb = jax.device_put(mb, batch_shardings(self.model_cfg, self.mesh, mb))
-      state = jax.device_put(state, self._state_shardings)
+    if self.mesh is not None:  # every process holds the whole batch (distributed.put)
+      mb = distributed.put(mb, batch_shardings(self.model_cfg, self.mesh, mb))
+      state = distributed.put(state, self._state_shardings)
     return state, mb
 
   def __call__(self, state: TrainState, micro_batches: MicroBatches
@@ -456,8 +456,8 @@ class TrainStep:
     `max_logits` [layers, heads] for QK-Clip, then the router bias step from `load`
     [moe_layers, experts] (expert shares of the logical tokens)."""
     if self.mesh is not None:
-      state = jax.device_put(state, self._state_shardings)
-      grads = jax.device_put(grads, self._state_shardings.params)
+      state = distributed.put(state, self._state_shardings)
+      grads = distributed.put(grads, self._state_shardings.params)
     return _placed(self.mesh, self._apply)(state, grads, max_logits, load)
 
 
