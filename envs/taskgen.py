@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -484,15 +485,73 @@ def _try_generate(level: int, rng: random.Random, instance_id: str) -> Optional[
       test_command="python3 -m pytest -q " + " ".join(test_files), fix_edit=fix_edit)
 
 
-def write_tasks(out_dir: str, n: int, level: int, seed: int, start: int = 0) -> list[Task]:
+SPLITS = ("train", "eval")
+EVAL_PERCENT = 50  # share of the program space (by task_key) held out for evaluation
+
+
+def task_key(g: GeneratedTask) -> str:
+  """The task's program: the buggy file and the fix (statement wording and ids aside). Two
+  tasks with one key are the same exercise; the train/eval split is made on it."""
+  return hashlib.sha256(g.files[g.fix_edit["path"]] + b"\0" +
+                        g.fix_edit["new"].encode()).hexdigest()
+
+
+def split_of(g: GeneratedTask) -> str:
+  """"eval" for EVAL_PERCENT % of the programs (by task_key), else "train": held-out tasks
+  never share a program with a training task, however many of either are drawn."""
+  return "eval" if int(task_key(g)[:8], 16) % 100 < EVAL_PERCENT else "train"
+
+
+class SplitStream:
+  """Generator indices of one split, in order: position p is the p-th task of (level, seed)
+  whose `split_of` is `split` (`unique`: the p-th distinct program). Walks lazily; cached."""
+
+  def __init__(self, level: int, seed: int, split: str, unique: bool = False,
+               max_draws: int = 20_000):
+    if split not in SPLITS:
+      raise ValueError(f"split={split!r}: expected one of {SPLITS}")
+    self.level, self.seed, self.split, self.unique = level, seed, split, unique
+    self.max_draws = max_draws
+    self._indices: list[int] = []
+    self._keys: set[str] = set()
+    self._next = 0
+
+  def __getitem__(self, position: int) -> int:
+    while len(self._indices) <= position:
+      if self._next >= self.max_draws:
+        raise ValueError(f"taskgen: only {len(self._indices)} {'distinct ' if self.unique else ''}"
+                         f"{self.split!r} tasks at level={self.level} within {self.max_draws} "
+                         "draws; ask for fewer or use a higher level")
+      g = generate(self.level, self.seed, self._next)
+      key = task_key(g)
+      if split_of(g) == self.split and not (self.unique and key in self._keys):
+        self._indices.append(self._next)
+        self._keys.add(key)
+      self._next += 1
+    return self._indices[position]
+
+
+@functools.lru_cache(maxsize=16)
+def _stream(level: int, seed: int, split: str, unique: bool) -> SplitStream:
+  return SplitStream(level, seed, split, unique)
+
+
+def write_tasks(out_dir: str, n: int, level: int, seed: int, start: int = 0,
+                split: Optional[str] = None, unique: bool = False) -> list[Task]:
   """Generate tasks start..start+n-1 into out_dir/repos/<id>/ and out_dir/tasks.jsonl (which
-  is replaced); returns them as loaded from that file."""
+  is replaced); returns them as loaded from that file. With `split` ("train" | "eval"),
+  positions start.. of that split's stream instead (SplitStream; `unique`: distinct programs)."""
   if n < 1:
     raise ValueError(f"n={n!r}: expected >= 1")
+  if split is None:
+    indices = list(range(start, start + n))
+  else:
+    stream = _stream(level, seed, split, unique)
+    indices = [stream[p] for p in range(start, start + n)]
   os.makedirs(out_dir, exist_ok=True)
   jsonl = os.path.join(out_dir, "tasks.jsonl")
   with open(jsonl + ".tmp", "w", encoding="utf-8") as f:
-    for index in range(start, start + n):
+    for index in indices:
       g = generate(level, seed, index)
       rel = f"repos/{g.instance_id}"
       for path, data in g.files.items():

@@ -43,25 +43,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from envs.policy import SamplingParams  # the one sampling contract (re-exported here)
 from models import transformer
 
 logger = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length")
 ON_UPDATE = ("finish", "resubmit", "restart")
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-  """How to sample one completion (the fields of envs.policy.SamplingParams)."""
-
-  max_tokens: int = 256                 # new tokens at most
-  temperature: float = 1.0              # 0 = greedy
-  top_p: float = 1.0                    # nucleus mass (1 = off)
-  top_k: int = 0                        # 0 = off
-  stop_token_ids: tuple[int, ...] = ()  # generation stops after emitting one of these
-  stop: tuple[str, ...] = ()            # stop strings (checked on detokenised text)
-  seed: Optional[int] = None            # per-request seed (None: drawn from the engine's stream)
 
 
 @dataclasses.dataclass(frozen=True)

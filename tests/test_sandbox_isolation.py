@@ -336,7 +336,9 @@ def assert_contained(hb, r=None):
   deadline = time.monotonic() + 5
   while hb["beats"] < 20 and time.monotonic() < deadline:
     time.sleep(0.01)
-  assert hb["beats"] >= 20 and hb["max"] < 0.2, hb
+  # 0.5 s: a leftover process hogging the CPU stalls the loop for seconds; a loaded 2-core
+  # machine alone (pytest -n 2 next to the sandboxes) stalls it for ~0.2 s now and then
+  assert hb["beats"] >= 20 and hb["max"] < 0.5, hb
   assert pool_processes() == [], "sandbox processes outlived the exec"
 
 

@@ -17,7 +17,8 @@ Sections (each field carries a one-line comment in `base_config`):
   train        steps and the eval / checkpoint / log intervals
   checkpoint   keep-N, async saves
   metrics      where and how metrics are written, the end-of-run report
-  rl, distill, eval   fields of the loops still to come; validated now, the modes refuse to run
+  rl, distill, eval   the RL / distillation loop (trainer/rl.py) and held-out evaluation
+                      (trainer/evaluate.py)
 
 `validate` runs in a few seconds: it imports ml_collections, the model config, the loss and
 optimizer configs (JAX is imported by the last two, but no backend is started and nothing is
@@ -36,8 +37,9 @@ from typing import Any, Optional
 
 import ml_collections
 
-MODES = ("smoke", "sft", "rl", "distill", "eval", "serve")
-IMPLEMENTED_MODES = ("smoke", "sft")
+MODES = ("smoke", "sft", "rl", "distill", "eval", "serve", "demo")
+IMPLEMENTED_MODES = MODES
+RL_LOSSES_EXCLUDED = ("sft", "dpo")  # not on-policy RL losses (dpo needs preference pairs)
 MESH_AXES = ("data", "fsdp", "tensor", "expert")  # = models.sharding.MESH_AXES (no JAX here)
 INIT_KINDS = ("random", "hf:<dir>", "ckpt:<dir>")
 SFT_LOSSES = ("sft",)
@@ -144,7 +146,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.prefetch = 16  # groups rendered ahead
   c.data.demo = ml_collections.ConfigDict()  # generated data (trainer/demo_data.py), no download
   c.data.demo.episodes = 0  # > 0: scripted demo episodes written to <workdir>/data/train.jsonl
-  c.data.demo.eval_episodes = 0  # > 0: held-out episodes (tasks after the training ones)
+  c.data.demo.eval_episodes = 0  # > 0: held-out episodes (taskgen "eval" programs)
   c.data.demo.level = 0  # envs.taskgen difficulty level: 0 | 1 | 2 | 3
   c.data.demo.seed = 0  # envs.taskgen seed of the tasks
   c.data.demo.error_rate = 0.25  # fraction of episodes with a failed (error-masked) tool call
@@ -169,7 +171,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.metrics.wandb_project = ""  # Weights & Biases project ("" = off; needs wandb installed)
   c.metrics.report = True  # report.png + report.html at the end of the run
 
-  # --- the loops still to come: fields validated now, modes "rl" / "distill" / "eval" refuse
+  # --- RL and distillation (trainer/rl.py)
   c.rl = ml_collections.ConfigDict()
   c.rl.loop = "sync"  # "sync" (generate, then train) | "async" (overlapped, bounded staleness)
   c.rl.max_staleness = 1  # async: at most k policy versions between a rollout and the trainer
@@ -193,9 +195,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.max_context_tokens = 8192  # one call's input + output at most
   c.rl.sandbox = "bwrap"  # sandbox backend: "bwrap" | "local" | "docker" | "remote"
   c.rl.rollout_workers = "inprocess"  # "inprocess" (asyncio) | "queue" (remote workers)
+  c.rl.episode_timeout_s = 600.0  # wall-clock limit of one episode (termination "timeout")
   c.rl.concurrency = 8  # in-process episodes run at once
   c.rl.queue_url = ""  # queue workers: "memory" | redis://host:port | rediss://... ("" = memory)
   c.rl.queue_password_file = ""  # file holding the Redis password ("" = none)
+  c.rl.group_deadline_s = 600.0  # queue: a group still short this long after its first member
+                                 # arrived is dropped
   c.rl.tasks = ""  # task JSONL file (envs.tasks); "" = generated tasks (envs.taskgen)
   c.rl.task_level = 0  # generated tasks: taskgen level 0 | 1 | 2 | 3
   c.rl.task_seed = 1  # generated tasks: taskgen seed (disjoint from the SFT demo's)
@@ -206,13 +211,20 @@ def base_config() -> ml_collections.ConfigDict:
   c.distill.opd_coef = 1.0  # weight of the OPD term added to the RL loss
 
   c.eval = ml_collections.ConfigDict()
-  c.eval.tasks = ""  # held-out task JSONL ("" = generated tasks after the training ones)
+  c.eval.tasks = ""  # held-out task JSONL ("" = generated, distinct taskgen "eval" programs)
   c.eval.num_tasks = 200  # held-out tasks evaluated
   c.eval.k = 1  # pass@k
   c.eval.samples = 1  # samples per task (n >= k)
   c.eval.selection = "none"  # test-time: "none" | "best_of_n" | "majority_vote" | "self_play"
   c.eval.temperature = 0.0  # eval sampling temperature (0 = greedy)
   c.eval.checkpoints = ()  # checkpoints to evaluate ("ckpt:<dir>"); () = this run's latest
+
+  c.serve = ml_collections.ConfigDict()  # mode "serve": trainer/serve.py's policy server
+  c.serve.host = "127.0.0.1"  # bind address; any other needs a token ($ARBOR_SERVE_TOKEN)
+  c.serve.port = 8000  # port (0 = any free port)
+  c.serve.served_name = "arbor"  # the "model" field of chat replies
+  c.serve.slots = 16  # sequences decoded together
+  c.serve.max_seq_len = 4096  # longest input + output
   return c
 
 
@@ -435,6 +447,9 @@ def validate(config: ml_collections.ConfigDict, workdir: Optional[str] = None) -
   if mode == "smoke":
     _validate_smoke(config)
     return
+  if mode == "demo":
+    _validate_demo(config, workdir)
+    return
   _known_keys(config, base_config(), "")
   _str(config, "compile_cache_dir")
   _validate_model(config)
@@ -444,6 +459,10 @@ def validate(config: ml_collections.ConfigDict, workdir: Optional[str] = None) -
   loss = loss_config(config)
   if mode == "sft" and loss.name not in SFT_LOSSES:
     _fail("loss.name", loss.name, f"one of {SFT_LOSSES} for mode 'sft'")
+  if mode in ("rl", "distill") and loss.name in RL_LOSSES_EXCLUDED:
+    from rl import losses
+    _fail("loss.name", loss.name, f"one of {tuple(sorted(set(losses.LOSSES) - set(RL_LOSSES_EXCLUDED)))} "
+          f"for mode {mode!r}")
   _validate_data(config, mode)
   _validate_tokenizer(config, mode, workdir)
   _int(config, "checkpoint.keep", 1)
@@ -452,13 +471,63 @@ def validate(config: ml_collections.ConfigDict, workdir: Optional[str] = None) -
   _validate_rl(config)
   _validate_distill(config)
   _validate_eval(config)
-  if mode not in IMPLEMENTED_MODES:
-    # The checks that need a mode active (task files exist, routing replay on a MoE model, a
-    # teacher per domain, ...) come with its loop.
-    hint = {"serve": " (the policy server runs as `python -m trainer.serve` meanwhile)"}.get(
-        mode, f" (config.{mode} is validated, the loop is still to come)")
-    raise ConfigError(f"config.mode={mode!r}: not implemented yet{hint}; implemented modes: "
-                      f"{IMPLEMENTED_MODES}")
+  _validate_serve(config)
+  if mode in ("rl", "distill", "eval", "serve"):
+    tokenizer_source(config, workdir or ".")
+  if mode == "rl" or mode == "distill":
+    _validate_rl_mode(config)
+  if mode == "distill" and not config.distill.teachers:
+    raise ConfigError("config.distill.teachers=(): mode 'distill' needs at least one teacher "
+                      "'domain=ckpt:<dir>'")
+  if mode == "eval" and config.eval.selection != "none" and config.eval.samples < 2:
+    _fail("eval.samples", config.eval.samples, f"an integer >= 2 for eval.selection="
+          f"{config.eval.selection!r} (it selects one of several samples)")
+
+
+def _validate_rl_mode(config) -> None:
+  """What only an active RL loop needs."""
+  rl = config.rl
+  if rl.loop == "async" and rl.max_staleness < 1:
+    _fail("rl.max_staleness", rl.max_staleness, "an integer >= 1 with rl.loop='async'")
+  if rl.routing_replay:
+    _fail("rl.routing_replay", True, "False: the engine returns the experts of sampled tokens "
+          "only, not of prompt tokens, so replay is not wired into the loop yet")
+  if rl.rollout_workers == "queue" and not rl.queue_url:
+    _fail("rl.queue_url", rl.queue_url, "'memory' or a redis:// URL with rl.rollout_workers="
+          "'queue'")
+  if rl.tasks and not os.path.isfile(rl.tasks):
+    _fail("rl.tasks", rl.tasks, "a task JSONL file (envs.tasks) or '' (generated tasks)")
+  if rl.max_new_tokens >= rl.max_context_tokens:
+    _fail("rl.max_new_tokens", rl.max_new_tokens, f"fewer than rl.max_context_tokens="
+          f"{rl.max_context_tokens}")
+
+
+DEMO_FIELDS = ("mode", "seed", "seeds", "sft", "rl")
+
+
+def _validate_demo(config, workdir: Optional[str]) -> None:
+  """The demo pipeline (trainer/demo.py): its own fields plus the SFT and RL stage configs, each
+  validated as the run will use it (the RL stage starts from the SFT stage's checkpoint and
+  tokenizer, which exist only once that stage ran)."""
+  unknown = sorted(set(config.keys()) - set(DEMO_FIELDS))
+  if unknown:
+    raise ConfigError(f"config.{unknown[0]}: unknown field for mode 'demo'; valid fields: "
+                      f"{list(DEMO_FIELDS)}")
+  seeds = _get(config, "seeds")
+  if not (isinstance(seeds, (tuple, list)) and seeds and all(
+      isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)):
+    _fail("seeds", seeds, "a non-empty tuple of seeds >= 0, e.g. '(0, 1)'")
+  for stage, mode in (("sft", "sft"), ("rl", "rl")):
+    sub = _get(config, stage)
+    if not isinstance(sub, ml_collections.ConfigDict) or sub.get("mode") != mode:
+      _fail(f"{stage}.mode", getattr(sub, "get", lambda _: sub)("mode"), repr(mode))
+    if stage == "rl":  # as trainer.demo runs it: the SFT stage's weights and tokenizer
+      sub = ml_collections.ConfigDict(sub.to_dict())
+      sub.tokenizer.train_vocab_size = config.sft.tokenizer.train_vocab_size
+    try:
+      validate(sub, workdir)
+    except ConfigError as e:
+      raise ConfigError(str(e).replace("config.", f"config.{stage}.", 1)) from e
 
 
 def _validate_smoke(config) -> None:
@@ -660,6 +729,8 @@ def _validate_rl(config) -> None:
   for field in ("max_new_tokens", "max_turns", "max_context_tokens", "concurrency"):
     _int(config, f"rl.{field}", 1)
   _choice(config, "rl.sandbox", SANDBOX_BACKENDS)
+  _number(config, "rl.episode_timeout_s", 0.0, low_open=True)
+  _number(config, "rl.group_deadline_s", 0.0, low_open=True)
   _choice(config, "rl.rollout_workers", RL_ROLLOUT_WORKERS)
   url = _str(config, "rl.queue_url")
   if url and url != "memory" and not url.startswith(("redis://", "rediss://")):
@@ -678,6 +749,20 @@ def _validate_distill(config) -> None:
     domain, sep, ckpt = t.partition("=")
     if not (sep and domain and ckpt.startswith("ckpt:") and len(ckpt) > 5):
       _fail("distill.teachers", teachers, "entries 'domain=ckpt:<dir>'")
+
+
+def _validate_serve(config) -> None:
+  host = _str(config, "serve.host")
+  _int(config, "serve.port", 0, 65535)
+  _str(config, "serve.served_name")
+  _int(config, "serve.slots", 1)
+  _int(config, "serve.max_seq_len", 128)
+  if config.mode == "serve":
+    from trainer.serve import check_bind
+    try:
+      check_bind(host, os.environ.get("ARBOR_SERVE_TOKEN") or None)
+    except ValueError as e:
+      raise ConfigError(f"config.serve.host={host!r}: {e}") from e
 
 
 def _validate_eval(config) -> None:

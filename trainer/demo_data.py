@@ -98,7 +98,8 @@ async def _episode(task: Task, chat: ChatFormat, sandbox: str, seed: int, error_
 
 
 def demo_trajectories(chat: ChatFormat, n: int, *, level: int = 0, seed: int = 0,
-                      start: int = 0, error_rate: float = 0.0, sandbox: str = "bwrap",
+                      start: int = 0, split: Optional[str] = None, error_rate: float = 0.0,
+                      sandbox: str = "bwrap",
                       config: ScaffoldConfig = DEMO_SCAFFOLD, verify: bool = False,
                       concurrency: int = 4) -> list[Trajectory]:
   """Scripted episodes on the taskgen tasks (level, seed, start..start+n-1), in task order.
@@ -113,7 +114,7 @@ def demo_trajectories(chat: ChatFormat, n: int, *, level: int = 0, seed: int = 0
   if not 0.0 <= error_rate <= 1.0:
     raise ValueError(f"error_rate={error_rate!r}: expected a probability in [0, 1]")
   with tempfile.TemporaryDirectory(prefix="arbor-demo-tasks-") as d:
-    tasks = write_tasks(d, n, level, seed, start)
+    tasks = write_tasks(d, n, level, seed, start, split=split)
 
     async def run_all():
       limit = asyncio.Semaphore(concurrency)

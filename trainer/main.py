@@ -7,11 +7,13 @@ Start-up, in order (so a bad config fails in seconds, before any device is touch
      fields that exist there), then absl / ml_collections parse the flags;
   2. `trainer.config.validate`: every field, with the field, the value and the valid choices;
   3. multi-host: `jax.distributed.initialize` from the launcher's contract (docs/design.md §2.3:
-     JAX_COORDINATOR_ADDRESS, ARBOR_NUM_PROCESSES, ARBOR_PROCESS_ID) when ARBOR_NUM_PROCESSES > 1;
+     JAX_COORDINATOR_ADDRESS, ARBOR_NUM_PROCESSES, ARBOR_PROCESS_ID) when ARBOR_NUM_PROCESSES > 1,
+     with gloo CPU collectives (trainer/distributed.py);
   4. the mesh from `config.mesh` over all devices;
-  5. the mode: "sft" (trainer/sft.py) or "smoke" (build the model, one forward/backward, a short
-     greedy decode; configs/smoke.py). "rl", "distill", "eval" and "serve" are validated and
-     refused: their loops are not implemented yet.
+  5. the mode: "sft" (trainer/sft.py), "rl" and "distill" (trainer/rl.py), "eval"
+     (trainer/evaluate.py), "serve" (trainer/serve.py's policy server on the config's model),
+     "demo" (trainer/demo.py: tokenizer -> SFT -> RL -> held-out eval, per seed; configs/demo.py)
+     or "smoke" (build the model, one forward/backward, a short greedy decode; configs/smoke.py).
 A config error exits with status 2 and one line on stderr naming the field.
 """
 
@@ -27,6 +29,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from trainer import config as config_lib
+from trainer import distributed
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
@@ -96,30 +99,8 @@ def smoke(config, workdir: str) -> dict:
 # ----------------------------------------------------------------------------- start-up
 
 
-def initialize_distributed(environ=os.environ) -> int:
-  """`jax.distributed.initialize` from the launcher's environment when ARBOR_NUM_PROCESSES > 1
-  (docs/design.md §2.3); the number of processes. Bad values fail naming the variable."""
-  raw = environ.get("ARBOR_NUM_PROCESSES", "1")
-  try:
-    n = int(raw)
-  except ValueError:
-    n = 0
-  if n < 1:
-    raise config_lib.ConfigError(f"ARBOR_NUM_PROCESSES={raw!r}: expected an integer >= 1")
-  if n == 1:
-    return 1
-  address = environ.get("JAX_COORDINATOR_ADDRESS", "")
-  raw_id = environ.get("ARBOR_PROCESS_ID", "")
-  if not address:
-    raise config_lib.ConfigError("JAX_COORDINATOR_ADDRESS is unset: a multi-host run "
-                                 f"(ARBOR_NUM_PROCESSES={n}) needs the coordinator's host:port")
-  if not raw_id.isdigit() or int(raw_id) >= n:
-    raise config_lib.ConfigError(f"ARBOR_PROCESS_ID={raw_id!r}: expected an integer in "
-                                 f"[0, {n})")
-  import jax
-  jax.distributed.initialize(coordinator_address=address, num_processes=n,
-                             process_id=int(raw_id))
-  return n
+# one start-up path for every mode and for tests (trainer/distributed.py)
+initialize_distributed = distributed.initialize
 
 
 def make_mesh(config):
@@ -127,6 +108,8 @@ def make_mesh(config):
   import jax
 
   from models.sharding import MESH_AXES, MeshConfig, make_mesh as build
+  if config.mode == "demo":  # the stages share one mesh: the SFT stage's
+    config = config.sft
   shape = config_lib.mesh_shape(config, jax.device_count())
   return build(MeshConfig(**dict(zip(MESH_AXES, shape))))
 
@@ -138,15 +121,29 @@ def run(config, workdir: str) -> dict:
     return smoke(config, workdir)
   initialize_distributed()
   import jax
-  if config.compile_cache_dir:
-    jax.config.update("jax_compilation_cache_dir", config.compile_cache_dir)
+  cache_dir = (config.sft if config.mode == "demo" else config).compile_cache_dir
+  if cache_dir:
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
   mesh = make_mesh(config)
   logging.info("mesh %s on %d devices (%s)", dict(mesh.shape), mesh.size,
                jax.devices()[0].platform)
-  from trainer import sft
   # one device: no mesh, so parameters are drawn on the host (no RNG compile) and nothing is
   # placed; the math is the same
-  return sft.run(config, workdir, mesh if mesh.size > 1 else None)
+  mesh = mesh if mesh.size > 1 else None
+  if config.mode == "sft":
+    from trainer import sft
+    return sft.run(config, workdir, mesh)
+  if config.mode in ("rl", "distill"):
+    from trainer import rl
+    return rl.run(config, workdir, mesh)
+  if config.mode == "eval":
+    from trainer import evaluate
+    return evaluate.run(config, workdir, mesh)
+  if config.mode == "demo":
+    from trainer import demo
+    return demo.run(config, workdir, mesh)
+  from trainer import serve
+  return serve.run(config, workdir)
 
 
 def _override_keys(argv) -> list[str]:

@@ -442,9 +442,7 @@ class EnginePolicy:
 
   async def generate(self, input_ids, params):
     from envs.policy import Generation
-    from models.engine import SamplingParams
-    p = SamplingParams(**dataclasses.asdict(params))
-    out = await asyncio.wrap_future(self.engine.submit(list(input_ids), p))
+    out = await asyncio.wrap_future(self.engine.submit(list(input_ids), params))
     return Generation(output_ids=out.output_ids, logprobs=out.logprobs,
                       finish_reason=out.finish_reason, policy_version=out.policy_version,
                       token_versions=out.token_versions)
@@ -483,6 +481,37 @@ def build(args) -> PolicyServer:
   return PolicyServer(engine, ServerConfig(host=args.host, port=args.port, token=token,
                                            served_name=args.served_name),
                       tokenizer=tokenizer, chat=chat)
+
+
+def run(config, workdir: str) -> dict:
+  """trainer.main mode "serve": the config's model (model.init: a preset, hf:DIR or an Arbor
+  run's ckpt:DIR) and tokenizer behind the policy server (config.serve), until interrupted."""
+  from envs.chat import load_tokenizer, make_chat
+  from models import transformer
+  from models.engine import Engine, EngineConfig
+  from trainer import config as config_lib
+  from trainer import sft
+
+  token = os.environ.get("ARBOR_SERVE_TOKEN") or None
+  check_bind(config.serve.host, token)
+  model_cfg = config_lib.model_config(config)
+  model = sft.initial_model(config, model_cfg) or transformer.init(model_cfg, seed=config.seed)
+  tokenizer = load_tokenizer(config_lib.tokenizer_source(config, workdir))
+  chat = make_chat(config.tokenizer.chat_format, tokenizer)
+  engine = Engine(model, EngineConfig(slots=config.serve.slots,
+                                      max_seq_len=config.serve.max_seq_len,
+                                      prefix_cache_rows=config.serve.slots, seed=config.seed),
+                  detokenize=tokenizer.decode)
+  server = PolicyServer(engine, ServerConfig(host=config.serve.host, port=config.serve.port,
+                                             token=token, served_name=config.serve.served_name),
+                        tokenizer=tokenizer, chat=chat)
+  print(f"serve: {config.model.init} on http://{config.serve.host}:{config.serve.port} "
+        "(/generate, /v1/chat/completions, /health)", flush=True)
+  try:
+    asyncio.run(server.serve_forever())
+  except KeyboardInterrupt:
+    pass
+  return {"served": True}
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

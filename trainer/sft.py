@@ -78,15 +78,17 @@ def prepare_demo(config: ml_collections.ConfigDict, workdir: str) -> None:
     _say(f"trained a {tok.train_vocab_size}-token sentencepiece tokenizer "
          f"({time.perf_counter() - t0:.1f}s)")
   demo = config.data.demo
-  todo = [(TRAIN_FILE, demo.episodes, 0), (EVAL_FILE, demo.eval_episodes, demo.episodes)]
+  # training episodes on the "train" programs of envs.taskgen, held-out ones on "eval" programs
+  # (which no training task of the SFT or the RL stage ever shares)
+  todo = [(TRAIN_FILE, demo.episodes, "train"), (EVAL_FILE, demo.eval_episodes, "eval")]
   todo = [t for t in todo if t[1] and not os.path.isfile(os.path.join(workdir, "data", t[0]))]
   if not todo:
     return
   chat = make_chat(fmt, load_tokenizer(config_lib.tokenizer_source(config, workdir)))
   os.makedirs(os.path.join(workdir, "data"), exist_ok=True)
-  for name, n, start in todo:  # held-out tasks follow the training tasks: disjoint
+  for name, n, split in todo:
     t0 = time.perf_counter()
-    trajectories = demo_trajectories(chat, n, level=demo.level, seed=demo.seed, start=start,
+    trajectories = demo_trajectories(chat, n, level=demo.level, seed=demo.seed, split=split,
                                      error_rate=demo.error_rate, sandbox=demo.sandbox)
     write_jsonl(os.path.join(workdir, "data", name), [chat_record(t) for t in trajectories])
     _say(f"recorded {n} demo episodes in {os.path.join(workdir, 'data', name)} "

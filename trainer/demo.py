@@ -1,0 +1,167 @@
+"""The demo pipeline (mode "demo", configs/demo.py): per seed SFT -> eval -> RL -> eval, then the
+report with both pass@1 values per seed and a paired bootstrap interval of the improvement.
+
+    summary = run(config, workdir, mesh)
+
+Layout: <workdir>/seed_<s>/{sft,rl}/ (each a normal workdir of its mode, so a rerun resumes
+every stage where it stopped), <workdir>/seed_<s>/eval_{sft,rl}.json (per-task held-out
+rewards; an existing file is reused), <workdir>/demo_results.json and demo_report.html.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import ml_collections
+
+STAGES = ("sft", "rl")
+
+
+def _say(message: str) -> None:
+  print(f"demo: {message}", flush=True)
+
+
+def stage_configs(config, seed: int, seed_dir: str) -> tuple:
+  """(SFT config, RL config) of one seed: copies of config.sft / config.rl with the seed, the
+  RL stage starting from the SFT stage's checkpoint and tokenizer."""
+  sft_cfg = ml_collections.ConfigDict(config.sft.to_dict())
+  sft_cfg.seed = seed
+  sft_cfg.data.seed = seed
+  sft_cfg.optimizer.total_steps = sft_cfg.train.steps
+  rl_cfg = ml_collections.ConfigDict(config.rl.to_dict())
+  rl_cfg.seed = seed
+  rl_cfg.data.seed = seed
+  rl_cfg.optimizer.total_steps = rl_cfg.train.steps
+  sft_dir = os.path.join(seed_dir, "sft")
+  rl_cfg.model.init, rl_cfg.model.preset = f"ckpt:{sft_dir}", ""
+  rl_cfg.tokenizer.path = os.path.join(sft_dir, "tokenizer")
+  rl_cfg.tokenizer.train_vocab_size = 0
+  return sft_cfg, rl_cfg
+
+
+def held_out_eval(rl_cfg, run_dir: str, out: str, mesh) -> dict:
+  """Greedy pass@1 of the latest checkpoint of `run_dir` on the held-out tasks (cached)."""
+  if os.path.isfile(out):
+    with open(out) as f:
+      return json.load(f)
+  from envs.chat import load_tokenizer, make_chat
+  from trainer import config as config_lib
+  from trainer import evaluate, rl, sft
+  from trainer.demo_data import DEMO_SCAFFOLD
+  from trainer.rollouts import scaffold_config
+
+  cfg = ml_collections.ConfigDict(rl_cfg.to_dict())
+  cfg.model.init, cfg.model.preset = f"ckpt:{run_dir}", ""
+  model_cfg = config_lib.model_config(cfg)
+  model = sft.initial_model(cfg, model_cfg)
+  chat = make_chat(cfg.tokenizer.chat_format, load_tokenizer(cfg.tokenizer.path))
+  tasks = rl.held_out_tasks(cfg, os.path.join(os.path.dirname(out), "eval_tasks"))
+  scaffold = scaffold_config(DEMO_SCAFFOLD, max_turns=cfg.rl.max_turns,
+                             max_new_tokens=cfg.rl.max_new_tokens,
+                             max_context_tokens=cfg.rl.max_context_tokens,
+                             temperature=cfg.eval.temperature)
+  t0 = time.perf_counter()
+  result = evaluate.evaluate(model, model_cfg, chat, tasks, samples=cfg.eval.samples,
+                             k=cfg.eval.k, temperature=cfg.eval.temperature, seed=cfg.seed,
+                             engine_cfg=rl.engine_config(cfg), scaffold=scaffold,
+                             sandbox=cfg.rl.sandbox, concurrency=cfg.rl.concurrency)
+  result = {"checkpoint": run_dir, "pass@1": float(result[f"pass@{cfg.eval.k}"]),
+            "per_task": [float(x) for x in result["per_task"]],
+            "terminations": result.get("terminations", {}),
+            "time_s": time.perf_counter() - t0}
+  with open(out + ".tmp", "w") as f:
+    json.dump(result, f)
+  os.replace(out + ".tmp", out)
+  return result
+
+
+def run(config, workdir: str, mesh=None) -> dict:
+  """Every seed's pipeline, then the results and the report; the summary dict."""
+  from trainer import evaluate, rl, sft
+
+  os.makedirs(workdir, exist_ok=True)
+  per_seed = []
+  for seed in config.seeds:
+    t0 = time.perf_counter()
+    seed_dir = os.path.join(workdir, f"seed_{seed}")
+    sft_cfg, rl_cfg = stage_configs(config, seed, seed_dir)
+    _say(f"seed {seed}: SFT ({sft_cfg.train.steps} steps) in {seed_dir}/sft")
+    sft.run(sft_cfg, os.path.join(seed_dir, "sft"), mesh)
+    t_sft = time.perf_counter() - t0
+    before = held_out_eval(rl_cfg, os.path.join(seed_dir, "sft"),
+                           os.path.join(seed_dir, "eval_sft.json"), mesh)
+    _say(f"seed {seed}: SFT held-out pass@1 {before['pass@1']:.3f} "
+         f"({len(before['per_task'])} tasks)")
+    _say(f"seed {seed}: RL ({rl_cfg.train.steps} steps, {rl_cfg.loss.name}) in {seed_dir}/rl")
+    rl.run(rl_cfg, os.path.join(seed_dir, "rl"), mesh)
+    after = held_out_eval(rl_cfg, os.path.join(seed_dir, "rl"),
+                          os.path.join(seed_dir, "eval_rl.json"), mesh)
+    minutes = (time.perf_counter() - t0) / 60
+    _say(f"seed {seed}: pass@1 SFT {before['pass@1']:.3f} -> RL {after['pass@1']:.3f} "
+         f"({minutes:.1f} min this run, SFT stage {t_sft / 60:.1f} min)")
+    per_seed.append({"seed": seed, "sft_pass@1": before["pass@1"],
+                     "rl_pass@1": after["pass@1"], "sft": before["per_task"],
+                     "rl": after["per_task"], "minutes": minutes})
+  ci = evaluate.paired_bootstrap_seeds([s["sft"] for s in per_seed],
+                                       [s["rl"] for s in per_seed])
+  results = {"seeds": [{k: v for k, v in s.items() if k not in ("sft", "rl")}
+                       for s in per_seed],
+             "mean_sft_pass@1": sum(s["sft_pass@1"] for s in per_seed) / len(per_seed),
+             "mean_rl_pass@1": sum(s["rl_pass@1"] for s in per_seed) / len(per_seed),
+             "improvement": ci, "tasks": len(per_seed[0]["sft"])}
+  with open(os.path.join(workdir, "demo_results.json"), "w") as f:
+    json.dump(results, f, indent=1)
+  results["report"] = write_report(workdir, config, results)
+  _say(f"pass@1 SFT {results['mean_sft_pass@1']:.3f} -> RL {results['mean_rl_pass@1']:.3f}; "
+       f"improvement {ci['diff']:+.3f} (95% CI {ci['low']:+.3f} .. {ci['high']:+.3f}); "
+       f"report {results['report']}")
+  return results
+
+
+def write_report(workdir: str, config, results: dict) -> str:
+  """demo_report.html (+ .png): SFT loss and RL reward curves per seed, the pass@1 table and
+  the interval."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  from trainer.metrics import JSONL, read_jsonl
+
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+  for s in results["seeds"]:
+    seed_dir = os.path.join(workdir, f"seed_{s['seed']}")
+    for ax, stage, key in ((axes[0], "sft", "loss"), (axes[1], "rl", "reward_mean")):
+      rows = read_jsonl(os.path.join(seed_dir, stage, stage, JSONL))
+      xs = [step for step, r in sorted(rows.items()) if key in r]
+      ax.plot(xs, [rows[step][key] for step in xs], label=f"seed {s['seed']}")
+      ax.set_title(f"{stage}: {key}")
+      ax.set_xlabel("step")
+      ax.legend()
+  names = [f"seed {s['seed']}" for s in results["seeds"]]
+  x = range(len(names))
+  axes[2].bar([i - 0.2 for i in x], [s["sft_pass@1"] for s in results["seeds"]], 0.4, label="SFT")
+  axes[2].bar([i + 0.2 for i in x], [s["rl_pass@1"] for s in results["seeds"]], 0.4, label="RL")
+  axes[2].set_xticks(list(x), names)
+  axes[2].set_title(f"held-out pass@1 ({results['tasks']} tasks)")
+  axes[2].legend()
+  fig.tight_layout()
+  png = os.path.join(workdir, "demo_report.png")
+  fig.savefig(png, dpi=80)
+  plt.close(fig)
+  ci = results["improvement"]
+  rows = "".join(f"<tr><td>{s['seed']}</td><td>{s['sft_pass@1']:.3f}</td>"
+                 f"<td>{s['rl_pass@1']:.3f}</td><td>{s['minutes']:.1f}</td></tr>"
+                 for s in results["seeds"])
+  html = (f"<html><head><title>Arbor demo</title></head><body><h1>Arbor demo</h1>"
+          f"<p>Held-out greedy pass@1 on {results['tasks']} generated tasks, SFT vs RL "
+          f"checkpoint.</p><table border=1><tr><th>seed</th><th>SFT pass@1</th>"
+          f"<th>RL pass@1</th><th>minutes</th></tr>{rows}</table>"
+          f"<p>Mean improvement {ci['diff']:+.3f}, paired bootstrap 95% interval "
+          f"[{ci['low']:+.3f}, {ci['high']:+.3f}] (tasks resampled within each seed).</p>"
+          f"<img src='demo_report.png'></body></html>")
+  path = os.path.join(workdir, "demo_report.html")
+  with open(path, "w") as f:
+    f.write(html)
+  return path
