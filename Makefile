@@ -12,8 +12,9 @@ APT_PACKAGES := bubblewrap redis-server python3-pytest openssl util-linux
 
 .PHONY: demo test venv clean
 
+# The README's main job: tokenizer -> SFT -> RL -> held-out eval per seed (configs/demo.py).
 demo: $(VENV)/.stamp
-	$(PY) -m trainer.main --config=configs/smoke.py --workdir=/tmp/arbor_smoke
+	$(PY) -m trainer.main --config=configs/demo.py --workdir=/tmp/arbor_demo
 
 # Two xdist workers; the slowest tests are listed so regressions in test time show up.
 test: $(VENV)/.stamp

@@ -151,6 +151,7 @@ class RolloutQueue(Protocol):
   def get_batch(self, n: int, timeout: float) -> list[Delivery]: ...
   def ack(self, entry_ids: Iterable[str]) -> int: ...
   def backlog(self) -> int: ...
+  def unread(self) -> int: ...
   def dead_letters(self, count: int = 100) -> list[dict]: ...
   def check_task_source(self, fingerprint: str) -> None: ...
   def lease_task(self, worker_id: str, ttl: float,
@@ -361,9 +362,14 @@ class InMemoryQueue:
     return n
 
   def backlog(self) -> int:
-    """Entries not yet acked (unread + pending): what workers hold back for."""
+    """Entries not yet acked (unread + pending)."""
     with self._s.cond:
       return len(self._s.entries)
+
+  def unread(self) -> int:
+    """Entries no consumer has taken yet: what workers' backpressure counts."""
+    with self._s.cond:
+      return len(self._s.unread)
 
   def dead_letters(self, count: int = 100) -> list[dict]:
     with self._s.cond:
@@ -696,12 +702,26 @@ class RedisQueue:
     return n
 
   def backlog(self) -> int:
-    """Entries not yet acked (unread lag + pending): what workers hold back for."""
+    """Entries not yet acked (unread + pending)."""
     for g in self._r.xinfo_groups(self.stream):
       if _s(g["name"]) == self.group:
-        lag = g.get("lag")
-        return int(g["pending"]) + (int(lag) if lag is not None else self._r.xlen(self.stream))
+        return int(g["pending"]) + self._unread(g)
     return int(self._r.xlen(self.stream))
+
+  def unread(self) -> int:
+    """Entries the consumer group has not taken yet: what workers' backpressure counts."""
+    for g in self._r.xinfo_groups(self.stream):
+      if _s(g["name"]) == self.group:
+        return self._unread(g)
+    return int(self._r.xlen(self.stream))
+
+  def _unread(self, group_info: dict) -> int:
+    lag = group_info.get("lag")  # Redis >= 7; else count the entries past the last delivered
+    if lag is not None:
+      return int(lag)
+    last = _s(group_info["last-delivered-id"])
+    return len(self._r.xrange(self.stream, min="(" + last if last != "0-0" else "-", max="+",
+                              count=100_000))
 
   def trim_acked(self) -> int:
     """Delete entries that are delivered and acked (never an unread or pending one); returns

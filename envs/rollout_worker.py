@@ -5,7 +5,7 @@
         --group_size 8 --concurrency 16 --sandbox bwrap --tokenizer tok.model --chat chatml
 
 One asyncio loop drives everything. `ceil(concurrency / group_size)` task slots each repeat:
-wait while the queue holds `max_backlog` or more unacked trajectories (backpressure); lease a
+wait while `max_backlog` or more trajectories wait unread in the queue (backpressure); lease a
 draw (`envs.queue`); run its G episodes, at most `concurrency` at a time across the worker
 (`run_task_group`); then `complete_task` puts the group and ends the lease in one atomic step.
 Leases are renewed every ttl/3 while episodes run, so a live worker keeps its draws however long
@@ -131,7 +131,7 @@ class WorkerConfig:
   group_size: int = 8                # episodes per task draw (G)
   concurrency: int = 8               # episodes in flight across the worker
   lease_ttl: float = 120.0           # seconds a lease lives without renewal (renewed every ttl/3)
-  max_backlog: int = 1024            # lease nothing while the queue holds this many unacked
+  max_backlog: int = 1024            # lease nothing while this many trajectories wait unread
   max_draws: Optional[int] = None    # stop once this many draws are done (None: run until stopped)
   grace: float = 30.0                # after SIGTERM, seconds for running groups to finish
   poll: float = 1.0                  # seconds between backpressure / lease polls
@@ -237,11 +237,14 @@ class RolloutWorker:
     """Wait while the queue is full; False if stopped meanwhile."""
     waited = False
     while not self._stopping.is_set():
-      backlog = await self._call(self.queue.backlog)
+      # unread only: entries the trainer took stay pending until its next checkpoint acks
+      # them, and counting those would stall workers for a whole checkpoint interval
+      backlog = await self._call(self.queue.unread)
       if backlog < self.config.max_backlog:
         return True
       if not waited:
-        log.info("queue backlog %d >= max_backlog %d: waiting", backlog, self.config.max_backlog)
+        log.info("queue: %d trajectories unread >= max_backlog %d: waiting", backlog,
+                 self.config.max_backlog)
         self._count("backpressure_waits")
         waited = True
       start = time.monotonic()
@@ -505,7 +508,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   a("--temperature", type=float, default=1.0, help="sampling temperature")
   a("--partial_credit", action="store_true", help="reward = fraction of tests passing")
   a("--lease_ttl", type=float, default=120.0, help="seconds a lease lives without renewal")
-  a("--max_backlog", type=int, default=1024, help="wait while the queue holds this many unacked")
+  a("--max_backlog", type=int, default=1024, help="wait while this many trajectories wait unread in the queue")
   a("--epochs", type=int, default=0, help="passes over the tasks (0: until stopped)")
   a("--grace", type=float, default=30.0, help="seconds to finish running groups after SIGTERM")
   a("--seed", type=int, default=0, help="task order and sampling seeds")

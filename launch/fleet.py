@@ -359,6 +359,12 @@ class LocalFleet:
   max_sandboxes: int = 8
   queue_prefix: str = "arbor"
   grace: float = 10.0
+  lease_ttl: float = 120.0  # a killed worker's draws go to another worker after this
+  max_backlog: int = 1024  # workers pause while the queue holds this many unacked trajectories
+  epochs: int = 0  # passes over the tasks (0: until stopped)
+  max_turns: int = 30  # agent turns per episode
+  max_new_tokens: int = 2048  # tokens sampled per policy call
+  max_context_tokens: int = 32768  # input + output of one call (at most the engine's length)
   python: str = sys.executable
 
   def __post_init__(self):
@@ -388,6 +394,14 @@ class LocalFleet:
     raise RuntimeError(f"{what} not ready after {timeout:.0f}s; see {self.dir}")
 
   def start(self) -> dict:
+    """Redis, the sandbox servers, then the rollout workers; `info()`."""
+    self.start_services()
+    for i in range(self.workers):
+      self.start_worker(i)
+    return self.info()
+
+  def start_services(self) -> dict:
+    """Redis (unless given) and the sandbox servers, each healthy before this returns."""
     d = self.dir
     if self.redis:
       self.password_file = self.redis_password_file
@@ -430,20 +444,25 @@ class LocalFleet:
       self._wait(f"sandbox server {i} health", proc,
                  lambda url=url: self._healthy(url))
       self.sandbox_urls.append(url)
-    for i in range(self.workers):
-      argv = [self.python, "-m", "envs.rollout_worker", "--policy_url", self.policy_url,
-              "--queue", self.redis_url, "--queue_password_file", self.password_file,
-              "--queue_prefix", self.queue_prefix, "--tasks", self.tasks,
-              "--tokenizer", self.tokenizer, "--chat", self.chat,
-              "--group_size", str(self.group_size), "--concurrency", str(self.concurrency),
-              "--sandbox", "remote", "--sandbox_url",
-              self.sandbox_urls[i % len(self.sandbox_urls)],
-              "--token_file", self.sandbox_token_file, "--grace", str(self.grace),
-              "--worker_id", f"local-{i}"]
-      if self.policy_token_file:
-        argv += ["--policy_token_file", self.policy_token_file]
-      self._spawn(f"worker-{i}", argv)
     return self.info()
+
+  def start_worker(self, i: int) -> subprocess.Popen:
+    """Rollout worker `local-<i>` on sandbox server i mod n (its log: <dir>/worker-<i>.log)."""
+    argv = [self.python, "-m", "envs.rollout_worker", "--policy_url", self.policy_url,
+            "--queue", self.redis_url, "--queue_password_file", self.password_file,
+            "--queue_prefix", self.queue_prefix, "--tasks", self.tasks,
+            "--tokenizer", self.tokenizer, "--chat", self.chat,
+            "--group_size", str(self.group_size), "--concurrency", str(self.concurrency),
+            "--sandbox", "remote", "--sandbox_url",
+            self.sandbox_urls[i % len(self.sandbox_urls)],
+            "--token_file", self.sandbox_token_file, "--grace", str(self.grace),
+            "--lease_ttl", str(self.lease_ttl), "--max_backlog", str(self.max_backlog),
+            "--epochs", str(self.epochs), "--max_turns", str(self.max_turns),
+            "--max_new_tokens", str(self.max_new_tokens),
+            "--max_context_tokens", str(self.max_context_tokens), "--worker_id", f"local-{i}"]
+    if self.policy_token_file:
+      argv += ["--policy_token_file", self.policy_token_file]
+    return self._spawn(f"worker-{i}", argv)
 
   def _healthy(self, url: str) -> bool:
     try:

@@ -180,6 +180,11 @@ def test_rl_mode_checks_its_own_fields(sft_config, tmp_path):
   with pytest.raises(ConfigError, match="config.rl.max_staleness=0: expected an integer >= 1 "
                                         "with rl.loop='async'"):
     validate(sft_config, str(tmp_path))
+  sft_config.rl.loop, sft_config.rl.rollout_workers = "sync", "queue"
+  sft_config.rl.queue_url = "redis://127.0.0.1:6379"
+  with pytest.raises(ConfigError, match="config.rl.max_staleness=0: expected an integer >= 1 "
+                                        "with rl.rollout_workers='queue'"):
+    validate(sft_config, str(tmp_path))
 
 
 def test_distill_needs_teachers_and_demo_validates_its_stages(sft_config, tmp_path):

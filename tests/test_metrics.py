@@ -127,6 +127,15 @@ def test_progress_bar_shows_key_numbers(tmp_path, capsys):
     w.write(0, {"loss": 0.123456, "pass_rate": 0.5, "other": 1})
   err = capsys.readouterr().err
   assert "loss=0.1235" in err and "pass_rate=0.5" in err and "other" not in err
+  # steps count from 1: after step 2 of 10 the bar stands at 2/10; a run resumed at step 6
+  # starts at 5/10
+  with MetricsWriter(tmp_path / "a", total_steps=10, tensorboard=False) as w:
+    w.write(1, {"loss": 1.0})
+    w.write(2, {"loss": 1.0})
+  err = capsys.readouterr().err
+  assert "2/10" in err and "3/10" not in err
+  with MetricsWriter(tmp_path / "b", total_steps=10, start_step=6, tensorboard=False) as w:
+    assert "5/10" in capsys.readouterr().err
 
 
 def test_wandb_absent_is_not_an_error(tmp_path, monkeypatch, caplog):

@@ -138,11 +138,28 @@ def test_backpressure_waits_for_the_trainer():
       await until_full()
       await asyncio.sleep(0.3)
       held.append((q.backlog(), q.task_status()["draws"]))  # no new lease while full
-      await asyncio.to_thread(drain, q)                       # the trainer consumes
+      q.ack([d.entry_id for d in q.get_batch(1000, timeout=0)])  # the trainer consumes
     return held, await asyncio.wait_for(run, 10)
   held, stats = asyncio.run(main())
   assert held == [(2, 1), (2, 2), (2, 3)]
   assert stats["backpressure_waits"] == 3 and stats["groups_done"] == 3
+
+
+def test_entries_taken_but_not_yet_acked_do_not_hold_workers_back():
+  """The trainer acks only after a checkpoint; until then its entries are pending, not unread,
+  and the workers go on (else max_backlog below a checkpoint interval's entries deadlocks)."""
+  q = InMemoryQueue()
+  cfg = WorkerConfig(group_size=2, concurrency=2, max_backlog=2, max_draws=3, poll=0.02)
+
+  async def main():
+    run = asyncio.ensure_future(RolloutWorker(q, TASKS, fake_episode(0), cfg).run())
+    taken = []
+    while len(taken) < 6:
+      taken += await asyncio.to_thread(q.get_batch, 6, 0.05)  # taken, never acked
+    return taken, await asyncio.wait_for(run, 10)
+  taken, stats = asyncio.run(main())
+  assert len(taken) == 6 and q.backlog() == 6 and q.unread() == 0
+  assert stats["groups_done"] == 3
 
 
 def test_leases_are_renewed_and_a_lost_lease_aborts_its_group():

@@ -174,7 +174,7 @@ def base_config() -> ml_collections.ConfigDict:
   # --- RL and distillation (trainer/rl.py)
   c.rl = ml_collections.ConfigDict()
   c.rl.loop = "sync"  # "sync" (generate, then train) | "async" (overlapped, bounded staleness)
-  c.rl.max_staleness = 1  # async: at most k policy versions between a rollout and the trainer
+  c.rl.max_staleness = 1  # async / queue: at most k policy versions between rollout and trainer
   c.rl.prompts_per_step = 8  # tasks (groups) per optimizer step
   c.rl.group_size = 8  # samples per task (G)
   c.rl.epochs = 1  # passes over each step's rollouts
@@ -489,6 +489,10 @@ def _validate_rl_mode(config) -> None:
   rl = config.rl
   if rl.loop == "async" and rl.max_staleness < 1:
     _fail("rl.max_staleness", rl.max_staleness, "an integer >= 1 with rl.loop='async'")
+  if rl.rollout_workers == "queue" and rl.max_staleness < 1:
+    # remote workers go on sampling while the trainer trains: their groups are >= 1 behind
+    _fail("rl.max_staleness", rl.max_staleness, "an integer >= 1 with rl.rollout_workers="
+          "'queue' (workers sample while the trainer trains)")
   if rl.routing_replay:
     _fail("rl.routing_replay", True, "False: the engine returns the experts of sampled tokens "
           "only, not of prompt tokens, so replay is not wired into the loop yet")

@@ -218,7 +218,8 @@ class MetricsWriter:
       self._events = EventFile(self.logdir, start_step)
     if progress:
       import tqdm
-      self._bar = tqdm.tqdm(total=total_steps, initial=start_step, unit="step",
+      # steps before start_step are done: the bar starts at their count
+      self._bar = tqdm.tqdm(total=total_steps, initial=max(start_step - 1, 0), unit="step",
                             dynamic_ncols=True)
     if wandb_project:
       self._wandb = self._start_wandb(wandb_project, wandb_config)
@@ -278,7 +279,7 @@ class MetricsWriter:
     if self._bar is not None:
       shown = {k: f"{scalars[k]:.4g}" for k in self.bar_keys if k in scalars}
       self._bar.set_postfix(shown, refresh=False)
-      self._bar.update(max(0, step + 1 - self._bar.n))  # redraws at most every 0.1 s
+      self._bar.update(max(0, step - self._bar.n))  # steps count from 1; redraws <= 10/s
 
   def close(self) -> None:
     if self._jsonl is not None:

@@ -230,12 +230,18 @@ class QueueSource:
     self.assembler = GroupAssembler(group_size, deadline=deadline)
     self.unacked: list[str] = list(unacked)  # trained or dropped, waiting for a checkpoint
     self._entries: dict[str, str] = {}  # trajectory id -> entry id (taken, not yet consumed)
+    self._ready: list[list] = []  # whole groups assembled beyond a step's need
 
   def take(self, step: int, version: int) -> tuple[list[list], list, dict]:
+    """Exactly `prompts` groups (assembled beyond that wait for the next step)."""
     from envs.queue import drop_stale, filter_unseen
-    ready, counts, waited = [], collections.Counter(), time.monotonic()
+    ready, counts, waited = self._ready, collections.Counter(), time.monotonic()
     while len(ready) < self.prompts:
-      fresh, dup = filter_unseen(self.queue.get_batch(64, timeout=1.0), self.seen)
+      # take only what this step lacks: the rest stays unread in the queue, where the workers'
+      # backpressure (max_backlog) sees it
+      need = (self.prompts - len(ready)) * self.group_size - self.assembler.waiting
+      fresh, dup = filter_unseen(self.queue.get_batch(min(64, max(need, 1)), timeout=1.0),
+                                 self.seen)
       self.unacked += [d.entry_id for d in dup]
       counts["dropped/duplicates"] += len(dup)
       self.assembler.add(fresh)
@@ -253,6 +259,7 @@ class QueueSource:
         _say(f"step {step}: waiting for rollout workers ({len(ready)}/{self.prompts} groups, "
              f"{self.assembler.waiting} trajectories in open groups)")
         waited = time.monotonic()
+    ready, self._ready = ready[:self.prompts], ready[self.prompts:]
     return ready, [], dict(counts)
 
   def consumed(self, groups: list[list], dropped: list[list]) -> None:
@@ -408,7 +415,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
         groups, step_tasks, source_counts = source.take(step, version)
       metrics: dict[str, Any] = episode_stats(groups)
       metrics.update(source_counts)
-      min_version = version - rl_cfg.max_staleness if rl_cfg.loop == "async" else None
+      min_version = version - rl_cfg.max_staleness if (
+          rl_cfg.loop == "async" or rl_cfg.rollout_workers == "queue") else None
       kept, dropped_groups, dropped = select_groups(
           groups, group_size=rl_cfg.group_size, drop_constant=rl_cfg.drop_constant_groups,
           min_version=min_version, consumed=frozenset(consumed))
@@ -490,10 +498,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
         log.warning("preempted: saved step %d and stopping", step)
         break
   finally:
-    source.close()
     guard.close()
     writer.close()
-    ckpt.close()
+    try:
+      ckpt.close()  # waits for the last save and its on_saved callbacks (queue acks)
+    finally:
+      source.close()
   summary["metrics"] = os.path.join(logdir, metrics_lib.JSONL)
   summary["updates_per_step"] = updates_per_step
   if config.metrics.report and jax.process_index() == 0 and os.path.exists(summary["metrics"]):
@@ -530,8 +540,9 @@ def make_source(config, engine, chat, scaffold, tasks: TaskSource, consumed: set
       token=os.environ.get("ARBOR_SERVE_TOKEN") or None), tokenizer=chat.tokenizer, chat=chat)
   url = server.start_in_thread()
   _say(f"policy server for rollout workers on {url}; queue {rl.queue_url}")
-  staleness = rl.max_staleness if rl.loop == "async" else 0
-  return QueueSource(queue, rl.group_size, rl.prompts_per_step, consumed, staleness,
+  # remote workers sample while the trainer trains, whatever rl.loop says: admission control by
+  # rl.max_staleness (validated >= 1 for the queue)
+  return QueueSource(queue, rl.group_size, rl.prompts_per_step, consumed, rl.max_staleness,
                      deadline=rl.group_deadline_s, unacked=[], server=server)
 
 
