@@ -51,8 +51,8 @@ gives 0 here (the XLA reference gives a uniform average).
 
 Hardware. With interpret=False the kernels compile through Pallas' Triton backend and run on
 NVIDIA GPUs (Ampere or newer; the Pallas docs call this backend best-effort). Defaults:
-num_warps = 4 if the padded head dims are <= 64, else 8; num_stages = 2. fp32 dots use IEEE
-precision (no TF32). interpret=True runs the same kernels through the Pallas interpreter on any
+num_warps = 4 if the padded head dims are <= 64, else 8; num_stages = 2. fp32 dots run at
+HIGHEST precision, i.e. IEEE fp32 (not TF32: `_dot`). interpret=True runs the same kernels through the Pallas interpreter on any
 backend (this is how the tests run on CPU); it is slow and meant for correctness only.
 """
 
@@ -94,6 +94,13 @@ def _tile_kind(q0, block_q, k0, block_k, min_end, max_end):
   return skip, full
 
 
+def _dot(a, b, trans_b=False):
+  """plgpu.dot; fp32 operands at HIGHEST precision, i.e. IEEE fp32 (at the default precision
+  Triton would take TF32 for fp32 dots on Ampere and newer)."""
+  fp32 = a.dtype == jnp.float32 and b.dtype == jnp.float32
+  return plgpu.dot(a, b, trans_b=trans_b, precision=lax.Precision.HIGHEST if fp32 else None)
+
+
 def _run_tile(skip, full, tile, carry):
   """carry unchanged for a skipped tile, else tile(carry, masked=...) (no mask when full)."""
   computed = lambda c: lax.cond(full, functools.partial(tile, masked=False),
@@ -124,7 +131,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, end_ref, min_ref, max_ref,  # inputs
     ks = pl.ds(k0, block_k)
     k = k_ref[ks, :]
     v = v_ref[ks, :]
-    s = plgpu.dot(q, k, trans_b=True) * scale  # [bq, bk] fp32
+    s = _dot(q, k, trans_b=True) * scale  # [bq, bk] fp32
     if masked:
       allow = _tile_mask(rows, k0 + jnp.arange(block_k, dtype=jnp.int32), end_ref[ks])
       s = jnp.where(allow, s, MASK_VALUE)
@@ -134,7 +141,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, end_ref, min_ref, max_ref,  # inputs
     if masked:
       p = jnp.where(allow, p, 0.0)
     l = alpha * l + jnp.sum(p, axis=1)
-    acc = alpha[:, None] * acc + plgpu.dot(p.astype(v.dtype), v)
+    acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
     if dbg_ref:
       bits = bits | (jnp.arange(num_k_pad, dtype=jnp.int32) == kb).astype(jnp.int32)
     return acc, m_new, l, bits
@@ -215,14 +222,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, end_ref, min_ref
     ks = pl.ds(k0, block_k)
     k = k_ref[ks, :]
     v = v_ref[ks, :]
-    s = plgpu.dot(q, k, trans_b=True) * scale
+    s = _dot(q, k, trans_b=True) * scale
     p = jnp.exp(s - lse[:, None])
     if masked:
       allow = _tile_mask(rows, k0 + jnp.arange(block_k, dtype=jnp.int32), end_ref[ks])
       p = jnp.where(allow, p, 0.0)
-    dp = plgpu.dot(do, v, trans_b=True)
+    dp = _dot(do, v, trans_b=True)
     ds = p * (dp - delta[:, None])
-    return dq + plgpu.dot(ds.astype(k.dtype), k)
+    return dq + _dot(ds.astype(k.dtype), k)
 
   def body(kb, dq):
     skip, full = _tile_kind(q0, block_q, kb * block_k, block_k, min_ref[kb], max_ref[kb])
@@ -255,16 +262,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, end_ref, min_re
     do = do_ref[qs, g, :]
     lse = lse_ref[g, qs]
     delta = delta_ref[g, qs]
-    s_t = plgpu.dot(k, q, trans_b=True) * scale  # [bk, bq]: keys on rows
+    s_t = _dot(k, q, trans_b=True) * scale  # [bk, bq]: keys on rows
     p_t = jnp.exp(s_t - lse[None, :])
     if masked:
       rows = q0 + jnp.arange(block_q, dtype=jnp.int32)
       allow_t = (cols[:, None] <= rows[None, :]) & (rows[None, :] < end_cols[:, None])
       p_t = jnp.where(allow_t, p_t, 0.0)
-    dv = dv + plgpu.dot(p_t.astype(do.dtype), do)
-    dp_t = plgpu.dot(v, do, trans_b=True)
+    dv = dv + _dot(p_t.astype(do.dtype), do)
+    dp_t = _dot(v, do, trans_b=True)
     ds_t = p_t * (dp_t - delta[None, :])
-    dk = dk + plgpu.dot(ds_t.astype(q.dtype), q)
+    dk = dk + _dot(ds_t.astype(q.dtype), q)
     return dk, dv
 
   def q_body(g, qb, carry):
