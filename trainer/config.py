@@ -194,6 +194,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.max_turns = 6  # agent turns per episode
   c.rl.max_context_tokens = 8192  # one call's input + output at most
   c.rl.sandbox = "bwrap"  # sandbox backend: "bwrap" | "local" | "docker" | "remote"
+  c.rl.sandbox_url = ""  # rl.sandbox="remote": the sandbox server, http(s)://host:port
+  c.rl.sandbox_token_file = ""  # rl.sandbox="remote": file holding the server's bearer token
   c.rl.rollout_workers = "inprocess"  # "inprocess" (asyncio) | "queue" (remote workers)
   c.rl.episode_timeout_s = 600.0  # wall-clock limit of one episode (termination "timeout")
   c.rl.concurrency = 8  # in-process episodes run at once
@@ -733,6 +735,15 @@ def _validate_rl(config) -> None:
   for field in ("max_new_tokens", "max_turns", "max_context_tokens", "concurrency"):
     _int(config, f"rl.{field}", 1)
   _choice(config, "rl.sandbox", SANDBOX_BACKENDS)
+  sandbox_url = _str(config, "rl.sandbox_url")
+  token_file = _str(config, "rl.sandbox_token_file")
+  if config.rl.sandbox == "remote":
+    if not sandbox_url.startswith(("http://", "https://")):
+      _fail("rl.sandbox_url", sandbox_url, "the sandbox server's http(s)://host:port with "
+            "rl.sandbox='remote'")
+    if not os.path.isfile(token_file):
+      _fail("rl.sandbox_token_file", token_file, "an existing file holding the sandbox "
+            "server's token with rl.sandbox='remote'")
   _number(config, "rl.episode_timeout_s", 0.0, low_open=True)
   _number(config, "rl.group_deadline_s", 0.0, low_open=True)
   _choice(config, "rl.rollout_workers", RL_ROLLOUT_WORKERS)

@@ -436,7 +436,8 @@ def _recording_rollouts_class():
 def evaluate(model, model_cfg, chat, tasks: Sequence, *, samples: int = 1, k: int = 1,
              temperature: float = 0.0, selection: str = "none", seed: int = 0, engine_cfg=None,
              scaffold=None, sandbox: str = "bwrap", concurrency: int = 8, engine=None,
-             progress: bool = True, name: str = "", keep_trajectories: bool = False) -> dict:
+             progress: bool = True, name: str = "", keep_trajectories: bool = False,
+             sandbox_url: str = "", sandbox_token_file: str = "") -> dict:
   """pass@k of `model` on `tasks` (see the module docstring).
 
   engine_cfg: the EngineConfig (`trainer.rl.engine_config(config)`; None: a slot per
@@ -474,7 +475,8 @@ def evaluate(model, model_cfg, chat, tasks: Sequence, *, samples: int = 1, k: in
   record = selection in ("majority_vote", "self_play")
   cls = _recording_rollouts_class() if record else Rollouts
   start = time.monotonic()
-  rollouts = cls(engine, chat, scaffold, sandbox=sandbox, concurrency=concurrency)
+  rollouts = cls(engine, chat, scaffold, sandbox=sandbox, concurrency=concurrency,
+                 sandbox_url=sandbox_url, sandbox_token_file=sandbox_token_file)
   runs = [(i, j) for i in range(len(tasks)) for j in range(samples)]
   results: list[list[Any]] = [[None] * samples for _ in tasks]
   label = f"{name}: " if name else ""
@@ -640,7 +642,9 @@ def run(config, workdir: str, mesh=None) -> dict:
     result = evaluate(model, model_cfg, chat, tasks, samples=ev.samples, k=ev.k,
                       temperature=ev.temperature, selection=ev.selection, seed=config.seed,
                       engine_cfg=engine_config(config), scaffold=scaffold,
-                      sandbox=rl_cfg.sandbox, concurrency=rl_cfg.concurrency, name=ckpt)
+                      sandbox=rl_cfg.sandbox, concurrency=rl_cfg.concurrency, name=ckpt,
+                      sandbox_url=rl_cfg.sandbox_url,
+                      sandbox_token_file=rl_cfg.sandbox_token_file)
     out["checkpoints"][ckpt] = result
     line = {"pass@k": result["pass@k"], "pass@1": result["pass@1"]}
     if "pass@1/selected" in result:

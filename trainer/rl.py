@@ -528,7 +528,8 @@ def make_source(config, engine, chat, scaffold, tasks: TaskSource, consumed: set
   if rl.rollout_workers == "inprocess":
     lookahead = max(1, rl.max_staleness // max(1, rl.minibatches)) if rl.loop == "async" else 0
     return InProcessSource(Rollouts(engine, chat, scaffold, sandbox=rl.sandbox,
-                                    concurrency=rl.concurrency),
+                                    concurrency=rl.concurrency, sandbox_url=rl.sandbox_url,
+                                    sandbox_token_file=rl.sandbox_token_file),
                            tasks, rl.group_size, config.seed, lookahead, config.train.steps)
   from envs.queue import make_queue
   from trainer.serve import PolicyServer, ServerConfig

@@ -32,7 +32,8 @@ class Rollouts:
   """Runs episodes of `engine`'s policy (see the module docstring). Not picklable; one per run."""
 
   def __init__(self, engine, chat, scaffold: ScaffoldConfig, *, sandbox: str = "bwrap",
-               concurrency: int = 8, limits=None):
+               concurrency: int = 8, limits=None, sandbox_url: str = "",
+               sandbox_token_file: str = ""):
     from trainer.serve import EnginePolicy
 
     if concurrency < 1:
@@ -40,8 +41,11 @@ class Rollouts:
     self.engine = engine
     self.scaffold = scaffold
     # "local" runs no isolation: acceptable only for the scripted tests that ask for it
+    # sandbox "remote": a sandbox server (envs.sandbox_server) at sandbox_url
     self._make_sandbox = make_sandbox_factory(sandbox, limits=limits,
-                                              allow_unsafe=sandbox == "local")
+                                              allow_unsafe=sandbox == "local",
+                                              url=sandbox_url or None,
+                                              token_file=sandbox_token_file or None)
     self.policy = EnginePolicy(engine)  # starts the engine's thread
     self._chat = chat
     self._episode = make_react_episode(self.policy, chat, self._make_sandbox, scaffold)
