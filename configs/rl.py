@@ -33,13 +33,8 @@ a small machine lower rl.max_context_tokens, data.row_len and rl.concurrency.
 
 import ml_collections
 
+from configs.sft import FAMILIES  # family -> (chat format, example checkpoint)
 from trainer.config import base_config
-
-FAMILIES = {  # family -> (chat format, example checkpoint)
-    "qwen2.5-coder": ("qwen2.5", "/path/to/Qwen2.5-Coder-7B-Instruct"),
-    "qwen3": ("chatml", "/path/to/Qwen3-8B"),
-    "deepseek-v3": ("deepseek_v3", "/path/to/Moonlight-16B-A3B-Instruct"),
-}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

@@ -299,6 +299,14 @@ class MetricsWriter:
     self.close()
 
 
+def writer_for(config, logdir: str, start_step: int, bar_keys: Sequence[str]) -> MetricsWriter:
+  """The MetricsWriter of a trainer run: `config.train.steps` steps, `config.metrics` outputs."""
+  m = config.metrics
+  return MetricsWriter(logdir, total_steps=config.train.steps, start_step=start_step,
+                       bar_keys=bar_keys, tensorboard=m.tensorboard, progress=m.progress,
+                       wandb_project=m.wandb_project or None, wandb_config=config.to_dict())
+
+
 class Timer:
   """Wall time per phase of a step, and tokens per second.
 

@@ -396,11 +396,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
       reference is not None or rl_cfg.recompute_old or rl_cfg.mcla_passes) else None
   shape = batches_lib.BatchShape(row_len=config.data.row_len, rows=config.data.rows_per_batch,
                                  seqs=None, seq_len=None, micro_batches=None)
-  writer = metrics_lib.MetricsWriter(
-      logdir, total_steps=train_cfg.steps, start_step=start + 1,
-      bar_keys=("reward_mean", "pass_rate", "loss"), tensorboard=config.metrics.tensorboard,
-      progress=config.metrics.progress, wandb_project=config.metrics.wandb_project or None,
-      wandb_config=config.to_dict())
+  writer = metrics_lib.writer_for(config, logdir, start + 1,
+                                  bar_keys=("reward_mean", "pass_rate", "loss"))
   guard = checkpoint.PreemptionGuard()
   timer = metrics_lib.Timer()
   updates_per_step = rl_cfg.epochs * rl_cfg.minibatches

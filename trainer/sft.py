@@ -271,11 +271,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
 
   train_step = step_lib.make_train_step(model_cfg, loss_cfg, opt, mesh=mesh)
   evaluate = make_evaluate(model_cfg, loss_cfg, eval_batches, mesh) if eval_batches else None
-  writer = metrics_lib.MetricsWriter(
-      logdir, total_steps=train_cfg.steps, start_step=start + 1,
-      bar_keys=("loss", "eval/loss", "tokens_per_s"), tensorboard=config.metrics.tensorboard,
-      progress=config.metrics.progress, wandb_project=config.metrics.wandb_project or None,
-      wandb_config=config.to_dict())
+  writer = metrics_lib.writer_for(config, logdir, start + 1,
+                                  bar_keys=("loss", "eval/loss", "tokens_per_s"))
   guard = checkpoint.PreemptionGuard()
   timer = metrics_lib.Timer()
   summary = {"start_step": start, "steps": start, "preempted": False, "data_exhausted": False,
