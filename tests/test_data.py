@@ -387,14 +387,14 @@ def test_demo_trajectories_are_real_episodes(chat, demo):
     names = [m["tool_calls"][0]["function"]["name"] for m in t.metadata["messages"]
              if m["role"] == "assistant"]
     errors = [c.meta["tool_error"] for c in t.calls]
-    assert names[0] == "read_file" and names[-2:] == ["str_replace", "submit"]
-    assert errors == ([False, True, False, False] if len(names) == 4 else [False] * 3)
-    # Real observations: the file as the sandbox holds it, and the edit it made.
+    assert names[:2] == ["search", "read_file"] and names[-2:] == ["str_replace", "submit"]
+    assert errors == ([False, False, True, False, False] if len(names) == 5 else [False] * 4)
+    # Real observations: the search names the file, the file as the sandbox holds it, the edit.
     fix = t.metadata["fix_edit"]
     tool_out = [m["content"] for m in t.metadata["messages"] if m["role"] == "tool"]
-    assert fix["old"] in tool_out[0] and f"edited {fix['path']}" in tool_out[-2]
-    assert fix["new"] in tool_out[-2]
-  assert {len(t.calls) for t in demo} == {3, 4}
+    assert tool_out[0].startswith(f"{fix['path']}:") and fix["old"] in tool_out[1]
+    assert f"edited {fix['path']}" in tool_out[-2] and fix["new"] in tool_out[-2]
+  assert {len(t.calls) for t in demo} == {4, 5}
   (verified,) = demo_trajectories(chat, 1, level=1, seed=3, verify=True)
   assert verified.reward == 1.0 and verified.metadata["verified"] is True
 

@@ -8,7 +8,8 @@ Each episode is the react scaffold (`envs.scaffold.run_episode`, the rollout wor
 tools) driven by a `ScriptedPolicy` on an `envs.taskgen` task, in a sandbox holding the task's
 repository, so observations are real tool outputs:
 
-    read_file(fix path) -> [a failed str_replace] -> str_replace(fix_edit) -> submit
+    search("def <function>") -> read_file(the path it found) -> [a failed str_replace]
+      -> str_replace(fix_edit) -> submit
 
 With probability `error_rate` the solver first makes a typical mistake (old_str copied with the
 read_file line-number prefix, or a wrong path); the tool answers with an error, the turn is
@@ -26,6 +27,7 @@ import asyncio
 import dataclasses
 import os
 import random
+import re
 import tempfile
 from typing import Optional, Sequence
 
@@ -49,17 +51,32 @@ def _call(name: str, **arguments) -> dict:
           "tool_calls": [{"function": {"name": name, "arguments": arguments}}]}
 
 
+def buggy_function(task: Task) -> str:
+  """The name of the function whose body holds the planted bug (the last `def` above the line
+  that `metadata["fix_edit"]` changes, in the file it names)."""
+  fix = task.metadata["fix_edit"]
+  text = load_repo_files(task)[fix["path"]].decode()
+  names = re.findall(r"^\s*def (\w+)\(", text[:text.index(fix["old"])], flags=re.M)
+  if not names:
+    raise ValueError(f"task {task.instance_id!r}: no function defined above the fix line")
+  return names[-1]
+
+
 def scripted_turns(task: Task, rng: random.Random, error_rate: float = 0.0) -> list[dict]:
-  """The solver's assistant turns for `task` (its metadata["fix_edit"] {"path", "old", "new"})."""
+  """The solver's assistant turns for `task` (an envs.taskgen task: metadata["fix_edit"]
+  {"path", "old", "new"}): find the function with `search`, read the file the search names,
+  fix the line, submit. Problem statements name the function but mostly not its file, so the
+  solver only uses what an agent can see: the function's name, then tool outputs."""
   fix = task.metadata.get("fix_edit")
   if not fix:
     raise ValueError(f"task {task.instance_id!r}: metadata has no fix_edit (not an "
                      "envs.taskgen task?)")
   path, old, new = fix["path"], fix["old"], fix["new"]
-  turns = [_call("read_file", path=path)]
+  turns = [_call("search", pattern=f"def {buggy_function(task)}"), _call("read_file", path=path)]
   if rng.random() < error_rate:
     if rng.random() < 0.5:  # old_str copied with read_file's line-number prefix: "not found"
-      turns.append(_call("str_replace", path=path, old_str=f"     1\t{old}", new_str=new))
+      line = load_repo_files(task)[path].decode().split("\n").index(old) + 1
+      turns.append(_call("str_replace", path=path, old_str=f"{line:>6}\t{old}", new_str=new))
     else:  # the file's base name without its package directory: "no such file"
       turns.append(_call("str_replace", path="src/" + os.path.basename(path), old_str=old,
                          new_str=new))
@@ -173,18 +190,20 @@ class ByteTokenizer:
 
 
 def demo_corpus(chat_format: str = "chatml", n: int = 64, *, level: int = 0, seed: int = 12345,
-                control: Sequence[str] = ()) -> list[str]:
+                control: Sequence[str] = (), split: Optional[str] = "train") -> list[str]:
   """Tokenizer training text: the texts that `chat_format` puts between control tokens in `n`
   scripted demo episodes (system prompt, tool schemas, task statements, tool calls, file
   contents, tool outputs), one string per run of text. Episodes use the "local" sandbox (the
-  solver runs no code) and half of them carry an error turn."""
+  solver runs no code) and half of them carry an error turn. The tasks come from taskgen's
+  `split` ("train": no held-out program's text, fixed lines included, shapes the vocabulary)."""
   from trainer.tokenizer_train import BOS_EOS, chat_symbols
 
   tok = ByteTokenizer(list(chat_symbols(chat_format)[0]) + list(control),
                       *BOS_EOS.get(chat_format, ("<s>", "</s>")))
   chat = make_chat(chat_format, tok)
   texts = []
-  for t in demo_trajectories(chat, n, level=level, seed=seed, error_rate=0.5, sandbox="local"):
+  for t in demo_trajectories(chat, n, level=level, seed=seed, split=split, error_rate=0.5,
+                             sandbox="local"):
     last = t.calls[-1]
     ids = list(last.input_ids) + list(last.output_ids)
     run: list[int] = []
