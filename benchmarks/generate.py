@@ -245,11 +245,12 @@ def markdown(result: dict, machine_name: str) -> str:
       "(greedy, no EOS), Qwen3-like config (vocab 2048, hidden 256, 4 layers, 4 heads, 2 KV "
       "heads, head_dim 64, MLP 1024, fp32, random weights); tokens/s = 1,024 / wall time of a "
       "whole call, prefill included, after a compiling warm-up. The three systems run "
-      f"interleaved for {r['repeats']} rounds; medians. The machine was shared (1-minute "
-      f"load average {r['load_avg_1min'][0]} before, {r['load_avg_1min'][1]} after, on 2 "
-      "cores): absolute numbers are depressed and PyTorch's OpenMP threads suffer most from "
-      "oversubscription, so the ratio to transformers is inflated; the ratio to tunix (XLA "
-      "too) is the fairer one.", "",
+      f"interleaved for {r['repeats']} rounds; medians. 1-minute load average "
+      f"{r['load_avg_1min'][0]} before, {r['load_avg_1min'][1]} after, on 2 cores"
+      + (": the machine was shared, absolute numbers are depressed and PyTorch's OpenMP "
+         "threads suffer most from oversubscription, so the ratio to transformers is "
+         "inflated; the ratio to tunix (XLA too) is the fairer one."
+         if max(r["load_avg_1min"]) > 1.5 else " (quiet)."), "",
       "| system | new tokens/s (median) | runs | compile + first call (s) |",
       "|---|---|---|---|",
       f"| arbor `Engine.generate` (16 slots, log-probs on) | {r['arbor_tokens_per_s']:,.0f} | "

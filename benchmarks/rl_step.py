@@ -68,11 +68,11 @@ flags.DEFINE_string("tree_attention_impl", "xla_flash",
                     "key blocks the tree rule masks (one 704-node tree a 768-token row)")
 flags.DEFINE_string("linear_attention_impl", "auto",
                     "ModelConfig.attention_impl of the linearized step (auto: dense on CPU "
-                    "below 1024 keys)")
+                    "below 768 keys)")
 flags.DEFINE_integer("demo_prompts", 4, "prompts per demo RL step (G = 8 samples each)")
 flags.DEFINE_list("demo_attention_impls", ["config", "xla_flash"],
                   "attention_impl of the demo model, one demo measurement each ('config': "
-                  "configs/sft_demo.py's own, auto = dense on CPU below 1024 keys)")
+                  "configs/sft_demo.py's own, auto = dense on CPU below 768 keys)")
 flags.DEFINE_enum("role", None, ["torch", "torch_keep"], "internal: run as a torch worker")
 flags.DEFINE_string("workload", None, "internal: the workload .npz of a worker")
 FLAGS = flags.FLAGS
@@ -468,15 +468,21 @@ repo):
   reshape back) removes them. Arbor alone, before / after, interleaved: linearized step
   2.07 -> 1.46 s, tree step 0.93 -> 0.58–0.73 s. This whole benchmark with that patch (another
   run, 5 rounds): tree-packed 6,330 tokens/s = 2.64× tunix (2,398), linearized 2,869 = 0.68×
-  torch (4,191). This is the change to make in models/layers.py.
+  torch (4,191). Landed in models/layers.py on 2026-11-23: the table above includes it.
 - *Dense attention on tree rows.* `attention_impl="auto"` takes the dense reference below 1024
   keys on CPU; on a 768-key row holding one 704-node tree it materialises 768² logits per head
   where the tree rule allows 23%. `xla_flash` (block skipping) is faster from 768 keys on:
   Qwen3-like tree step 1.11 -> 0.92 s; demo model (hidden 64, where attention dominates) train
-  phase 0.68 -> 0.33 s. `FLASH_MIN_LENGTH` in models/kernels/attention.py should be lower for
-  training (or the choice made per row content), and configs/sft_demo.py's rows would gain too.
+  phase 0.68 -> 0.33 s. `FLASH_MIN_LENGTH` in models/kernels/attention.py is now 768 (was
+  1024), so `auto` picks `xla_flash` for such rows.
 - *Layer scan.* Unrolling the layer `lax.scan` (a patch of `models.transformer._scan`) gained
   ≤ 8% on the linearized step and nothing on the tree step: not the bottleneck.
+- *Linearized vs torch (open).* After the Dense change the linearized step is 0.69× torch:
+  the scan over layers stacks every residual of the backward pass into `[layers, ...]` buffers
+  (broadcast zeros, then dynamic-update-slice and copies of 64 MB buffers per step, seen as
+  `wrapped_broadcast` / `copy` ops in the trace), which torch's eager autograd never does.
+  Next to try: an unstacked (Python-loop) layer stack for training on CPU, and fusing the
+  vocabulary projection with the log-softmax per chunk.
 - *Threads.* The two XLA threads are busy ~55% of the step's wall time (leaf-op thread time
   1.6 s in a 1.5 s step after the Dense change): many small fusions run back to back. No XLA
   flag tried helped (oneDNN dots, YNNPACK fusions off, fusion emitters off), nor splitting the
@@ -485,8 +491,8 @@ repo):
   padding) against tunix's 4,096, and scores only the 1,024 sampled tokens (tunix and `torch`
   project all 4,096 positions onto the vocabulary, and tunix adds an entropy over them): the
   FLOP ratio tree : tunix is about 1 : 3.3 (counted from the shapes), so 3× tunix needs
-  Arbor's FLOP rate within ~10% of tunix's; with the Dense change the tree step was ~2.6×
-  tunix. The linearized side does the work of `torch_keep` (~150 GFLOP a step, counted from
+  Arbor's FLOP rate within ~10% of tunix's; with the Dense change, on a quiet machine, the
+  tree step is 3.26× tunix (table above). The linearized side does the work of `torch_keep` (~150 GFLOP a step, counted from
   the shapes): torch sustains ~130–200 GFLOP/s on these two cores, Arbor's XLA step ~80 (~105
   after the Dense change), so 1.3× torch is out of reach of XLA CPU here without the fixes
   above and fewer, larger fusions.
