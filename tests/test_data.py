@@ -392,11 +392,25 @@ def test_demo_trajectories_are_real_episodes(chat, demo):
     # Real observations: the search names the file, the file as the sandbox holds it, the edit.
     fix = t.metadata["fix_edit"]
     tool_out = [m["content"] for m in t.metadata["messages"] if m["role"] == "tool"]
-    assert tool_out[0].startswith(f"{fix['path']}:") and fix["old"] in tool_out[1]
+    assert any(line.startswith(f"{fix['path']}:") for line in tool_out[0].splitlines())
+    assert fix["old"] in tool_out[1]
     assert f"edited {fix['path']}" in tool_out[-2] and fix["new"] in tool_out[-2]
   assert {len(t.calls) for t in demo} == {4, 5}
   (verified,) = demo_trajectories(chat, 1, level=1, seed=3, verify=True)
   assert verified.reward == 1.0 and verified.metadata["verified"] is True
+
+
+def test_minimal_edit_is_unique_and_equals_the_reference_fix():
+  from envs.taskgen import generate
+  from trainer.demo_data import minimal_edit
+  for level in (0, 1, 2, 3):
+    for index in range(40):
+      g = generate(level, 7, index)
+      fix = g.fix_edit
+      text = g.files[fix["path"]].decode()
+      old, new = minimal_edit(text, fix["old"], fix["new"])
+      assert text.count(old) == 1 and len(old) <= len(fix["old"])
+      assert text.replace(old, new) == text.replace(fix["old"], fix["new"])
 
 
 # ----------------------------------------------------------------------------- tokenizer

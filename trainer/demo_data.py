@@ -8,11 +8,11 @@ Each episode is the react scaffold (`envs.scaffold.run_episode`, the rollout wor
 tools) driven by a `ScriptedPolicy` on an `envs.taskgen` task, in a sandbox holding the task's
 repository, so observations are real tool outputs:
 
-    search("def <function>") -> read_file(the path it found) -> [a failed str_replace]
-      -> str_replace(fix_edit) -> submit
+    search("def ") -> read_file(the fix's file) -> [a failed str_replace]
+      -> str_replace(the few characters around the bug) -> submit
 
-With probability `error_rate` the solver first makes a typical mistake (old_str copied with the
-read_file line-number prefix, or a wrong path); the tool answers with an error, the turn is
+With probability `error_rate` the solver first makes a typical mistake (an old_str too short to
+be unique, or a wrong path); the tool answers with an error, the turn is
 marked `meta["tool_error"]` and error-masked SFT trains the recovery but not the mistake.
 
 Sandboxes: "bwrap" (default; isolated) or "local" (a plain temporary directory, no isolation).
@@ -51,33 +51,62 @@ def _call(name: str, **arguments) -> dict:
           "tool_calls": [{"function": {"name": name, "arguments": arguments}}]}
 
 
-def buggy_function(task: Task) -> str:
-  """The name of the function whose body holds the planted bug (the last `def` above the line
-  that `metadata["fix_edit"]` changes, in the file it names)."""
+def buggy_file(task: Task) -> str:
+  """The file the fix edits (`metadata["fix_edit"]["path"]`), checked to define a function."""
   fix = task.metadata["fix_edit"]
   text = load_repo_files(task)[fix["path"]].decode()
-  names = re.findall(r"^\s*def (\w+)\(", text[:text.index(fix["old"])], flags=re.M)
-  if not names:
+  if not re.search(r"^\s*def \w+\(", text[:text.index(fix["old"])], flags=re.M):
     raise ValueError(f"task {task.instance_id!r}: no function defined above the fix line")
-  return names[-1]
+  return fix["path"]
+
+
+def minimal_edit(text: str, old: str, new: str) -> tuple[str, str]:
+  """(old_str, new_str) for str_replace: the part of line `old` that differs from `new`,
+  widened a character at a time on both sides until it occurs exactly once in `text`. Short
+  edits keep the demo agent's copying local (a token or two around the bug)."""
+  at = text.index(old)
+  p = 0
+  while p < min(len(old), len(new)) and old[p] == new[p]:
+    p += 1
+  q = 0
+  while q < min(len(old), len(new)) - p and old[-1 - q] == new[-1 - q]:
+    q += 1
+  a, b = p, len(old) - q  # old[a:b] -> new[a:len(new) - q]
+  kind = lambda ch: "w" if ch.isalnum() or ch == "_" else (" " if ch.isspace() else "p")
+  if b > a:  # whole operators / words: `!=` -> `==`, not `!` -> `=`
+    while a > 0 and kind(old[a - 1]) == kind(old[a]) != " ":
+      a -= 1
+    while b < len(old) and kind(old[b]) == kind(old[b - 1]) != " ":
+      b += 1
+  elif 0 < a < len(old):  # pure insertion: take the neighbouring operator / word
+    a -= 1
+    while a > 0 and kind(old[a - 1]) == kind(old[a]) != " ":
+      a -= 1
+  while not (b > a and text.count(old[a:b]) == 1 and text.find(old[a:b]) >= at):
+    if a == 0 and b == len(old):
+      break
+    a, b = max(a - 1, 0), min(b + 1, len(old))
+  return old[a:b], new[a:len(new) - (len(old) - b)]
 
 
 def scripted_turns(task: Task, rng: random.Random, error_rate: float = 0.0) -> list[dict]:
   """The solver's assistant turns for `task` (an envs.taskgen task: metadata["fix_edit"]
-  {"path", "old", "new"}): find the function with `search`, read the file the search names,
-  fix the line, submit. Problem statements name the function but mostly not its file, so the
-  solver only uses what an agent can see: the function's name, then tool outputs."""
+  {"path", "old", "new"}): list the functions with `search("def ")`, read the file the fix is
+  in, str_replace the few characters around the bug (`minimal_edit`), submit. The solver uses
+  only what an agent can see: tool outputs and the statement."""
   fix = task.metadata.get("fix_edit")
   if not fix:
     raise ValueError(f"task {task.instance_id!r}: metadata has no fix_edit (not an "
                      "envs.taskgen task?)")
-  path, old, new = fix["path"], fix["old"], fix["new"]
-  turns = [_call("search", pattern=f"def {buggy_function(task)}"), _call("read_file", path=path)]
+  path = buggy_file(task)
+  text = load_repo_files(task)[path].decode()
+  old, new = minimal_edit(text, fix["old"], fix["new"])
+  turns = [_call("search", pattern="def "), _call("read_file", path=path)]
   if rng.random() < error_rate:
-    if rng.random() < 0.5:  # old_str copied with read_file's line-number prefix: "not found"
-      line = load_repo_files(task)[path].decode().split("\n").index(old) + 1
-      turns.append(_call("str_replace", path=path, old_str=f"{line:>6}\t{old}", new_str=new))
-    else:  # the file's base name without its package directory: "no such file"
+    if rng.random() < 0.5 and text.count(old.strip()) > 1:  # too short: "occurs N times"
+      turns.append(_call("str_replace", path=path, old_str=old.strip(),
+                         new_str=new.strip()))
+    else:  # the file's base name under a directory that does not exist: "no such file"
       turns.append(_call("str_replace", path="src/" + os.path.basename(path), old_str=old,
                          new_str=new))
   return turns + [_call("str_replace", path=path, old_str=old, new_str=new), _call("submit")]
