@@ -29,22 +29,18 @@ STEPS, PROMPTS, GROUP = 3, 2, 2
 TASKS = STEPS * PROMPTS  # draws: exactly what the trainer consumes
 
 CONFIG = '''
-from trainer.config import base_config
+from configs import demo
 
 
 def get_config(arg=None):
-  c = base_config()
-  c.mode = "rl"
+  c = demo.get_config().rl  # the demo's RL stage (CISPO, Muon, tree-packed), shrunk
   c.seed = 0
   c.compile_cache_dir = {cache!r}
-  c.model.init = "random"
-  c.model.preset = "tiny-moe-mla"
+  c.model.init = "random"  # no SFT stage here: a random policy (every task fails)
   c.model.overrides.num_layers = 2
   c.model.overrides.vocab_size = 512
   c.model.overrides.attention_impl = "xla"
   c.tokenizer.path = {tokenizer!r}
-  c.tokenizer.chat_format = "chatml"
-  c.loss.name = "cispo"
   c.rl.rollout_workers = "queue"
   c.rl.queue_url = {redis!r}
   c.rl.queue_password_file = {password!r}
