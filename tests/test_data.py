@@ -297,6 +297,24 @@ def test_resume_from_state_equals_uninterrupted_run(chat, demo):
     iter(other).set_state(state)
 
 
+def test_state_survives_a_moved_data_file(chat, demo, tmp_path):
+  """A workdir copied elsewhere (local -> gs://, another disk) resumes: the fingerprint holds
+  the data's names and sizes, not where it lives."""
+  lines = "".join(json.dumps(chat_record(t)) + "\n" for t in demo)
+  (tmp_path / "a").mkdir()
+  (tmp_path / "b").mkdir()
+  for d in "ab":
+    (tmp_path / d / "train.jsonl").write_text(lines)
+  cfg = SFTDataConfig(sources=(str(tmp_path / "a" / "train.jsonl"),), row_len=2048,
+                      rows_per_batch=2, max_seqs=6, seq_len=256, num_epochs=2)
+  it = iter(make_sft_dataset(cfg, chat))
+  next(it)
+  moved = dataclasses.replace(cfg, sources=(str(tmp_path / "b" / "train.jsonl"),))
+  it2 = iter(make_sft_dataset(moved, chat))
+  it2.set_state(json.loads(json.dumps(it.get_state())))
+  assert_steps_equal(next(it2), next(it))
+
+
 def test_bad_lines_name_file_line_and_field(chat, tmp_path):
   good = json.dumps({"messages": conversation(), "tools": TOOLS})
   long = json.dumps({"messages": [{"role": "user", "content": "long " * 2000},

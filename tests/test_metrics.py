@@ -236,6 +236,7 @@ def test_report_curve_follows_the_data(tmp_path):
       w.write(s, {"loss": 10.0 - s})  # falls from left to right
   with pytest.raises(ValueError, match="nope"):
     report(str(tmp_path), keys=["loss", "nope"])
+  assert os.path.isfile(report(str(tmp_path), keys=["loss", "nope"], skip_missing=True)["png"])
   pixels = np.asarray(Image.open(report(str(tmp_path), keys=["loss"])["png"]).convert("RGB"))
   rows, cols = np.nonzero(colour_pixels(pixels, "#1f77b4"))
   left, right = rows[cols < np.median(cols)].mean(), rows[cols >= np.median(cols)].mean()

@@ -132,6 +132,8 @@ def test_demo_runs_every_stage_on_real_sandbox_rewards(demo_run):
   assert results["tasks"] == 4 and 0.0 <= seed["sft_pass@1"] <= 1.0
   assert {"diff", "low", "high"} <= set(results["improvement"])
   assert (w / "demo_report.html").exists() and (w / "demo_report.png").exists()
+  for stage in ("sft", "rl"):  # each stage's own curves (RL: no "kl" metric without a KL term)
+    assert (w / "seed_0" / stage / stage / "report.html").exists(), stage
   for stage in ("sft", "rl"):
     per_task = json.loads((w / "seed_0" / f"eval_{stage}.json").read_text())["per_task"]
     assert len(per_task) == 4 and all(r in (0.0, 1.0) for r in per_task)

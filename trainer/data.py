@@ -402,6 +402,8 @@ def _fingerprint(cfg: SFTDataConfig, chat: ChatFormat, readers, groups) -> str:
   sizes = [os.path.getsize(r.path) if hasattr(r, "path") else len(r.records) for r in readers]
   settings = {k: v for k, v in dataclasses.asdict(cfg).items()
               if k not in ("num_threads", "prefetch")}  # speed only, not content
+  # file names, not paths: a copied or moved workdir (local -> gs://) still resumes
+  settings["sources"] = [os.path.basename(str(s).rstrip("/")) for s in cfg.sources]
   body = json.dumps([settings, chat.name, chat.tokenizer.vocab_size, sizes,
                      len(groups), sum(len(g) for g in groups)], sort_keys=True, default=str)
   return hashlib.sha256(body.encode()).hexdigest()[:16]

@@ -56,16 +56,17 @@ def load_runs(runs: str | os.PathLike | Sequence[str] | Mapping[str, str]
   return out
 
 
-def choose_panels(names: Sequence[str], keys: Optional[Sequence[str]] = None
-                  ) -> list[tuple[str, list[str]]]:
-  """[(panel title, metric names)] for the patterns in `keys` (default: DEFAULT_KEYS)."""
+def choose_panels(names: Sequence[str], keys: Optional[Sequence[str]] = None,
+                  skip_missing: bool = False) -> list[tuple[str, list[str]]]:
+  """[(panel title, metric names)] for the patterns in `keys` (default: DEFAULT_KEYS); a pattern
+  in `keys` that matches nothing raises, or is left out with `skip_missing`."""
   names = sorted(names)
   panels = []
   for pattern in keys or DEFAULT_KEYS:
     matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
     if matched:
       panels.append((matched[0] if len(matched) == 1 else pattern, matched))
-    elif keys:
+    elif keys and not skip_missing:
       raise ValueError(f"report: no metric matches {pattern!r}; metrics: {names}")
   if not panels:
     panels = [(n, [n]) for n in names]
@@ -181,12 +182,15 @@ def render_html(runs: Mapping[str, Mapping[str, tuple[list[int], list[float]]]],
 def report(runs: str | os.PathLike | Sequence[str] | Mapping[str, str],
            out_dir: Optional[str] = None, *, keys: Optional[Sequence[str]] = None,
            tables: Optional[Mapping[str, Sequence[Mapping[str, Any]]]] = None,
-           title: str = "Arbor report", smooth: float = 0.0) -> dict[str, str]:
+           title: str = "Arbor report", smooth: float = 0.0,
+           skip_missing: bool = False) -> dict[str, str]:
   """Writes report.png and report.html to `out_dir` (default: the first run's logdir).
 
   Args:
     runs: a logdir holding metrics.jsonl, a list of them, or {label: logdir} (overlaid).
     keys: panels, each a metric name or fnmatch pattern (default: DEFAULT_KEYS that exist).
+    skip_missing: leave out the `keys` that match no metric (a loop's optional metrics, e.g.
+      "kl" without a KL term) instead of raising.
     tables: {name: rows} shown under the curves, e.g. pass@1 per seed and a bootstrap CI.
     smooth: EMA factor in [0, 1) for the curves (the raw curve is drawn faint behind).
   Returns:
@@ -198,7 +202,7 @@ def report(runs: str | os.PathLike | Sequence[str] | Mapping[str, str],
   names = sorted({n for curves in data.values() for n in curves})
   if not names:
     raise ValueError(f"report: no numeric metrics in {list(data)}")
-  panels = choose_panels(names, keys)
+  panels = choose_panels(names, keys, skip_missing)
   tables = dict(tables or {})
   if out_dir is None:
     first = runs if isinstance(runs, (str, os.PathLike)) else (

@@ -505,7 +505,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
   summary["updates_per_step"] = updates_per_step
   if config.metrics.report and jax.process_index() == 0 and os.path.exists(summary["metrics"]):
     try:
-      summary["report"] = metrics_lib.report(logdir, keys=REPORT_KEYS,
+      summary["report"] = metrics_lib.report(logdir, keys=REPORT_KEYS, skip_missing=True,
                                              title=f"{config.mode} {os.path.basename(workdir)}")
     except (ImportError, ValueError) as e:
       log.warning("no report: %s", e)

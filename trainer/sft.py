@@ -335,7 +335,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
   summary["metrics"] = os.path.join(logdir, metrics_lib.JSONL)
   if config.metrics.report and jax.process_index() == 0 and os.path.exists(summary["metrics"]):
     try:
-      summary["report"] = metrics_lib.report(logdir, keys=REPORT_KEYS,
+      summary["report"] = metrics_lib.report(logdir, keys=REPORT_KEYS, skip_missing=True,
                                              title=f"SFT {os.path.basename(workdir)}")
     except (ImportError, ValueError) as e:  # no matplotlib, or nothing to plot yet
       log.warning("no report: %s", e)
