@@ -15,7 +15,7 @@ Per seed (trainer/demo.py; <workdir>/seed_<s>/):
 Then <workdir>/demo_report.html + demo_results.json: the curves, both pass@1 values per seed
 and the paired bootstrap 95% interval of the RL - SFT difference over the seeds.
 
-Measured 2026-11-23, seed 0, 2-core CPU. SFT stage 6.9 min; greedy held-out pass@1 0.170 on
+Measured 2026-11-23, seed 0, 2-core CPU. SFT stage 6.0 min; greedy held-out pass@1 0.170 on
 the 200 tasks (10/48 on the first 48). Where it fails (100 held-out tasks): ~50% read_file a
 wrong path (a module name that is not the one `search` listed), ~23% str_replace a wrong path
 after reading the right file, ~7% a wrong or failed edit; 18% pass. RL stage (this config: 12
@@ -25,7 +25,8 @@ take ~15 s a step (64 episodes, ~6 turns each) and training ~2 s. Held-out pass@
 0.170 (13/48 on the first 48): no gain. Stronger updates made it worse: lr 3e-4 -> 0.050,
 lr 3e-4 with seq_mean_token_mean -> 0.145, rl.epochs 4 -> 0.090, lr 1e-3 -> 1/48; 64 engine
 slots instead of 16 did not shorten the rollouts. The demo's target (RL >= SFT + 10 points) is
-NOT met with this config; README states the two-seed numbers.
+NOT met with this config: `make demo` (seeds 0, 1) gave SFT 0.170 / 0.170 -> RL 0.170 / 0.160,
+11.6 / 11.5 min per seed, improvement -0.5 points (95% interval -4.0 .. +3.0).
 """
 
 import ml_collections
