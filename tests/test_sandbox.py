@@ -541,3 +541,29 @@ def test_server_refuses_non_loopback_without_tls(tmp_path):
                       "--token-file", str(short)], cwd=REPO, capture_output=True, text=True,
                      timeout=60)
   assert r.returncode != 0 and "16 characters" in r.stderr
+
+
+def test_remote_client_turns_a_cut_off_response_into_sandbox_error():
+  """A server that dies mid-response (shutdown with an exec in flight) gives SandboxError, not
+  http.client.IncompleteRead."""
+  import socket
+  import threading
+  from envs.sandbox.remote import _Client
+
+  listener = socket.socket()
+  listener.bind(("127.0.0.1", 0))
+  listener.listen(1)
+
+  def serve_half():
+    conn, _ = listener.accept()
+    conn.recv(65536)
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 152\r\n\r\n{\"stdout\": \"")  # then the server is gone
+    conn.close()
+  threading.Thread(target=serve_half, daemon=True).start()
+  client = _Client(f"http://127.0.0.1:{listener.getsockname()[1]}", "token")
+  try:
+    with pytest.raises(SandboxError, match="cut-off response"):
+      client._request("POST", "/sandboxes/x/exec", {"cmd": "true"}, timeout=10)
+  finally:
+    listener.close()

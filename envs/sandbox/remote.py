@@ -15,6 +15,7 @@ import asyncio
 import base64
 import concurrent.futures
 import dataclasses
+import http.client
 import json
 import ssl
 import urllib.error
@@ -58,6 +59,9 @@ class _Client:
       raise _ERRORS.get(kind, SandboxError)(f"{method} {path}: {message}") from None
     except (urllib.error.URLError, OSError) as e:
       raise SandboxError(f"sandbox server {self.url} unreachable: {e}") from None
+    except (http.client.HTTPException, ValueError) as e:  # cut mid-response (IncompleteRead)
+      raise SandboxError(f"sandbox server {self.url}: bad or cut-off response "
+                         f"({type(e).__name__}: {e})") from None
 
   async def request(self, method: str, path: str, body: Optional[dict] = None,
                     timeout: float = 60.0) -> dict:
