@@ -51,13 +51,14 @@ def _call(name: str, **arguments) -> dict:
           "tool_calls": [{"function": {"name": name, "arguments": arguments}}]}
 
 
-def buggy_file(task: Task) -> str:
-  """The file the fix edits (`metadata["fix_edit"]["path"]`), checked to define a function."""
+def buggy_file(task: Task) -> tuple[str, str]:
+  """(path, text) of the file the fix edits (`metadata["fix_edit"]["path"]`), checked to define
+  a function above the fix line."""
   fix = task.metadata["fix_edit"]
   text = load_repo_files(task)[fix["path"]].decode()
   if not re.search(r"^\s*def \w+\(", text[:text.index(fix["old"])], flags=re.M):
     raise ValueError(f"task {task.instance_id!r}: no function defined above the fix line")
-  return fix["path"]
+  return fix["path"], text
 
 
 def minimal_edit(text: str, old: str, new: str) -> tuple[str, str]:
@@ -98,8 +99,7 @@ def scripted_turns(task: Task, rng: random.Random, error_rate: float = 0.0) -> l
   if not fix:
     raise ValueError(f"task {task.instance_id!r}: metadata has no fix_edit (not an "
                      "envs.taskgen task?)")
-  path = buggy_file(task)
-  text = load_repo_files(task)[path].decode()
+  path, text = buggy_file(task)
   old, new = minimal_edit(text, fix["old"], fix["new"])
   turns = [_call("search", pattern="def "), _call("read_file", path=path)]
   if rng.random() < error_rate:

@@ -353,3 +353,18 @@ def report(*args, **kwargs) -> dict[str, str]:
   """`trainer.report.report`: report.png + report.html from metrics.jsonl (needs matplotlib)."""
   from trainer import report as report_lib
   return report_lib.report(*args, **kwargs)
+
+
+def end_of_run_report(config, logdir: str, keys: Sequence[str], title: str) -> Optional[dict]:
+  """A trainer run's report (`report` of `keys`, those the run logged) when `config.metrics.report`
+  and this is process 0; None, with a warning, when it cannot be drawn (no matplotlib, no
+  metrics yet)."""
+  import jax
+  if not (config.metrics.report and jax.process_index() == 0
+          and os.path.exists(os.path.join(logdir, JSONL))):
+    return None
+  try:
+    return report(logdir, keys=keys, skip_missing=True, title=title)
+  except (ImportError, ValueError) as e:
+    logging.getLogger(__name__).warning("no report: %s", e)
+    return None

@@ -503,12 +503,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
       source.close()
   summary["metrics"] = os.path.join(logdir, metrics_lib.JSONL)
   summary["updates_per_step"] = updates_per_step
-  if config.metrics.report and jax.process_index() == 0 and os.path.exists(summary["metrics"]):
-    try:
-      summary["report"] = metrics_lib.report(logdir, keys=REPORT_KEYS, skip_missing=True,
-                                             title=f"{config.mode} {os.path.basename(workdir)}")
-    except (ImportError, ValueError) as e:
-      log.warning("no report: %s", e)
+  report = metrics_lib.end_of_run_report(config, logdir, REPORT_KEYS,
+                                         f"{config.mode} {os.path.basename(workdir)}")
+  if report:
+    summary["report"] = report
   _say(f"steps {start + 1}..{summary['steps']} done; reward "
        f"{summary.get('reward_first') or 0:.3f} -> {summary.get('reward_last') or 0:.3f}; "
        f"metrics in {logdir}")

@@ -333,12 +333,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
   summary["loss"] = last_metrics.get("loss")
   summary["eval_loss"] = last_metrics.get("eval/loss")
   summary["metrics"] = os.path.join(logdir, metrics_lib.JSONL)
-  if config.metrics.report and jax.process_index() == 0 and os.path.exists(summary["metrics"]):
-    try:
-      summary["report"] = metrics_lib.report(logdir, keys=REPORT_KEYS, skip_missing=True,
-                                             title=f"SFT {os.path.basename(workdir)}")
-    except (ImportError, ValueError) as e:  # no matplotlib, or nothing to plot yet
-      log.warning("no report: %s", e)
+  report = metrics_lib.end_of_run_report(config, logdir, REPORT_KEYS,
+                                         f"SFT {os.path.basename(workdir)}")
+  if report:
+    summary["report"] = report
   _say(f"steps {start + 1}..{summary['steps']} done, loss "
        f"{summary.get('first_loss', float('nan')):.4f} -> {summary['loss'] or float('nan'):.4f}"
        + (f", eval loss {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else "")
