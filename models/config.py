@@ -103,6 +103,7 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype; params stay fp32, logits and losses fp32
   remat: str = "none"  # "none" | "full" | "save_dots" | "offload" rematerialisation per block
   attention_impl: str = "xla"  # "xla" reference | "xla_flash" (blocked, skips masked blocks) | "pallas_tpu" | "pallas_gpu" | "auto" (by backend)
+  scan_layers: bool = True  # lax.scan over the stacked layers; False: a Python loop over them
   logits_chunk: int = 1024  # tokens per vocabulary-projection chunk in log-prob helpers
   initializer_range: float = 0.02  # stddev of the normal initialiser
   sharding_rules: tuple = DEFAULT_SHARDING_RULES  # logical axis -> mesh axes table

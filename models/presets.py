@@ -108,6 +108,16 @@ PRESETS: dict[str, ModelConfig] = {
         score_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.0,
         first_k_dense_replace=1, moe_intermediate_size=32, router_bias=True,
         seq_balance_coef=1e-4),
+    # The demo's model (configs/sft_demo.py): tiny-moe-mla at twice the width. At hidden 64 the
+    # demo's SFT model copied the file path from the search output only about half the time.
+    "tiny-moe-mla-x2": ModelConfig(
+        vocab_size=256, hidden_size=128, num_layers=3, num_heads=4, intermediate_size=256,
+        attention="mla", q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32,
+        num_experts=8, num_shared_experts=1, experts_per_token=2, n_group=2, topk_group=1,
+        score_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.0,
+        first_k_dense_replace=1, moe_intermediate_size=64, router_bias=True,
+        seq_balance_coef=1e-4),
     "tiny-qwen3-moe": ModelConfig(
         vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
         intermediate_size=128, qk_norm=True,

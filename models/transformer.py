@@ -121,7 +121,8 @@ class Transformer(nnx.Module):
         continue
       ids = expert_ids if name == "moe" else None
       layer_cache = None if cache is None else cache[name]
-      apply = _loop if isinstance(stack, nnx.List) else _scan
+      apply = (_loop if isinstance(stack, nnx.List) else _scan if cfg.scan_layers
+               else _sliced_loop)
       x, stack_aux, new_cache[name] = apply(stack, cfg, x, cos, sin, end, token_weights,
                                             layer_cache, index, ids)
       for key, value in stack_aux.items():
@@ -183,11 +184,9 @@ def _num_layers(stack: Block) -> int:
   return jax.tree.leaves(nnx.state(stack, nnx.Param))[0].shape[0]
 
 
-def _scan(stack: Block, cfg: ModelConfig, x, cos, sin, end, token_weights, cache, index,
-          expert_ids):
-  """Apply the stacked blocks in order with lax.scan (one compiled body for all layers)."""
-  graphdef, state = nnx.split(stack)
-
+def _layer_body(graphdef, cfg: ModelConfig, cos, sin, end, token_weights, index):
+  """(x, (layer_state, layer_cache, expert_ids)) -> (x, (aux, layer_cache)): one block of a
+  stack, rematerialised as `cfg.remat` says."""
   def body(x, xs):
     layer_state, layer_cache, ids = xs
     y, aux, layer_cache = nnx.merge(graphdef, layer_state)(
@@ -195,10 +194,34 @@ def _scan(stack: Block, cfg: ModelConfig, x, cos, sin, end, token_weights, cache
     return y, (aux, layer_cache)
 
   if cfg.remat == "full":
-    body = jax.checkpoint(body)
-  elif cfg.remat != "none":
-    body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat])
+    return jax.checkpoint(body)
+  if cfg.remat != "none":
+    return jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat])
+  return body
+
+
+def _scan(stack: Block, cfg: ModelConfig, x, cos, sin, end, token_weights, cache, index,
+          expert_ids):
+  """Apply the stacked blocks in order with lax.scan (one compiled body for all layers)."""
+  graphdef, state = nnx.split(stack)
+  body = _layer_body(graphdef, cfg, cos, sin, end, token_weights, index)
   x, (aux, cache) = jax.lax.scan(body, x, (state, cache, expert_ids))
+  return x, aux, cache
+
+
+def _sliced_loop(stack: Block, cfg: ModelConfig, x, cos, sin, end, token_weights, cache, index,
+                 expert_ids):
+  """Apply the stacked blocks by a Python loop over layer slices of the stacked weights (and
+  cache): the backward pass keeps each layer's residuals in buffers of their own, where
+  lax.scan stacks them into [layers, ...] buffers (copies on CPU). Compile time grows with
+  depth. Outputs as `_scan`."""
+  graphdef, state = nnx.split(stack)
+  body = _layer_body(graphdef, cfg, cos, sin, end, token_weights, index)
+  outs = []
+  for i in range(_num_layers(stack)):
+    x, out = body(x, jax.tree.map(lambda a: a[i], (state, cache, expert_ids)))
+    outs.append(out)
+  aux, cache = jax.tree.map(lambda *a: jnp.stack(a), *outs)
   return x, aux, cache
 
 

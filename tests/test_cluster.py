@@ -37,6 +37,7 @@ def get_config(arg=None):
   c.seed = 0
   c.compile_cache_dir = {cache!r}
   c.model.init = "random"  # no SFT stage here: a random policy (every task fails)
+  c.model.preset = "tiny-moe-mla"  # half the demo model's width
   c.model.overrides.num_layers = 2
   c.model.overrides.vocab_size = 512
   c.model.overrides.attention_impl = "xla"

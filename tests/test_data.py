@@ -418,6 +418,18 @@ def test_demo_trajectories_are_real_episodes(chat, demo):
   assert verified.reward == 1.0 and verified.metadata["verified"] is True
 
 
+def test_early_submit_episodes_end_unfixed_and_fail_the_tests(chat):
+  """The noisy demonstrator: submits after the read, and the tests (a real run) say so."""
+  early = demo_trajectories(chat, 2, level=0, seed=3, early_submit_rate=1.0, verify=True)
+  for t in early:
+    names = [m["tool_calls"][0]["function"]["name"] for m in t.metadata["messages"]
+             if m["role"] == "assistant"]
+    assert names == ["search", "read_file", "submit"] and t.termination == "submitted"
+    assert t.reward == 0.0 and t.metadata["verified"] is True
+  with pytest.raises(ValueError, match="early_submit_rate=1.5"):
+    demo_trajectories(chat, 1, early_submit_rate=1.5)
+
+
 def test_minimal_edit_is_unique_and_equals_the_reference_fix():
   from envs.taskgen import generate
   from trainer.demo_data import minimal_edit

@@ -269,6 +269,33 @@ def test_remat_policies_leave_gradients_unchanged(dense_model):
       assert_grad_close(a, b)
 
 
+def test_layer_loop_equals_layer_scan(moe_mla_model):
+  """scan_layers=False (a Python loop over layer slices) computes what the lax.scan computes:
+  loss, MoE aux and gradients, with and without remat."""
+  rng = np.random.default_rng(7)
+  rows = tuple(map(jnp.asarray, causal_batch([rng.integers(1, 128, 64).tolist()] * 2)))
+  params = nnx.state(moe_mla_model, nnx.Param)
+  rest = nnx.state(moe_mla_model, nnx.Not(nnx.Param))
+
+  def run(**changes):
+    graphdef = nnx.graphdef(transformer.abstract(TINY_MOE_MLA.replace(**changes)))
+
+    def loss_fn(params):
+      model = nnx.merge(graphdef, params, rest)
+      h, aux, _ = model.hidden(*rows)
+      lp, _ = token_logprobs(h[:, :-1], model.lm_head_weight(), rows[0][:, 1:], chunk=32)
+      return -lp.mean() + aux["balance_loss"], aux
+    return jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
+
+  (loss, aux), grads = run()
+  for remat in ("none", "full"):
+    (loss2, aux2), grads2 = run(scan_layers=False, remat=remat)
+    np.testing.assert_allclose(loss2, loss, rtol=1e-6)
+    np.testing.assert_array_equal(aux2["moe_load"], aux["moe_load"])
+    for a, b in zip(jax.tree.leaves(grads2), jax.tree.leaves(grads)):
+      assert_grad_close(a, b)
+
+
 def test_config_errors_name_the_field():
   cases = [dict(num_kv_heads=3), dict(attention="mqa"), dict(num_experts=8, n_group=3),
            dict(num_experts=8, experts_per_token=9), dict(remat="some"), dict(rope_type="ntk")]

@@ -39,6 +39,7 @@ def get_config(arg=None):
   c.seeds = (0,)
   s = c.sft
   s.compile_cache_dir = {cache!r}
+  s.model.preset = "tiny-moe-mla"  # half the demo model's width
   s.model.overrides.num_layers = 2
   s.model.overrides.vocab_size = 512
   s.model.overrides.attention_impl = "xla"

@@ -268,6 +268,7 @@ def test_demo_inputs_are_generated_once(tmp_path):
   config.tokenizer.train_episodes = 16  # (the demo's vocabulary, from less text)
   config.data.demo.episodes = 6
   config.data.demo.eval_episodes = 3
+  config.data.demo.error_rate = 1.0  # every edit after a failed one (few episodes here)
   workdir = str(tmp_path)
   config_lib.validate(config, workdir)
   sft.prepare_demo(config, workdir)
@@ -279,6 +280,9 @@ def test_demo_inputs_are_generated_once(tmp_path):
   task = lambda r: next(m["content"] for m in r["messages"] if m["role"] == "user")
   assert not {task(r) for r in train} & {task(r) for r in held_out}
   assert any(m.get("tool_error") for r in train + held_out for m in r["messages"])
+  calls = lambda r: [m["tool_calls"][0]["function"]["name"] for m in r["messages"]
+                     if m["role"] == "assistant"]
+  assert ["search", "read_file", "submit"] in [calls(r) for r in train]  # the noisy endings
   sft.prepare_demo(config, workdir)  # a resumed run: nothing is regenerated
   assert (train_file.stat().st_mtime_ns, eval_file.stat().st_mtime_ns) == stamp
 

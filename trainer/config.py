@@ -150,6 +150,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.demo.level = 0  # envs.taskgen difficulty level: 0 | 1 | 2 | 3
   c.data.demo.seed = 0  # envs.taskgen seed of the tasks
   c.data.demo.error_rate = 0.25  # fraction of episodes with a failed (error-masked) tool call
+  c.data.demo.early_submit_rate = 0.0  # fraction of episodes that submit without the fix
   c.data.demo.sandbox = "bwrap"  # where the scripted solver's tools run: "bwrap" | "local"
 
   c.train = ml_collections.ConfigDict()
@@ -651,6 +652,7 @@ def _validate_data(config, mode: str) -> None:
   _choice(config, "data.demo.level", DEMO_LEVELS)
   _int(config, "data.demo.seed", 0)
   _number(config, "data.demo.error_rate", 0.0, 1.0)
+  _number(config, "data.demo.early_submit_rate", 0.0, 1.0)
   _choice(config, "data.demo.sandbox", DEMO_SANDBOXES)
   if mode == "sft" and not config.data.sources and not config.data.demo.episodes:
     raise ConfigError("config.data.sources=(): no training data; give files or set "

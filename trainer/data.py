@@ -439,6 +439,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   d.add_argument("--start", type=int, default=0, help="index of the first task")
   d.add_argument("--error_rate", type=float, default=0.0,
                  help="fraction of episodes with a failed (error-masked) tool call")
+  d.add_argument("--early_submit_rate", type=float, default=0.0,
+                 help="fraction of episodes that submit after reading the file, unfixed")
   d.add_argument("--sandbox", default="bwrap", choices=("bwrap", "local"))
   d.add_argument("--verify", action="store_true", help="reward from the tests verifier")
   d.add_argument("--as_chat", action="store_true",
@@ -465,7 +467,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
   chat = make_chat(args.chat_format, load_tokenizer(args.tokenizer))
   trajs = demo_trajectories(chat, args.n, level=args.level, seed=args.seed, start=args.start,
-                            error_rate=args.error_rate, sandbox=args.sandbox, verify=args.verify)
+                            error_rate=args.error_rate, early_submit_rate=args.early_submit_rate,
+                            sandbox=args.sandbox, verify=args.verify)
   write_jsonl(args.out, [chat_record(t) for t in trajs] if args.as_chat else trajs)
   print(f"wrote {len(trajs)} demo {'chat records' if args.as_chat else 'trajectories'} to "
         f"{args.out}")

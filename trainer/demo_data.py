@@ -15,6 +15,11 @@ With probability `error_rate` the solver first makes a typical mistake (an old_s
 be unique, or a wrong path); the tool answers with an error, the turn is
 marked `meta["tool_error"]` and error-masked SFT trains the recovery but not the mistake.
 
+With probability `early_submit_rate` the solver is a noisy demonstrator: it submits right after
+reading the file, without the fix (as a teacher that declares success early). No tool fails, so
+SFT imitates it; only a reward (the tests) tells the two endings apart, which is what the
+demo's RL stage learns from.
+
 Sandboxes: "bwrap" (default; isolated) or "local" (a plain temporary directory, no isolation).
 "local" is acceptable here only because the scripted solver runs no code: read_file and
 str_replace just read and write files. `demo_corpus` (text for the tokenizer) uses it, with a
@@ -90,11 +95,14 @@ def minimal_edit(text: str, old: str, new: str) -> tuple[str, str]:
   return old[a:b], new[a:len(new) - (len(old) - b)]
 
 
-def scripted_turns(task: Task, rng: random.Random, error_rate: float = 0.0) -> list[dict]:
+def scripted_turns(task: Task, rng: random.Random, error_rate: float = 0.0,
+                   early_submit_rate: float = 0.0) -> list[dict]:
   """The solver's assistant turns for `task` (an envs.taskgen task: metadata["fix_edit"]
   {"path", "old", "new"}): list the functions with `search("def ")`, read the file the fix is
   in, str_replace the few characters around the bug (`minimal_edit`), submit. The solver uses
-  only what an agent can see: tool outputs and the statement."""
+  only what an agent can see: tool outputs and the statement. With probability `error_rate` a
+  failed str_replace comes first; with probability `early_submit_rate` it submits after the
+  read, without a fix."""
   fix = task.metadata.get("fix_edit")
   if not fix:
     raise ValueError(f"task {task.instance_id!r}: metadata has no fix_edit (not an "
@@ -102,6 +110,8 @@ def scripted_turns(task: Task, rng: random.Random, error_rate: float = 0.0) -> l
   path, text = buggy_file(task)
   old, new = minimal_edit(text, fix["old"], fix["new"])
   turns = [_call("search", pattern="def "), _call("read_file", path=path)]
+  if early_submit_rate and rng.random() < early_submit_rate:
+    return turns + [_call("submit")]
   if rng.random() < error_rate:
     if rng.random() < 0.5 and text.count(old.strip()) > 1:  # too short: "occurs N times"
       turns.append(_call("str_replace", path=path, old_str=old.strip(),
@@ -113,7 +123,8 @@ def scripted_turns(task: Task, rng: random.Random, error_rate: float = 0.0) -> l
 
 
 async def _episode(task: Task, chat: ChatFormat, sandbox: str, seed: int, error_rate: float,
-                   config: ScaffoldConfig, verify: bool) -> Trajectory:
+                   early_submit_rate: float, config: ScaffoldConfig, verify: bool
+                   ) -> Trajectory:
   """One scripted episode, set up as `envs.rollout_worker.make_react_episode` does (prompt
   drawn with the episode seed, fresh sandbox with the repository, default tools)."""
   from envs.rollout_worker import make_sandbox_factory
@@ -121,7 +132,8 @@ async def _episode(task: Task, chat: ChatFormat, sandbox: str, seed: int, error_
 
   make_sandbox = make_sandbox_factory(sandbox, allow_unsafe=sandbox == "local")
   prompt = task.prompt(np.random.default_rng(seed))
-  policy = ScriptedPolicy(chat, scripted_turns(task, random.Random(seed), error_rate))
+  policy = ScriptedPolicy(chat, scripted_turns(task, random.Random(seed), error_rate,
+                                                      early_submit_rate))
   box = await make_sandbox(task)
   try:
     for path, data in load_repo_files(task).items():
@@ -145,7 +157,7 @@ async def _episode(task: Task, chat: ChatFormat, sandbox: str, seed: int, error_
 
 def demo_trajectories(chat: ChatFormat, n: int, *, level: int = 0, seed: int = 0,
                       start: int = 0, split: Optional[str] = None, error_rate: float = 0.0,
-                      sandbox: str = "bwrap",
+                      early_submit_rate: float = 0.0, sandbox: str = "bwrap",
                       config: ScaffoldConfig = DEMO_SCAFFOLD, verify: bool = False,
                       concurrency: int = 4) -> list[Trajectory]:
   """Scripted episodes on the taskgen tasks (level, seed, start..start+n-1), in task order.
@@ -157,8 +169,9 @@ def demo_trajectories(chat: ChatFormat, n: int, *, level: int = 0, seed: int = 0
   """
   if sandbox not in SANDBOXES:
     raise ValueError(f"sandbox={sandbox!r}: expected one of {SANDBOXES}")
-  if not 0.0 <= error_rate <= 1.0:
-    raise ValueError(f"error_rate={error_rate!r}: expected a probability in [0, 1]")
+  for name, rate in (("error_rate", error_rate), ("early_submit_rate", early_submit_rate)):
+    if not 0.0 <= rate <= 1.0:
+      raise ValueError(f"{name}={rate!r}: expected a probability in [0, 1]")
   with tempfile.TemporaryDirectory(prefix="arbor-demo-tasks-") as d:
     tasks = write_tasks(d, n, level, seed, start, split=split)
 
@@ -168,7 +181,7 @@ def demo_trajectories(chat: ChatFormat, n: int, *, level: int = 0, seed: int = 0
       async def one(i: int, task: Task) -> Trajectory:
         async with limit:
           return await _episode(task, chat, sandbox, seed * 1_000_003 + start + i, error_rate,
-                                config, verify)
+                                early_submit_rate, config, verify)
       return await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks)))
     return list(asyncio.run(run_all()))
 

@@ -89,7 +89,9 @@ def prepare_demo(config: ml_collections.ConfigDict, workdir: str) -> None:
   for name, n, split in todo:
     t0 = time.perf_counter()
     trajectories = demo_trajectories(chat, n, level=demo.level, seed=demo.seed, split=split,
-                                     error_rate=demo.error_rate, sandbox=demo.sandbox)
+                                     error_rate=demo.error_rate,
+                                     early_submit_rate=demo.early_submit_rate,
+                                     sandbox=demo.sandbox)
     write_jsonl(os.path.join(workdir, "data", name), [chat_record(t) for t in trajectories])
     _say(f"recorded {n} demo episodes in {os.path.join(workdir, 'data', name)} "
          f"({time.perf_counter() - t0:.1f}s)")
