@@ -37,6 +37,17 @@ _DEEPSEEK_V3 = ModelConfig(
     first_k_dense_replace=3, moe_intermediate_size=2048, router_bias=True,
     bias_update_rate=1e-3, seq_balance_coef=1e-4)
 
+# A DeepSeek-V3-shaped model for tests and the demo: MLA, sigmoid group-limited routing with the
+# selection bias, 1 dense + 2 MoE layers of 8 routed experts + 1 shared.
+_TINY_MOE_MLA = ModelConfig(
+    vocab_size=256, hidden_size=64, num_layers=3, num_heads=4, intermediate_size=128,
+    attention="mla", q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+    qk_rope_head_dim=8, v_head_dim=16,
+    num_experts=8, num_shared_experts=1, experts_per_token=2, n_group=2, topk_group=1,
+    score_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.0,
+    first_k_dense_replace=1, moe_intermediate_size=32, router_bias=True,
+    seq_balance_coef=1e-4)
+
 PRESETS: dict[str, ModelConfig] = {
     # Qwen/Qwen2.5-Coder-{0.5B,1.5B,7B,14B,32B}
     "qwen2.5-coder-0.5b": _QWEN25.replace(
@@ -100,24 +111,12 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-qwen3": ModelConfig(
         vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
         intermediate_size=128, qk_norm=True, tie_embeddings=True),
-    "tiny-moe-mla": ModelConfig(
-        vocab_size=256, hidden_size=64, num_layers=3, num_heads=4, intermediate_size=128,
-        attention="mla", q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16,
-        num_experts=8, num_shared_experts=1, experts_per_token=2, n_group=2, topk_group=1,
-        score_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.0,
-        first_k_dense_replace=1, moe_intermediate_size=32, router_bias=True,
-        seq_balance_coef=1e-4),
+    "tiny-moe-mla": _TINY_MOE_MLA,
     # The demo's model (configs/sft_demo.py): tiny-moe-mla at twice the width. At hidden 64 the
     # demo's SFT model copied the file path from the search output only about half the time.
-    "tiny-moe-mla-x2": ModelConfig(
-        vocab_size=256, hidden_size=128, num_layers=3, num_heads=4, intermediate_size=256,
-        attention="mla", q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
-        qk_rope_head_dim=16, v_head_dim=32,
-        num_experts=8, num_shared_experts=1, experts_per_token=2, n_group=2, topk_group=1,
-        score_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.0,
-        first_k_dense_replace=1, moe_intermediate_size=64, router_bias=True,
-        seq_balance_coef=1e-4),
+    "tiny-moe-mla-x2": _TINY_MOE_MLA.replace(
+        hidden_size=128, intermediate_size=256, q_lora_rank=64, kv_lora_rank=64,
+        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, moe_intermediate_size=64),
     "tiny-qwen3-moe": ModelConfig(
         vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
         intermediate_size=128, qk_norm=True,
