@@ -25,6 +25,7 @@ Measured 2026-11-23 with `make demo` (seeds 0 and 1, 2-core CPU, 200 held-out ta
 greedy pass@1 SFT 0.025 / 0.025 -> RL 0.305 / 0.435; improvement +34.5 points, paired
 bootstrap 95% interval +29.8 .. +39.2; 13.7 / 12.3 min per seed (SFT stage 7.5 / 6.9 min,
 each 200-task eval ~1 min, RL stage ~4 min: rollouts 11-19 s and training 3-10 s a step).
+Seed 2 (`--config.seeds="(2,)"`): 0.005 -> 0.345, 13.0 min.
 Sampled pass rate over the 12 RL steps 0.02-0.16 -> 0.50 / 0.63. After RL (seed 0, first 100
 held-out tasks) 1 episode submits unfixed (SFT: nearly all); the failures left are edits that
 apply but are wrong (24) and old_str values that are not in the file (~40).
