@@ -531,7 +531,7 @@ def markdown(r: dict) -> str:
     fmt = dict(row=r["arbor_batches"].get("arbor_tree", {}).get("row_len", "-"),
                tree_impl=r["attention"]["arbor_tree"], linear_impl=r["attention"]["arbor_linear"],
                transformers=r["transformers"], torch=r.get("torch", "?"),
-               layers="" if r.get("scan_layers", True) else ", layer loop")
+               layers="" if r["scan_layers"] else ", layer loop")
     for s, t in r["step_s"].items():
       runs = ", ".join(f"{x:,.0f}" for x in r["runs_tokens_per_s"][s])
       lines.append(f"| {SIDE_TEXT[s].format(**fmt)} | {t:.3f} | {r['ref_s'][s]:.3f} | "
@@ -560,7 +560,7 @@ def markdown(r: dict) -> str:
   for d in r.get("demo", []):
     lines += [
         f"**One RL step on the demo model** (configs/sft_demo.py: tiny MoE + MLA, "
-        f"{d.get('model', 'hidden 64, vocab 1024')}; "
+        f"{d['model']}; "
         f"attention `{d['attention_impl']}`), no sandboxes: {d['prompts']} prompts × G = "
         f"{d['group']} samples of {d['new_tokens']} tokens after {d['prompt_len']} random "
         "prompt tokens (`Engine.generate`, temperature 1), random 0/1 rewards, GRPO "

@@ -110,6 +110,7 @@ def scripted_turns(task: Task, rng: random.Random, error_rate: float = 0.0,
   path, text = buggy_file(task)
   old, new = minimal_edit(text, fix["old"], fix["new"])
   turns = [_call("search", pattern="def "), _call("read_file", path=path)]
+  # (no draw at rate 0: the episodes of configs without the noisy demonstrator stay the same)
   if early_submit_rate and rng.random() < early_submit_rate:
     return turns + [_call("submit")]
   if rng.random() < error_rate:
