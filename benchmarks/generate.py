@@ -3,7 +3,7 @@ sharing, and the train/inference mismatch KL in bf16 and on the absorbed MLA dec
 
     python -m benchmarks.generate [--repeats=5 --update_docs --out=x.json]
 
-Workload (issue 7): 16 prompts × 192 random tokens → 64 new tokens each, greedy, no EOS, on a
+Workload: 16 prompts × 192 random tokens → 64 new tokens each, greedy, no EOS, on a
 Qwen3-like config (vocab 2048, hidden 256, 4 layers, 4 heads, 2 KV heads, head_dim 64, MLP 1024,
 fp32, random weights). Each system decodes all 1,024 tokens; tokens/s = 1,024 / wall time of
 one whole call (prefill included), after a warm-up call that compiles:
@@ -24,8 +24,17 @@ import subprocess
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+from flax import nnx
+
+from benchmarks.common import MOE_MLA, machine, today, write_section
+from envs.policy import SamplingParams
+from models import transformer
+from models.config import ModelConfig
+from models.engine import Engine, EngineConfig
 
 flags.DEFINE_integer("repeats", 5, "interleaved rounds (medians are reported)")
 flags.DEFINE_bool("update_docs", True, "rewrite the generate section of docs/benchmarks.md")
@@ -46,7 +55,6 @@ def prompts(seed: int) -> np.ndarray:
 
 
 def qwen3_like():
-  from models.config import ModelConfig
   return ModelConfig(vocab_size=VOCAB, hidden_size=256, num_layers=4, num_heads=4,
                      num_kv_heads=2, head_dim=64, intermediate_size=1024, qk_norm=True,
                      rope_theta=1e6, max_position_embeddings=512)
@@ -127,8 +135,6 @@ def setup_tunix() -> None:
 
 class ArborRunner:
   def __init__(self):
-    from models import transformer
-    from models.engine import Engine, EngineConfig
     self.model = transformer.init(qwen3_like(), seed=0)
     self.engine = Engine(self.model, EngineConfig(
         slots=BATCH, max_seq_len=PROMPT + NEW, prefix_cache_rows=0, prefill_chunk=PROMPT,
@@ -138,7 +144,6 @@ class ArborRunner:
     self.ready = {"ready": True, "compile_s": round(time.perf_counter() - t0, 2)}
 
   def run(self, seed: int, max_tokens: int = NEW, inputs=None) -> dict:
-    from models.engine import SamplingParams
     inputs = prompts(seed).tolist() if inputs is None else inputs
     t = time.perf_counter()
     outs = self.engine.generate(inputs, SamplingParams(max_tokens=max_tokens, temperature=0.0))
@@ -171,12 +176,6 @@ def mismatch(cfg, trainer_dtype: str, n: int = 8, prompt_len: int = 64, new: int
   weights in `trainer_dtype`. With d = log p_train - log p_sampler per sampled token,
   k1 = mean(-d) and k3 = mean(exp(d) - 1 - d) (Schulman's estimators; k3 >= 0).
   """
-  import jax
-  import jax.numpy as jnp
-  from flax import nnx
-
-  from models import transformer
-  from models.engine import Engine, EngineConfig, SamplingParams
   model = transformer.init(cfg, seed=0)
   engine = Engine(model, EngineConfig(slots=n, max_seq_len=prompt_len + new, prefix_cache_rows=0,
                                       prefill_chunk=prompt_len, prefill_bucket=prompt_len,
@@ -216,7 +215,6 @@ def mismatch(cfg, trainer_dtype: str, n: int = 8, prompt_len: int = 64, new: int
 
 
 def mismatch_table() -> list[dict]:
-  from benchmarks.common import MOE_MLA
   # initializer_range 0.1: next-token distributions far from uniform (entropy reported)
   dense = qwen3_like().replace(initializer_range=0.1)
   moe_mla = MOE_MLA.replace(initializer_range=0.1)
@@ -300,7 +298,6 @@ def main(argv) -> None:
   if FLAGS.worker == "transformers":
     transformers_worker()
     return
-  from benchmarks.common import machine, today
   setup_tunix()
   workers = {"transformers": Worker("transformers", [sys.executable, "-m", "benchmarks.generate",
                                                      "--worker=transformers"]),
@@ -345,7 +342,6 @@ def main(argv) -> None:
     with open(FLAGS.out, "w") as f:
       json.dump(result, f, indent=2)
   if FLAGS.update_docs:
-    from benchmarks.common import write_section
     write_section("generate", markdown(result, machine()))
 
 

@@ -41,19 +41,28 @@ $OUT if set) it also writes gpu_kernels.jsonl there.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
+import types
 import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+from jax.experimental import pallas as pl
 
+from models.kernels import tree_attention_gpu
 from models.kernels.attention import attention
 from models.kernels.tree_attention_gpu import tree_attention
 from tests import tree_cases as tc
@@ -450,7 +459,6 @@ def part_sweep():
 def _cuda_target():
   """Context for lowering to CUDA off a GPU: since jax 0.11 the Pallas Triton lowering asks for
   the GPU's compute capability and, with no GPU present, needs an abstract H100 device."""
-  import contextlib
   if jax.default_backend() == "gpu" or not hasattr(jax.sharding, "AbstractDevice"):
     return contextlib.nullcontext()
   device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
@@ -467,25 +475,17 @@ def _lower_cuda(fn, args):
 def _triton_ir(fn, args, precision=None):
   """Triton IR text of the Pallas kernels in fn(*args), lowered for CUDA (no GPU needed): the
   kernel module's `pl.pallas_call` is wrapped with debug=True, which prints the IR."""
-  import contextlib
-  import functools
-  import io
-  import types
-
-  from jax.experimental import pallas as pl
-
-  import models.kernels.tree_attention_gpu as gpu_mod
-  saved = gpu_mod.pl
-  gpu_mod.pl = types.SimpleNamespace(**{n: getattr(pl, n) for n in dir(pl)
-                                        if not n.startswith("__")})
-  gpu_mod.pl.pallas_call = functools.partial(pl.pallas_call, debug=True)
+  saved = tree_attention_gpu.pl
+  tree_attention_gpu.pl = types.SimpleNamespace(**{n: getattr(pl, n) for n in dir(pl)
+                                                   if not n.startswith("__")})
+  tree_attention_gpu.pl.pallas_call = functools.partial(pl.pallas_call, debug=True)
   buf = io.StringIO()
   try:
     with contextlib.redirect_stdout(buf), (jax.default_matmul_precision(precision) if precision
                                            else contextlib.nullcontext()):
       _lower_cuda(fn, args)
   finally:
-    gpu_mod.pl = saved
+    tree_attention_gpu.pl = saved
   return buf.getvalue()
 
 
@@ -493,7 +493,6 @@ def part_lower():
   """Lower every kernel configuration of the other parts for CUDA on the current (any) backend:
   Pallas -> Triton IR lowering errors (unsupported primitives, non-power-of-two tensors) show
   here without a GPU; Triton -> PTX compilation (shared memory, registers) does not."""
-  import re
   sds = jax.ShapeDtypeStruct
   configs = []
   for (name, batch, length, heads, kvh, dqk, dv, bq, bk, _) in CORRECTNESS:
@@ -557,10 +556,6 @@ def part_triton_offline():
   (software pipelining) appear. pip Triton stands in for the Triton inside XLA, so this is an
   approximation of what the GPU build does. The IR is captured by wrapping jax's (private)
   Pallas Triton lowering entry point."""
-  import re
-  import subprocess
-  import tempfile
-
   import triton
   from jax._src.pallas.triton import lowering as tl
   from triton.backends.compiler import GPUTarget

@@ -44,7 +44,7 @@ from benchmarks.common import MOE_MLA, machine, median_time, today, write_sectio
 from models import transformer
 from models.config import ModelConfig
 from models.presets import count_params
-from trainer import optimizers as O
+from trainer import optim
 
 flags.DEFINE_integer("steps", 400, "training steps per run")
 flags.DEFINE_integer("batch", 16, "rows per step")
@@ -90,19 +90,19 @@ def loss_floor(vocab: int, seq: int) -> float:
 
 
 def opt_cfg(name: str, lr: float, steps: int, tau: float = 100.0,
-            adam_lr: float | None = None) -> O.OptimizerConfig:
-  return O.OptimizerConfig.from_config(dict(
+            adam_lr: float | None = None) -> optim.OptimizerConfig:
+  return optim.OptimizerConfig.from_config(dict(
       name=name, learning_rate=lr, schedule="cosine", warmup_steps=steps // 10,
       total_steps=steps, end_lr_ratio=0.1, weight_decay=0.1, grad_clip_norm=1.0,
       muon={"adam_learning_rate": adam_lr}, qk_clip={"tau": tau}))
 
 
-def train(cfg: ModelConfig, ocfg: O.OptimizerConfig, data: np.ndarray) -> dict:
+def train(cfg: ModelConfig, ocfg: optim.OptimizerConfig, data: np.ndarray) -> dict:
   """Run all steps in one compiled lax.scan; per-step loss and max logits [layers, heads]."""
   model = transformer.init(cfg, seed=0)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   params = nnx.as_pure(params)
-  opt = O.build(ocfg, cfg, params)
+  opt = optim.build(ocfg, cfg, params)
   seq = data.shape[-1]
 
   def loss_fn(params, tokens):
@@ -160,7 +160,7 @@ def sweep(name: str, lrs: list[float], data: np.ndarray, window: int,
 def step_time(cfg: ModelConfig, name: str, repeats: int) -> float:
   """Median seconds of one jitted opt.apply (gradients given) on `cfg`'s parameters."""
   params = nnx.as_pure(nnx.state(transformer.init(cfg, seed=0), nnx.Param))
-  opt = O.build(opt_cfg(name, 1e-3, 1000, tau=1.0), cfg, params)
+  opt = optim.build(opt_cfg(name, 1e-3, 1000, tau=1.0), cfg, params)
   grads = jax.tree.map(lambda p: 1e-3 * jnp.ones_like(p), params)
   max_logits = jnp.full((cfg.num_layers, cfg.num_heads), 2.0)
   apply = jax.jit(lambda g, s, p, m: opt.apply(g, s, p, m if opt.config.uses_qk_clip else None))

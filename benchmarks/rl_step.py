@@ -4,7 +4,7 @@ transformers+torch, and the phases of a whole RL step on the demo model.
     bash benchmarks/setup_tunix.sh        # once: the tunix virtualenv
     python -m benchmarks.rl_step [--part=all|step|demo --repeats=5 --update_docs --out=x.json]
 
-Part "step" (issue 8): the GRPO train step on the reference workload. Model: the generate
+Part "step": the GRPO train step on the reference workload. Model: the generate
 benchmark's Qwen3-like config (vocab 2048, hidden 256, 4 layers, 4 heads, 2 KV heads,
 head_dim 64, MLP 1024, fp32, random weights). Workload (`workload`): 2 prompts × G = 8 samples,
 each sample = its prompt's 192 tokens + 64 sampled tokens (random ids, fixed seed), rewards
@@ -149,7 +149,7 @@ def loss_config():
 
 
 def optimizer_config():
-  from trainer.optimizers import OptimizerConfig
+  from trainer.optim import OptimizerConfig
   return OptimizerConfig(name="adamw", learning_rate=LR, schedule="constant", b1=B1, b2=B2,
                          eps=EPS, weight_decay=WD, grad_clip_norm=CLIP)
 
@@ -163,7 +163,7 @@ class ArborStep:
   def __init__(self, w: dict, layout: str, row_len: int, model_cfg, splits: int = 1):
     import jax
     from models import transformer
-    from trainer import optimizers, state as state_lib
+    from trainer import optim, state as state_lib
     from trainer.step import make_score_fn, make_train_step
     t0 = time.perf_counter()
     mb = micro_batches(w, layout, row_len, splits)
@@ -172,7 +172,7 @@ class ArborStep:
     self.describe = dict(describe(mb), row_len=int(mb.tokens.shape[2]),
                          rows_total=int(mb.tokens.shape[1]))
     self.mb = jax.device_put(mb)
-    opt = optimizers.build(optimizer_config(), model_cfg)
+    opt = optim.build(optimizer_config(), model_cfg)
     self.state = state_lib.create(model_cfg, opt, seed=0)
     self.ref = state_lib.split_model(transformer.init(model_cfg, seed=0))
     self.score = make_score_fn(model_cfg)
@@ -342,13 +342,13 @@ class DemoPipeline:
     import configs.sft_demo
     from models import transformer
     from models.engine import Engine, EngineConfig
-    from trainer import config as config_lib, optimizers, state as state_lib
+    from trainer import config as config_lib, optim, state as state_lib
     from trainer.step import make_score_fn, make_train_step
     self.cfg = config_lib.model_config(configs.sft_demo.get_config())
     if attention_impl and attention_impl != "config":
       self.cfg = self.cfg.replace(attention_impl=attention_impl)
     self.layout, self.prompts, self.prompt_len, self.new = layout, prompts, prompt_len, new
-    opt = optimizers.build(optimizer_config(), self.cfg)
+    opt = optim.build(optimizer_config(), self.cfg)
     self.state = state_lib.create(self.cfg, opt, seed=0)
     self.ref = state_lib.split_model(transformer.init(self.cfg, seed=0))
     self.engine = Engine(self.state.model(self.cfg), EngineConfig(
@@ -365,7 +365,7 @@ class DemoPipeline:
     import jax
     from flax import nnx
     from models import transformer
-    from models.engine import SamplingParams
+    from envs.policy import SamplingParams
     from rl.advantages import grpo
     from rl.tree import CallTokens, TrajectoryTokens
     from trainer.batches import BatchShape, make_micro_batches

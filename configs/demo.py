@@ -39,7 +39,7 @@ RL stage is too short to fix copying errors, which is what those models got wron
 import ml_collections
 
 from configs import sft_demo
-from trainer.config import base_config
+from configs.base import base_config
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

@@ -31,6 +31,7 @@ scoring forward per micro-batch.
 import ml_collections
 
 from configs import rl as rl_template
+from configs.base import FAMILIES  # family -> (chat format, example checkpoint)
 
 TEACHERS = (  # domain=ckpt:<expert dir> (placeholders)
     "swe=ckpt:/path/to/swe_expert",
@@ -40,9 +41,8 @@ TEACHERS = (  # domain=ckpt:<expert dir> (placeholders)
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   family = arg or "qwen2.5-coder"
-  if family not in rl_template.FAMILIES:
-    raise ValueError(f"configs/distill.py:{family}: expected one of "
-                     f"{sorted(rl_template.FAMILIES)}")
+  if family not in FAMILIES:
+    raise ValueError(f"configs/distill.py:{family}: expected one of {sorted(FAMILIES)}")
   c = rl_template.get_config(family)  # model, tokenizer, mesh, rollouts: configs/rl.py
   c.mode = "distill"
 

@@ -33,27 +33,12 @@ a small machine lower rl.max_context_tokens, data.row_len and rl.concurrency.
 
 import ml_collections
 
-from configs.sft import FAMILIES  # family -> (chat format, example checkpoint)
-from trainer.config import base_config
+from configs import base
+from configs.base import FAMILIES  # family -> (chat format, example checkpoint)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  family = arg or "qwen2.5-coder"
-  if family not in FAMILIES:
-    raise ValueError(f"configs/rl.py:{family}: expected one of {sorted(FAMILIES)}")
-  chat_format, example = FAMILIES[family]
-  c = base_config()
-  c.mode = "rl"
-  c.seed = 0
-  c.model.init = f"hf:{example}"  # hf:<HF checkpoint dir> or ckpt:<SFT workdir / import dir>
-  c.model.preset = ""  # the checkpoint defines the architecture
-  c.model.overrides.dtype = "bfloat16"  # compute dtype (parameters stay fp32)
-  c.model.overrides.remat = "full"  # recompute each block in the backward pass (long rows)
-  c.model.overrides.attention_impl = "auto"  # the backend's tree-attention kernel
-  c.tokenizer.path = ""  # "" = the checkpoint's tokenizer (tokenizer.json next to the weights)
-  c.tokenizer.chat_format = chat_format  # how messages become token ids (envs/chat)
-  c.mesh.fsdp = -1  # parameters sharded over all devices
-  c.mesh.expert = 1  # MoE: expert parallelism (e.g. 8; then fsdp takes the remaining devices)
+  c = base.for_family(arg, "rl")  # model, tokenizer and mesh of the HF family (configs/base.py)
 
   c.optimizer.name = "adamw"  # these families were pre-trained with AdamW (Kimi/Moonlight: muon)
   c.optimizer.learning_rate = 1e-6  # peak learning rate: RL updates are small
@@ -92,8 +77,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.max_context_tokens = 32768  # one call's input + output at most
   c.rl.concurrency = 64  # episodes at once: engine slots (KV cache: 2 x 64 rows of 32k tokens)
   c.rl.sandbox = "bwrap"  # bubblewrap sandboxes on the host; a task's `rootfs` is its image
-  # remote rollout workers (envs/rollout_worker.py, launch/fleet.py); NB: trainer/rl.py does
-  # not read rl.rollout_workers / queue_url yet and samples in-process (rl.concurrency)
+  # remote rollout workers (envs/rollout_worker.py on the launch/fleet.py VMs) sample from the
+  # trainer's policy server and deliver groups through the Redis queue
   c.rl.rollout_workers = "queue"
   c.rl.queue_url = "redis://REDIS_HOST:6379/0"  # the fleet's Redis (placeholder)
   c.rl.queue_password_file = ""  # file holding the Redis password ("" = no AUTH)

@@ -21,32 +21,12 @@ data.rows_per_batch (a multiple of mesh data x fsdp).
 
 import ml_collections
 
-from trainer.config import base_config
-
-FAMILIES = {  # family -> (chat format, example checkpoint)
-    "qwen2.5-coder": ("qwen2.5", "/path/to/Qwen2.5-Coder-7B-Instruct"),
-    "qwen3": ("chatml", "/path/to/Qwen3-8B"),
-    "deepseek-v3": ("deepseek_v3", "/path/to/Moonlight-16B-A3B-Instruct"),
-}
+from configs import base
+from configs.base import FAMILIES  # family -> (chat format, example checkpoint)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  family = arg or "qwen2.5-coder"
-  if family not in FAMILIES:
-    raise ValueError(f"configs/sft.py:{family}: expected one of {sorted(FAMILIES)}")
-  chat_format, example = FAMILIES[family]
-  c = base_config()
-  c.mode = "sft"
-  c.seed = 0
-  c.model.init = f"hf:{example}"  # hf:<HF checkpoint dir> or ckpt:<Arbor workdir / import dir>
-  c.model.preset = ""  # the checkpoint defines the architecture
-  c.model.overrides.dtype = "bfloat16"  # compute dtype (parameters stay fp32)
-  c.model.overrides.remat = "full"  # recompute each block in the backward pass (long rows)
-  c.model.overrides.attention_impl = "auto"  # the backend's tree-attention kernel
-  c.tokenizer.path = ""  # "" = the checkpoint directory's tokenizer.json
-  c.tokenizer.chat_format = chat_format  # how messages become token ids (envs/chat)
-  c.mesh.fsdp = -1  # parameters sharded over all devices
-  c.mesh.expert = 1  # MoE: expert parallelism (e.g. 8; then fsdp takes the remaining devices)
+  c = base.for_family(arg, "sft")  # model, tokenizer and mesh of the HF family (configs/base.py)
   c.optimizer.name = "adamw"  # these families were pre-trained with AdamW (Kimi/Moonlight: muon)
   c.optimizer.learning_rate = 1e-5  # peak learning rate for full fine-tuning
   c.optimizer.warmup_steps = 100  # linear warmup

@@ -35,7 +35,7 @@ a 1024- or 2048-token tokenizer, 256 or 1024 episodes, and a 4-layer hidden-192 
 
 import ml_collections
 
-from trainer.config import base_config
+from configs.base import base_config
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

@@ -9,7 +9,7 @@ import ml_collections
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
-  config.mode = "smoke"  # trainer.main mode (other modes start from trainer.config.base_config)
+  config.mode = "smoke"  # trainer.main mode (other modes start from configs.base.base_config)
   config.seed = 0  # initialisation and sampling seed
   config.model = ml_collections.ConfigDict()
   config.model.preset = arg or "tiny-moe-mla"  # models/presets.py name (`:ARG` picks another)

@@ -33,95 +33,35 @@ import math
 import signal
 import threading
 import time
-from typing import Any, Awaitable, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
+from envs.chat import load_tokenizer, make_chat
+from envs.episode import (EpisodeFn, load_task_file, make_react_episode, make_sandbox_factory,
+                          run_task_group)
+from envs.net import read_secret
+from envs.policy import HTTPPolicy
 from envs.queue import RolloutQueue, TaskLease, default_worker_id, make_queue, task_order
+from envs.scaffold import add_scaffold_flags, scaffold_config_from_flags
+from envs.tasks import Task
 from envs.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 
-# (task, index in group, seed) -> one finished episode. task_id / group_id are set by the worker.
-EpisodeFn = Callable[[Any, int, int], Awaitable[Trajectory]]
 
+def tasks_fingerprint(tasks: Sequence[Task], seed: int) -> str:
+  """Identifies what a draw number means: the task ids in order and the seed.
 
-def task_id_of(task: Any) -> str:
-  """The id of a task: `envs.tasks.Task.instance_id`, or `id` / `task_id` of other objects."""
-  for name in ("instance_id", "task_id", "id"):
-    value = task.get(name) if isinstance(task, dict) else getattr(task, name, None)
-    if value is not None:
-      return str(value)
-  raise ValueError(f"task {task!r:.100}: has no instance_id / task_id / id")
+  Workers sharing a queue must agree on it (`RolloutQueue.check_task_source`).
 
+  Args:
+    tasks: the worker's task list.
+    seed: the worker's seed (task order per epoch).
 
-def tasks_fingerprint(tasks: Sequence[Any], seed: int) -> str:
-  """Identifies (task ids in order, seed): what a draw number means. Workers sharing a queue
-  must agree on it (`RolloutQueue.check_task_source`)."""
-  body = json.dumps({"ids": [task_id_of(t) for t in tasks], "seed": seed})
-  return hashlib.sha256(body.encode()).hexdigest()[:16]
-
-
-def episode_seed(seed: int, draw: int, index: int) -> int:
-  """A per-episode seed fixed by (worker seed, draw, index): reruns of a draw sample alike."""
-  return int.from_bytes(hashlib.sha256(f"{seed}/{draw}/{index}".encode()).digest()[:4], "little")
-
-
-async def run_task_group(task: Any, group_size: int, episode: EpisodeFn, *, draw: int = 0,
-                         seed: int = 0, limiter: Optional[asyncio.Semaphore] = None,
-                         abort: Optional[asyncio.Event] = None,
-                         counters: Optional[dict] = None) -> list[Trajectory]:
-  """Run `group_size` episodes of `task` concurrently and return the finished trajectories.
-
-  Each episode holds one slot of `limiter` (the worker's concurrency) while it runs. An episode
-  that raises is logged and left out. When `abort` is set, unfinished episodes are cancelled and
-  the finished ones returned. Every trajectory gets `task_id`, `group_id = f"{task_id}/{draw}"`
-  and `metadata` {group_size, draw, index}.
+  Returns:
+    16 hex digits.
   """
-  if group_size < 1:
-    raise ValueError(f"group_size={group_size}: must be >= 1")
-  task_id = task_id_of(task)
-  counters = counters if counters is not None else {}
-
-  async def one(index: int) -> Trajectory:
-    if limiter is None:
-      return await episode(task, index, episode_seed(seed, draw, index))
-    async with limiter:
-      return await episode(task, index, episode_seed(seed, draw, index))
-
-  runs = [asyncio.ensure_future(one(i)) for i in range(group_size)]
-  waiters = set(runs)
-  abort_wait = asyncio.ensure_future(abort.wait()) if abort is not None else None
-  try:
-    while waiters:
-      done, waiters = await asyncio.wait(
-          waiters | ({abort_wait} if abort_wait else set()), return_when=asyncio.FIRST_COMPLETED)
-      waiters.discard(abort_wait)
-      if abort_wait in done:
-        break
-  finally:
-    for run in runs:
-      run.cancel()  # no-op for finished ones
-    if abort_wait is not None:
-      abort_wait.cancel()
-    await asyncio.gather(*runs, return_exceptions=True)
-  out = []
-  for index, run in enumerate(runs):
-    if run.cancelled():
-      counters["episodes_cancelled"] = counters.get("episodes_cancelled", 0) + 1
-      continue
-    if run.exception() is not None:
-      counters["episodes_failed"] = counters.get("episodes_failed", 0) + 1
-      log.warning("episode %d of task %s (draw %d) failed: %r", index, task_id, draw,
-                  run.exception())
-      continue
-    t = run.result()
-    if not isinstance(t, Trajectory):
-      counters["episodes_failed"] = counters.get("episodes_failed", 0) + 1
-      log.warning("episode %d of task %s returned %r, not a Trajectory", index, task_id, type(t))
-      continue
-    t.task_id, t.group_id = task_id, f"{task_id}/{draw}"
-    t.metadata = {**t.metadata, "group_size": group_size, "draw": draw, "index": index}
-    out.append(t)
-  return out
+  body = json.dumps({"ids": [t.instance_id for t in tasks], "seed": seed})
+  return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +79,7 @@ class WorkerConfig:
   seed: int = 0                      # task order per epoch and per-episode seeds
 
   def check(self) -> "WorkerConfig":
+    """Returns self; ValueError naming the first bad field."""
     for name in ("group_size", "concurrency", "max_backlog"):
       if getattr(self, name) < 1:
         raise ValueError(f"WorkerConfig.{name}={getattr(self, name)}: must be >= 1")
@@ -154,10 +95,17 @@ class WorkerConfig:
 
 class RolloutWorker:
   """Leases draws from `queue`, runs `episode` G times per draw, completes the draw with the
-  group. `run()` returns its counters when stopped (SIGTERM, `stop()`) or when `max_draws` are
-  all done."""
+  group (see the module docstring).
 
-  def __init__(self, queue: RolloutQueue, tasks: Sequence[Any], episode: EpisodeFn,
+  Args:
+    queue: the rollout queue (its task leases and its trajectory stream).
+    tasks: the task list; draw d is `task_for(d)`.
+    episode: the episode function (`envs.episode.make_react_episode`, or a fake in tests).
+    config: pacing (group size, concurrency, leases, backpressure, grace).
+    worker_id: the name in leases and logs (default host-pid-random).
+  """
+
+  def __init__(self, queue: RolloutQueue, tasks: Sequence[Task], episode: EpisodeFn,
                config: WorkerConfig = WorkerConfig(), worker_id: Optional[str] = None):
     if not tasks:
       raise ValueError("tasks: the worker needs at least one task")
@@ -172,8 +120,16 @@ class RolloutWorker:
   def _count(self, name: str, n: float = 1) -> None:
     self.counters[name] = self.counters.get(name, 0) + n
 
-  def task_for(self, draw: int) -> Any:
-    """Draw d is task `task_order(T, d // T)[d % T]`: epoch by epoch, shuffled per epoch."""
+  def task_for(self, draw: int) -> Task:
+    """The task of a draw: draw d is task `task_order(T, d // T)[d % T]` (epoch by epoch,
+    shuffled per epoch).
+
+    Args:
+      draw: the draw number.
+
+    Returns:
+      The task.
+    """
     n = len(self.tasks)
     epoch = draw // n
     if epoch not in self._orders:
@@ -293,7 +249,14 @@ class RolloutWorker:
       self._count("groups_lost_lease")
 
   async def run(self, handle_signals: bool = False) -> dict[str, float]:
-    """Work until stopped or until `max_draws` are done; returns the counters."""
+    """Works until stopped or until `max_draws` are done.
+
+    Args:
+      handle_signals: SIGTERM / SIGINT stop the worker gracefully (as `stop()` does).
+
+    Returns:
+      The worker's counters (groups_done, trajectories_put, episodes_failed, ...).
+    """
     self._stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     if handle_signals:
@@ -347,12 +310,23 @@ class WorkerThread:
       self._ready.set()
 
   def start(self) -> "WorkerThread":
+    """Starts the worker's thread; returns self once its event loop runs."""
     self._thread.start()
     self._ready.wait()
     return self
 
   def stop(self, timeout: Optional[float] = None) -> Optional[dict]:
-    """Stop gracefully (as SIGTERM would) and wait; returns the worker's counters."""
+    """Stops the worker gracefully (as SIGTERM would) and waits for its thread.
+
+    Args:
+      timeout: seconds to wait (None: until it has finished).
+
+    Returns:
+      The worker's counters (None if it has not finished).
+
+    Raises:
+      RuntimeError: the worker failed.
+    """
     loop = self._loop
     if loop is not None and self._thread.is_alive():
       try:
@@ -366,121 +340,18 @@ class WorkerThread:
 
 
 # --------------------------------------------------------------------------------------------
-# The real episode: react scaffold in a sandbox, verifier reward.
-
-
-def make_sandbox_factory(backend: str, *, limits=None, url: Optional[str] = None,
-                         token_file: Optional[str] = None, cafile: Optional[str] = None,
-                         allow_unsafe: bool = False) -> Callable[[Any], Awaitable[Any]]:
-  """`async make(task) -> Sandbox` for `backend` (remote | bwrap | local), used for the agent's
-  sandbox and the verifier's fresh one. bwrap honours a task's `rootfs`."""
-  from envs.sandbox import BACKENDS, create_sandbox
-  from envs.sandbox.base import Limits
-
-  if backend not in BACKENDS:
-    raise ValueError(f"sandbox={backend!r}: expected one of {', '.join(BACKENDS)}")
-  limits = limits or Limits()
-  token = None
-  if backend == "remote":
-    if not url:
-      raise ValueError("sandbox=remote needs sandbox_url")
-    if not token_file:
-      raise ValueError("sandbox=remote needs token_file (the sandbox server's token)")
-    with open(token_file) as f:
-      token = f.read().strip()
-
-  async def make(task):
-    if backend == "remote":
-      return await create_sandbox("remote", limits=limits, url=url, token=token, cafile=cafile)
-    if backend == "local":
-      return await create_sandbox("local", limits=limits, allow_unsafe=allow_unsafe)
-    if backend == "bwrap" and getattr(task, "rootfs", None):
-      return await create_sandbox("bwrap", limits=limits, rootfs=task.rootfs)
-    return await create_sandbox(backend, limits=limits)
-  return make
-
-
-def _jsonable(x: Any) -> Any:
-  """Verifier details as plain JSON types (they travel in msgpack'd trajectory metadata)."""
-  return json.loads(json.dumps(x, default=str))
-
-
-def make_react_episode(policy, chat, make_sandbox: Callable[[Any], Awaitable[Any]],
-                       config=None, *, partial_credit: bool = False,
-                       judge_policy=None) -> EpisodeFn:
-  """The episode function of a worker: a fresh sandbox holding the task's repository, the react
-  scaffold (`envs.scaffold.run_episode`) with the default tools, then the task's verifier
-  (`envs.verifiers.verify`) for the reward. Sampling seeds come from the episode seed. A sandbox
-  failure during the episode or the verification gives termination "sandbox_error", reward 0;
-  one at creation raises (the episode is left out of its group)."""
-  import numpy as np
-
-  from envs.sandbox.base import SandboxError
-  from envs.scaffold import ScaffoldConfig, run_episode
-  from envs.tasks import load_repo_files
-  from envs.tools import default_tools
-  from envs.verifiers import verify, workspace_files
-
-  config = config or ScaffoldConfig()
-
-  def render(text: str) -> list[int]:  # a judge's prompt
-    return chat.render([{"role": "user", "content": text}], add_generation_prompt=True).ids
-
-  async def submission(task, sandbox, result):
-    if task.kind == "swe":
-      return await workspace_files(sandbox)
-    if result.answer is not None:
-      return result.answer
-    replies = [m.get("text", "") for m in result.messages if m.get("role") == "assistant"]
-    return replies[-1] if replies else ""
-
-  async def episode(task, index: int, seed: int) -> Trajectory:
-    prompt = task.prompt(np.random.default_rng(seed))
-    sandbox = await make_sandbox(task)
-    reward, details = 0.0, {}
-    try:
-      if task.kind == "swe":
-        for path, data in (await asyncio.to_thread(load_repo_files, task)).items():
-          await sandbox.write_file(path, data)
-      result = await run_episode(policy, sandbox, prompt, default_tools(task.test_command or None),
-                                 chat, dataclasses.replace(config, seed=seed))
-      if result.termination != "sandbox_error":
-        try:
-          verdict = await verify(task, await submission(task, sandbox, result),
-                                 make_sandbox=make_sandbox, policy=judge_policy or policy,
-                                 render=render, decode=chat.tokenizer.decode,
-                                 partial=partial_credit)
-          reward, details = float(verdict.reward), verdict.details
-        except SandboxError as e:
-          result.termination, result.error = "sandbox_error", f"verifier: {e}"
-    finally:
-      await sandbox.close()
-    return result.to_trajectory(reward, task.instance_id, "", metadata={
-        "verdict": _jsonable(details), "prompt": prompt[:200]})
-  return episode
-
-
-def load_task_file(path: str) -> tuple[list[Any], int]:
-  """(tasks, number of bad lines): bad lines are logged with file:line and skipped."""
-  from envs.tasks import load_tasks
-
-  errors: list = []
-  tasks = load_tasks(path, skip_bad=True, errors=errors)
-  return tasks, len(errors)
-
-
-# --------------------------------------------------------------------------------------------
 # Command line.
 
 
-def _read(path: Optional[str]) -> Optional[str]:
-  if not path:
-    return None
-  with open(path) as f:
-    return f.read().strip()
-
-
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+  """The worker's command line (see `python -m envs.rollout_worker --help`).
+
+  Args:
+    argv: the arguments (default: sys.argv[1:]).
+
+  Returns:
+    The parsed flags.
+  """
   p = argparse.ArgumentParser(prog="python -m envs.rollout_worker", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   a = p.add_argument
@@ -501,14 +372,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   a("--allow_unsafe_sandbox", action="store_true", help="permit --sandbox local")
   a("--tokenizer", required=True, help="tokenizer.json / tiktoken / sentencepiece (file or dir)")
   a("--chat", default="chatml", help="chat format: chatml | qwen2.5 | deepseek_v3 | plain")
-  a("--max_turns", type=int, default=30, help="agent turns per episode")
-  a("--max_new_tokens", type=int, default=2048, help="tokens sampled per policy call")
-  a("--max_context_tokens", type=int, default=32768, help="input + output of one call")
-  a("--episode_timeout", type=float, default=1800.0, help="wall-clock seconds per episode")
-  a("--temperature", type=float, default=1.0, help="sampling temperature")
+  add_scaffold_flags(p)
   a("--partial_credit", action="store_true", help="reward = fraction of tests passing")
   a("--lease_ttl", type=float, default=120.0, help="seconds a lease lives without renewal")
-  a("--max_backlog", type=int, default=1024, help="wait while this many trajectories wait unread in the queue")
+  a("--max_backlog", type=int, default=1024,
+    help="wait while this many trajectories wait unread in the queue")
   a("--epochs", type=int, default=0, help="passes over the tasks (0: until stopped)")
   a("--grace", type=float, default=30.0, help="seconds to finish running groups after SIGTERM")
   a("--seed", type=int, default=0, help="task order and sampling seeds")
@@ -517,14 +385,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Runs a worker until it is stopped or its epochs are done; prints its counters as JSON.
+
+  Args:
+    argv: the arguments (default: sys.argv[1:]).
+
+  Returns:
+    The exit status: 0, or 2 when the task file holds no valid task.
+  """
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   args = parse_args(argv)
   if not args.queue.startswith(("redis://", "rediss://")):
     raise SystemExit(f"--queue={args.queue!r}: expected redis:// or rediss:// (a worker process "
                      "cannot share an in-memory queue)")
-  from envs.chat import load_tokenizer, make_chat
-  from envs.policy import HTTPPolicy
-  from envs.scaffold import ScaffoldConfig
 
   tasks, bad = load_task_file(args.tasks)
   if bad:
@@ -533,14 +406,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     log.error("%s: no valid task", args.tasks)
     return 2
   chat = make_chat(args.chat, load_tokenizer(args.tokenizer))
-  policy = HTTPPolicy(args.policy_url, token=_read(args.policy_token_file))
+  token = read_secret(args.policy_token_file) if args.policy_token_file else None
+  policy = HTTPPolicy(args.policy_url, token=token)
   make_sandbox = make_sandbox_factory(args.sandbox, url=args.sandbox_url,
                                       token_file=args.token_file, cafile=args.sandbox_cafile,
                                       allow_unsafe=args.allow_unsafe_sandbox)
-  scaffold = ScaffoldConfig(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
-                            max_context_tokens=args.max_context_tokens,
-                            timeout_s=args.episode_timeout, temperature=args.temperature)
-  episode = make_react_episode(policy, chat, make_sandbox, scaffold,
+  episode = make_react_episode(policy, chat, make_sandbox, scaffold_config_from_flags(args),
                                partial_credit=args.partial_credit)
   config = WorkerConfig(group_size=args.group_size, concurrency=args.concurrency,
                         lease_ttl=args.lease_ttl, max_backlog=args.max_backlog,

@@ -32,19 +32,18 @@ import binascii
 import dataclasses
 import hmac
 import http.server
-import ipaddress
 import json
 import logging
 import os
 import secrets
 import signal
-import socket
 import ssl
 import sys
 import threading
 import time
 from typing import Optional
 
+from envs.net import is_loopback, read_secret
 from envs.sandbox import create_sandbox
 from envs.sandbox.base import Limits, PathError, Sandbox, SandboxError, SandboxFull
 
@@ -52,6 +51,7 @@ log = logging.getLogger("arbor.sandbox_server")
 
 
 class HTTPError(Exception):
+  """An error reply: HTTP `status`, a message and an error type name for the client."""
   def __init__(self, status: int, message: str, type_: str = "HTTPError"):
     super().__init__(message)
     self.status, self.type = status, type_
@@ -85,7 +85,17 @@ def _b64(text: str, name: str) -> bytes:
 
 
 class SandboxService:
-  """The sandboxes of one server, driven by an asyncio loop on its own thread."""
+  """The sandboxes of one server, driven by an asyncio loop on its own thread.
+
+  Args:
+    backend: the sandbox backend (bwrap | docker | local).
+    max_sandboxes: live + warm sandboxes at most.
+    limits: the largest (and default) per-sandbox limits.
+    ttl: seconds an untouched sandbox lives.
+    warm: sandboxes kept created ahead of demand.
+    max_timeout: the largest exec timeout, seconds.
+    backend_kw: keyword arguments of the backend's `create`.
+  """
 
   def __init__(self, backend: str, *, max_sandboxes: int, limits: Limits, ttl: float = 3600.0,
                warm: int = 0, max_timeout: float = 600.0, backend_kw: Optional[dict] = None):
@@ -109,7 +119,7 @@ class SandboxService:
     self._bg = self.run(self._start_background(), timeout=10)
 
   def run(self, coro, timeout: Optional[float] = None):
-    """Run a coroutine on the service loop from another thread and return its result."""
+    """Runs a coroutine on the service loop from another thread and returns its result."""
     return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
   async def _start_background(self):
@@ -160,6 +170,18 @@ class SandboxService:
           await self.close(sid)
 
   def check_limits(self, requested: Optional[dict]) -> Limits:
+    """The limits a request asks for, within the server's.
+
+    Args:
+      requested: the request's "limits" object (None: the server's limits).
+
+    Returns:
+      The limits.
+
+    Raises:
+      HTTPError: 400 for an unknown name, a non-positive or non-integer value, or a value over
+        the server's.
+    """
     if requested is None:
       return self.limits
     if not isinstance(requested, dict):
@@ -180,6 +202,12 @@ class SandboxService:
     return dataclasses.replace(self.limits, **values)
 
   async def create(self, limits: Limits) -> str:
+    """A new live sandbox (a warm one when the limits match); returns its id.
+
+    Raises:
+      SandboxFull: max_sandboxes are live.
+      HTTPError: 503 while the server shuts down.
+    """
     if self._stopping:
       raise HTTPError(503, "server is shutting down", "SandboxError")
     if limits == self.limits and self.warm:
@@ -202,12 +230,14 @@ class SandboxService:
     return sid
 
   def entry(self, sid: str) -> _Entry:
+    """The live sandbox `sid`; HTTPError 404 when it is unknown or closed."""
     e = self.live.get(sid)
     if e is None:
       raise HTTPError(404, f"sandbox id={sid!r}: unknown or closed", "NotFound")
     return e
 
   async def use(self, sid: str, method: str, *args, **kw):
+    """Calls `method` of sandbox `sid` with the arguments (it counts as busy meanwhile)."""
     e = self.entry(sid)
     e.busy += 1
     e.last_used = time.monotonic()
@@ -218,6 +248,7 @@ class SandboxService:
       e.last_used = time.monotonic()
 
   async def close(self, sid: str) -> None:
+    """Closes sandbox `sid`; HTTPError 404 when it is unknown or closed."""
     e = self.live.pop(sid, None)
     if e is None:
       raise HTTPError(404, f"sandbox id={sid!r}: unknown or closed", "NotFound")
@@ -227,6 +258,7 @@ class SandboxService:
       self._wake.set()
 
   async def shutdown(self) -> None:
+    """Stops the warm pool and the reaper and closes every sandbox."""
     self._stopping = True
     self._stop.set()
     self._wake.set()
@@ -239,12 +271,14 @@ class SandboxService:
         log.error("close on shutdown: %s", r)
 
   def stop(self) -> None:
+    """Shuts down (from another thread) and stops the service loop."""
     self.run(self.shutdown(), timeout=60)
     self.loop.call_soon_threadsafe(self.loop.stop)
     self._thread.join(10)
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
+  """The HTTP routes of the module docstring (bound to a service and token by `make_server`)."""
   server_version = "arbor-sandbox/1"
   timeout = 60  # seconds of socket inactivity while reading a request (slow clients)
 
@@ -384,18 +418,23 @@ class _Server(http.server.ThreadingHTTPServer):
     return sock, addr
 
 
-def is_loopback(host: str) -> bool:
-  try:
-    infos = socket.getaddrinfo(host, None)
-  except socket.gaierror:
-    return False
-  return all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
-
-
 def make_server(service: SandboxService, token: str, host: str = "127.0.0.1", port: int = 0,
                 tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
                 max_request_bytes: int = 16 << 20) -> _Server:
-  """An HTTP(S) server for `service` (not yet serving: call serve_forever())."""
+  """An HTTP(S) server for `service` (not yet serving: call serve_forever()).
+
+  Args:
+    service: the sandboxes.
+    token: the bearer token every request must carry (>= 16 characters).
+    host: the bind address (a non-loopback one needs TLS).
+    port: the TCP port (0: any free port).
+    tls_cert: PEM certificate chain (with tls_key: HTTPS).
+    tls_key: PEM private key.
+    max_request_bytes: larger bodies get 413.
+
+  Returns:
+    The server.
+  """
   if len(token) < 16:
     raise ValueError("token: expected at least 16 characters")
   if (tls_cert is None) != (tls_key is None):
@@ -415,15 +454,27 @@ def make_server(service: SandboxService, token: str, host: str = "127.0.0.1", po
 
 
 def read_token(path: str) -> str:
+  """The server's bearer token from its file (warns when others may read the file).
+
+  Args:
+    path: the token file.
+
+  Returns:
+    The token.
+
+  Raises:
+    ValueError: the token is shorter than 16 characters.
+  """
   if os.stat(path).st_mode & 0o077:
     log.warning("token file %s is readable by group/others: chmod 600 it", path)
-  token = open(path).read().strip()
+  token = read_secret(path)
   if len(token) < 16:
     raise ValueError(f"token file {path!r}: expected a token of at least 16 characters")
   return token
 
 
 def main(argv=None) -> None:
+  """The command line (see the module docstring and `--help`)."""
   d = Limits()
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs TLS)")

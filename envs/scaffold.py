@@ -1,8 +1,9 @@
 """The `react` scaffold: the agent loop that turns a task into an episode of policy calls.
 
-    result = await run_episode(policy, sandbox, task.prompt, default_tools(task.test_command),
+    prompt = task.prompt(rng)                  # one phrasing of the task's instruction
+    result = await run_episode(policy, sandbox, prompt, default_tools(task.test_command),
                                chat, ScaffoldConfig(max_turns=30))
-    trajectory = result.to_trajectory(reward, task.id, group_id)
+    trajectory = result.to_trajectory(reward, task.instance_id, group_id)
 
 Each turn samples one assistant reply, runs its tool calls in the sandbox and shows the results.
 Every policy call is recorded as an `LLMCall` with the exact ids the policy saw and sampled, and
@@ -22,6 +23,7 @@ extend the earlier ones); summary calls are marked with meta["summary"] = True.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import time
@@ -92,6 +94,39 @@ class ScaffoldConfig:
                        "{task} and {summary}")
 
 
+# The settings a launcher sets on a command line: (flag, ScaffoldConfig field, help).
+_FLAGS = (("max_turns", "max_turns", "agent turns per episode"),
+          ("max_new_tokens", "max_new_tokens", "tokens sampled per policy call"),
+          ("max_context_tokens", "max_context_tokens", "input + output of one call"),
+          ("episode_timeout", "timeout_s", "wall-clock seconds per episode"),
+          ("temperature", "temperature", "sampling temperature"))
+
+
+def add_scaffold_flags(parser: argparse.ArgumentParser) -> None:
+  """Declares the scaffold's command-line flags, with `ScaffoldConfig`'s defaults.
+
+  Args:
+    parser: gets --max_turns, --max_new_tokens, --max_context_tokens, --episode_timeout
+      (seconds) and --temperature.
+  """
+  defaults = ScaffoldConfig()
+  for flag, field, help_ in _FLAGS:
+    value = getattr(defaults, field)
+    parser.add_argument(f"--{flag}", type=type(value), default=value, help=help_)
+
+
+def scaffold_config_from_flags(args: argparse.Namespace) -> ScaffoldConfig:
+  """The `ScaffoldConfig` of the flags declared by `add_scaffold_flags`.
+
+  Args:
+    args: the parsed command line.
+
+  Returns:
+    The config (other fields at their defaults).
+  """
+  return ScaffoldConfig(**{field: getattr(args, flag) for flag, field, _ in _FLAGS})
+
+
 @dataclasses.dataclass
 class EpisodeResult:
   """What an episode did. `messages` is a readable transcript of every context (assistant
@@ -110,6 +145,18 @@ class EpisodeResult:
 
   def to_trajectory(self, reward: float, task_id: str, group_id: str,
                     metadata: Optional[dict] = None) -> Trajectory:
+    """The episode as a trajectory record, with its final ids.
+
+    Args:
+      reward: the verifier's reward.
+      task_id: the task's `instance_id`.
+      group_id: the group the episode belongs to ("" outside a group).
+      metadata: extra metadata (e.g. the verdict), added to the episode's own (num_turns,
+        num_summaries, tool_errors, submitted, elapsed_s, and answer / error when set).
+
+    Returns:
+      The trajectory.
+    """
     meta = {"num_turns": self.num_turns, "num_summaries": self.num_summaries,
             "tool_errors": self.tool_errors, "submitted": self.submitted,
             "elapsed_s": self.elapsed_s, **(metadata or {})}
@@ -238,8 +285,22 @@ class _Episode:
 
 async def run_episode(policy: Policy, sandbox: Sandbox, task_prompt: str, tools: Sequence[Tool],
                       chat: ChatFormat, config: Optional[ScaffoldConfig] = None) -> EpisodeResult:
-  """Run the react scaffold on one task until it ends (see the module docstring). The sandbox
-  is left open (the verifier reads the agent's changes from it). Policy errors propagate."""
+  """Runs the react scaffold on one task until it ends (see the module docstring).
+
+  The sandbox is left open (the verifier reads the agent's changes from it). Policy errors
+  propagate; a sandbox failure ends the episode with "sandbox_error".
+
+  Args:
+    policy: samples the agent's turns.
+    sandbox: where the tools run.
+    task_prompt: the task's instruction (one phrasing).
+    tools: the tools the agent may call (distinct names).
+    chat: renders messages to ids and parses the replies.
+    config: the scaffold's settings (default `ScaffoldConfig()`).
+
+  Returns:
+    What the episode did: the calls, the termination and a readable transcript.
+  """
   config = config or ScaffoldConfig()
   names = [t.name for t in tools]
   if len(set(names)) != len(names):
@@ -276,6 +337,18 @@ class ScriptedPolicy:
     self.requests: list[tuple[list[int], SamplingParams]] = []
 
   async def generate(self, input_ids: Sequence[int], params: SamplingParams) -> Generation:
+    """The script's next turn as a sampler would emit it, cut to `params.max_tokens`.
+
+    Args:
+      input_ids: the context (kept in `requests`; passed to a callable turn).
+      params: the sampling request (only max_tokens is honoured).
+
+    Returns:
+      The turn's ids with fake log-probs.
+
+    Raises:
+      IndexError: the script has no more turns.
+    """
     i = len(self.requests)
     self.requests.append((list(input_ids), params))
     if i >= len(self.turns):

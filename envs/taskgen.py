@@ -5,7 +5,8 @@ buggy code and pass with the reference fix, PASS_TO_PASS tests that pass on both
 unified diff (`Task.patch`) and as a one-line edit (`metadata["fix_edit"] = {"path", "old",
 "new"}`, for a scripted solver's `str_replace`), and several phrasings of the instruction, from
 expert to colloquial. Generation is deterministic: the same (level, seed, index) always gives
-the same task, byte for byte.
+the same task, byte for byte. The tables it draws from (function families and their bugs,
+names, phrasings) are in envs/taskgen_templates.py.
 
 Levels:
   0  one module, one function, a one-token bug (`+`->`-`, `>`->`>=`, an off-by-one ...);
@@ -27,150 +28,13 @@ import hashlib
 import json
 import os
 import random
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
+from envs.taskgen_templates import (API_MODULES, FAMILIES, HELPER_MODULES, LEVEL3_MODULES,
+                                    MODULES, PACKAGES, POOLS, STATEMENTS, Family)
 from envs.tasks import Task, load_swe_jsonl, make_patch
 
 LEVELS = (0, 1, 2, 3)
-
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-  """A small function template. `body` and `bugs` use the placeholders of `params`."""
-
-  names: tuple[str, ...]            # function names to choose from
-  params: tuple[str, ...]           # placeholders, e.g. ("a", "b")
-  pool: str                         # which parameter-name pool renames the placeholders
-  body: str                         # lines of the body, "\n"-separated, unindented
-  bugs: tuple[tuple[str, str], ...]  # (correct text, buggy text), each once in the body
-  doc: str                          # docstring template
-  draw: Callable[[random.Random], Any]  # one argument value
-  kind: str                         # how a public function composes it: map | fold | pred
-
-
-def _ints(lo, hi):
-  return lambda r: r.randint(lo, hi)
-
-
-def _int_list(lo, hi, n_lo=1, n_hi=5):
-  return lambda r: [r.randint(lo, hi) for _ in range(r.randint(n_lo, n_hi))]
-
-
-_WORDS = ("apple", "Banana", "kiwi", "Umbrella", "sky", "hello", "Python", "queue", "tree",
-          "ocean", "Ice", "rhythm", "data", "Moon")
-
-
-def _word(r):
-  return r.choice(_WORDS)
-
-
-FAMILIES = (
-    # two numbers -> number (composed as a fold over a list)
-    Family(("add", "add_numbers", "plus", "sum_two"), ("a", "b"), "pair", "return {a} + {b}",
-           (("+", "-"), ("+", "*")), "Return the sum of {a} and {b}.", _ints(-9, 9), "fold"),
-    Family(("subtract", "difference", "minus"), ("a", "b"), "pair", "return {a} - {b}",
-           (("-", "+"), ("{a} - {b}", "{b} - {a}")), "Return {a} minus {b}.", _ints(-9, 9),
-           "fold"),
-    Family(("multiply", "product", "times"), ("a", "b"), "pair", "return {a} * {b}",
-           (("*", "+"), ("*", "**")), "Return {a} multiplied by {b}.", _ints(0, 5), "fold"),
-    Family(("larger", "max_of_two", "bigger"), ("a", "b"), "pair", "return max({a}, {b})",
-           (("max", "min"),), "Return the larger of {a} and {b}.", _ints(-9, 9), "fold"),
-    Family(("smaller", "min_of_two", "lesser"), ("a", "b"), "pair", "return min({a}, {b})",
-           (("min", "max"),), "Return the smaller of {a} and {b}.", _ints(-9, 9), "fold"),
-    Family(("distance", "abs_diff", "gap"), ("a", "b"), "pair", "return abs({a} - {b})",
-           (("abs({a} - {b})", "({a} - {b})"), ("-", "+")),
-           "Return the absolute difference of {a} and {b}.", _ints(-9, 9), "fold"),
-    Family(("quotient", "int_divide"), ("a", "b"), "pair", "return {a} // {b}",
-           (("//", "%"),), "Return {a} divided by {b}, rounded down.", _ints(1, 9), "fold"),
-    # one number -> value (composed as a map over a list)
-    Family(("double", "twice", "times_two"), ("x",), "one", "return {x} * 2",
-           (("2", "3"), ("*", "+")), "Return {x} doubled.", _ints(-9, 9), "map"),
-    Family(("square", "squared"), ("x",), "one", "return {x} * {x}",
-           (("{x} * {x}", "{x} + {x}"),), "Return {x} squared.", _ints(-9, 9), "map"),
-    Family(("increment", "add_one", "next_number"), ("x",), "one", "return {x} + 1",
-           (("+ 1", "- 1"), ("1", "2")), "Return {x} plus one.", _ints(-9, 9), "map"),
-    Family(("negate", "opposite"), ("x",), "one", "return -{x}", (("-{x}", "{x}"),),
-           "Return {x} with its sign flipped.", _ints(-9, 9), "map"),
-    Family(("absolute", "magnitude"), ("x",), "one", "return {x} if {x} >= 0 else -{x}",
-           ((">=", "<="),), "Return the absolute value of {x}.", _ints(-9, 9), "map"),
-    Family(("half", "halve"), ("x",), "one", "return {x} // 2", (("//", "*"),),
-           "Return half of {x}, rounded down.", _ints(-9, 9), "map"),
-    Family(("count_up", "one_to_n", "first_n_numbers"), ("x",), "count",
-           "return list(range(1, {x} + 1))", (("{x} + 1", "{x}"), ("range(1", "range(0")),
-           "Return the list [1, 2, ..., {x}].", _ints(0, 6), "map"),
-    Family(("factorial",), ("x",), "count",
-           "result = 1\nfor i in range(2, {x} + 1):\n    result *= i\nreturn result",
-           (("{x} + 1", "{x}"), ("result = 1", "result = 0")), "Return {x}! (the factorial).",
-           _ints(0, 7), "map"),
-    # predicates (composed as a count over a list)
-    Family(("is_positive",), ("x",), "one", "return {x} > 0", ((">", ">="), (">", "<")),
-           "Return True if {x} is greater than zero.", _ints(-3, 3), "pred"),
-    Family(("is_negative",), ("x",), "one", "return {x} < 0", (("<", "<="),),
-           "Return True if {x} is below zero.", _ints(-3, 3), "pred"),
-    Family(("is_even",), ("x",), "one", "return {x} % 2 == 0", (("==", "!="), ("2", "3")),
-           "Return True if {x} is even.", _ints(-9, 9), "pred"),
-    Family(("is_adult", "can_vote"), ("x",), "age", "return {x} >= 18",
-           ((">=", ">"), ("18", "21")), "Return True if someone aged {x} is an adult (18+).",
-           _ints(14, 23), "pred"),
-    Family(("is_single_digit",), ("x",), "one", "return -10 < {x} < 10",
-           (("< 10", "<= 10"),), "Return True if {x} has a single decimal digit.",
-           _ints(-11, 11), "pred"),
-    # list -> value (composed as a map over a list of lists)
-    Family(("total", "sum_list", "sum_items"), ("xs",), "list",
-           "result = 0\nfor v in {xs}:\n    result += v\nreturn result",
-           (("result = 0", "result = 1"), ("+=", "-=")), "Return the sum of {xs}.",
-           _int_list(-5, 9, 0, 4), "map"),
-    Family(("last_item", "last", "final_element"), ("xs",), "list", "return {xs}[-1]",
-           (("-1", "0"), ("-1", "-2")), "Return the last element of {xs}.",
-           _int_list(0, 9), "map"),
-    Family(("first_item", "first", "head"), ("xs",), "list", "return {xs}[0]",
-           (("0", "1"), ("0", "-1")), "Return the first element of {xs}.", _int_list(0, 9),
-           "map"),
-    Family(("largest", "max_item", "biggest"), ("xs",), "list",
-           "best = {xs}[0]\nfor v in {xs}:\n    if v > best:\n        best = v\nreturn best",
-           ((">", "<"),), "Return the largest element of {xs}.", _int_list(-9, 9), "map"),
-    Family(("reverse", "reversed_list", "backwards"), ("xs",), "list", "return {xs}[::-1]",
-           (("[::-1]", "[1:]"),), "Return {xs} in reverse order.", _int_list(0, 9, 0, 4),
-           "map"),
-    Family(("count_positive", "num_positive"), ("xs",), "list",
-           "return len([v for v in {xs} if v > 0])", ((">", ">="),),
-           "Return how many elements of {xs} are greater than zero.", _int_list(-2, 3, 0, 5),
-           "map"),
-    # strings
-    Family(("shout", "to_upper", "loud"), ("s",), "text", "return {s}.upper()",
-           (("upper", "lower"),), "Return {s} in upper case.", _word, "map"),
-    Family(("whisper", "to_lower", "quiet"), ("s",), "text", "return {s}.lower()",
-           (("lower", "upper"),), "Return {s} in lower case.", _word, "map"),
-    Family(("greet", "hello"), ("s",), "name", 'return "Hello, " + {s} + "!"',
-           (('"!"', '"?"'), ('"Hello, "', '"Hello "')), "Return a greeting for {s}.", _word,
-           "map"),
-    Family(("first_letter", "initial"), ("s",), "text", "return {s}[0]", (("0", "-1"),),
-           "Return the first character of {s}.", _word, "map"),
-    Family(("count_vowels", "vowel_count"), ("s",), "text",
-           'return sum(1 for c in {s}.lower() if c in "aeiou")',
-           (('"aeiou"', '"aeio"'), (".lower()", "")),
-           "Return the number of vowels (a, e, i, o, u) in {s}.", _word, "map"),
-    Family(("word_length", "length_of"), ("s",), "text", "return len({s})",
-           (("len({s})", "len({s}) - 1"),), "Return the number of characters in {s}.", _word,
-           "map"),
-)
-
-# Parameter names per pool (placeholders are renamed in order).
-_POOLS = {
-    "pair": (("a", "b"), ("x", "y"), ("m", "n"), ("left", "right"), ("first", "second"),
-             ("p", "q")),
-    "one": (("x",), ("n",), ("value",), ("num",), ("k",)),
-    "count": (("n",), ("count",), ("limit",), ("k",)),
-    "age": (("age",), ("years",)),
-    "list": (("xs",), ("items",), ("values",), ("numbers",), ("seq",)),
-    "text": (("s",), ("text",), ("word",)),
-    "name": (("name",), ("who",), ("person",)),
-}
-_MODULES = ("calc", "mathutils", "helpers", "utils", "toolbox", "funcs", "basics", "ops")
-_PACKAGES = ("mylib", "toolkit", "arith", "smallpkg", "corelib", "appcore", "minilib")
-_HELPER_MODULES = ("helpers", "primitives", "base", "impl")
-_API_MODULES = ("core", "api", "service", "logic")
-_LEVEL3_MODULES = (("numeric", "extras"), ("mathops", "moreops"), ("basic_ops", "misc"))
 
 
 @dataclasses.dataclass
@@ -191,7 +55,7 @@ class _Fn:
 
 def _concrete(family: Family, rng: random.Random) -> tuple[_Fn, list[tuple[str, str]]]:
   """A function of `family` with drawn name and parameter names, and its formatted bugs."""
-  names = dict(zip(family.params, rng.choice(_POOLS[family.pool])))
+  names = dict(zip(family.params, rng.choice(POOLS[family.pool])))
   body = family.body.format(**names)
   bugs = [(a.format(**names), b.format(**names)) for a, b in family.bugs]
   fn = _Fn(rng.choice(family.names), tuple(names.values()), body,
@@ -296,37 +160,6 @@ def _test_file(imports: Sequence[tuple[str, Sequence[str]]], cases: Sequence[_Ca
   return "".join(parts), names
 
 
-_STATEMENTS = {
-    "specific": (
-        "`{call}` {result} but should return `{want}`. Fix `{func}` in `{file}` so that the "
-        "tests in `{test_file}` pass (do not change the tests).",
-        "The function `{func}` is wrong: `{call}` should be `{want}`, but it {result}. "
-        "Please fix it.",
-        "Bug report: {func} gives {got} for {call}; the expected result is {want}.",
-        "Fix {func}: expected {call} == {want}, got {got}.",
-        "{func} is broken lol, {call} gives me {got}?? should be {want}",
-        "hey can you look at {func}? when i call {call} i get {got} instead of {want}",
-    ),
-    "indirect": (
-        "`{call}` {result} instead of returning `{want}`. The public function `{func}` looks "
-        "right, so the bug may be in a helper it relies on. Fix the code so that the tests in "
-        "`{test_file}` pass (do not change the tests).",
-        "`{func}` gives the wrong answer: `{call}` should be `{want}`, but it {result}. Find "
-        "the bug and fix it.",
-        "Bug report: {call} gives {got}, expected {want}.",
-        "{func} is broken, {call} gives me {got} but i expected {want}. can you fix it?",
-        "something's off with {func}, {call} should be {want} not {got}",
-    ),
-    "vague": (
-        "`{func}` returns wrong results for some inputs, for example `{call}`. The tests in "
-        "`{test_file}` show the expected behaviour. Find the bug and fix it without changing "
-        "the tests.",
-        "Some tests in `{test_file}` fail. Please fix the code, not the tests.",
-        "{func} seems broken for some inputs, e.g. {call}. can you track it down and fix it?",
-    ),
-}
-
-
 def _got_text(case: _Case) -> tuple[str, str]:
   """How the buggy result reads in a statement: (noun, verb phrase), e.g. ("5", "returns `5`")
   or ("an IndexError", "raises `IndexError`")."""
@@ -351,7 +184,15 @@ class GeneratedTask:
   fix_edit: dict[str, str]          # {"path", "old", "new"}: one str_replace that fixes it
 
   def record(self, repo_path: str) -> dict:
-    """The SWE-format JSONL record (repo at `repo_path`, relative to the JSONL's dir)."""
+    """The SWE-format JSONL record of the task.
+
+    Args:
+      repo_path: where the repository is written, relative to the JSONL's directory.
+
+    Returns:
+      The record (`envs.tasks.swe_task_from_dict` reads it), with a content hash of the fixed
+      repository and the fix as `fix_edit`.
+    """
     fixed_all = {**self.files, **self.fixed}
     digest = hashlib.sha256(json.dumps(
         sorted((p, v.decode()) for p, v in fixed_all.items())).encode()).hexdigest()[:16]
@@ -365,7 +206,19 @@ class GeneratedTask:
 
 
 def generate(level: int, seed: int, index: int) -> GeneratedTask:
-  """The task (level, seed, index): deterministic, independent of other indices."""
+  """The task (level, seed, index): deterministic, independent of other indices.
+
+  Args:
+    level: difficulty, one of LEVELS.
+    seed: the generator seed.
+    index: the task's index.
+
+  Returns:
+    The generated task (not yet written).
+
+  Raises:
+    RuntimeError: no valid task within 100 draws (never seen in practice).
+  """
   if level not in LEVELS:
     raise ValueError(f"level={level!r}: expected one of {LEVELS}")
   rng = random.Random(f"arbor-taskgen/{seed}/{level}/{index}")
@@ -376,7 +229,28 @@ def generate(level: int, seed: int, index: int) -> GeneratedTask:
   raise RuntimeError(f"taskgen: no valid task for level={level} seed={seed} index={index}")
 
 
-def _try_generate(level: int, rng: random.Random, instance_id: str) -> Optional[GeneratedTask]:
+@dataclasses.dataclass
+class _Program:
+  """The functions of one generated repository and its planted bug."""
+
+  helpers: list[_Fn]
+  composites: list[_Fn]  # public functions built on the helpers (levels 2-3), one per helper
+  buggy: int             # index of the helper with the bug
+  bad_body: str          # that helper's buggy body
+
+  @property
+  def functions(self) -> list[_Fn]:
+    return self.helpers + self.composites
+
+  def source(self, fns: Sequence[_Fn], bad: bool) -> str:
+    """Source of `fns`, with the bug when `bad`."""
+    return "\n\n".join(f.source(self.bad_body if bad and f is self.helpers[self.buggy] else None)
+                       for f in fns)
+
+
+def _draw_program(level: int, rng: random.Random) -> Optional[_Program]:
+  """The helpers (one buggy), and their public composites at levels 2-3; None on a name clash
+  or an ambiguous bug."""
   n_helpers = (1, 3, 2, 4)[level]
   families = rng.sample(FAMILIES, n_helpers)
   helpers, bug_lists = zip(*(_concrete(f, rng) for f in families))
@@ -391,97 +265,136 @@ def _try_generate(level: int, rng: random.Random, instance_id: str) -> Optional[
   if len({c.name for c in composites} | {h.name for h in helpers}) < 2 * len(composites) or len(
       {c.name for c in composites}) < len(composites):
     return None
+  return _Program(list(helpers), composites, buggy, bad_body)
 
-  def source(fns, bad: bool) -> str:
-    return "\n\n".join(f.source(bad_body if bad and f is helpers[buggy] else None)
-                       for f in fns)
-  everything = list(helpers) + composites
-  good, bad = _namespace(source(everything, False)), _namespace(source(everything, True))
 
-  # Tests: the function the statement names is the buggy helper (levels 0-1) or its public
-  # composite (2-3). F2P: inputs where the buggy code differs; P2P: the rest.
-  target = composites[buggy] if level >= 2 else helpers[buggy]
+def _draw_cases(level: int, program: _Program, rng: random.Random
+                ) -> Optional[tuple[list[_Case], list[_Case], list[_Case]]]:
+  """(failing, agreeing, others): cases of the function the statement names (the buggy helper
+  at levels 0-1, its public composite at 2-3) that the bug fails (F2P) or not, and passing
+  cases of every other function (P2P); None when the bug shows on no input, or leaks into
+  another function."""
+  functions = program.functions
+  good = _namespace(program.source(functions, False))
+  bad = _namespace(program.source(functions, True))
+  helper = program.helpers[program.buggy]
+  target = program.composites[program.buggy] if level >= 2 else helper
   target_cases = _cases(target, good, bad, rng)
   failing = [c for c in target_cases if c.fails][:2]
   agreeing = [c for c in target_cases if not c.fails][:1]
   if not failing:
     return None
   others = []
-  for fn in everything:
-    if fn is target or fn is helpers[buggy]:
+  for fn in functions:
+    if fn is target or fn is helper:
       continue
     cases = _cases(fn, good, bad, rng, draws=20)
     if len(cases) < 1 or any(c.fails for c in cases):
       return None
     others += cases[:2 if level < 2 else 1]
+  return failing, agreeing, others
 
-  # Layout.
+
+def _layout(level: int, program: _Program, rng: random.Random
+            ) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+  """(files, file of each function, module of each function): one module at levels 0-1, a
+  package of helper modules and an API module at 2-3. Sources hold the bug."""
+  helpers, composites = program.helpers, program.composites
   files: dict[str, str] = {}
   if level <= 1:
-    mod = rng.choice(_MODULES)
-    files[f"{mod}.py"] = source(helpers, True)
-    file_of = {h.name: f"{mod}.py" for h in helpers}
-    modname = {h.name: mod for h in helpers}
+    mod = rng.choice(MODULES)
+    files[f"{mod}.py"] = program.source(helpers, True)
+    return files, {h.name: f"{mod}.py" for h in helpers}, {h.name: mod for h in helpers}
+  pkg = rng.choice(PACKAGES)
+  files[f"{pkg}/__init__.py"] = ""
+  if level == 2:
+    hmods = [rng.choice(HELPER_MODULES)] * len(helpers)
   else:
-    pkg = rng.choice(_PACKAGES)
-    files[f"{pkg}/__init__.py"] = ""
-    if level == 2:
-      hmods = [rng.choice(_HELPER_MODULES)] * n_helpers
-    else:
-      pair = rng.choice(_LEVEL3_MODULES)
-      hmods = [pair[i % 2] for i in range(n_helpers)]
-    api = rng.choice(_API_MODULES)
-    file_of, modname = {}, {}
-    for m in dict.fromkeys(hmods):
-      fns = [h for h, hm in zip(helpers, hmods) if hm == m]
-      files[f"{pkg}/{m}.py"] = source(fns, True)
-      for h in fns:
-        file_of[h.name], modname[h.name] = f"{pkg}/{m}.py", f"{pkg}.{m}"
-    imports = "".join(f"from {pkg}.{m} import "
-                      f"{', '.join(h.name for h, hm in zip(helpers, hmods) if hm == m)}\n"
-                      for m in dict.fromkeys(hmods))
-    files[f"{pkg}/{api}.py"] = imports + "\n\n" + source(composites, True)
-    for c in composites:
-      file_of[c.name], modname[c.name] = f"{pkg}/{api}.py", f"{pkg}.{api}"
+    pair = rng.choice(LEVEL3_MODULES)
+    hmods = [pair[i % 2] for i in range(len(helpers))]
+  api = rng.choice(API_MODULES)
+  file_of, modname = {}, {}
+  for m in dict.fromkeys(hmods):
+    fns = [h for h, hm in zip(helpers, hmods) if hm == m]
+    files[f"{pkg}/{m}.py"] = program.source(fns, True)
+    for h in fns:
+      file_of[h.name], modname[h.name] = f"{pkg}/{m}.py", f"{pkg}.{m}"
+  imports = "".join(f"from {pkg}.{m} import "
+                    f"{', '.join(h.name for h, hm in zip(helpers, hmods) if hm == m)}\n"
+                    for m in dict.fromkeys(hmods))
+  files[f"{pkg}/{api}.py"] = imports + "\n\n" + program.source(composites, True)
+  for c in composites:
+    file_of[c.name], modname[c.name] = f"{pkg}/{api}.py", f"{pkg}.{api}"
+  return files, file_of, modname
 
-  # Test modules: one per source module, holding the cases of its functions.
+
+def _write_tests(files: dict[str, str], modname: Mapping[str, str], failing: list[_Case],
+                 cases: list[_Case]) -> tuple[list[str], list[str]]:
+  """Adds one test module per source module to `files`, holding the cases of its functions;
+  (FAIL_TO_PASS ids: the `failing` ones, PASS_TO_PASS ids)."""
   by_module: dict[str, list[_Case]] = {}
-  for c in failing + agreeing + others:
+  for c in cases:
     by_module.setdefault(modname[c.fn.name], []).append(c)
   f2p, p2p, failing_ids = [], [], {id(c) for c in failing}
-  for mod, cases in sorted(by_module.items()):
+  for mod, mod_cases in sorted(by_module.items()):
     test_path = f"tests/test_{mod.rsplit('.', 1)[-1]}.py"
-    src, names = _test_file([(mod, {c.fn.name for c in cases})], cases)
+    src, names = _test_file([(mod, {c.fn.name for c in mod_cases})], mod_cases)
     files[test_path] = src
-    for c, name in zip(cases, names):
+    for c, name in zip(mod_cases, names):
       (f2p if id(c) in failing_ids else p2p).append(f"{test_path}::{name}")
-  test_files = sorted({i.split("::")[0] for i in f2p + p2p})
+  return f2p, p2p
 
-  # The fix: one line of the buggy helper's file.
-  path = file_of[helpers[buggy].name]
+
+def _fix(files: Mapping[str, str], file_of: Mapping[str, str], program: _Program
+         ) -> Optional[tuple[str, dict[str, str]]]:
+  """(the fixed file's text, the one-line str_replace that fixes it); None unless the fix is
+  exactly one unique line."""
+  helper = program.helpers[program.buggy]
+  path = file_of[helper.name]
   bad_text = files[path]
-  good_text = bad_text.replace(helpers[buggy].source(bad_body), helpers[buggy].source())
+  good_text = bad_text.replace(helper.source(program.bad_body), helper.source())
   bad_lines, good_lines = bad_text.split("\n"), good_text.split("\n")
   changed = [i for i, (a, b) in enumerate(zip(bad_lines, good_lines)) if a != b]
   if len(changed) != 1 or bad_text.count(bad_lines[changed[0]]) != 1:
     return None
-  fix_edit = {"path": path, "old": bad_lines[changed[0]], "new": good_lines[changed[0]]}
+  return good_text, {"path": path, "old": bad_lines[changed[0]], "new": good_lines[changed[0]]}
 
-  # Statements.
-  case = failing[0]
+
+def _statements(level: int, case: _Case, file_of: Mapping[str, str], test_file: str
+                ) -> list[str]:
+  """The phrasings of the instruction about a failing `case`, from expert to colloquial:
+  specific at levels 0-1, indirect at 2, vague at 3 (plus two indirect ones)."""
   style = "specific" if level <= 1 else "indirect" if level == 2 else "vague"
   got, result = _got_text(case)
   fields = dict(call=_call(case.fn.name, case.args), got=got, result=result, want=repr(case.want),
-                func=case.fn.name, file=file_of[case.fn.name],
-                test_file=f2p[0].split("::")[0])
-  statements = [s.format(**fields) for s in _STATEMENTS[style]]
+                func=case.fn.name, file=file_of[case.fn.name], test_file=test_file)
+  statements = [s.format(**fields) for s in STATEMENTS[style]]
   if level == 3:  # also a few concrete ones: vagueness varies per episode
-    statements += [s.format(**fields) for s in _STATEMENTS["indirect"][:2]]
+    statements += [s.format(**fields) for s in STATEMENTS["indirect"][:2]]
+  return statements
+
+
+def _try_generate(level: int, rng: random.Random, instance_id: str) -> Optional[GeneratedTask]:
+  """One draw of a task; None when the draw fails (then `generate` draws again)."""
+  program = _draw_program(level, rng)
+  if program is None:
+    return None
+  cases = _draw_cases(level, program, rng)
+  if cases is None:
+    return None
+  failing, agreeing, others = cases
+  files, file_of, modname = _layout(level, program, rng)
+  f2p, p2p = _write_tests(files, modname, failing, failing + agreeing + others)
+  fix = _fix(files, file_of, program)
+  if fix is None:
+    return None
+  good_text, fix_edit = fix
+  test_files = sorted({i.split("::")[0] for i in f2p + p2p})
   return GeneratedTask(
       instance_id=instance_id, level=level,
       files={p: v.encode() for p, v in sorted(files.items())},
-      fixed={path: good_text.encode()}, fail_to_pass=f2p, pass_to_pass=p2p,
-      problem_statements=statements,
+      fixed={fix_edit["path"]: good_text.encode()}, fail_to_pass=f2p, pass_to_pass=p2p,
+      problem_statements=_statements(level, failing[0], file_of, f2p[0].split("::")[0]),
       test_command="python3 -m pytest -q " + " ".join(test_files), fix_edit=fix_edit)
 
 
@@ -490,15 +403,31 @@ EVAL_PERCENT = 50  # share of the program space (by task_key) held out for evalu
 
 
 def task_key(g: GeneratedTask) -> str:
-  """The task's program: the buggy file and the fix (statement wording and ids aside). Two
-  tasks with one key are the same exercise; the train/eval split is made on it."""
+  """The task's program: the buggy file and the fix (statement wording and ids aside).
+
+  Two tasks with one key are the same exercise; the train/eval split is made on it.
+
+  Args:
+    g: a generated task.
+
+  Returns:
+    A sha256 hex digest.
+  """
   return hashlib.sha256(g.files[g.fix_edit["path"]] + b"\0" +
                         g.fix_edit["new"].encode()).hexdigest()
 
 
 def split_of(g: GeneratedTask) -> str:
-  """"eval" for EVAL_PERCENT % of the programs (by task_key), else "train": held-out tasks
-  never share a program with a training task, however many of either are drawn."""
+  """The split a task's program belongs to.
+
+  Held-out tasks never share a program with a training task, however many of either are drawn.
+
+  Args:
+    g: a generated task.
+
+  Returns:
+    "eval" for EVAL_PERCENT % of the programs (by `task_key`), else "train".
+  """
   return "eval" if int(task_key(g)[:8], 16) % 100 < EVAL_PERCENT else "train"
 
 
@@ -538,9 +467,21 @@ def _stream(level: int, seed: int, split: str, unique: bool) -> SplitStream:
 
 def write_tasks(out_dir: str, n: int, level: int, seed: int, start: int = 0,
                 split: Optional[str] = None, unique: bool = False) -> list[Task]:
-  """Generate tasks start..start+n-1 into out_dir/repos/<id>/ and out_dir/tasks.jsonl (which
-  is replaced); returns them as loaded from that file. With `split` ("train" | "eval"),
-  positions start.. of that split's stream instead (SplitStream; `unique`: distinct programs)."""
+  """Generates tasks into out_dir/repos/<id>/ and out_dir/tasks.jsonl (which is replaced).
+
+  Args:
+    out_dir: the output directory.
+    n: how many tasks.
+    level: difficulty, one of LEVELS.
+    seed: the generator seed.
+    start: the first generator index (or, with `split`, the first position in that split).
+    split: "train" | "eval": positions start.. of that split's stream (`SplitStream`) instead
+      of generator indices.
+    unique: with `split`, distinct programs only.
+
+  Returns:
+    The tasks, as loaded from the written file.
+  """
   if n < 1:
     raise ValueError(f"n={n!r}: expected >= 1")
   if split is None:
@@ -565,6 +506,7 @@ def write_tasks(out_dir: str, n: int, level: int, seed: int, start: int = 0,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
+  """The command line: `python -m envs.taskgen --n N --level L --seed S --out DIR`."""
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--n", type=int, required=True, help="number of tasks")

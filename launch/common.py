@@ -1,14 +1,18 @@
-"""Pieces shared by the launchers: commands that are run or printed, configs, names, secrets.
+"""Pieces the launchers share: commands run or printed, cloud flags, configs, names, secrets.
 
 A launcher builds a list of `Command`s (argv lists, never shell strings) and hands it to `run`,
 which prints them under `--dry_run` and runs them otherwise. Secrets never appear in a command
 or a script: scripts name Secret Manager secrets and fetch them on the machine into root-only
 files (`secret_fetch_lines`), and a value that must be fed to gcloud (a generated token) goes
 through the command's stdin, which is never printed.
+
+The `check_*` functions take the flag a value came from and raise `LaunchError` naming it.
 """
 
 from __future__ import annotations
 
+import argparse
+import copy
 import dataclasses
 import importlib.util
 import os
@@ -17,7 +21,7 @@ import shlex
 import subprocess
 import sys
 import tarfile
-from typing import Iterable, Optional, Sequence, TextIO
+from typing import Any, Iterable, Mapping, Optional, Sequence, TextIO
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,6 +56,12 @@ class Command:
 
 
 def print_commands(commands: Iterable[Command], out: Optional[TextIO] = None) -> None:
+  """Prints each command as a shell line, its `why` above it; stdin is named, never shown.
+
+  Args:
+    commands: the commands, in order.
+    out: where to print (default: sys.stdout).
+  """
   out = out or sys.stdout  # looked up per call: tests redirect it
   for c in commands:
     if c.why:
@@ -63,7 +73,16 @@ def print_commands(commands: Iterable[Command], out: Optional[TextIO] = None) ->
 
 
 def run(commands: Sequence[Command], dry_run: bool, out: Optional[TextIO] = None) -> None:
-  """Print the commands (dry run) or run them in order, stopping at the first failure."""
+  """Prints the commands (dry run) or runs them in order, stopping at the first failure.
+
+  Args:
+    commands: the commands, in order.
+    dry_run: print only.
+    out: where to print (default: sys.stdout).
+
+  Raises:
+    subprocess.CalledProcessError: a command exited with a non-zero status.
+  """
   out = out or sys.stdout
   if dry_run:
     print_commands(commands, out)
@@ -75,11 +94,26 @@ def run(commands: Sequence[Command], dry_run: bool, out: Optional[TextIO] = None
 
 
 def capture(argv: Sequence[str]) -> str:
-  """stdout of a command (for polling, e.g. a queued resource's state)."""
+  """Runs a command and returns its stdout (for polling, e.g. a queued resource's state).
+
+  Args:
+    argv: the program and its arguments.
+
+  Returns:
+    stdout with surrounding whitespace removed.
+  """
   return subprocess.run(list(argv), check=True, capture_output=True, text=True).stdout.strip()
 
 
 def print_script(title: str, path: str, script: str, out: Optional[TextIO] = None) -> None:
+  """Prints a script between `# ---- TITLE (PATH) ----` and `# ---- end of TITLE ----` lines.
+
+  Args:
+    title: what the script is, e.g. "boot script".
+    path: where a real run writes it.
+    script: its text.
+    out: where to print (default: sys.stdout).
+  """
   out = out or sys.stdout
   print(f"# ---- {title} ({path}) ----", file=out)
   print(script.rstrip("\n"), file=out)
@@ -87,7 +121,16 @@ def print_script(title: str, path: str, script: str, out: Optional[TextIO] = Non
 
 
 def write_script(directory: str, name: str, script: str) -> str:
-  """Write a script (mode 0700: it names secrets, never holds them) and return its path."""
+  """Writes a script, mode 0700 (it names secrets, never holds them).
+
+  Args:
+    directory: an existing directory.
+    name: the file name.
+    script: its text.
+
+  Returns:
+    The script's path.
+  """
   path = os.path.join(directory, name)
   with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o700), "w") as f:
     f.write(script)
@@ -99,6 +142,7 @@ def write_script(directory: str, name: str, script: str) -> str:
 
 
 def check_name(flag: str, value: str) -> str:
+  """Returns `value` if it is a GCE/TPU resource name (an RFC 1035 label)."""
   if not _NAME_RE.match(value or ""):
     raise LaunchError(f"{flag}={value!r}: expected a resource name of lower-case letters, digits "
                       "and dashes, starting with a letter, at most 63 characters")
@@ -106,6 +150,7 @@ def check_name(flag: str, value: str) -> str:
 
 
 def check_gcs(flag: str, value: str) -> str:
+  """Returns a gs://BUCKET/PATH URL without trailing slashes (VMs cannot see this disk)."""
   if not (value or "").startswith("gs://") or len(value) <= len("gs://"):
     raise LaunchError(f"{flag}={value!r}: expected a gs://BUCKET/PATH URL (TPU and fleet VMs "
                       "cannot see this machine's disk)")
@@ -113,7 +158,18 @@ def check_gcs(flag: str, value: str) -> str:
 
 
 def parse_secrets(flag: str, values: Sequence[str]) -> dict[str, str]:
-  """`NAME=SECRET_ID` pairs -> {file name: Secret Manager secret id}."""
+  """Parses `NAME=SECRET_ID` pairs.
+
+  Args:
+    flag: the flag they came from, for the error message.
+    values: the pairs; NAME is a file name under SECRETS_DIR, SECRET_ID a Secret Manager id.
+
+  Returns:
+    {file name: Secret Manager secret id}.
+
+  Raises:
+    LaunchError: a malformed pair, or a file name given twice.
+  """
   out: dict[str, str] = {}
   for v in values or ():
     name, sep, secret = v.partition("=")
@@ -132,6 +188,14 @@ def secret_fetch_lines(secrets: dict[str, str], project: str,
   """Bash lines that fetch each secret's latest version into `directory/NAME`, mode 0600, root.
 
   The VM's service account needs roles/secretmanager.secretAccessor on each secret.
+
+  Args:
+    secrets: {file name: Secret Manager secret id}.
+    project: the project that holds the secrets.
+    directory: where the files go (a tmpfs).
+
+  Returns:
+    The lines (none without secrets).
   """
   if not secrets:
     return []
@@ -146,17 +210,67 @@ def secret_fetch_lines(secrets: dict[str, str], project: str,
 
 
 # ---------------------------------------------------------------------------------------------
-# Configs and overrides (launch/ may import configs only: docs/design.md §1)
+# Flags
+
+# The cloud flags that mean the same to every launcher offering them (`add_cloud_flags`), as
+# argparse keywords; each launcher words the help for its own resources.
+CLOUD_FLAGS: dict[str, dict[str, Any]] = {
+    "project": {"default": ""},
+    "zone": {"default": ""},
+    "name": {"default": ""},
+    "spot": {"action": "store_true"},
+    "service_account": {"default": ""},
+    "network": {"default": ""},
+    "secret": {"action": "append", "default": [], "metavar": "NAME=SECRET_ID"},
+    "teardown": {"action": "store_true"},
+    "dry_run": {"action": "store_true"},
+}
+
+
+def add_cloud_flags(parser: argparse.ArgumentParser, helps: Mapping[str, str], *,
+                    required: Iterable[str] = (),
+                    defaults: Optional[Mapping[str, Any]] = None) -> None:
+  """Adds the `CLOUD_FLAGS` a launcher offers, in the order of `helps`.
+
+  Args:
+    parser: the launcher's parser.
+    helps: flag (a key of CLOUD_FLAGS) -> its help text in this launcher.
+    required: flags that must be given (they have no default).
+    defaults: flag -> this launcher's default, where it is not CLOUD_FLAGS's.
+  """
+  required, defaults = set(required), defaults or {}
+  for flag, text in helps.items():
+    kwargs = copy.deepcopy(CLOUD_FLAGS[flag])  # a fresh default list per parser
+    if flag in required:
+      del kwargs["default"]
+      kwargs["required"] = True
+    elif flag in defaults:
+      kwargs["default"] = defaults[flag]
+    parser.add_argument(f"--{flag}", help=text, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs and overrides
 
 
 def split_config_arg(config: str) -> tuple[str, Optional[str]]:
-  """'configs/X.py:ARG' -> ('configs/X.py', 'ARG')."""
+  """Splits a config argument: 'configs/X.py:ARG' -> ('configs/X.py', 'ARG').
+
+  Args:
+    config: the config file, optionally followed by `:ARG` for its `get_config`.
+
+  Returns:
+    (path, ARG or None without a colon).
+  """
   path, sep, arg = config.partition(":")
   return path, (arg if sep else None)
 
 
 def check_config_path(flag: str, config: str) -> str:
-  """The config must be a .py file inside the repository (it is shipped with the code)."""
+  """Returns configs/NAME.py[:ARG], relative to the repository root, if the file is inside it.
+
+  The config must live in the repository because it ships with the code.
+  """
   path, _ = split_config_arg(config or "")
   if not path.endswith(".py"):
     raise LaunchError(f"{flag}={config!r}: expected configs/NAME.py[:ARG]")
@@ -171,7 +285,14 @@ def check_config_path(flag: str, config: str) -> str:
 
 
 def load_config(config: str):
-  """`get_config(ARG)` of a config file (an ml_collections.ConfigDict)."""
+  """Loads a config file and calls its `get_config`.
+
+  Args:
+    config: configs/NAME.py[:ARG], relative to the repository root.
+
+  Returns:
+    `get_config(ARG)`, or `get_config()` without ARG (an ml_collections.ConfigDict).
+  """
   path, arg = split_config_arg(config)
   full = os.path.join(REPO_ROOT, path)
   spec = importlib.util.spec_from_file_location(f"_arbor_config_{abs(hash(full))}", full)
@@ -181,7 +302,16 @@ def load_config(config: str):
 
 
 def check_override_keys(config: str, keys: Iterable[str], flag: str) -> None:
-  """Every dotted key must name a field of the config (so typos fail here, not on a pod)."""
+  """Checks that every dotted key names a field of the config (typos fail here, not on a pod).
+
+  Args:
+    config: configs/NAME.py[:ARG].
+    keys: dotted field names, e.g. "optimizer.learning_rate".
+    flag: the flag(s) they came from, for the error message.
+
+  Raises:
+    LaunchError: a key that is not a field; the message lists the fields where it stops.
+  """
   cfg = load_config(config)
   for key in keys:
     node = cfg
@@ -196,7 +326,18 @@ def check_override_keys(config: str, keys: Iterable[str], flag: str) -> None:
 
 
 def split_overrides(extra: Sequence[str], flag_help: str) -> list[str]:
-  """Unparsed command-line arguments: only `--config.KEY=VALUE` overrides are allowed."""
+  """Checks that the arguments argparse left over are all `--config.KEY=VALUE` overrides.
+
+  Args:
+    extra: the unparsed arguments.
+    flag_help: what the launcher accepts, for the error message.
+
+  Returns:
+    The overrides, in order.
+
+  Raises:
+    LaunchError: any other argument.
+  """
   out = []
   for a in extra:
     if not (a.startswith("--config.") and "=" in a):
@@ -206,6 +347,7 @@ def split_overrides(extra: Sequence[str], flag_help: str) -> list[str]:
 
 
 def override_keys(overrides: Sequence[str]) -> list[str]:
+  """The KEYs of `--config.KEY=VALUE` overrides, in order."""
   return [a[len("--config."):].split("=", 1)[0] for a in overrides]
 
 
@@ -214,7 +356,14 @@ def override_keys(overrides: Sequence[str]) -> list[str]:
 
 
 def source_files(root: str = REPO_ROOT) -> list[str]:
-  """Files git tracks plus untracked files it does not ignore (so uncommitted work ships)."""
+  """Files git tracks plus untracked files it does not ignore (so uncommitted work ships).
+
+  Args:
+    root: the repository.
+
+  Returns:
+    Sorted paths relative to `root`, regular files only.
+  """
   out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                        cwd=root, check=True, capture_output=True).stdout
   names = sorted({n for n in out.decode().split("\0") if n})
@@ -222,7 +371,15 @@ def source_files(root: str = REPO_ROOT) -> list[str]:
 
 
 def make_tarball(path: str, root: str = REPO_ROOT) -> str:
-  """A gzipped tarball of `source_files` with paths relative to the repository root."""
+  """Writes a gzipped tarball of `source_files`, paths relative to the repository root.
+
+  Args:
+    path: the tarball to write.
+    root: the repository.
+
+  Returns:
+    `path`.
+  """
   with tarfile.open(path, "w:gz") as tar:
     for name in source_files(root):
       tar.add(os.path.join(root, name), arcname=name, recursive=False)
@@ -235,6 +392,14 @@ def install_lines(src: str, venv: str, extra: str) -> list[str]:
   uv provides Python 3.11 where the image has an older one (TPU images run Ubuntu 22.04's
   3.10; numpy 2.4 needs 3.11) and installs with requirements-lock.txt as constraints, so VMs
   run the versions the tests ran.
+
+  Args:
+    src: the unpacked source tree on the VM.
+    venv: the virtual environment to (re)create.
+    extra: the setup.py extra to install, e.g. "tpu" ("" for none).
+
+  Returns:
+    The lines.
   """
   q = shlex.quote
   return [

@@ -39,24 +39,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import ipaddress
-import json
 import os
-import secrets as pysecrets
 import shlex
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.parse
-import urllib.request
 from typing import Optional, Sequence
 
+from envs.net import is_loopback
 from launch import common
 from launch.common import Command, LaunchError
+from launch.local_fleet import LocalFleet, run_local
 
 SRC, VENV = "/opt/arbor/src", "/opt/arbor/venv"
 SANDBOX_PORT = 8910
@@ -67,17 +61,11 @@ CHATS = ("chatml", "qwen2.5", "deepseek_v3", "plain")
 # Validation
 
 
-def _is_loopback(host: str) -> bool:
-  if host == "localhost":
-    return True
-  try:
-    return ipaddress.ip_address(host).is_loopback
-  except ValueError:
-    return False
-
-
 def check_redis_url(flag: str, url: str, allow_plaintext: bool) -> str:
-  """redis:// or rediss://, no password in it (never echoed), TLS unless loopback or allowed."""
+  """Returns a redis:// or rediss:// URL without credentials (an error never echoes them).
+
+  Plaintext redis:// must go to a loopback host unless `allow_plaintext`.
+  """
   try:
     parts = urllib.parse.urlsplit(url or "")
     parts.port  # raises ValueError on a malformed port
@@ -90,13 +78,14 @@ def check_redis_url(flag: str, url: str, allow_plaintext: bool) -> str:
                       "never in a URL (it would show in process lists and metadata)")
   if parts.scheme not in ("redis", "rediss") or not parts.hostname:
     raise LaunchError(f"{flag}={url!r}: expected redis://HOST:PORT or rediss://HOST:PORT")
-  if parts.scheme == "redis" and not _is_loopback(parts.hostname) and not allow_plaintext:
+  if parts.scheme == "redis" and not is_loopback(parts.hostname) and not allow_plaintext:
     raise LaunchError(f"{flag}={url!r}: a non-loopback Redis must use TLS (rediss://); "
                       "--allow_plaintext_redis overrides this on a trusted private network")
   return url
 
 
 def check_http_url(flag: str, url: str) -> str:
+  """Returns an http(s)://HOST:PORT URL without credentials, without trailing slashes."""
   parts = urllib.parse.urlsplit(url or "")
   if parts.scheme not in ("http", "https") or not parts.hostname:
     raise LaunchError(f"{flag}={url!r}: expected http(s)://HOST:PORT")
@@ -111,6 +100,8 @@ def check_http_url(flag: str, url: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Fleet:
+  """A cloud fleet: its group of VMs and what each VM's worker and sandbox server run."""
+
   name: str  # managed instance group; the template is NAME-tpl
   project: str
   zone: str
@@ -142,14 +133,17 @@ class Fleet:
 
   @property
   def template(self) -> str:
+    """The instance template's name."""
     return f"{self.name[:59]}-tpl"
 
   @property
   def region(self) -> str:
+    """The zone's region."""
     return self.zone.rsplit("-", 1)[0]
 
   @property
   def code_url(self) -> str:
+    """Where the source tarball is shipped."""
     return f"{self.staging}/code/arbor-src.tar.gz"
 
 
@@ -162,7 +156,16 @@ def _data_path(value: str, dest: str, lines: list[str]) -> str:
 
 
 def worker_argv(f: Fleet, tasks: str, tokenizer: str) -> list[str]:
-  """The rollout worker's command line on a VM; %d is systemd's credentials directory."""
+  """The rollout worker's command line on a VM; %d is systemd's credentials directory.
+
+  Args:
+    f: the fleet.
+    tasks: the task file's path on the VM.
+    tokenizer: the tokenizer file's path on the VM.
+
+  Returns:
+    The argv (secrets as credential files, never values).
+  """
   argv = [f"{VENV}/bin/python", "-m", "envs.rollout_worker", f"--policy_url={f.policy_url}",
           "--policy_token_file=%d/policy.token", f"--queue={f.redis}",
           "--queue_password_file=%d/redis.password", f"--queue_prefix={f.queue_prefix}",
@@ -176,13 +179,17 @@ def worker_argv(f: Fleet, tasks: str, tokenizer: str) -> list[str]:
 
 
 def sandbox_argv(f: Fleet) -> list[str]:
+  """The sandbox server's command line on a VM: loopback only, token required."""
   return [f"{VENV}/bin/python", "-m", "envs.sandbox_server", "--host=127.0.0.1",
           f"--port={SANDBOX_PORT}", "--backend=bwrap", f"--max_sandboxes={f.max_sandboxes}",
           f"--warm={f.warm}", "--token-file=/run/arbor/secrets/sandbox.token"]
 
 
 def boot_script(f: Fleet) -> str:
-  """startup-script metadata of every fleet VM. Names secrets; never holds one."""
+  """The startup-script metadata of every fleet VM: code, install, secrets, two units.
+
+  It names Secret Manager secrets and never holds a value.
+  """
   sec = common.SECRETS_DIR
   data: list[str] = []
   tasks = _data_path(f.tasks, "/opt/arbor/data/tasks.jsonl", data)
@@ -196,7 +203,8 @@ def boot_script(f: Fleet) -> str:
   worker_unit = "\n".join([
       "[Unit]", "Description=Arbor rollout worker", "Wants=network-online.target",
       "After=network-online.target arbor-sandbox.service", "[Service]", "User=arbor",
-      *creds, f"WorkingDirectory={SRC}", "ExecStart=" + shlex.join(worker_argv(f, tasks, tokenizer)),
+      *creds, f"WorkingDirectory={SRC}",
+      "ExecStart=" + shlex.join(worker_argv(f, tasks, tokenizer)),
       "KillMode=mixed", "KillSignal=SIGTERM", f"TimeoutStopSec={int(f.grace) + 30}",
       "Restart=always", "RestartSec=5", "NoNewPrivileges=yes", "PrivateTmp=yes",
       "[Install]", "WantedBy=multi-user.target"])
@@ -250,10 +258,12 @@ def _proj(f: Fleet) -> str:
 
 
 def upload_command(f: Fleet, tarball: str) -> Command:
+  """Copies the source tarball to `f.code_url`."""
   return Command(("gcloud", "storage", "cp", tarball, f.code_url), "ship the working tree")
 
 
 def template_command(f: Fleet, script_path: str) -> Command:
+  """Creates the instance template: private VMs that boot with the script at `script_path`."""
   argv = ["gcloud", "compute", "instance-templates", "create", f.template, _proj(f),
           f"--machine-type={f.machine_type}", f"--image-family={f.image_family}",
           f"--image-project={f.image_project}", f"--boot-disk-size={f.boot_disk_gb}GB",
@@ -272,6 +282,7 @@ def template_command(f: Fleet, script_path: str) -> Command:
 
 
 def group_command(f: Fleet) -> Command:
+  """Creates the managed instance group of `f.workers` VMs from the template."""
   return Command(("gcloud", "compute", "instance-groups", "managed", "create", f.name, _proj(f),
                   f"--zone={f.zone}", f"--template={f.template}", f"--size={f.workers}",
                   f"--base-instance-name={f.name[:54]}"),
@@ -279,10 +290,21 @@ def group_command(f: Fleet) -> Command:
 
 
 def launch_commands(f: Fleet, script_path: str, tarball: str) -> list[Command]:
+  """The commands of one launch, in order: upload, template, group."""
   return [upload_command(f, tarball), template_command(f, script_path), group_command(f)]
 
 
 def teardown_commands(name: str, project: str, zone: str) -> list[Command]:
+  """Deletes the group NAME (its VMs get SIGTERM) and then its template.
+
+  Args:
+    name: the group's name.
+    project: its project.
+    zone: its zone.
+
+  Returns:
+    The two commands, in order.
+  """
   template = f"{name[:59]}-tpl"
   return [Command(("gcloud", "compute", "instance-groups", "managed", "delete", name,
                    f"--project={project}", f"--zone={zone}", "--quiet"),
@@ -292,269 +314,30 @@ def teardown_commands(name: str, project: str, zone: str) -> list[Command]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Local fleet
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def write_secret_file(path: str, value: str) -> str:
-  with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as fh:
-    fh.write(value)
-  return path
-
-
-def http_health(url: str, token_file: str, timeout: float = 5.0) -> dict:
-  """GET URL/health with the bearer token from `token_file`."""
-  with open(token_file) as fh:
-    token = fh.read().strip()
-  req = urllib.request.Request(f"{url}/health", headers={"Authorization": f"Bearer {token}"})
-  with urllib.request.urlopen(req, timeout=timeout) as r:
-    return json.loads(r.read())
-
-
-def redis_ping(port: int, password_file: str, timeout: float = 2.0) -> bool:
-  """AUTH + PING over a raw socket (RESP), so launch needs no Redis client."""
-  with open(password_file) as fh:
-    password = fh.read().strip()
-  def bulk(*words: str) -> bytes:
-    out = f"*{len(words)}\r\n".encode()
-    for w in words:
-      b = w.encode()
-      out += b"$%d\r\n%s\r\n" % (len(b), b)
-    return out
-  try:
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-      s.sendall(bulk("AUTH", password) + bulk("PING"))
-      data = b""
-      while data.count(b"\r\n") < 2:
-        chunk = s.recv(1024)
-        if not chunk:
-          break
-        data += chunk
-    return data.startswith(b"+OK\r\n") and b"+PONG" in data
-  except OSError:
-    return False
-
-
-@dataclasses.dataclass
-class LocalFleet:
-  """redis-server + sandbox servers + rollout workers on this machine, loopback only."""
-
-  workers: int
-  sandbox_servers: int
-  policy_url: str = ""
-  policy_token_file: str = ""
-  redis: str = ""  # an existing loopback Redis instead of starting one
-  redis_password_file: str = ""
-  tasks: str = "envs/data/swe/tasks.jsonl"
-  tokenizer: str = ""
-  chat: str = "chatml"
-  group_size: int = 8
-  concurrency: int = 4
-  sandbox_backend: str = "bwrap"
-  max_sandboxes: int = 8
-  queue_prefix: str = "arbor"
-  grace: float = 10.0
-  lease_ttl: float = 120.0  # a killed worker's draws go to another worker after this
-  max_backlog: int = 1024  # workers pause while the queue holds this many unacked trajectories
-  epochs: int = 0  # passes over the tasks (0: until stopped)
-  max_turns: int = 30  # agent turns per episode
-  max_new_tokens: int = 2048  # tokens sampled per policy call
-  max_context_tokens: int = 32768  # input + output of one call (at most the engine's length)
-  python: str = sys.executable
-
-  def __post_init__(self):
-    self.dir = tempfile.mkdtemp(prefix="arbor-fleet-")  # mode 0700
-    self.procs: list[tuple[str, subprocess.Popen]] = []
-    self.redis_url = self.redis
-    self.sandbox_urls: list[str] = []
-
-  def _spawn(self, name: str, argv: Sequence[str]) -> subprocess.Popen:
-    log = open(os.path.join(self.dir, f"{name}.log"), "wb")
-    proc = subprocess.Popen(list(argv), cwd=common.REPO_ROOT, stdout=log,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    log.close()
-    self.procs.append((name, proc))
-    return proc
-
-  def _wait(self, what: str, proc: subprocess.Popen, ready, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-      value = ready()
-      if value:
-        return value
-      if proc.poll() is not None:
-        raise RuntimeError(f"{what} exited with {proc.returncode} before it was ready; see "
-                           f"{self.dir}")
-      time.sleep(0.05)
-    raise RuntimeError(f"{what} not ready after {timeout:.0f}s; see {self.dir}")
-
-  def start(self) -> dict:
-    """Redis, the sandbox servers, then the rollout workers; `info()`."""
-    self.start_services()
-    for i in range(self.workers):
-      self.start_worker(i)
-    return self.info()
-
-  def start_services(self) -> dict:
-    """Redis (unless given) and the sandbox servers, each healthy before this returns."""
-    d = self.dir
-    if self.redis:
-      self.password_file = self.redis_password_file
-    else:
-      if not shutil.which("redis-server"):
-        raise LaunchError("--local: redis-server is not installed (apt-get install "
-                          "redis-server), or pass --redis and --redis_password_file")
-      port = free_port()
-      self.password_file = write_secret_file(os.path.join(d, "redis.password"),
-                                             pysecrets.token_hex(32))
-      conf = os.path.join(d, "redis.conf")
-      with open(self.password_file) as fh:  # the password goes in a 0600 file, not argv
-        pw = fh.read()
-      write_secret_file(conf, "\n".join([
-          "bind 127.0.0.1", f"port {port}", "protected-mode yes", f"requirepass {pw}",
-          f"dir {d}", "appendonly yes", 'save ""', "daemonize no", ""]))
-      proc = self._spawn("redis", ["redis-server", conf])
-      self._wait("redis-server", proc, lambda: redis_ping(port, self.password_file))
-      self.redis_url = f"redis://127.0.0.1:{port}"
-    self.sandbox_token_file = write_secret_file(os.path.join(d, "sandbox.token"),
-                                                pysecrets.token_hex(32))
-    for i in range(self.sandbox_servers):
-      port_file = os.path.join(d, f"sandbox-{i}.port")
-      argv = [self.python, "-m", "envs.sandbox_server", "--host", "127.0.0.1", "--port", "0",
-              "--port_file", port_file, "--token-file", self.sandbox_token_file,
-              "--backend", self.sandbox_backend, "--max_sandboxes", str(self.max_sandboxes),
-              "--uid_base", str(2_000_000_000 + 4096 * i), "--uid_count", "256"]
-      if self.sandbox_backend == "local":
-        argv.append("--allow_unsafe_local")
-      proc = self._spawn(f"sandbox-{i}", argv)
-
-      def port_ready(port_file=port_file):
-        try:
-          with open(port_file) as fh:
-            return int(fh.read().strip() or 0)
-        except (OSError, ValueError):
-          return 0
-      port = self._wait(f"sandbox server {i}", proc, port_ready)
-      url = f"http://127.0.0.1:{port}"
-      self._wait(f"sandbox server {i} health", proc,
-                 lambda url=url: self._healthy(url))
-      self.sandbox_urls.append(url)
-    return self.info()
-
-  def start_worker(self, i: int) -> subprocess.Popen:
-    """Rollout worker `local-<i>` on sandbox server i mod n (its log: <dir>/worker-<i>.log)."""
-    argv = [self.python, "-m", "envs.rollout_worker", "--policy_url", self.policy_url,
-            "--queue", self.redis_url, "--queue_password_file", self.password_file,
-            "--queue_prefix", self.queue_prefix, "--tasks", self.tasks,
-            "--tokenizer", self.tokenizer, "--chat", self.chat,
-            "--group_size", str(self.group_size), "--concurrency", str(self.concurrency),
-            "--sandbox", "remote", "--sandbox_url",
-            self.sandbox_urls[i % len(self.sandbox_urls)],
-            "--token_file", self.sandbox_token_file, "--grace", str(self.grace),
-            "--lease_ttl", str(self.lease_ttl), "--max_backlog", str(self.max_backlog),
-            "--epochs", str(self.epochs), "--max_turns", str(self.max_turns),
-            "--max_new_tokens", str(self.max_new_tokens),
-            "--max_context_tokens", str(self.max_context_tokens), "--worker_id", f"local-{i}"]
-    if self.policy_token_file:
-      argv += ["--policy_token_file", self.policy_token_file]
-    return self._spawn(f"worker-{i}", argv)
-
-  def _healthy(self, url: str) -> bool:
-    try:
-      return bool(http_health(url, self.sandbox_token_file, timeout=1.0).get("ok"))
-    except OSError:
-      return False
-
-  def info(self) -> dict:
-    """What a trainer on this machine needs: URLs and the files holding secrets (no values)."""
-    return {"dir": self.dir, "redis": self.redis_url, "redis_password_file": self.password_file,
-            "sandbox_urls": self.sandbox_urls, "sandbox_token_file": self.sandbox_token_file,
-            "queue_prefix": self.queue_prefix,
-            "pids": {name: p.pid for name, p in self.procs}}
-
-  def check(self) -> Optional[str]:
-    """The first process that exited on its own, if any."""
-    for name, p in self.procs:
-      if p.poll() is not None:
-        return f"{name} exited with {p.returncode} (log: {self.dir}/{name}.log)"
-    return None
-
-  def stop(self, keep_dir: bool = False) -> None:
-    """SIGTERM in reverse start order (workers, sandbox servers, Redis), then wait; SIGKILL
-    whatever outlives its grace."""
-    for name, p in reversed(self.procs):
-      if p.poll() is None:
-        p.send_signal(signal.SIGTERM)
-      grace = self.grace + 10 if name.startswith("worker") else 15
-      try:
-        p.wait(grace)
-      except subprocess.TimeoutExpired:
-        print(f"launch.fleet: {name} ignored SIGTERM for {grace:.0f}s; killing", file=sys.stderr)
-        p.kill()
-        p.wait()
-    if not keep_dir:
-      shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def run_local(fleet: LocalFleet, ready_file: str = "", keep_dir: bool = False) -> int:
-  stop = {"signal": None}
-
-  def on_signal(signum, _frame):
-    stop["signal"] = signum
-  signal.signal(signal.SIGTERM, on_signal)
-  signal.signal(signal.SIGINT, on_signal)
-  try:
-    info = fleet.start()
-  except BaseException:
-    fleet.stop(keep_dir=True)
-    raise
-  text = json.dumps(info, indent=1)
-  print(f"launch.fleet: local fleet up (secrets are in the files named here):\n{text}",
-        flush=True)
-  if ready_file:
-    tmp = ready_file + ".tmp"
-    with open(tmp, "w") as fh:
-      fh.write(text)
-    os.replace(tmp, ready_file)
-  failure = None
-  while stop["signal"] is None and failure is None:
-    failure = fleet.check()
-    time.sleep(0.2)
-  if failure:
-    print(f"launch.fleet: {failure}; stopping the rest", file=sys.stderr)
-  else:
-    print(f"launch.fleet: signal {stop['signal']}: stopping workers, sandbox servers, Redis",
-          flush=True)
-  fleet.stop(keep_dir=keep_dir or failure is not None)
-  print("launch.fleet: stopped", flush=True)
-  return 1 if failure else 0
-
-
-# ---------------------------------------------------------------------------------------------
 # Command line
 
 
 def build_parser() -> argparse.ArgumentParser:
+  """The command-line flags, cloud and `--local`."""
   p = argparse.ArgumentParser(prog="python -m launch.fleet", description=__doc__,
                               allow_abbrev=False,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   a = p.add_argument
+  common.add_cloud_flags(p, {
+      "name": "managed instance group name",
+      "project": "Google Cloud project",
+      "zone": "zone of the group",
+      "network": "VPC network",
+      "service_account": "VM service account (GCS read, secret access)",
+      "spot": "spot VMs (the group recreates preempted ones)",
+      "teardown": "delete the group and its template",
+      "dry_run": "print the gcloud commands and the boot script",
+  }, defaults={"name": "arbor-fleet", "network": "default"})
+  a("--subnet", default="", help="subnetwork (in the zone's region)")
   a("--workers", type=int, default=1, help="VMs (cloud) / rollout worker processes (local)")
   a("--machine_type", default="e2-standard-8", help="VM machine type")
   a("--redis", default="", help="rediss://HOST:PORT of the rollout queue (no password in it)")
   a("--policy_url", default="", help="the trainer's policy server, http(s)://HOST:PORT")
-  a("--name", default="arbor-fleet", help="managed instance group name")
-  a("--project", default="", help="Google Cloud project")
-  a("--zone", default="", help="zone of the group")
-  a("--network", default="default", help="VPC network")
-  a("--subnet", default="", help="subnetwork (in the zone's region)")
-  a("--service_account", default="", help="VM service account (GCS read, secret access)")
-  a("--spot", action="store_true", help="spot VMs (the group recreates preempted ones)")
   a("--staging", default="", help="gs://BUCKET/PATH for the code tarball")
   a("--tasks", default="envs/data/swe/tasks.jsonl", help="task JSONL: gs:// or repo path")
   a("--tokenizer", default="", help="tokenizer file: gs:// or repo path")
@@ -571,8 +354,6 @@ def build_parser() -> argparse.ArgumentParser:
   a("--sandbox_token_secret", default="",
     help="Secret Manager id of the sandbox token (default: generated on each VM)")
   a("--allow_plaintext_redis", action="store_true", help="permit redis:// to a non-loopback host")
-  a("--teardown", action="store_true", help="delete the group and its template")
-  a("--dry_run", action="store_true", help="print the gcloud commands and the boot script")
   # local mode
   a("--local", action="store_true", help="run the fleet's processes on this machine")
   a("--sandbox_servers", type=int, default=-1, help="--local: sandbox servers (default --workers)")
@@ -586,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _repo_or_gcs(flag: str, value: str) -> str:
+  """A gs:// URL, or a file inside the repository (relative to its root: it ships there)."""
   if value.startswith("gs://"):
     return common.check_gcs(flag, value)
   full = os.path.abspath(os.path.join(common.REPO_ROOT, value))
@@ -596,6 +378,17 @@ def _repo_or_gcs(flag: str, value: str) -> str:
 
 
 def parse_cloud(args: argparse.Namespace) -> Fleet:
+  """Checks the flags of a cloud fleet.
+
+  Args:
+    args: the parsed flags.
+
+  Returns:
+    The fleet.
+
+  Raises:
+    LaunchError: a missing or bad flag; the message names it.
+  """
   for flag in ("project", "zone", "redis", "policy_url", "staging", "tokenizer",
                "redis_password_secret", "policy_token_secret"):
     if not getattr(args, flag):
@@ -630,6 +423,17 @@ def parse_cloud(args: argparse.Namespace) -> Fleet:
 
 
 def parse_local(args: argparse.Namespace) -> LocalFleet:
+  """Checks the flags of a `--local` fleet.
+
+  Args:
+    args: the parsed flags.
+
+  Returns:
+    The local fleet, not started.
+
+  Raises:
+    LaunchError: a missing or bad flag; the message names it.
+  """
   if args.workers < 0:
     raise LaunchError(f"--workers={args.workers}: must be >= 0")
   servers = args.workers if args.sandbox_servers < 0 else args.sandbox_servers
@@ -660,6 +464,15 @@ def parse_local(args: argparse.Namespace) -> LocalFleet:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+  """The command line: a cloud fleet (or `--dry_run`), `--teardown`, or `--local`.
+
+  Args:
+    argv: the arguments, without the program name (default: sys.argv[1:]).
+
+  Returns:
+    The exit status: 0 done (or stopped by a signal, `--local`), 1 a command or a local
+    process failed, 2 bad flags.
+  """
   argv = sys.argv[1:] if argv is None else argv
   args = build_parser().parse_args(list(argv))
   try:

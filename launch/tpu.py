@@ -70,6 +70,8 @@ from launch.common import Command, LaunchError
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
+  """What one TPU generation's accelerator types mean in chips and hosts."""
+
   prefix: str  # accelerator type prefix, e.g. "v5p" in "v5p-128"
   cores_per_chip: int  # what the type's number counts per chip (TensorCores or chips)
   chips_per_host: int  # chips per TPU VM in multi-host slices
@@ -90,6 +92,8 @@ GENERATIONS: dict[str, Generation] = {
 
 @dataclasses.dataclass(frozen=True)
 class Slice:
+  """One accelerator type resolved: its generation, chips and hosts (TPU VMs)."""
+
   accelerator_type: str
   generation: Generation
   chips: int
@@ -97,11 +101,23 @@ class Slice:
 
   @property
   def chips_per_host(self) -> int:
+    """Chips on each TPU VM."""
     return self.chips // self.hosts
 
 
 def parse_accelerator(tpu: str) -> Slice:
-  """'v5p-128' -> Slice(chips=64, hosts=16). Errors name the flag, the value and the rule."""
+  """Resolves an accelerator type: 'v5p-128' -> Slice(chips=64, hosts=16).
+
+  Args:
+    tpu: the --tpu value, TYPE-N.
+
+  Returns:
+    The slice.
+
+  Raises:
+    LaunchError: an unknown generation or a size the generation does not offer; the message
+      names the flag, the value and the rule.
+  """
   m = re.fullmatch(r"(v\d+[a-z]*)-(\d+)", tpu or "")
   if not m or m.group(1) not in GENERATIONS:
     raise LaunchError(f"--tpu={tpu!r}: expected TYPE-N with TYPE one of "
@@ -159,10 +175,12 @@ class Job:
 
   @property
   def code_url(self) -> str:
+    """Where the source tarball is shipped."""
     return f"{self.workdir}/code/arbor-src.tar.gz"
 
 
 def trainer_argv(job: Job) -> list[str]:
+  """The trainer's command line on every worker."""
   return [f"{VENV}/bin/python", "-m", "trainer.main", f"--config={job.config}",
           *job.overrides, f"--workdir={job.workdir}"]
 
@@ -211,6 +229,7 @@ def _multihost_lines(job: Job) -> list[str]:
 
 
 def unit_file(job: Job) -> str:
+  """The systemd unit that runs the wrapper; its SIGTERM reaches Python (module docstring)."""
   return "\n".join([
       "[Unit]",
       f"Description=Arbor trainer ({job.name})",
@@ -230,7 +249,10 @@ def unit_file(job: Job) -> str:
 
 
 def boot_script(job: Job) -> str:
-  """The startup-script metadata: code, install, secrets, wrapper, unit; idempotent."""
+  """The startup-script metadata: code, install, secrets, wrapper, unit; idempotent.
+
+  Every worker runs it at every boot; it names secrets and never holds one.
+  """
   q = shlex.quote
   if job.git_url:
     code = [f"git clone --quiet {q(job.git_url)} {SRC}",
@@ -282,11 +304,13 @@ def _where(job: Job) -> list[str]:
 
 
 def upload_command(job: Job, tarball: str) -> Command:
+  """Copies the source tarball to `job.code_url`."""
   return Command(("gcloud", "storage", "cp", tarball, job.code_url),
                  "ship the working tree (git-tracked + untracked, not ignored)")
 
 
 def create_command(job: Job, script_path: str) -> Command:
+  """Creates the queued resource whose VMs boot with the script at `script_path`."""
   argv = ["gcloud", "compute", "tpus", "queued-resources", "create", job.name,
           f"--node-id={job.name}", f"--accelerator-type={job.slice.accelerator_type}",
           f"--runtime-version={job.runtime_version or job.slice.generation.runtime_version}",
@@ -308,17 +332,20 @@ def create_command(job: Job, script_path: str) -> Command:
 
 
 def describe_command(job: Job) -> Command:
+  """Prints the queued resource's state (ACTIVE, SUSPENDED, ...)."""
   return Command(("gcloud", "compute", "tpus", "queued-resources", "describe", job.name,
                   *_where(job), "--format=value(state.state)"),
                  "poll every 30 s until ACTIVE (SUSPENDED/FAILED: lost, requeue)")
 
 
 def ssh_command(job: Job, worker: str, command: str, why: str) -> Command:
+  """Runs a shell command on one worker ("0", "1", ...) or on "all"."""
   return Command(("gcloud", "compute", "tpus", "tpu-vm", "ssh", job.name, *_where(job),
                   f"--worker={worker}", f"--command={command}"), why)
 
 
 def start_command(job: Job) -> Command:
+  """Runs the boot script once more on every worker (a no-op where it already started)."""
   fetch = (f"curl -sf -H 'Metadata-Flavor: Google' -o /tmp/arbor-boot.sh "
            f"{METADATA}/startup-script && sudo bash /tmp/arbor-boot.sh")
   return ssh_command(job, "all", fetch,
@@ -326,6 +353,7 @@ def start_command(job: Job) -> Command:
 
 
 def logs_command(job: Job, worker: str = "0") -> Command:
+  """Streams a worker's trainer log until the trainer exits, then its exit status."""
   tail = (f"pid=$(systemctl show -p MainPID --value {UNIT}); "
           f"if [ \"$pid\" -gt 0 ]; then sudo tail -n +1 -F --pid=\"$pid\" {LOG}; "
           f"else sudo cat {LOG}; fi; "
@@ -335,6 +363,7 @@ def logs_command(job: Job, worker: str = "0") -> Command:
 
 
 def delete_command(job: Job) -> Command:
+  """Deletes the queued resource and its TPU VMs."""
   return Command(("gcloud", "compute", "tpus", "queued-resources", "delete", job.name,
                   *_where(job), "--force", "--quiet"),
                  "tear down: delete the queued resource and its TPU VMs")
@@ -342,6 +371,16 @@ def delete_command(job: Job) -> Command:
 
 def launch_commands(job: Job, script_path: str, tarball: str = "arbor-src.tar.gz"
                     ) -> list[Command]:
+  """The commands of one launch, in order, as `--dry_run` lists them.
+
+  Args:
+    job: the job.
+    script_path: the boot script's file.
+    tarball: the source tarball's file (not shipped with `job.git_url`).
+
+  Returns:
+    Upload (unless git), create, describe (the polling), start, logs.
+  """
   cmds = [] if job.git_url else [upload_command(job, tarball)]
   return cmds + [create_command(job, script_path), describe_command(job), start_command(job),
                  logs_command(job)]
@@ -354,6 +393,7 @@ LOST_STATES = ("SUSPENDING", "SUSPENDED", "FAILED")
 
 
 def state(job: Job) -> str:
+  """The queued resource's state; FAILED where it cannot be described (deleted)."""
   try:
     return common.capture(describe_command(job).argv) or "UNKNOWN"
   except Exception as e:  # a deleted queued resource: describe fails
@@ -362,6 +402,7 @@ def state(job: Job) -> str:
 
 
 def wait_active(job: Job, poll_s: float = 30.0) -> str:
+  """Polls the state every `poll_s` seconds until ACTIVE or lost; returns that state."""
   while True:
     s = state(job)
     print(f"launch.tpu: {job.name} is {s}", flush=True)
@@ -372,6 +413,23 @@ def wait_active(job: Job, poll_s: float = 30.0) -> str:
 
 def execute(job: Job, script_path: str, tarball: Optional[str], max_requeues: int,
             detach: bool, logs_worker: str) -> int:
+  """Runs a job: upload, create, wait, start, stream logs; requeues a lost slice.
+
+  Args:
+    job: the job.
+    script_path: the boot script's file.
+    tarball: the source tarball to upload (None: the VMs clone `job.git_url`).
+    max_requeues: how often a lost (preempted) slice is deleted and created again.
+    detach: return once the trainer is started, without streaming its log.
+    logs_worker: the worker whose log is streamed.
+
+  Returns:
+    0 once the trainer exited on a slice that is still up (or was started, with `detach`);
+    1 after `max_requeues` lost slices.
+
+  Raises:
+    subprocess.CalledProcessError: a gcloud command (other than the log stream) failed.
+  """
   if tarball:
     common.run([upload_command(job, tarball)], dry_run=False)
   for attempt in range(max_requeues + 1):
@@ -402,6 +460,7 @@ def execute(job: Job, script_path: str, tarball: Optional[str], max_requeues: in
 
 
 def build_parser() -> argparse.ArgumentParser:
+  """The command-line flags (`--config.KEY=VALUE` overrides are parsed by `parse`)."""
   p = argparse.ArgumentParser(
       prog="python -m launch.tpu", description=__doc__,
       formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -410,39 +469,51 @@ def build_parser() -> argparse.ArgumentParser:
   a = p.add_argument
   a("--config", help="configs/NAME.py[:ARG] (inside the repository; ships with the code)")
   a("--tpu", required=True, help="accelerator type, e.g. v5p-128, v6e-64, v5litepod-16")
-  a("--zone", required=True, help="TPU zone, e.g. us-east5-a")
-  a("--project", required=True, help="Google Cloud project id")
+  common.add_cloud_flags(p, {
+      "zone": "TPU zone, e.g. us-east5-a",
+      "project": "Google Cloud project id",
+      "name": "queued resource and TPU node name (default: arbor-<config>-<tpu>)",
+      "spot": "spot capacity (preemptible; requeued on loss)",
+      "secret": "fetch Secret Manager secret SECRET_ID into /run/arbor/secrets/NAME (repeatable)",
+      "service_account": "TPU VM service account (needs GCS + secret access)",
+      "network": "VPC network",
+      "teardown": "delete the queued resource --name and exit",
+      "dry_run": "print the gcloud commands and the boot script",
+  }, required=("zone", "project"), defaults={"name": None})
+  a("--subnetwork", default="", help="VPC subnetwork")
+  a("--internal_ips", action="store_true", help="no external IPs (needs Cloud NAT for installs)")
   a("--workdir", help="gs://BUCKET/PATH: checkpoints, logs, the code tarball")
-  a("--name", help="queued resource and TPU node name (default: arbor-<config>-<tpu>)")
-  a("--spot", action="store_true", help="spot capacity (preemptible; requeued on loss)")
   a("--runtime_version", default="", help="TPU software version (default: per generation)")
   a("--git_url", default="", help="clone this repository on the VMs instead of a tarball")
   a("--git_ref", default="main", help="commit/branch/tag to check out with --git_url")
-  a("--secret", action="append", default=[], metavar="NAME=SECRET_ID",
-    help="fetch Secret Manager secret SECRET_ID into /run/arbor/secrets/NAME (repeatable)")
-  a("--service_account", default="", help="TPU VM service account (needs GCS + secret access)")
-  a("--network", default="", help="VPC network")
-  a("--subnetwork", default="", help="VPC subnetwork")
-  a("--internal_ips", action="store_true", help="no external IPs (needs Cloud NAT for installs)")
   a("--libtpu_init_args", default="", help="LIBTPU_INIT_ARGS for the trainer (XLA TPU flags)")
   a("--max_requeues", type=int, default=3, help="re-create a lost (preempted) slice this often")
   a("--detach", action="store_true", help="return after starting; do not stream logs")
   a("--logs_worker", default="0", help="worker whose log is streamed ('all' for every one)")
   a("--skip_config_check", action="store_true",
     help="do not load the config here to check --config.KEY overrides")
-  a("--teardown", action="store_true", help="delete the queued resource --name and exit")
-  a("--dry_run", action="store_true", help="print the gcloud commands and the boot script")
   return p
 
 
 def default_name(config: Optional[str], tpu: str) -> str:
+  """arbor-<config file name>-<accelerator type>, made a valid resource name."""
   base = os.path.splitext(os.path.basename(common.split_config_arg(config or "run")[0]))[0]
   name = re.sub(r"[^a-z0-9-]+", "-", f"arbor-{base}-{tpu}".lower()).strip("-")
   return name[:63].rstrip("-")
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, Job]:
-  """Flags -> (namespace, Job); every problem is a LaunchError naming the flag."""
+  """Parses and checks the command line.
+
+  Args:
+    argv: the arguments, without the program name.
+
+  Returns:
+    (the parsed flags, the Job; with --teardown a Job that only names the resource).
+
+  Raises:
+    LaunchError: a bad flag or value; the message names the flag.
+  """
   args, extra = build_parser().parse_known_args(list(argv))
   overrides = common.split_overrides(extra, "launch.tpu passes only --config.KEY=VALUE on")
   sl = parse_accelerator(args.tpu)
@@ -468,6 +539,14 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, Job]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+  """The command line: launch, `--dry_run` or `--teardown`.
+
+  Args:
+    argv: the arguments, without the program name (default: sys.argv[1:]).
+
+  Returns:
+    The exit status: 0 done, 1 a command failed or the slice was lost too often, 2 bad flags.
+  """
   argv = sys.argv[1:] if argv is None else argv
   try:
     args, job = parse(argv)

@@ -46,6 +46,8 @@ XMANAGER_PIN = "xmanager==0.8.5.post1"
 
 @dataclasses.dataclass(frozen=True)
 class SweepJob:
+  """One point of a sweep: its overrides and its own workdir."""
+
   index: int
   point: tuple[tuple[str, str], ...]  # (config key, value text) of this job
   overrides: tuple[str, ...]  # every --config.KEY=VALUE of the job (shared ones first)
@@ -53,11 +55,23 @@ class SweepJob:
 
   @property
   def label(self) -> str:
+    """KEY=VALUE,... of the point ("base" for a sweep without axes)."""
     return ",".join(f"{k}={v}" for k, v in self.point) or "base"
 
 
 def parse_sweep(spec: str) -> list[tuple[str, list[str]]]:
-  """'a=1,2;b=x' -> [('a', ['1', '2']), ('b', ['x'])]; errors name --sweep and the part."""
+  """Parses a --sweep value: 'a=1,2;b=x' -> [('a', ['1', '2']), ('b', ['x'])].
+
+  Args:
+    spec: axes separated by ';', each KEY=V1,V2,... with KEY a dotted config field.
+
+  Returns:
+    The axes in order, values as text.
+
+  Raises:
+    LaunchError: a malformed axis, an empty or repeated value, or a key in two axes; the
+      message names --sweep and the part.
+  """
   axes: list[tuple[str, list[str]]] = []
   for part in (p.strip() for p in (spec or "").split(";")):
     if not part:
@@ -85,7 +99,16 @@ def _slug(point: Sequence[tuple[str, str]]) -> str:
 
 def expand(axes: Sequence[tuple[str, Sequence[str]]], shared: Sequence[str],
            workdir: str) -> list[SweepJob]:
-  """The Cartesian product of the axes, in order (the last axis varies fastest)."""
+  """The jobs of a sweep: the Cartesian product of the axes (the last axis varies fastest).
+
+  Args:
+    axes: (config key, values) per axis, as `parse_sweep` returns them.
+    shared: `--config.KEY=VALUE` overrides for every job (they come first).
+    workdir: the parent of the jobs' workdirs.
+
+  Returns:
+    One SweepJob per point, numbered from 0; job i writes to WORKDIR/i_KEY=VALUE_...
+  """
   keys = [k for k, _ in axes]
   jobs = []
   for i, values in enumerate(itertools.product(*[v for _, v in axes])):
@@ -96,6 +119,7 @@ def expand(axes: Sequence[tuple[str, Sequence[str]]], shared: Sequence[str],
 
 
 def job_argv(config: str, job: SweepJob, python: str = sys.executable) -> list[str]:
+  """The trainer's command line for one job."""
   return [python, "-m", "trainer.main", f"--config={config}", *job.overrides,
           f"--workdir={job.workdir}"]
 
@@ -117,7 +141,19 @@ def import_xmanager():
 
 
 def run_xmanager_local(config: str, jobs: Sequence[SweepJob], title: str) -> int:
-  """One XManager experiment; each job a work unit running trainer.main as a local binary."""
+  """Runs the jobs as one XManager experiment, each a work unit of trainer.main run locally.
+
+  Args:
+    config: configs/NAME.py[:ARG].
+    jobs: the jobs.
+    title: the experiment's title.
+
+  Returns:
+    0 (XManager reports the work units' outcomes itself).
+
+  Raises:
+    LaunchError: xmanager is not installed.
+  """
   xm, xm_local = import_xmanager()
   os.chdir(common.REPO_ROOT)  # local jobs inherit it: `python -m trainer.main` resolves here
   with xm_local.create_experiment(experiment_title=title) as experiment:
@@ -130,6 +166,15 @@ def run_xmanager_local(config: str, jobs: Sequence[SweepJob], title: str) -> int
 
 
 def run_subprocesses(config: str, jobs: Sequence[SweepJob]) -> int:
+  """Runs the jobs one after another as subprocesses.
+
+  Args:
+    config: configs/NAME.py[:ARG].
+    jobs: the jobs.
+
+  Returns:
+    0 if every job succeeded, else 1 (after running them all).
+  """
   failed = []
   for job in jobs:
     argv = job_argv(config, job)
@@ -142,6 +187,16 @@ def run_subprocesses(config: str, jobs: Sequence[SweepJob]) -> int:
 
 
 def tpu_job(args: argparse.Namespace, config: str, job: SweepJob) -> tpu_launch.Job:
+  """The launch.tpu Job of one sweep job: its own slice, named PREFIX-INDEX.
+
+  Args:
+    args: the parsed flags (--tpu, --zone, --project, --name, --spot, --secret).
+    config: configs/NAME.py[:ARG].
+    job: the sweep job.
+
+  Returns:
+    The TPU job.
+  """
   sl = tpu_launch.parse_accelerator(args.tpu)
   base = args.name or tpu_launch.default_name(config, args.tpu)
   name = common.check_name("--name", f"{base[:63 - 1 - len(str(job.index))]}-{job.index}")
@@ -151,11 +206,43 @@ def tpu_job(args: argparse.Namespace, config: str, job: SweepJob) -> tpu_launch.
                             common.parse_secrets("--secret", args.secret).items())))
 
 
+def run_on_tpu(args: argparse.Namespace, config: str, jobs: Sequence[SweepJob]) -> int:
+  """Starts one detached TPU slice per job (no requeues), or prints them with --dry_run.
+
+  Args:
+    args: the parsed flags.
+    config: configs/NAME.py[:ARG].
+    jobs: the jobs.
+
+  Returns:
+    0 once every slice is started (or printed).
+
+  Raises:
+    subprocess.CalledProcessError: a gcloud command failed.
+  """
+  tpu_jobs = [tpu_job(args, config, j) for j in jobs]
+  for job, tj in zip(jobs, tpu_jobs):
+    print(f"# ==== job {job.index}: {job.label} -> {tj.name}")
+    tmp = os.path.join(tempfile.gettempdir(), f"arbor-launch-{tj.name}")
+    if args.dry_run:
+      script = os.path.join(tmp, "startup.sh")
+      common.print_script("boot script", script, tpu_launch.boot_script(tj))
+      common.run(tpu_launch.launch_commands(tj, script, os.path.join(tmp, "arbor-src.tar.gz")),
+                 dry_run=True)
+    else:
+      os.makedirs(tmp, exist_ok=True)
+      script = common.write_script(tmp, "startup.sh", tpu_launch.boot_script(tj))
+      tarball = common.make_tarball(os.path.join(tmp, "arbor-src.tar.gz"))
+      tpu_launch.execute(tj, script, tarball, max_requeues=0, detach=True, logs_worker="0")
+  return 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Command line
 
 
 def build_parser() -> argparse.ArgumentParser:
+  """The command-line flags (`--config.KEY=VALUE` overrides are parsed by `parse`)."""
   p = argparse.ArgumentParser(
       prog="python -m launch.xm", description=__doc__, allow_abbrev=False,
       formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -167,17 +254,29 @@ def build_parser() -> argparse.ArgumentParser:
   a("--executor", default="local", choices=EXECUTORS, help="where the jobs run")
   a("--title", default="", help="experiment title (default: config name + sweep)")
   a("--tpu", default="", help="--executor=tpu: accelerator type, e.g. v5p-64")
-  a("--zone", default="", help="--executor=tpu: zone")
-  a("--project", default="", help="--executor=tpu: project")
-  a("--name", default="", help="--executor=tpu: queued resource name prefix (job index added)")
-  a("--spot", action="store_true", help="--executor=tpu: spot capacity")
-  a("--secret", action="append", default=[], metavar="NAME=SECRET_ID",
-    help="--executor=tpu: Secret Manager secret into /run/arbor/secrets/NAME")
-  a("--dry_run", action="store_true", help="print the jobs; run nothing")
+  common.add_cloud_flags(p, {
+      "zone": "--executor=tpu: zone",
+      "project": "--executor=tpu: project",
+      "name": "--executor=tpu: queued resource name prefix (job index added)",
+      "spot": "--executor=tpu: spot capacity",
+      "secret": "--executor=tpu: Secret Manager secret into /run/arbor/secrets/NAME",
+      "dry_run": "print the jobs; run nothing",
+  })
   return p
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, str, list[SweepJob]]:
+  """Parses and checks the command line.
+
+  Args:
+    argv: the arguments, without the program name.
+
+  Returns:
+    (the parsed flags, the config relative to the repository root, the jobs).
+
+  Raises:
+    LaunchError: a bad flag, sweep or override; a key that is not a field of the config.
+  """
   args, extra = build_parser().parse_known_args(list(argv))
   shared = common.split_overrides(extra, "launch.xm passes only --config.KEY=VALUE on")
   config = common.check_config_path("--config", args.config)
@@ -199,27 +298,21 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, str, list[SweepJob]]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+  """The command line: run the sweep on the chosen executor, or print it with `--dry_run`.
+
+  Args:
+    argv: the arguments, without the program name (default: sys.argv[1:]).
+
+  Returns:
+    The exit status: 0 done, 1 a subprocess job failed, 2 bad flags.
+  """
   argv = sys.argv[1:] if argv is None else argv
   try:
     args, config, jobs = parse(argv)
     title = args.title or f"{os.path.basename(config.split(':')[0])} {args.sweep}".strip()
     print(f"# launch.xm: {len(jobs)} job(s), executor {args.executor}: {title}")
     if args.executor == "tpu":
-      tpu_jobs = [tpu_job(args, config, j) for j in jobs]
-      for job, tj in zip(jobs, tpu_jobs):
-        print(f"# ==== job {job.index}: {job.label} -> {tj.name}")
-        tmp = os.path.join(tempfile.gettempdir(), f"arbor-launch-{tj.name}")
-        if args.dry_run:
-          script = os.path.join(tmp, "startup.sh")
-          common.print_script("boot script", script, tpu_launch.boot_script(tj))
-          common.run(tpu_launch.launch_commands(tj, script, os.path.join(tmp, "arbor-src.tar.gz")),
-                     dry_run=True)
-        else:
-          os.makedirs(tmp, exist_ok=True)
-          script = common.write_script(tmp, "startup.sh", tpu_launch.boot_script(tj))
-          tarball = common.make_tarball(os.path.join(tmp, "arbor-src.tar.gz"))
-          tpu_launch.execute(tj, script, tarball, max_requeues=0, detach=True, logs_worker="0")
-      return 0
+      return run_on_tpu(args, config, jobs)
     if args.dry_run:
       for job in jobs:
         print(f"# job {job.index}: {job.label}\n{shlex.join(job_argv(config, job))}")

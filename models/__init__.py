@@ -1,3 +1,2 @@
-"""Arbor models: one Transformer for dense GQA and MoE + MLA decoders, kernels, sharding, HF I/O."""
-
-from models.config import ModelConfig
+"""Everything that runs the network: model config, layers, the Transformer, attention kernels,
+sharding, decode caches, the generation engine and Hugging Face checkpoint import/export."""

@@ -1,4 +1,4 @@
-"""Attention layers: grouped-query attention (Qwen2/Qwen3) and multi-head latent attention (DeepSeek).
+"""Attention layers: grouped-query attention (Qwen2/Qwen3), multi-head latent attention (DeepSeek).
 
 Both go through `models.kernels.attention.attention` and return the per-head max logit for
 QK-Clip. With a decode cache, new keys are written at each row's `index` and queries attend to
@@ -14,8 +14,9 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.kernels.attention import attention
-from models.layers import Dense, RMSNorm, constrain, dtype_of
+from models.layers import Dense, RMSNorm, dtype_of
 from models.rope import apply_rope
+from models.sharding import constrain
 
 # DeepSeek's reference code and transformers build the MLA latent norms (q_a_layernorm,
 # kv_a_layernorm) with eps 1e-6 whatever rms_norm_eps says.
@@ -24,13 +25,21 @@ MLA_LATENT_NORM_EPS = 1e-6
 
 def write_cache(cache: jax.Array, new: jax.Array, index: jax.Array, seq_axis: int = 1
                 ) -> jax.Array:
-  """Write new [batch, s, ...] into cache at per-row offsets index [batch] along `seq_axis`.
+  """Write new entries into a cache at per-row offsets.
 
-  The cache has the batch first, the capacity at `seq_axis` and new's trailing axes, in order,
-  elsewhere (e.g. [batch, capacity, ...] or [batch, kv_heads, capacity, head_dim]). Positions
-  past the capacity are dropped, never clamped: a padded prefill chunk near the end of a row
-  must not shift back over cached keys (and the scatter is faster than a vmapped
+  Positions past the capacity are dropped, never clamped: a padded prefill chunk near the end
+  of a row must not shift back over cached keys (and the scatter is faster than a vmapped
   dynamic_update_slice on CPU).
+
+  Args:
+    cache: the batch first, the capacity at `seq_axis` and new's trailing axes, in order,
+      elsewhere (e.g. [batch, capacity, ...] or [batch, kv_heads, capacity, head_dim]).
+    new: [batch, s, ...] entries to write.
+    index: [batch] slot of each row's first new entry.
+    seq_axis: the cache's capacity axis.
+
+  Returns:
+    The updated cache (in the cache's dtype).
   """
   b, s = new.shape[:2]
   pos = index[:, None] + jnp.arange(s, dtype=index.dtype)[None]
@@ -40,10 +49,18 @@ def write_cache(cache: jax.Array, new: jax.Array, index: jax.Array, seq_axis: in
 
 
 def cache_view(index: jax.Array, s: int, capacity: int) -> tuple[jax.Array, jax.Array]:
-  """(q_index [batch, s], end [batch, capacity]) for queries at index..index+s-1 over a cache.
+  """The tree-rule view of a cache for queries at slots index..index+s-1.
 
   Every cached key is visible to all later queries (end = capacity); slots past the query are
   excluded by the rule's j <= i, so stale or unwritten slots are never read.
+
+  Args:
+    index: [batch] slot of each row's first query.
+    s: queries per row.
+    capacity: slots per cache row.
+
+  Returns:
+    (q_index [batch, s], end [batch, capacity]) for `models.kernels.attention.attention`.
   """
   q_index = index[:, None] + jnp.arange(s, dtype=jnp.int32)[None]
   end = jnp.full((index.shape[0], capacity), capacity, jnp.int32)
@@ -51,7 +68,15 @@ def cache_view(index: jax.Array, s: int, capacity: int) -> tuple[jax.Array, jax.
 
 
 class GQA(nnx.Module):
-  """Grouped-query attention with optional q/k/v bias (Qwen2) and q/k RMSNorm (Qwen3)."""
+  """Grouped-query attention with optional q/k/v bias (Qwen2) and q/k RMSNorm (Qwen3).
+
+  Args:
+    cfg: the model config (`num_heads`, `num_kv_heads`, `head_dim`, `qkv_bias`, `qk_norm`).
+
+  References:
+    Ainslie et al., "GQA: Training Generalized Multi-Query Transformer Models from Multi-Head
+    Checkpoints", arXiv:2305.13245.
+  """
 
   def __init__(self, cfg: ModelConfig):
     self.cfg = cfg
@@ -74,6 +99,18 @@ class GQA(nnx.Module):
             "v": jnp.zeros((batch, kvh, hd, capacity), dt)}
 
   def __call__(self, x, cos, sin, end, cache=None, index=None):
+    """Attend over x (or, with a cache, over the cache after writing x's keys and values).
+
+    Args:
+      x: [batch, seq, hidden] normed input.
+      cos, sin: rotary tables of x's positions (`models.rope.cos_sin`).
+      end: [batch, seq] tree-rule ends; ignored (may be None) with a cache.
+      cache: this layer's cache from `init_cache`, or None.
+      index: [batch] cache slot of each row's first token (with a cache).
+
+    Returns:
+      (out [batch, seq, hidden], max_logits [heads] fp32, updated cache or None).
+    """
     cfg = self.cfg
     q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
     if cfg.qk_norm:
@@ -98,6 +135,14 @@ class MLA(nnx.Module):
   into a no-RoPE part [nope] and a rotary part [rope] per head. Keys/values: a latent
   c_kv = RMSNorm(first kv_lora_rank of W_DKV·x) expanded per head by kv_b_proj into
   [k_nope, v]; the rotary key (last rope features of W_DKV·x) is one vector shared by heads.
+
+  Args:
+    cfg: the model config (`q_lora_rank`, `kv_lora_rank`, `qk_nope_head_dim`,
+      `qk_rope_head_dim`, `v_head_dim`, `rope_interleave`).
+
+  References:
+    DeepSeek-AI, "DeepSeek-V2: A Strong, Economical, and Efficient Mixture-of-Experts Language
+    Model", arXiv:2405.04434, §2.1.
   """
 
   def __init__(self, cfg: ModelConfig):
@@ -117,6 +162,7 @@ class MLA(nnx.Module):
     self.o_proj = Dense((h, cfg.v_head_dim), (d,), ("heads", "kv"), ("embed",), cfg)
 
   def init_cache(self, batch: int, capacity: int) -> dict:
+    """c_kv [batch, capacity, kv_lora_rank] and k_rope [batch, capacity, qk_rope_head_dim]."""
     cfg = self.cfg
     return {"c_kv": jnp.zeros((batch, capacity, cfg.kv_lora_rank), dtype_of(cfg)),
             "k_rope": jnp.zeros((batch, capacity, cfg.qk_rope_head_dim), dtype_of(cfg))}
@@ -138,6 +184,10 @@ class MLA(nnx.Module):
     return c_kv, k_rope[:, :, 0]
 
   def __call__(self, x, cos, sin, end, cache=None, index=None):
+    """Attend over x, or, with a cache, in latent space over the cache (`_absorbed`).
+
+    Arguments and outputs as `GQA.__call__`.
+    """
     cfg = self.cfg
     q_nope, q_rope = self._query(x, cos, sin)
     c_kv, k_rope = self._latent(x, cos, sin)

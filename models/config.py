@@ -70,9 +70,11 @@ class ModelConfig:
   yarn_beta_fast: float = 32.0  # YaRN extrapolation boundary (rotations)
   yarn_beta_slow: float = 1.0  # YaRN interpolation boundary (rotations)
   yarn_mscale: float = 0.0  # YaRN mscale; 0 = unset (cos/sin factor then 0.1·ln(factor)+1)
-  yarn_mscale_all_dim: float = 0.0  # YaRN mscale_all_dim: 0 = none; >0 also scales the MLA softmax by mscale^2
+  # YaRN mscale_all_dim: 0 = none; > 0 also scales the MLA softmax by mscale^2
+  yarn_mscale_all_dim: float = 0.0
   yarn_truncate: bool = True  # round the YaRN correction range to integers (HF default)
-  yarn_attention_factor: Optional[float] = None  # explicit cos/sin factor; None = derived from mscale
+  # explicit cos/sin factor; None = derived from mscale
+  yarn_attention_factor: Optional[float] = None
   # --- GQA options
   qkv_bias: bool = False  # Qwen2: bias on q/k/v projections
   qk_norm: bool = False  # Qwen3: per-head RMSNorm on queries and keys before RoPE
@@ -83,10 +85,12 @@ class ModelConfig:
   qk_nope_head_dim: int = 16  # MLA per-head query/key width without RoPE
   qk_rope_head_dim: int = 8  # MLA per-head rotary width (the rotary key is shared by all heads)
   v_head_dim: int = 16  # MLA per-head value width
-  rope_interleave: bool = True  # MLA: rotate interleaved pairs (x0,x1),(x2,x3)... as DeepSeek weights
+  # MLA: rotate interleaved pairs (x0,x1),(x2,x3)... as DeepSeek weights
+  rope_interleave: bool = True
   # --- mixture of experts
   num_experts: int = 0  # routed experts; 0 = dense model
-  num_shared_experts: int = 0  # always-active shared experts (one MLP of width n * moe_intermediate_size)
+  # always-active shared experts (one MLP of width n * moe_intermediate_size)
+  num_shared_experts: int = 0
   experts_per_token: int = 2  # top-k
   n_group: int = 1  # expert groups for group-limited routing
   topk_group: int = 1  # groups kept per token
@@ -98,11 +102,14 @@ class ModelConfig:
   router_bias: bool = False  # aux-loss-free selection bias (DeepSeek `e_score_correction_bias`)
   bias_update_rate: float = 1e-3  # aux-loss-free bias step: b += rate * sign(mean_load - load)
   seq_balance_coef: float = 0.0  # sequence-wise balance loss coefficient (DeepSeek-V3: 1e-4)
-  moe_impl: str = "ragged"  # "ragged" (dropless, sorted + ragged_dot) | "dense" (reference, all experts)
+  # "ragged" (dropless, sorted + ragged_dot) | "dense" (reference, all experts)
+  moe_impl: str = "ragged"
   # --- numerics and memory
   dtype: str = "float32"  # compute dtype; params stay fp32, logits and losses fp32
   remat: str = "none"  # "none" | "full" | "save_dots" | "offload" rematerialisation per block
-  attention_impl: str = "xla"  # "xla" reference | "xla_flash" (blocked, skips masked blocks) | "pallas_tpu" | "pallas_gpu" | "auto" (by backend)
+  # "xla" reference | "xla_flash" (blocked, skips masked blocks) | "pallas_tpu" | "pallas_gpu"
+  # | "auto" (by backend)
+  attention_impl: str = "xla"
   scan_layers: bool = True  # lax.scan over the stacked layers; False: a Python loop over them
   logits_chunk: int = 1024  # tokens per vocabulary-projection chunk in log-prob helpers
   initializer_range: float = 0.02  # stddev of the normal initialiser
@@ -165,6 +172,7 @@ class ModelConfig:
   # --- derived sizes
   @property
   def is_moe(self) -> bool:
+    """Whether the model has routed experts."""
     return self.num_experts > 0
 
   @property
@@ -174,15 +182,19 @@ class ModelConfig:
 
   @property
   def num_moe_layers(self) -> int:
+    """Layers with a MoE MLP (after the dense ones)."""
     return self.num_layers - self.num_dense_layers
 
   @property
   def qk_head_dim(self) -> int:
     """Width of the query/key dot product per head."""
-    return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+    if self.attention == "mla":
+      return self.qk_nope_head_dim + self.qk_rope_head_dim
+    return self.head_dim
 
   @property
   def value_head_dim(self) -> int:
+    """Width of a value vector per head."""
     return self.v_head_dim if self.attention == "mla" else self.head_dim
 
   @property
@@ -200,9 +212,22 @@ class ModelConfig:
     return scale
 
   def replace(self, **changes) -> "ModelConfig":
+    """A copy with `changes` applied (validated again)."""
     return dataclasses.replace(self, **changes)
 
 
 def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
-  """YaRN magnitude correction 0.1·mscale·ln(factor) + 1 (1 when factor <= 1)."""
+  """YaRN magnitude correction 0.1·mscale·ln(factor) + 1 (1 when factor <= 1).
+
+  Args:
+    factor: the context extension factor.
+    mscale: the coefficient.
+
+  Returns:
+    The correction factor.
+
+  References:
+    Peng et al., "YaRN: Efficient Context Window Extension of Large Language Models",
+    arXiv:2309.00071.
+  """
   return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

@@ -19,7 +19,18 @@ from flax import nnx
 
 def sample(logits: jax.Array, key: jax.Array, temperature: float = 0.0, top_k: int = 0,
            top_p: float = 1.0) -> jax.Array:
-  """Sample token ids [batch] from fp32 logits [batch, vocab]; temperature 0 = greedy."""
+  """Sample one token per row, with the same settings for every row.
+
+  Args:
+    logits: [batch, vocab] fp32.
+    key: PRNG key.
+    temperature: 0 = greedy.
+    top_k: keep the k largest logits (0 = off).
+    top_p: keep the smallest prefix of the sorted distribution reaching this mass (1 = off).
+
+  Returns:
+    [batch] int32 token ids.
+  """
   if temperature == 0.0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   logits = logits / temperature
@@ -54,8 +65,23 @@ def _prefill(model, tokens, cache, lengths):
 def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None
              ) -> tuple[list[list[int]], list[list[float]]]:
-  """Decode up to `max_new_tokens` per prompt. Returns (new token ids, their log-probs) per row,
-  each cut after `eos_id` when given. Log-probs are of the unmodified (temperature 1) model."""
+  """Decode up to `max_new_tokens` per prompt.
+
+  Args:
+    model: a Transformer.
+    prompts: token ids of each prompt (non-empty).
+    max_new_tokens: tokens to generate per prompt.
+    temperature, top_k, top_p: sampling settings (see `sample`).
+    seed: PRNG seed.
+    eos_id: cut each row after this token.
+
+  Returns:
+    (new token ids, their log-probs) per row. Log-probs are of the unmodified (temperature 1)
+    model.
+
+  Raises:
+    ValueError: no prompts or an empty one.
+  """
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("generate: every prompt needs at least one token")
   lengths = np.array([len(p) for p in prompts], np.int32)

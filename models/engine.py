@@ -1,5 +1,6 @@
 """Generation engine: continuous batching over a bounded pool of KV-cache rows.
 
+    from envs.policy import SamplingParams
     engine = Engine(model, EngineConfig(slots=8, max_seq_len=1024))
     outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=16, temperature=0))
     engine.start()                                   # or: a background thread steps the engine
@@ -24,6 +25,13 @@ How it works (all shapes static, so nothing recompiles after warm-up):
   are waiting.
 - Weights are a jit argument: `update_params` swaps them between calls without recompiling.
 
+This module holds the requests and the scheduler; models/cache_pool.py the pool of cache rows
+and what each holds; models/sampler.py the jitted prefill / copy / decode calls.
+
+Sampling parameters are read structurally: any object with the fields of
+`envs.policy.SamplingParams` (max_tokens, temperature, top_p, top_k, stop_token_ids, stop,
+seed), which the trainer passes through; the engine never builds one.
+
 Log-probs are those of the model itself (temperature 1, no top-k/top-p truncation): exactly
 what a teacher-forced forward pass of the finished sequence gives the trainer.
 """
@@ -33,7 +41,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 import threading
 from typing import Any, Callable, Optional, Sequence
@@ -43,12 +50,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from envs.policy import SamplingParams  # the one sampling contract (re-exported here)
-from models import transformer
+from models import sampler, transformer
+from models.cache_pool import CachePool
 
 logger = logging.getLogger(__name__)
 
-FINISH_REASONS = ("stop", "length")
 ON_UPDATE = ("finish", "resubmit", "restart")
 
 
@@ -84,7 +90,8 @@ class Completion:
   policy_version: int             # version of the first token
   prompt_tokens: int              # len(input_ids)
   cached_tokens: int              # prefix tokens reused from the cache (last admission)
-  top_logprobs: Optional[list[list[tuple[int, float]]]] = None  # per token: (id, log-prob) best first
+  # per token: (id, log-prob) pairs, best first
+  top_logprobs: Optional[list[list[tuple[int, float]]]] = None
   expert_ids: Optional[np.ndarray] = None  # [tokens, moe_layers, k]: experts at the position
                                            # that predicted each token
 
@@ -92,7 +99,7 @@ class Completion:
 class _Request:
   """Host-side state of one request."""
 
-  def __init__(self, input_ids: np.ndarray, params: SamplingParams, seed: int):
+  def __init__(self, input_ids: np.ndarray, params: Any, seed: int):
     self.input_ids = input_ids
     self.params = params
     self.seed = seed
@@ -111,42 +118,8 @@ class _Request:
     return np.concatenate([self.input_ids, np.asarray(self.output, np.int32)])
 
 
-def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-           keys: jax.Array) -> jax.Array:
-  """Token ids [batch] from fp32 logits [batch, vocab] with per-row settings [batch].
-
-  temperature 0 = greedy (argmax); top_k 0 and top_p 1 = off. Top-k is applied first, then
-  top-p keeps the smallest prefix of the renormalised top-k distribution whose mass reaches
-  top_p. keys [batch]: one PRNG key per row (Gumbel-max sampling).
-  """
-  greedy = jnp.argmax(logits, -1).astype(jnp.int32)
-
-  def draw(_):
-    x = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    x = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), _truncate, lambda x, *_: x,
-                     x, top_k, top_p)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, x.shape[-1:], jnp.float32))(keys)
-    return jnp.argmax(x + gumbel, -1).astype(jnp.int32)
-
-  drawn = jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)
-  return jnp.where(temperature > 0, drawn, greedy)
-
-
-def _truncate(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-  """Set logits outside each row's top-k / top-p set to -inf."""
-  v = x.shape[-1]
-  sorted_x = jnp.sort(x, axis=-1)[:, ::-1]
-  k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-  ranks = jnp.arange(v)[None]
-  in_k = ranks < k[:, None]
-  p = jax.nn.softmax(jnp.where(in_k, sorted_x, -jnp.inf), axis=-1)
-  mass_before = jnp.cumsum(p, axis=-1) - p
-  n_keep = jnp.maximum(jnp.sum(in_k & (mass_before < top_p[:, None]), -1), 1)
-  threshold = jnp.take_along_axis(sorted_x, (n_keep - 1)[:, None], axis=-1)
-  return jnp.where(x >= threshold, x, -jnp.inf)
-
-
 def _is_unstacked(model) -> bool:
+  """Whether the model keeps each layer as a Block of its own (`transformer.unstack`)."""
   return any(isinstance(s, nnx.List) for s in (model.dense_layers, model.moe_layers))
 
 
@@ -157,16 +130,6 @@ def _is_stacked_state(state: nnx.State) -> bool:
              for name in ("dense_layers", "moe_layers"))
 
 
-def _gather_rows(pool: dict, rows: jax.Array) -> dict:
-  """Rows [n] of every cache array [pool_rows, ...]; out-of-range rows read zeros."""
-  return jax.tree.map(lambda a: jnp.take(a, rows, axis=0, mode="fill", fill_value=0), pool)
-
-
-def _scatter_rows(pool: dict, rows: jax.Array, sub: dict) -> dict:
-  """Write sub [n, ...] back to rows [n]; out-of-range rows are dropped (padding)."""
-  return jax.tree.map(lambda a, s: a.at[rows].set(s, mode="drop"), pool, sub)
-
-
 def _common(a: np.ndarray, b: np.ndarray) -> int:
   """Length of the common prefix of two token arrays."""
   n = min(len(a), len(b))
@@ -174,113 +137,19 @@ def _common(a: np.ndarray, b: np.ndarray) -> int:
   return int(diff[0]) if len(diff) else n
 
 
-def _round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
-
-
-def _lcp(rows: np.ndarray, lengths: np.ndarray, target: np.ndarray) -> np.ndarray:
-  """Common-prefix length of target [n] with each row's tokens rows[r, :lengths[r]]."""
-  n = len(target)
-  if n == 0:
-    return np.zeros(len(rows), np.int64)
-  eq = (rows[:, :n] == target[None]) & (np.arange(n)[None] < lengths[:, None])
-  return np.where(eq.all(1), n, np.argmin(eq, axis=1))
-
-
-# ---------------------------------------------------------------------- jitted functions
-# Module-level with the model's graphdef and sizes as static arguments, so engines of one model
-# config share compiled code. TRACES counts traces per function: a retrace is a recompile.
-TRACES: collections.Counter = collections.Counter()
-
-
-def _forward(graphdef, state, tokens, positions, cache, index):
-  """(model, final hidden [b, s, hidden], aux, cache) after running tokens [b, s]."""
-  model = nnx.merge(graphdef, state)
-  end = jnp.zeros(tokens.shape, jnp.int32)  # unused with a cache: the cache view rules
-  h, aux, cache = model.hidden(tokens, positions, end, cache=cache, index=index)
-  return model, h, aux, cache
-
-
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _prefill(graphdef, state, pool, rows, tokens, starts):
-  """Write the cache of tokens [b, p] at positions starts[b]... into pool rows [b]."""
-  TRACES["prefill"] += 1
-  sub = _gather_rows(pool, rows)
-  positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-  _, _, _, sub = _forward(graphdef, state, tokens, positions, sub, starts)
-  return _scatter_rows(pool, rows, sub)
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _copy(pool, src, dst):
-  """Copy pool row src to row dst."""
-  TRACES["copy"] += 1
-  return jax.tree.map(lambda a: a.at[dst].set(a[src]), pool)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
-def _decode(graphdef, k: int, top_n: int, experts: bool, state, pool, rows, tokens, lengths,
-            active, counts, limits, temperature, top_k, top_p, seeds, stop_ids, max_steps,
-            exit_on_finish):
-  """Up to max_steps (<= k) decode steps of the slots batch (arrays [slots] unless noted).
-
-  rows: pool row of each slot (out of range = empty slot); tokens: the next input token;
-  lengths: its position (= tokens in the row); counts/limits: tokens generated so far / at
-  most; stop_ids [slots, max_stop_token_ids] (-1 = none). top_n: top log-probs per token;
-  experts: record MoE expert ids. Returns the pool, the number of steps run, the final
-  tokens/lengths/active/counts and per-step outputs [k, ...].
-  """
-  TRACES["decode"] += 1
-  model = nnx.merge(graphdef, state)
-  mc = model.cfg
-  lm_head = model.lm_head_weight()
-  s = rows.shape[0]
-  out = {"tokens": jnp.zeros((k, s), jnp.int32), "logprobs": jnp.zeros((k, s), jnp.float32)}
-  if top_n:
-    out["top_ids"] = jnp.zeros((k, s, top_n), jnp.int32)
-    out["top_logprobs"] = jnp.zeros((k, s, top_n), jnp.float32)
-  if experts:
-    out["expert_ids"] = jnp.zeros((k, mc.num_moe_layers, s, mc.experts_per_token), jnp.int32)
-  base_keys = jax.vmap(jax.random.key)(seeds)
-
-  def cond(carry):
-    step, _, _, _, act, _, finished, _ = carry
-    return (step < max_steps) & jnp.any(act) & ~(exit_on_finish & finished)
-
-  def body(carry):
-    step, sub, tok, length, act, count, finished, out = carry
-    _, h, aux, sub = _forward(graphdef, state, tok[:, None], length[:, None], sub, length)
-    logits = jnp.dot(h[:, 0].astype(jnp.float32), lm_head)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    keys = jax.vmap(jax.random.fold_in)(base_keys, count)
-    nxt = sample(logits, temperature, top_k, top_p, keys)
-    out = dict(out)
-    out["tokens"] = out["tokens"].at[step].set(nxt)
-    out["logprobs"] = out["logprobs"].at[step].set(
-        jnp.take_along_axis(logp, nxt[:, None], axis=-1)[:, 0])
-    if top_n:
-      vals, ids = jax.lax.top_k(logp, top_n)
-      out["top_ids"] = out["top_ids"].at[step].set(ids)
-      out["top_logprobs"] = out["top_logprobs"].at[step].set(vals)
-    if experts:
-      out["expert_ids"] = out["expert_ids"].at[step].set(aux["expert_ids"][:, :, 0])
-    count = count + act
-    done = act & (jnp.any(nxt[:, None] == stop_ids, axis=-1) | (count >= limits))
-    length = length + act
-    tok = jnp.where(act, nxt, tok)
-    return (step + 1, sub, tok, length, act & ~done, count, finished | jnp.any(done), out)
-
-  sub = _gather_rows(pool, rows)
-  carry = (jnp.int32(0), sub, tokens, lengths, active, counts, jnp.bool_(False), out)
-  step, sub, tokens, lengths, active, counts, _, out = jax.lax.while_loop(cond, body, carry)
-  return _scatter_rows(pool, rows, sub), step, tokens, lengths, active, counts, out
-
-
 class Engine:
   """Batched generation for a `models.transformer.Transformer` (see module docstring).
 
   Thread safety: `submit`, `update_params` and `counters` may be called from any thread;
   `step`/`generate` from one thread at a time (or let `start()` run them in the background).
+
+  Args:
+    model: the Transformer (stacked or unstacked) whose weights the engine starts with.
+    config: sizes and behaviour.
+    detokenize: token ids -> text, needed only for requests with stop strings.
+
+  Raises:
+    ValueError: an EngineConfig field is out of range for the model.
   """
 
   def __init__(self, model, config: EngineConfig = EngineConfig(),
@@ -298,15 +167,7 @@ class Engine:
     model = model if _is_unstacked(model) else transformer.unstack(model)
     self._graphdef, self._state = nnx.split(model)
     self.version = 0
-    self._new_pool = lambda: model.init_cache(self.num_rows, self.capacity)
-    self._pool = self._new_pool()
-    # Host mirror of the pool: tokens of each row, valid length, params version, last use.
-    self._row_tokens = np.zeros((self.num_rows, self.capacity), np.int32)
-    self._row_len = np.zeros(self.num_rows, np.int64)
-    self._row_version = np.full(self.num_rows, -1, np.int64)
-    self._row_used = np.zeros(self.num_rows, np.int64)
-    self._row_owner: list[Optional[_Request]] = [None] * self.num_rows
-    self._tick = 0
+    self._pool = CachePool(model, self.num_rows, self.capacity, self._count)
     # Decode batch: the request in each slot.
     self._slots: list[Optional[_Request]] = [None] * c.slots
     self._queue: collections.deque[_Request] = collections.deque()
@@ -341,22 +202,44 @@ class Engine:
 
   # ------------------------------------------------------------------ public API
 
-  def submit(self, input_ids: Sequence[int], params: SamplingParams = SamplingParams()
-             ) -> concurrent.futures.Future:
-    """Queue a request; its Future resolves to a Completion. ValueError for bad input."""
+  def submit(self, input_ids: Sequence[int], params: Any) -> concurrent.futures.Future:
+    """Queue a request; may be called from any thread.
+
+    Args:
+      input_ids: the prompt's token ids (non-empty, inside the vocabulary).
+      params: how to sample: any object with the fields of `envs.policy.SamplingParams`
+        (max_tokens, temperature, top_p, top_k, stop_token_ids, stop, seed).
+
+    Returns:
+      A Future that resolves to the request's Completion.
+
+    Raises:
+      ValueError: bad input ids or sampling parameters for this engine.
+    """
     req = self._make_request(input_ids, params)
     with self._lock:
       self._incoming.append(req)
     self._wakeup.set()
     return req.future
 
-  def generate(self, inputs: Sequence[Sequence[int]],
-               params: SamplingParams | Sequence[SamplingParams] = SamplingParams()
-               ) -> list[Completion]:
-    """Run requests to completion on the calling thread (not while `start()`ed)."""
+  def generate(self, inputs: Sequence[Sequence[int]], params: Any) -> list[Completion]:
+    """Run requests to completion on the calling thread (not while `start()`ed).
+
+    Args:
+      inputs: the prompts' token ids.
+      params: sampling parameters (as `submit` takes) for every input, or a sequence of them,
+        one per input.
+
+    Returns:
+      One Completion per input, in order.
+
+    Raises:
+      RuntimeError: the engine runs in a background thread.
+      ValueError: bad inputs or parameters.
+    """
     if self._thread is not None:
       raise RuntimeError("Engine.generate: the engine runs in a background thread; use submit")
-    if isinstance(params, SamplingParams):
+    if hasattr(params, "max_tokens"):  # one set of parameters for all inputs
       params = [params] * len(inputs)
     if len(params) != len(inputs):
       raise ValueError(f"generate: {len(inputs)} inputs but {len(params)} sampling params")
@@ -366,10 +249,17 @@ class Engine:
     return [f.result() for f in futures]
 
   def update_params(self, params, version: int, on_update: Optional[str] = None) -> None:
-    """Use new weights from the next decode call on, tagging the tokens they sample with
-    `version`. params: a Transformer (stacked or not) or the full nnx.State of one, with the
-    engine model's shapes and dtypes. In-flight requests follow `on_update` (default
-    `EngineConfig.on_update`). Nothing recompiles."""
+    """Use new weights from the next decode call on; nothing recompiles.
+
+    Args:
+      params: a Transformer (stacked or not) or the full nnx.State of one, with the engine
+        model's shapes and dtypes.
+      version: policy version tagged on the tokens the new weights sample.
+      on_update: what in-flight requests do (see `EngineConfig.on_update`; default that).
+
+    Raises:
+      ValueError: unknown `on_update`, or weights of another structure, shape or dtype.
+    """
     on_update = on_update or self.cfg.on_update
     if on_update not in ON_UPDATE:
       raise ValueError(f"on_update={on_update!r}: expected one of {ON_UPDATE}")
@@ -424,6 +314,7 @@ class Engine:
       self._thread.start()
 
   def stop(self) -> None:
+    """Stop the background thread started by `start` (after its current step)."""
     if self._thread is not None:
       self._stopping = True
       self._wakeup.set()
@@ -452,13 +343,11 @@ class Engine:
         self._slots[i] = None
         if not req.future.done():
           req.future.set_exception(error)
-    self._pool = self._new_pool()
-    self._row_len[:] = 0
-    self._row_version[:] = -1
+    self._pool.reset()
 
   # ------------------------------------------------------------------ scheduling
 
-  def _make_request(self, input_ids: Sequence[int], params: SamplingParams) -> _Request:
+  def _make_request(self, input_ids: Sequence[int], params: Any) -> _Request:
     ids = np.asarray(list(input_ids), np.int64)
     vocab = self.model_cfg.vocab_size
     if ids.ndim != 1 or len(ids) == 0:
@@ -537,9 +426,7 @@ class Engine:
   def _release(self, req: _Request) -> None:
     """Give a request's row back to the pool (its cache stays reusable until evicted)."""
     if req.row >= 0:
-      self._row_owner[req.row] = None
-      self._tick += 1
-      self._row_used[req.row] = self._tick
+      self._pool.release(req.row)
       req.row = -1
 
   def _admit(self) -> bool:
@@ -552,7 +439,7 @@ class Engine:
       while self._queue and len(plan) < free:
         req = self._queue.popleft()
         target = req.seq()[:-1]
-        src, m = self._best_row(target)
+        src, m = self._pool.best_row(target, self.version, self.cfg.min_prefix)
         # A request planned in this round may share more with this one than any ready row:
         # wait for its prefill and copy from it then.
         if any(_common(t, target) > max(m, self.cfg.min_prefix - 1) for _, t, _ in plan):
@@ -562,74 +449,20 @@ class Engine:
           req.started = True
           if not req.future.set_running_or_notify_cancel():
             continue  # cancelled while queued
-        self._claim_row(req, src, m)
+        req.row = self._pool.claim(req, src, m, self.version)
         plan.append((req, target, m))
       self._queue.extendleft(reversed(deferred))
       if not plan:
         break
-      self._run_prefill([(req.row, target, m) for req, target, m in plan])
+      self._pool.prefill(self._graphdef, self._state,
+                         [(req.row, target, m) for req, target, m in plan], self.prefill_rows,
+                         self.cfg.prefill_chunk, self.cfg.prefill_bucket)
       for req, target, m in plan:
         req.cached = m
         self._slots[self._slots.index(None)] = req
         self._count(cache_hits=int(m > 0), reused_tokens=m)
       admitted = True
     return admitted
-
-  def _best_row(self, target: np.ndarray) -> tuple[Optional[int], int]:
-    """The row sharing the longest prefix with target (computed by the current weights)."""
-    lcp = _lcp(self._row_tokens, self._row_len, target)
-    lcp[self._row_version != self.version] = 0
-    if not len(target) or lcp.max() < self.cfg.min_prefix:
-      return None, 0
-    m = int(lcp.max())
-    # Among equally good rows prefer a free one that the request just extends (no copy).
-    free_exact = [r for r in np.flatnonzero(lcp == m)
-                  if self._row_owner[r] is None and self._row_len[r] == m]
-    return (free_exact[0] if free_exact else int(np.argmax(lcp))), m
-
-  def _claim_row(self, req: _Request, src: Optional[int], m: int) -> None:
-    """Give req a row holding its first m target tokens (in place, or copied from src)."""
-    if src is not None and self._row_owner[src] is None and self._row_len[src] == m:
-      dst = src
-    else:
-      free = [r for r in range(self.num_rows) if self._row_owner[r] is None]
-      dst = min(free, key=lambda r: self._row_used[r])  # least recently used
-      if dst != src and self._row_len[dst] > 0:
-        self._count(evictions=1)
-      if src is not None and dst != src:
-        self._pool = _copy(self._pool, np.int32(src), np.int32(dst))
-        self._row_tokens[dst, :m] = self._row_tokens[src, :m]
-        self._count(row_copies=1)
-    self._row_owner[dst] = req
-    self._row_len[dst] = m
-    self._row_version[dst] = self.version
-    self._tick += 1
-    self._row_used[dst] = self._tick
-    req.row = dst
-
-  def _run_prefill(self, items: list[tuple[int, np.ndarray, int]]) -> None:
-    """Prefill target[start:] of each (row, target, start), in chunks, many rows per call."""
-    c = self.cfg
-    todo = [[row, target, start] for row, target, start in items if start < len(target)]
-    while todo:
-      batch = todo[:self.prefill_rows]
-      chunks = [min(len(t) - s, c.prefill_chunk) for _, t, s in batch]
-      length = min(_round_up(max(chunks), c.prefill_bucket), c.prefill_chunk)
-      b = min(1 << (len(batch) - 1).bit_length(), self.prefill_rows)
-      rows = np.full(b, self.num_rows, np.int32)  # padding rows: out of range, dropped
-      tokens = np.zeros((b, length), np.int32)
-      starts = np.zeros(b, np.int32)
-      for i, ((row, target, start), n) in enumerate(zip(batch, chunks)):
-        rows[i], starts[i] = row, start
-        tokens[i, :n] = target[start:start + n]
-      self._pool = _prefill(self._graphdef, self._state, self._pool, rows, tokens, starts)
-      for item, n in zip(batch, chunks):
-        row, target, start = item
-        self._row_tokens[row, start:start + n] = target[start:start + n]
-        self._row_len[row] = start + n
-        item[2] = start + n
-      self._count(prefill_calls=1, prefill_tokens=sum(chunks), prefill_padded_tokens=b * length)
-      todo = [item for item in todo if item[2] < len(item[1])]
 
   def _decode_call(self) -> None:
     c = self.cfg
@@ -652,9 +485,9 @@ class Engine:
       temperature[i], top_p[i], top_k[i], seeds[i] = p.temperature, p.top_p, p.top_k, req.seed
       stop_ids[i, :len(p.stop_token_ids)] = p.stop_token_ids
     waiting = bool(self._queue) or bool(self._incoming)
-    self._pool, steps, _, _, _, new_counts, out = _decode(
+    self._pool.caches, steps, _, _, _, new_counts, out = sampler.decode(
         self._graphdef, c.steps_per_call, c.top_logprobs, c.return_expert_ids, self._state,
-        self._pool, rows, tokens, lengths, active, counts, limits, temperature,
+        self._pool.caches, rows, tokens, lengths, active, counts, limits, temperature,
         top_k, top_p, seeds, stop_ids, np.int32(c.steps_per_call), np.bool_(waiting))
     out = jax.device_get(out)
     new_counts, steps = np.asarray(new_counts), int(steps)
@@ -683,9 +516,7 @@ class Engine:
           self._truncate(req, cut)
           reason = "stop"
       # The row now holds seq[:-1] (tokens past a stop-string cut are cached but not counted).
-      seq, start = req.seq(), self._row_len[req.row]
-      self._row_tokens[req.row, start:len(seq) - 1] = seq[start:-1]
-      self._row_len[req.row] = len(seq) - 1
+      self._pool.record(req.row, req.seq())
       if reason is not None:
         self._finish(i, req, reason)
     self._count(decode_calls=1, decode_steps=steps, decoded_tokens=emitted)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
+from models.sharding import constrain
 
 
 class RouterBias(nnx.Variable):
@@ -22,12 +23,21 @@ class RouterBias(nnx.Variable):
 
 def param(shape: tuple[int, ...], axes: tuple[str, ...], *, init: str = "normal",
           std: float = 0.02) -> nnx.Param:
-  """An fp32 parameter of `shape` annotated with logical `axes` (one name per dimension).
+  """An fp32 parameter annotated with logical axes, its initialiser recorded, not applied.
 
   The value is a placeholder (zeros or ones); the initialiser is recorded in the metadata
-  (`init`, `std`) and applied by `models.transformer.init` / `models.sharding.init_sharded`,
+  (`init`, `std`) and applied by `models.transformer.init` / `models.transformer.init_sharded`,
   so building a model costs no random-number compilation and one code path fills parameters
   on the host or directly sharded on a mesh.
+
+  Args:
+    shape: the parameter's shape.
+    axes: one logical axis name per dimension (e.g. ("embed", "mlp")).
+    init: "normal", "ones" or "zeros".
+    std: standard deviation of "normal".
+
+  Returns:
+    The nnx.Param.
   """
   assert len(shape) == len(axes), (shape, axes)
   value = (jnp.ones if init == "ones" else jnp.zeros)(shape, jnp.float32)
@@ -35,7 +45,15 @@ def param(shape: tuple[int, ...], axes: tuple[str, ...], *, init: str = "normal"
 
 
 def initial_value(var: nnx.Variable, key: jax.Array) -> jax.Array:
-  """The initial value of a parameter made by `param` (normal(0, std), ones or zeros)."""
+  """The initial value of a parameter made by `param`.
+
+  Args:
+    var: the variable (its metadata names the initialiser).
+    key: PRNG key for "normal".
+
+  Returns:
+    normal(0, std), ones or zeros of the variable's shape.
+  """
   meta = var.get_metadata()
   shape = var.shape
   if meta.get("init") == "normal":
@@ -44,20 +62,21 @@ def initial_value(var: nnx.Variable, key: jax.Array) -> jax.Array:
 
 
 def dtype_of(cfg: ModelConfig):
+  """The compute dtype of `cfg` (parameters stay fp32)."""
   return jnp.dtype(cfg.dtype)
 
 
-def constrain(x: jax.Array, axes: tuple[str | None, ...], cfg: ModelConfig) -> jax.Array:
-  """Sharding constraint from logical activation axes; a no-op outside a mesh context."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return x
-  from models.sharding import logical_to_spec  # local import: sharding imports this module
-  return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, cfg.sharding_rules, mesh))
-
-
 class RMSNorm(nnx.Module):
-  """y = scale * x / sqrt(mean(x^2) + eps), computed in fp32 (as Hugging Face does)."""
+  """y = scale * x / sqrt(mean(x^2) + eps), computed in fp32 (as Hugging Face does).
+
+  Args:
+    dim: size of the normalised (last) axis.
+    eps: added to the mean square.
+    axes: logical axis of the gain.
+
+  References:
+    Zhang & Sennrich, "Root Mean Square Layer Normalization", arXiv:1910.07467.
+  """
 
   def __init__(self, dim: int, eps: float, axes: tuple[str, ...] = ("norm",)):
     self.eps = eps
@@ -75,6 +94,14 @@ class Dense(nnx.Module):
   `kernel` has shape `in_shape + out_shape`; `bias` (optional) has shape `out_shape`.
   Example: the GQA query projection maps [.., embed] to [.., heads, head_dim] with
   `Dense((hidden,), (heads, head_dim), ("embed",), ("heads", "kv"))`.
+
+  Args:
+    in_shape: the trailing input dimensions it contracts.
+    out_shape: the output dimensions it produces.
+    in_axes: logical axes of in_shape.
+    out_axes: logical axes of out_shape.
+    cfg: the model config (compute dtype, initialiser std).
+    bias: add a bias of out_shape.
   """
 
   def __init__(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...],
@@ -99,7 +126,16 @@ class Dense(nnx.Module):
 
 
 class MLP(nnx.Module):
-  """SwiGLU: down(silu(gate(x)) * up(x))."""
+  """SwiGLU: down(silu(gate(x)) * up(x)).
+
+  Args:
+    hidden: model width.
+    width: intermediate width.
+    cfg: the model config.
+
+  References:
+    Shazeer, "GLU Variants Improve Transformer", arXiv:2002.05202.
+  """
 
   def __init__(self, hidden: int, width: int, cfg: ModelConfig):
     self.cfg = cfg

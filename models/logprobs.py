@@ -65,6 +65,7 @@ def sequence_logprobs(hidden: jax.Array, lm_head: jax.Array, seq_pred: jax.Array
     lm_head: [hidden, vocab].
     seq_pred: [num_seqs, seq_len] flat index (row * row_len + col) of each token's predictor.
     seq_tokens: [num_seqs, seq_len] the sampled token ids.
+    chunk: tokens projected at once.
 
   Returns:
     (logprobs, entropy), each [num_seqs, seq_len] fp32; padding entries hold garbage values

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import MLP, RouterBias, constrain, dtype_of, param
+from models.layers import MLP, RouterBias, dtype_of, param
+from models.sharding import constrain
 
 
 def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array | None,
@@ -32,6 +33,9 @@ def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array | None,
 
   Returns:
     (expert_ids [tokens, k] int32, gate weights [tokens, k] fp32, scores [tokens, experts]).
+
+  References:
+    DeepSeek-AI, "DeepSeek-V3 Technical Report", arXiv:2412.19437, §2.1.2.
   """
   if cfg.score_func == "softmax":
     scores = jax.nn.softmax(logits, axis=-1)
@@ -55,7 +59,12 @@ def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array | None,
 
 
 class MoE(nnx.Module):
-  """Routed experts (+ shared experts) replacing the dense MLP of a block."""
+  """Routed experts (+ shared experts) replacing the dense MLP of a block.
+
+  Args:
+    cfg: the model config (`num_experts`, `moe_intermediate_size`, `num_shared_experts`,
+      routing fields, `moe_impl`).
+  """
 
   def __init__(self, cfg: ModelConfig):
     self.cfg = cfg
@@ -72,15 +81,24 @@ class MoE(nnx.Module):
 
   def __call__(self, x: jax.Array, token_weights: jax.Array,
                expert_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
-    """x [batch, seq, hidden]; token_weights [batch, seq] (logical counts for load statistics);
-    expert_ids [batch, seq, k] to replay a routing. Returns (y, aux) with aux holding `load`
-    [experts] (weighted share of assignments), `balance_loss` and `expert_ids`."""
+    """Route each token to its experts and combine their outputs.
+
+    Args:
+      x: [batch, seq, hidden].
+      token_weights: [batch, seq] logical token counts for the load statistics.
+      expert_ids: [batch, seq, k] choices to replay, or None to route.
+
+    Returns:
+      (y [batch, seq, hidden], aux) with aux holding `load` [experts] (weighted share of
+      assignments), `balance_loss` and `expert_ids` [batch, seq, k].
+    """
     cfg = self.cfg
     b, s, d = x.shape
     xt = x.reshape(b * s, d)
     logits = jnp.dot(xt.astype(jnp.float32), self.router[...])
     bias = None if self.router_bias is None else self.router_bias[...]
-    ids, gates, scores = route(cfg, logits, jax.lax.stop_gradient(bias) if bias is not None else None,
+    bias = None if bias is None else jax.lax.stop_gradient(bias)
+    ids, gates, scores = route(cfg, logits, bias,
                                None if expert_ids is None else expert_ids.reshape(b * s, -1))
     dt = dtype_of(cfg)
     w_gate, w_up, w_down = (p[...].astype(dt) for p in (self.gate_proj, self.up_proj,
@@ -134,8 +152,18 @@ def _statistics(cfg: ModelConfig, ids, scores, token_weights) -> dict:
 
 
 def update_router_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
-  """Aux-loss-free balancing step: b_i += rate·sign(mean_load − load_i) (DeepSeek-V3 §2.1.2).
+  """Aux-loss-free balancing step: b_i += rate·sign(mean_load − load_i), outside the gradient.
 
-  bias, load: [..., experts] (e.g. stacked over layers). Applied outside the gradient.
+  Args:
+    bias: [..., experts] selection bias (e.g. stacked over layers).
+    load: [..., experts] observed load.
+    rate: step size.
+
+  Returns:
+    The new bias.
+
+  References:
+    Wang et al., "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts",
+    arXiv:2408.15664; DeepSeek-V3 Technical Report, arXiv:2412.19437, §2.1.2.
   """
   return bias + rate * jnp.sign(load.mean(-1, keepdims=True) - load)

@@ -126,11 +126,22 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def get_preset(name: str) -> ModelConfig:
-  """The preset called `name`; a `KeyError` listing the valid names if there is none."""
+  """The ModelConfig of a named preset.
+
+  Args:
+    name: a key of `PRESETS`.
+
+  Returns:
+    The preset's config.
+
+  Raises:
+    KeyError: no preset has that name (the message lists the valid names).
+  """
   try:
     return PRESETS[name]
   except KeyError:
-    raise KeyError(f"unknown preset {name!r}; valid presets: {', '.join(sorted(PRESETS))}") from None
+    raise KeyError(f"unknown preset {name!r}; valid presets: "
+                   f"{', '.join(sorted(PRESETS))}") from None
 
 
 def _attention_params(cfg: ModelConfig) -> int:

@@ -16,7 +16,18 @@ from models.config import ModelConfig, yarn_get_mscale
 
 
 def inv_freq_and_factor(cfg: ModelConfig) -> tuple[np.ndarray, float]:
-  """Inverse frequencies [rope_dim // 2] (fp32) and the cos/sin attention factor."""
+  """RoPE inverse frequencies and the cos/sin attention factor of a config.
+
+  Args:
+    cfg: the model config (`rope_type`, `rope_theta`, `rope_factor`, YaRN fields).
+
+  Returns:
+    (inv_freq [rope_dim // 2] fp32, attention factor).
+
+  References:
+    Peng et al., "YaRN: Efficient Context Window Extension of Large Language Models",
+    arXiv:2309.00071.
+  """
   dim = cfg.rope_dim
   base = cfg.rope_theta
   pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
@@ -52,17 +63,35 @@ def inv_freq_and_factor(cfg: ModelConfig) -> tuple[np.ndarray, float]:
 
 
 def cos_sin(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """cos, sin of shape [batch, seq, rope_dim // 2] in fp32 for integer positions [batch, seq]."""
+  """Rotary tables of positions.
+
+  Args:
+    cfg: the model config.
+    positions: [batch, seq] integer positions.
+
+  Returns:
+    (cos, sin), each [batch, seq, rope_dim // 2] fp32, times the attention factor.
+  """
   inv_freq, factor = inv_freq_and_factor(cfg)
   freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
   return jnp.cos(freqs) * factor, jnp.sin(freqs) * factor
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool) -> jax.Array:
-  """Rotate x [batch, seq, heads, dim] by position.
+  """Rotate x by position.
 
-  `interleaved=False` rotates (x[i], x[i + dim/2]) pairs (Qwen / Llama layout);
-  `interleaved=True` rotates (x[2i], x[2i+1]) pairs (DeepSeek weights).
+  Args:
+    x: [batch, seq, heads, dim].
+    cos, sin: [batch, seq, dim // 2] from `cos_sin`.
+    interleaved: False rotates (x[i], x[i + dim/2]) pairs (Qwen / Llama layout); True rotates
+      (x[2i], x[2i+1]) pairs (DeepSeek weights).
+
+  Returns:
+    The rotated x, in x's dtype.
+
+  References:
+    Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding",
+    arXiv:2104.09864.
   """
   cos, sin = cos[:, :, None, :], sin[:, :, None, :]
   xf = x.astype(jnp.float32)

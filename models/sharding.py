@@ -30,6 +30,7 @@ class MeshConfig:
   expert: int = 1  # expert parallelism over MoE experts
 
   def shape(self, num_devices: int) -> tuple[int, ...]:
+    """Mesh sizes (data, fsdp, tensor, expert) for `num_devices`; ValueError if they don't fit."""
     sizes = [self.data, self.fsdp, self.tensor, self.expert]
     if sizes.count(-1) > 1:
       raise ValueError(f"MeshConfig{tuple(sizes)}: at most one axis may be -1")
@@ -50,15 +51,37 @@ class MeshConfig:
 
 def make_mesh(mesh_cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None
               ) -> jax.sharding.Mesh:
-  """A mesh with axes (data, fsdp, tensor, expert) over `devices` (default: all)."""
+  """A device mesh with axes (data, fsdp, tensor, expert).
+
+  Args:
+    mesh_cfg: the axis sizes.
+    devices: the devices to lay out (default: all).
+
+  Returns:
+    The jax.sharding.Mesh.
+  """
   devices = list(jax.devices() if devices is None else devices)
   shape = mesh_cfg.shape(len(devices))
   return jax.sharding.Mesh(np.array(devices).reshape(shape), MESH_AXES)
 
 
 def logical_to_spec(axes: Sequence[Optional[str]], rules, mesh) -> PartitionSpec:
-  """PartitionSpec for logical `axes` under `rules`; mesh axes of size 1 or absent are dropped,
-  and a mesh axis is used at most once (first dimension wins)."""
+  """The PartitionSpec of logical axes.
+
+  Mesh axes of size 1 or absent from the mesh are dropped, and a mesh axis is used at most once
+  (the first dimension wins).
+
+  Args:
+    axes: one logical axis name (or None) per dimension.
+    rules: (logical name, mesh axes or None) pairs (`ModelConfig.sharding_rules`).
+    mesh: the (abstract or concrete) mesh.
+
+  Returns:
+    The PartitionSpec.
+
+  Raises:
+    KeyError: a logical axis has no rule.
+  """
   table = dict(rules)
   used: set[str] = set()
   spec = []
@@ -73,6 +96,23 @@ def logical_to_spec(axes: Sequence[Optional[str]], rules, mesh) -> PartitionSpec
   return PartitionSpec(*spec)
 
 
+def constrain(x: jax.Array, axes: tuple[str | None, ...], cfg: ModelConfig) -> jax.Array:
+  """Constrain an activation's sharding by its logical axes; a no-op outside a mesh context.
+
+  Args:
+    x: an activation array.
+    axes: one logical axis name (or None) per dimension of x, e.g. ("batch", "seq", "act_embed").
+    cfg: the model config whose `sharding_rules` map logical axes to mesh axes.
+
+  Returns:
+    x, with a sharding constraint under the current abstract mesh.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, cfg.sharding_rules, mesh))
+
+
 def _divisible(spec: PartitionSpec, shape, mesh) -> PartitionSpec:
   """Replicate dimensions whose size the assigned mesh axes do not divide."""
   out = []
@@ -84,7 +124,17 @@ def _divisible(spec: PartitionSpec, shape, mesh) -> PartitionSpec:
 
 
 def state_shardings(state: nnx.State, cfg: ModelConfig, mesh) -> nnx.State:
-  """NamedSharding for every variable of `state` from its `axes` metadata (replicated if none)."""
+  """The NamedSharding of every variable of a model state.
+
+  Args:
+    state: a model state (abstract or concrete).
+    cfg: the model config (its `sharding_rules`).
+    mesh: the device mesh.
+
+  Returns:
+    The state with each variable's value replaced by its sharding, from its `axes` metadata
+    (replicated without one; dimensions the mesh axes do not divide are replicated).
+  """
   def one(var):
     axes = var.get_metadata().get("axes")
     shape = var.shape if hasattr(var, "shape") else var[...].shape
@@ -95,25 +145,31 @@ def state_shardings(state: nnx.State, cfg: ModelConfig, mesh) -> nnx.State:
   return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def init_sharded(cfg: ModelConfig, mesh, seed: int = 0):
-  """Initialise a Transformer directly sharded on `mesh` (no full copy on one device)."""
-  from models.transformer import abstract, initial_state
-  graphdef, abstract_state = nnx.split(abstract(cfg))
-  shardings = state_shardings(abstract_state, cfg, mesh)
-  create = jax.jit(lambda key: initial_state(abstract_state, key), out_shardings=shardings)
-  with jax.set_mesh(mesh):
-    state = create(jax.random.key(seed))
-  return nnx.merge(graphdef, state)
-
-
 def shard_model(model, mesh):
-  """Place an existing model's variables on `mesh` by the rules (e.g. after a HF import)."""
+  """Place an existing model's variables on `mesh` by the rules (e.g. after a HF import).
+
+  Args:
+    model: a Transformer.
+    mesh: the device mesh.
+
+  Returns:
+    The same model with its variables sharded on `mesh`.
+  """
   graphdef, state = nnx.split(model)
   shardings = state_shardings(state, model.cfg, mesh)
   return nnx.merge(graphdef, jax.device_put(state, shardings))
 
 
 def batch_sharding(cfg: ModelConfig, mesh, ndim: int = 2) -> NamedSharding:
-  """Sharding of a [batch, seq, ...] input array: batch over the rules' `batch` axes."""
+  """The sharding of a [batch, seq, ...] input array: batch over the rules' `batch` axes.
+
+  Args:
+    cfg: the model config (its `sharding_rules`).
+    mesh: the device mesh.
+    ndim: the array's rank.
+
+  Returns:
+    The NamedSharding.
+  """
   spec = logical_to_spec(("batch",) + (None,) * (ndim - 1), cfg.sharding_rules, mesh)
   return NamedSharding(mesh, spec)

@@ -1,20 +1,21 @@
 """The Transformer: one Flax NNX module for dense GQA and MoE + MLA decoders.
 
 Layers are stored stacked (leading `layers` axis) in up to two stacks, scanned with
-`jax.lax.scan`: `dense_layers` (a dense model's layers, or a MoE model's first
-`first_k_dense_replace` layers) and `moe_layers`. Forward:
+`jax.lax.scan` (or looped, `ModelConfig.scan_layers`): `dense_layers` (a dense model's layers,
+or a MoE model's first `first_k_dense_replace` layers) and `moe_layers`. Forward:
 
     logits, aux = model(tokens, positions, end)
 
 with tokens, positions, end: [batch, seq] int32; `end` follows the tree rule of
 models/kernels/attention.py. aux holds `max_logits` [layers, heads] (QK-Clip), and for MoE
 models `moe_load` [moe_layers, experts], `balance_loss` and `expert_ids`
-[moe_layers, batch, seq, k].
+[moe_layers, batch, seq, k]. `init` (host) and `init_sharded` (on a mesh) build initialised
+models.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,14 +24,34 @@ from flax import nnx
 
 from models.attention import GQA, MLA
 from models.config import ModelConfig
-from models.layers import MLP, RMSNorm, constrain, dtype_of, initial_value, param
+from models.layers import MLP, RMSNorm, dtype_of, initial_value, param
 from models.moe import MoE, update_router_bias
 from models.rope import cos_sin
+from models.sharding import constrain, state_shardings
 
 REMAT_POLICIES = {
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
+
+
+class LayerInputs(NamedTuple):
+  """What every layer of one forward pass reads besides the residual stream and its cache.
+
+  Attributes:
+    cos: rotary cosines of the positions (`models.rope.cos_sin`).
+    sin: rotary sines of the positions.
+    end: [batch, seq] int32 tree-rule ends, or None when attending to a decode cache (the
+      cache view then defines what each query sees).
+    token_weights: [batch, seq] fp32 logical token counts for MoE load statistics.
+    index: [batch] int32 cache slot of each row's first token, or None without a cache.
+  """
+
+  cos: jax.Array
+  sin: jax.Array
+  end: jax.Array | None
+  token_weights: jax.Array
+  index: jax.Array | None
 
 
 class Block(nnx.Module):
@@ -42,12 +63,26 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
     self.mlp = MoE(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, cfg)
 
-  def __call__(self, x, cos, sin, end, token_weights, cache=None, index=None, expert_ids=None):
-    h, max_logits, cache = self.attn(self.attn_norm(x), cos, sin, end, cache, index)
+  def __call__(self, x: jax.Array, inputs: LayerInputs, cache: dict | None = None,
+               expert_ids: jax.Array | None = None) -> tuple[jax.Array, dict, dict | None]:
+    """Apply the block.
+
+    Args:
+      x: [batch, seq, hidden] residual stream.
+      inputs: the forward pass's per-layer inputs.
+      cache: this layer's decode cache, or None.
+      expert_ids: [batch, seq, k] expert choices to replay (MoE blocks), or None to route.
+
+    Returns:
+      The new residual stream, the aux dict (`max_logits` [heads], plus the MoE entries) and
+      the updated cache (None without one).
+    """
+    h, max_logits, cache = self.attn(self.attn_norm(x), inputs.cos, inputs.sin, inputs.end,
+                                     cache, inputs.index)
     x = x + h
     aux = {"max_logits": max_logits}
     if isinstance(self.mlp, MoE):
-      h, moe_aux = self.mlp(self.mlp_norm(x), token_weights, expert_ids)
+      h, moe_aux = self.mlp(self.mlp_norm(x), inputs.token_weights, expert_ids)
       aux.update(moe_aux)
     else:
       h = self.mlp(self.mlp_norm(x))
@@ -93,19 +128,35 @@ class Transformer(nnx.Module):
     return self.embed[...].T if self.lm_head is None else self.lm_head[...]
 
   def stacks(self) -> list[Block]:
+    """The layer stacks the model has, in order (dense first)."""
     return [s for s in (self.dense_layers, self.moe_layers) if s is not None]
 
-  def hidden(self, tokens: jax.Array, positions: jax.Array, end: jax.Array, *,
+  def hidden(self, tokens: jax.Array, positions: jax.Array, end: jax.Array | None, *,
              token_weights: jax.Array | None = None, expert_ids: jax.Array | None = None,
              cache: dict | None = None, index: jax.Array | None = None
              ) -> tuple[jax.Array, dict, dict | None]:
-    """Final-normed hidden states [batch, seq, hidden], aux dict and the updated cache.
+    """Final-normed hidden states of the tokens.
 
-    token_weights [batch, seq]: logical token counts for MoE load statistics (default 1).
-    expert_ids [moe_layers, batch, seq, k]: replay these expert choices instead of routing.
-    cache/index: decode caches from `init_cache` and per-row write offsets [batch].
+    Args:
+      tokens: [batch, seq] int32 token ids.
+      positions: [batch, seq] int32 RoPE positions.
+      end: [batch, seq] int32 tree-rule ends; None (ignored) when `cache` is given, since the
+        cache view then defines what each query sees.
+      token_weights: [batch, seq] logical token counts for MoE load statistics (default 1).
+      expert_ids: [moe_layers, batch, seq, k] expert choices to replay instead of routing.
+      cache: decode caches from `init_cache`, or None.
+      index: [batch] cache slot of each row's first token (with `cache`).
+
+    Returns:
+      hidden [batch, seq, hidden], the aux dict (module docstring) and the updated cache
+      (None without one).
+
+    Raises:
+      ValueError: `end` is None without a cache.
     """
     cfg = self.cfg
+    if end is None and cache is None:
+      raise ValueError("Transformer.hidden: `end` is required without a cache")
     # Gather the FSDP shards of the table first: the batch is sharded over fsdp too, and XLA
     # cannot move a gather result from embed-sharded to batch-sharded without replicating.
     table = constrain(self.embed[...], ("vocab", None), cfg)
@@ -114,6 +165,7 @@ class Transformer(nnx.Module):
     cos, sin = cos_sin(cfg, positions)
     if token_weights is None:
       token_weights = jnp.ones(tokens.shape, jnp.float32)
+    inputs = LayerInputs(cos, sin, end, token_weights, index)
     aux: dict[str, Any] = {}
     new_cache = {}
     for name, stack in (("dense", self.dense_layers), ("moe", self.moe_layers)):
@@ -123,8 +175,7 @@ class Transformer(nnx.Module):
       layer_cache = None if cache is None else cache[name]
       apply = (_loop if isinstance(stack, nnx.List) else _scan if cfg.scan_layers
                else _sliced_loop)
-      x, stack_aux, new_cache[name] = apply(stack, cfg, x, cos, sin, end, token_weights,
-                                            layer_cache, index, ids)
+      x, stack_aux, new_cache[name] = apply(stack, cfg, x, inputs, layer_cache, ids)
       for key, value in stack_aux.items():
         aux.setdefault(key, []).append(value)
     aux = {k: v[0] if len(v) == 1 else jnp.concatenate(v) for k, v in aux.items()}
@@ -133,16 +184,29 @@ class Transformer(nnx.Module):
       aux["moe_load"] = aux.pop("load")
     return self.final_norm(x), aux, (new_cache if cache is not None else None)
 
-  def __call__(self, tokens, positions, end, **kwargs) -> tuple[jax.Array, dict]:
-    """Full fp32 logits [batch, seq, vocab] and the aux dict (see `hidden`)."""
+  def __call__(self, tokens: jax.Array, positions: jax.Array, end: jax.Array | None, **kwargs
+               ) -> tuple[jax.Array, dict]:
+    """Full fp32 logits [batch, seq, vocab] and the aux dict (arguments as `hidden`)."""
     h, aux, _ = self.hidden(tokens, positions, end, **kwargs)
     logits = jnp.dot(h.astype(jnp.float32), self.lm_head_weight())
     return constrain(logits, ("batch", "seq", "act_vocab"), self.cfg), aux
 
   def update_router_bias(self, moe_load: jax.Array) -> None:
-    """Aux-loss-free balancing, outside the gradient: nudge each MoE layer's selection bias
-    by `bias_update_rate` towards the mean load, from a step's aux["moe_load"]
-    [moe_layers, experts] (averaged over micro-batches and data-parallel replicas)."""
+    """Aux-loss-free balancing, outside the gradient.
+
+    Nudges each MoE layer's selection bias by `bias_update_rate` towards the mean load.
+
+    Args:
+      moe_load: [moe_layers, experts] a step's aux["moe_load"] (averaged over micro-batches
+        and data-parallel replicas).
+
+    Raises:
+      ValueError: the model is unstacked or has no router bias.
+
+    References:
+      Wang et al., "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts",
+      arXiv:2408.15664.
+    """
     if isinstance(self.moe_layers, nnx.List):
       raise ValueError("update_router_bias: the model is unstacked (update the stacked model)")
     bias = None if self.moe_layers is None else self.moe_layers.mlp.router_bias
@@ -152,9 +216,17 @@ class Transformer(nnx.Module):
     bias[...] = update_router_bias(bias[...], moe_load, self.cfg.bias_update_rate)
 
   def init_cache(self, batch: int, capacity: int) -> dict:
-    """Zeroed decode caches {stack: {name: [layers, batch, ...]}} (see the attention layers'
-    `init_cache` for the rest of the shape); an unstacked model has a list of per-layer
-    {name: [batch, ...]} per stack."""
+    """Zeroed decode caches.
+
+    Args:
+      batch: rows of the cache.
+      capacity: tokens each row holds.
+
+    Returns:
+      {stack: {name: [layers, batch, ...]}} (see the attention layers' `init_cache` for the
+      rest of the shape); an unstacked model has a list of per-layer {name: [batch, ...]} per
+      stack.
+    """
     out = {}
     for name, stack in (("dense", self.dense_layers), ("moe", self.moe_layers)):
       if isinstance(stack, nnx.List):
@@ -167,16 +239,21 @@ class Transformer(nnx.Module):
 
   def decode_step(self, tokens: jax.Array, cache: dict, index: jax.Array,
                   positions: jax.Array | None = None) -> tuple[jax.Array, dict]:
-    """Run new tokens [batch, s] (s = 1 when decoding, more when prefilling) against the cache.
+    """Run new tokens against the cache (s = 1 when decoding, more when prefilling).
 
-    index [batch]: cache slot of each row's first new token (its current length); positions
-    default to the slots. Returns fp32 logits [batch, s, vocab] and the updated cache.
+    Args:
+      tokens: [batch, s] int32 new tokens.
+      cache: decode caches from `init_cache`.
+      index: [batch] cache slot of each row's first new token (its current length).
+      positions: [batch, s] RoPE positions; default the cache slots.
+
+    Returns:
+      fp32 logits [batch, s, vocab] and the updated cache.
     """
     s = tokens.shape[1]
     if positions is None:
       positions = index[:, None] + jnp.arange(s, dtype=jnp.int32)[None]
-    end = jnp.zeros(tokens.shape, jnp.int32)  # unused: the cache view defines visibility
-    h, _, cache = self.hidden(tokens, positions, end, cache=cache, index=index)
+    h, _, cache = self.hidden(tokens, positions, None, cache=cache, index=index)
     return jnp.dot(h.astype(jnp.float32), self.lm_head_weight()), cache
 
 
@@ -184,13 +261,12 @@ def _num_layers(stack: Block) -> int:
   return jax.tree.leaves(nnx.state(stack, nnx.Param))[0].shape[0]
 
 
-def _layer_body(graphdef, cfg: ModelConfig, cos, sin, end, token_weights, index):
+def _layer_body(graphdef, cfg: ModelConfig, inputs: LayerInputs):
   """(x, (layer_state, layer_cache, expert_ids)) -> (x, (aux, layer_cache)): one block of a
   stack, rematerialised as `cfg.remat` says."""
   def body(x, xs):
     layer_state, layer_cache, ids = xs
-    y, aux, layer_cache = nnx.merge(graphdef, layer_state)(
-        x, cos, sin, end, token_weights, layer_cache, index, ids)
+    y, aux, layer_cache = nnx.merge(graphdef, layer_state)(x, inputs, layer_cache, ids)
     return y, (aux, layer_cache)
 
   if cfg.remat == "full":
@@ -200,23 +276,21 @@ def _layer_body(graphdef, cfg: ModelConfig, cos, sin, end, token_weights, index)
   return body
 
 
-def _scan(stack: Block, cfg: ModelConfig, x, cos, sin, end, token_weights, cache, index,
-          expert_ids):
+def _scan(stack: Block, cfg: ModelConfig, x, inputs: LayerInputs, cache, expert_ids):
   """Apply the stacked blocks in order with lax.scan (one compiled body for all layers)."""
   graphdef, state = nnx.split(stack)
-  body = _layer_body(graphdef, cfg, cos, sin, end, token_weights, index)
+  body = _layer_body(graphdef, cfg, inputs)
   x, (aux, cache) = jax.lax.scan(body, x, (state, cache, expert_ids))
   return x, aux, cache
 
 
-def _sliced_loop(stack: Block, cfg: ModelConfig, x, cos, sin, end, token_weights, cache, index,
-                 expert_ids):
+def _sliced_loop(stack: Block, cfg: ModelConfig, x, inputs: LayerInputs, cache, expert_ids):
   """Apply the stacked blocks by a Python loop over layer slices of the stacked weights (and
   cache): the backward pass keeps each layer's residuals in buffers of their own, where
   lax.scan stacks them into [layers, ...] buffers (copies on CPU). Compile time grows with
   depth. Outputs as `_scan`."""
   graphdef, state = nnx.split(stack)
-  body = _layer_body(graphdef, cfg, cos, sin, end, token_weights, index)
+  body = _layer_body(graphdef, cfg, inputs)
   outs = []
   for i in range(_num_layers(stack)):
     x, out = body(x, jax.tree.map(lambda a: a[i], (state, cache, expert_ids)))
@@ -225,21 +299,27 @@ def _sliced_loop(stack: Block, cfg: ModelConfig, x, cos, sin, end, token_weights
   return x, aux, cache
 
 
-def _loop(blocks: nnx.List, cfg: ModelConfig, x, cos, sin, end, token_weights, caches, index,
-          expert_ids):
+def _loop(blocks: nnx.List, cfg: ModelConfig, x, inputs: LayerInputs, caches, expert_ids):
   """Apply unstacked blocks in order; aux gets a leading layer axis, as from `_scan`."""
+  del cfg  # unstacked blocks are not rematerialised
   auxes, new_caches = [], []
   for i, block in enumerate(blocks):
     ids = None if expert_ids is None else expert_ids[i]
-    x, aux, cache = block(x, cos, sin, end, token_weights, None if caches is None else caches[i],
-                          index, ids)
+    x, aux, cache = block(x, inputs, None if caches is None else caches[i], ids)
     auxes.append(aux)
     new_caches.append(cache)
   return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes), (None if caches is None else new_caches)
 
 
 def unstack(model: Transformer) -> Transformer:
-  """The same model with each layer as a Block of its own (weights copied out of the stacks)."""
+  """The same model with each layer as a Block of its own.
+
+  Args:
+    model: a stacked Transformer.
+
+  Returns:
+    A `Transformer(stacked=False)` holding copies of the model's weights.
+  """
   out = nnx.eval_shape(lambda: Transformer(model.cfg, stacked=False))
   values = nnx.to_pure_dict(nnx.state(model))
   for name in ("dense_layers", "moe_layers"):
@@ -252,21 +332,24 @@ def unstack(model: Transformer) -> Transformer:
   return out
 
 
-def initial_state(abstract_state: nnx.State, key: jax.Array) -> nnx.State:
-  """Initial values for every variable of `abstract_state` (one key per variable, folded from
-  `key` by its position in the state), per the initialiser recorded by `layers.param`."""
-  leaves, treedef = jax.tree.flatten(abstract_state,
-                                     is_leaf=lambda x: isinstance(x, nnx.Variable))
-  return jax.tree.unflatten(treedef, [
-      var.replace(initial_value(var, jax.random.fold_in(key, i))) for i, var in enumerate(leaves)])
+def abstract(cfg: ModelConfig) -> Transformer:
+  """The model with ShapeDtypeStruct leaves: shapes and axes without allocating anything."""
+  return nnx.eval_shape(lambda: Transformer(cfg))
 
 
 def init(cfg: ModelConfig, seed: int = 0) -> Transformer:
   """A randomly initialised Transformer on the default device, drawn on the host with NumPy.
 
   Host drawing compiles nothing (XLA's CPU compile of one random program per parameter costs
-  ~0.5 s each). On a mesh use `models.sharding.init_sharded`, which draws directly sharded with
-  `jax.random` (different numbers for the same seed).
+  ~0.5 s each). On a mesh use `init_sharded`, which draws directly sharded with `jax.random`
+  (different numbers for the same seed).
+
+  Args:
+    cfg: the model config.
+    seed: NumPy generator seed.
+
+  Returns:
+    The model, each parameter drawn by the initialiser `layers.param` recorded.
   """
   graphdef, state = nnx.split(abstract(cfg))
   rng = np.random.default_rng(seed)
@@ -281,6 +364,40 @@ def init(cfg: ModelConfig, seed: int = 0) -> Transformer:
                                           is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
-def abstract(cfg: ModelConfig) -> Transformer:
-  """The model with ShapeDtypeStruct leaves: shapes and axes without allocating anything."""
-  return nnx.eval_shape(lambda: Transformer(cfg))
+def initial_state(abstract_state: nnx.State, key: jax.Array) -> nnx.State:
+  """Initial values for every variable of a model state, with `jax.random`.
+
+  Args:
+    abstract_state: the state of `abstract(cfg)` (or any state of variables made by
+      `layers.param`).
+    key: PRNG key; each variable draws from it folded with its position in the state.
+
+  Returns:
+    The state with every variable drawn by its recorded initialiser.
+  """
+  leaves, treedef = jax.tree.flatten(abstract_state,
+                                     is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return jax.tree.unflatten(treedef, [
+      var.replace(initial_value(var, jax.random.fold_in(key, i))) for i, var in enumerate(leaves)])
+
+
+def init_sharded(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int = 0) -> Transformer:
+  """A randomly initialised Transformer drawn directly sharded on `mesh`.
+
+  All variables are drawn in one jit whose out_shardings follow the config's rules, so no
+  device ever holds a full copy. The numbers differ from `init`'s for the same seed.
+
+  Args:
+    cfg: the model config (its `sharding_rules` place the parameters).
+    mesh: the device mesh (`models.sharding.make_mesh`).
+    seed: PRNG seed.
+
+  Returns:
+    The model with every variable sharded on `mesh`.
+  """
+  graphdef, abstract_state = nnx.split(abstract(cfg))
+  shardings = state_shardings(abstract_state, cfg, mesh)
+  create = jax.jit(lambda key: initial_state(abstract_state, key), out_shardings=shardings)
+  with jax.set_mesh(mesh):
+    state = create(jax.random.key(seed))
+  return nnx.merge(graphdef, state)

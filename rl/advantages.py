@@ -1,4 +1,4 @@
-"""Advantage estimators and reward shaping on per-sequence arrays (design §3, rl_peers §4).
+"""Advantage estimators and reward shaping on per-sequence arrays (docs/design.md §3).
 
 A *sequence* is one trajectory (`TreeBatch.seqs`). Inputs are per-sequence arrays of the whole
 batch: `rewards` [S] float, `group` [S] integer group ids (the G samples of one task share an

@@ -3,8 +3,8 @@
 The sampler (inference engine) and the trainer compute log-probs of the same tokens with the same
 weights but different kernels, precision, parallelism and (MoE) routing, so they disagree. These
 functions turn the two log-prob streams into a per-token weight [S, T] that the losses in
-`rl.losses` multiply into each per-token term as a constant (docs/design.md §3; peers survey
-§4.7). Everything is pure, jittable, and works on per-sequence arrays:
+`rl.losses` multiply into each per-token term as a constant (docs/design.md §3). Everything is
+pure, jittable, and works on per-sequence arrays:
 
   train_logprobs    [S, T]  log π_train(y_t): the trainer's log-probs of the sampled tokens, either
                             π_old recomputed by the trainer before the update or the current π_θ

@@ -18,7 +18,7 @@ Flattened arrays (docs/design.md §3), n = number of nodes:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -77,19 +77,52 @@ class Tree:
     return out[::-1]
 
 
-def from_trajectory(trajectory: Any, scalar_names: Iterable[str] = ("reward",)
-                    ) -> TrajectoryTokens:
-  """Adapt any object with `.calls` (each with `.input_ids`, `.output_ids` and optionally
-  `.output_logprobs`) and scalar attributes (e.g. envs' Trajectory) to `TrajectoryTokens`."""
+def _get(record: Any, name: str, default: Any = None) -> Any:
+  """A field of a record that is either a mapping or an object with attributes."""
+  if isinstance(record, Mapping):
+    return record.get(name, default)
+  return getattr(record, name, default)
+
+
+def from_trajectory(trajectory: Any, *, scalars: Optional[Mapping[str, float]] = None,
+                    logprobs: bool = True, mask_tool_errors: bool = True) -> TrajectoryTokens:
+  """The one adapter from a trajectory record to `TrajectoryTokens`.
+
+  Reads fields structurally (objects or dicts alike; rl never imports envs), so it takes an
+  envs Trajectory, its `to_dict()`, or a JSON trajectory record. A call with no output_ids is
+  skipped: it samples nothing to train.
+
+  Args:
+    trajectory: has `calls` (attribute or key); each call has `input_ids`, `output_ids`,
+      `output_logprobs` (read when `logprobs`) and optionally `meta` (None counts as {}).
+    scalars: the trajectory's scalars, e.g. {"advantage": a, "reward": r} (cast to float).
+    logprobs: emit the sampler's log-probs (`output_logprobs`) as the field "logprobs".
+    mask_tool_errors: error-masked training: a call whose meta["tool_error"] is set gets
+      loss_mask 0 (it stays in the context of later calls).
+
+  Returns:
+    The calls with per output token fields "loss_mask" (0 when meta["train"] is False, or the
+    call failed and `mask_tool_errors`; else 1), "failed" (1 when meta["tool_error"]) and, with
+    `logprobs`, "logprobs"; and the scalars.
+  """
   calls = []
-  for call in trajectory.calls:
-    fields = {}
-    if getattr(call, "output_logprobs", None) is not None:
-      fields["logprobs"] = call.output_logprobs
-    calls.append(CallTokens(list(call.input_ids), list(call.output_ids), fields))
-  scalars = {name: float(getattr(trajectory, name)) for name in scalar_names
-             if getattr(trajectory, name, None) is not None}
-  return TrajectoryTokens(calls, scalars)
+  for i, c in enumerate(_get(trajectory, "calls")):
+    output_ids = list(_get(c, "output_ids"))
+    if not output_ids:
+      continue
+    meta = _get(c, "meta") or {}
+    failed = bool(meta.get("tool_error", False))
+    train = meta.get("train", True) is not False and not (mask_tool_errors and failed)
+    n = len(output_ids)
+    fields = {"loss_mask": [float(train)] * n, "failed": [float(failed)] * n}
+    if logprobs:
+      sampled = _get(c, "output_logprobs")
+      if sampled is None:
+        raise ValueError(f"calls[{i}] has no output_logprobs (pass logprobs=False to adapt a "
+                         "record without them)")
+      fields["logprobs"] = list(sampled)
+    calls.append(CallTokens(list(_get(c, "input_ids")), output_ids, fields))
+  return TrajectoryTokens(calls, {k: float(v) for k, v in (scalars or {}).items()})
 
 
 def build_tree(trajectories: Sequence[TrajectoryTokens]) -> Tree:

@@ -58,7 +58,7 @@ def main(out_path: str, model: str = "dense") -> None:
   from rl import corrections, losses
   from tests.conftest import TINY_DENSE, TINY_MOE_MLA
   from trainer import batches as B
-  from trainer import optimizers as O
+  from trainer import optim as O
   from trainer import state as S
   from trainer import step as T
 

@@ -7,13 +7,12 @@ import os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from models import sharding, transformer  # noqa: E402
 from tests.conftest import TINY_MOE_MLA  # noqa: E402
-from trainer import optimizers as O  # noqa: E402
+from trainer import optim  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 P = jax.sharding.PartitionSpec
@@ -30,18 +29,18 @@ def main():
   host_params = nnx.as_pure(nnx.state(model, nnx.Param))
   params = jax.device_put(host_params, param_shardings)
 
-  opt = O.build(O.OptimizerConfig.from_config(dict(
+  opt = optim.build(optim.OptimizerConfig.from_config(dict(
       name="muon_clip", learning_rate=1e-2, schedule="constant", weight_decay=0.1,
       grad_clip_norm=1.0, qk_clip={"tau": 1.0})), cfg, params)
   state_shardings = opt.state_shardings(params, param_shardings)
   state = opt.init_sharded(params, param_shardings)
 
   # every parameter-shaped state leaf carries its parameter's sharding
-  by_path = {O.path_names(p): s for p, s in jax.tree.leaves_with_path(
+  by_path = {optim.path_names(p): s for p, s in jax.tree.leaves_with_path(
       param_shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))}
   matched = 0
   for path, leaf in jax.tree.leaves_with_path(state):
-    want = by_path.get(O.param_suffix(path))
+    want = by_path.get(optim.param_suffix(path))
     if want is not None and leaf.ndim:
       assert leaf.sharding.spec == want.spec, (jax.tree_util.keystr(path), leaf.sharding, want)
       matched += 1
@@ -49,11 +48,11 @@ def main():
   assert matched == expected, (matched, expected)
   # explicit examples: Muon momentum of an expert stack, AdamW moments of the embedding
   mu = [leaf for path, leaf in jax.tree.leaves_with_path(state)
-        if O.param_suffix(path) == ("moe_layers", "mlp", "gate_proj")]
+        if optim.param_suffix(path) == ("moe_layers", "mlp", "gate_proj")]
   assert mu and all(x.sharding.spec == P(None, "expert", "fsdp", "tensor") for x in mu), \
       [x.sharding.spec for x in mu]
   emb = [leaf for path, leaf in jax.tree.leaves_with_path(state)
-         if O.param_suffix(path) == ("embed",)]
+         if optim.param_suffix(path) == ("embed",)]
   assert len(emb) == 2 and all(x.sharding.spec == P("tensor", "fsdp") for x in emb)
   print(f"ok state shardings: {matched} state leaves carry their parameter's sharding")
 
@@ -85,8 +84,8 @@ def main():
     worst = max(worst, err)
   assert worst <= 1e-5, worst
   for path, leaf in jax.tree.leaves_with_path(p_sh):
-    assert leaf.sharding.spec == by_path[O.path_names(path)].spec
-  clipped = int(O.metrics(opt, s_sh)["qk_clipped_heads"])
+    assert leaf.sharding.spec == by_path[optim.path_names(path)].spec
+  clipped = int(optim.metrics(opt, s_sh)["qk_clipped_heads"])
   assert clipped == int((max_logits[-1] > 1.0).sum()), clipped
   print(f"ok sharded step == single-device step (2 steps, max rel diff {worst:.1e}, "
         f"{clipped} heads clipped)")

@@ -10,7 +10,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from models import sharding  # noqa: E402
+from models import sharding, transformer  # noqa: E402
 from tests.conftest import TINY_DENSE, TINY_MOE_MLA  # noqa: E402
 
 
@@ -24,7 +24,7 @@ def spec_of(model, *path):
 def check(cfg, mesh_cfg, expect):
   assert len(jax.devices()) == 8
   mesh = sharding.make_mesh(mesh_cfg)
-  model = sharding.init_sharded(cfg, mesh, seed=0)
+  model = transformer.init_sharded(cfg, mesh, seed=0)
   for path, want in expect:
     got = spec_of(model, *path)
     assert got == want, (path, got, want)

@@ -21,7 +21,7 @@ import urllib.request
 import pytest
 
 from envs.trajectory import Trajectory
-from launch import fleet as fleet_lib
+from launch import local_fleet as fleet_lib
 from trainer.metrics import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

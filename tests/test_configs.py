@@ -21,7 +21,7 @@ from trainer.config import ConfigError, validate
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = sorted(os.path.splitext(os.path.basename(p))[0]
                for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
-               if not p.endswith("__init__.py"))
+               if not p.endswith(("__init__.py", "base.py")))  # base: the sections, not a run
 FAMILIES = ("qwen2.5-coder", "qwen3", "deepseek-v3")
 TEMPLATES = ("sft", "rl", "distill")  # configs for imported HF models: placeholder paths
 RUNNABLE = ("smoke", "sft_demo", "demo")  # configs that validate (and run) as they are
@@ -133,6 +133,31 @@ def real_value(field: str, family: str, paths: dict):
 
 
 # ----------------------------------------------------------------------------- tests
+
+
+def test_every_base_field_has_a_comment():
+  """configs/base.py: each field assignment carries a comment on its line or the line above,
+  and every field of `base_config()` is assigned there (nothing added elsewhere)."""
+  from configs.base import base_config
+  lines = open(os.path.join(ROOT, "configs", "base.py")).read().splitlines()
+  assigned = set()
+  for i, line in enumerate(lines):
+    m = re.match(r"\s+([sc](?:\.\w+)+) = ", line)
+    if not m or line.strip().startswith(("s = ", "c = ")):
+      continue
+    assigned.add(m.group(1).split(".")[-1])
+    section = "ConfigDict()" in line or re.search(r"= _\w+\(\)$", line)  # its docstring
+    assert "#" in line or lines[i - 1].strip().startswith("#") or section, (
+        f"configs/base.py:{i + 1}: a field without its one-line comment: {line.strip()}")
+
+  def leaves(c):
+    for key, value in c.items():
+      yield key
+      if isinstance(value, ml_collections.ConfigDict):
+        yield from leaves(value)
+  assert set(leaves(base_config())) <= assigned | {"model", "tokenizer", "mesh", "optimizer",
+                                                   "loss", "data", "train", "checkpoint",
+                                                   "metrics", "rl", "distill", "eval", "serve"}
 
 
 def test_every_config_file_is_covered():

@@ -1,4 +1,4 @@
-"""models/engine.py against independent references.
+"""models/engine.py (and its device side, models/sampler.py) against independent references.
 
 - Log-probs returned for sampled tokens equal teacher-forced log-probs of the finished sequences
   (a full forward pass of the stacked model, no cache) for a dense and a MoE + MLA model, with
@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import engine as engine_lib
-from models import hf, transformer
-from models.engine import Engine, EngineConfig, SamplingParams
-from tests.conftest import TINY_DENSE, TINY_MOE_MLA
+from envs.policy import SamplingParams
+from models import hf, sampler, transformer
+from models.engine import Engine, EngineConfig
+from tests.conftest import TINY_DENSE
 
 MAX_LEN = 96
 CONFIG = EngineConfig(slots=4, max_seq_len=MAX_LEN, prefix_cache_rows=8, min_prefix=4,
@@ -104,7 +104,7 @@ def test_logprobs_equal_teacher_forcing(which, models):
                 [1.0, 0.0, 1.0, 0.7, 1.0, 1.3, 1.0, 1.0, 1.0, 0.0, 1.0],
                 [0, 0, 5, 0, 0, 3, 0, 0, 0, 0, 0],
                 [1.0, 1.0, 1.0, 0.8, 1.0, 1.0, 0.9, 0.9, 0.9, 1.0, 1.0]))]
-  traces = engine_lib.TRACES["decode"]
+  traces = sampler.TRACES["decode"]
   outs = eng.generate(prompts, params)
   counters = eng.counters
   print(counters)
@@ -126,7 +126,7 @@ def test_logprobs_equal_teacher_forcing(which, models):
     if experts is not None:  # experts at the position that predicted each token
       np.testing.assert_array_equal(o.expert_ids, np.moveaxis(experts[:, pred], 1, 0))
   # engines of one config share compiled code: at most one decode compile per model config
-  assert engine_lib.TRACES["decode"] - traces <= 1
+  assert sampler.TRACES["decode"] - traces <= 1
 
 
 # ----------------------------------------------------------------------------- HF parity
@@ -178,7 +178,7 @@ def test_weight_update_tags_versions(models):
   prompts = random_prompts(rng, (11, 6, 14), old.cfg.vocab_size)
   params = SamplingParams(max_tokens=20, temperature=1.0)
   eng.generate(prompts[:1], SamplingParams(max_tokens=2))  # compile before counting traces
-  traces = dict(engine_lib.TRACES)
+  traces = dict(sampler.TRACES)
 
   first = [eng.submit(p, params) for p in prompts[:2]]
   eng.step()  # admit + one decode call (8 of 20 tokens)
@@ -209,7 +209,7 @@ def test_weight_update_tags_versions(models):
                     logp_old[pred, o.output_ids])
     np.testing.assert_allclose(o.logprobs, want, atol=ATOL)
   assert eng.counters["updates"] == 2 and eng.counters["resubmitted"] == 2
-  assert {k: v for k, v in engine_lib.TRACES.items() if k != "prefill"} == \
+  assert {k: v for k, v in sampler.TRACES.items() if k != "prefill"} == \
       {k: v for k, v in traces.items() if k != "prefill"}
 
 
@@ -301,7 +301,7 @@ def test_sampler_distribution():
   temperature, top_k, top_p = (np.array(v) for v in zip(*settings))
   n = 4000
   keys = jax.random.split(jax.random.key(0), n)
-  draw = jax.jit(jax.vmap(lambda k: engine_lib.sample(
+  draw = jax.jit(jax.vmap(lambda k: sampler.sample(
       jnp.asarray(logits), jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
       jnp.asarray(top_p, jnp.float32), jax.random.split(k, 5))))
   samples = np.asarray(draw(keys))  # [n, rows]

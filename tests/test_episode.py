@@ -1,8 +1,8 @@
-"""Issue 6 acceptance 3, end to end: a scripted (non-model) policy drives the react scaffold with
-tools in a bwrap sandbox on a bundled SWE-format instance, and the `tests` verifier rewards the
-result in a fresh bwrap sandbox (`envs.rollout_worker.make_react_episode` wires the pieces exactly
-as the rollout worker does). The fix gets 1; doing nothing, editing the tests, adding a
-conftest.py that forces passes, and making the code print fake PASSED lines all get 0."""
+"""End to end: a scripted (non-model) policy drives the react scaffold with tools in a bwrap
+sandbox on a bundled SWE-format instance, and the `tests` verifier rewards the result in a fresh
+bwrap sandbox (`envs.episode.make_react_episode` wires the pieces exactly as the rollout worker
+does). The fix gets 1; doing nothing, editing the tests, adding a conftest.py that forces
+passes, and making the code print fake PASSED lines all get 0."""
 
 import asyncio
 import os
@@ -11,7 +11,7 @@ import pytest
 
 from envs.chat import make_chat
 from envs.chat.tokenizer import HFTokenizer
-from envs.rollout_worker import make_react_episode, make_sandbox_factory
+from envs.episode import make_react_episode, make_sandbox_factory
 from envs.scaffold import ScaffoldConfig, ScriptedPolicy
 from envs.tasks import load_swe_jsonl
 from tests.test_chat import _tiny_bpe
@@ -58,8 +58,10 @@ def test_scripted_policy_through_react_in_bwrap(chat, script):
   policy = ScriptedPolicy(chat, SCRIPTS[script])
   episode = make_react_episode(policy, chat, make_sandbox_factory("bwrap"),
                                ScaffoldConfig(max_turns=8))
-  trajectory = asyncio.run(episode(task, 0, 0))
+  trajectory = asyncio.run(episode(task, 0, 0, group_id="intervals-1/5", metadata={"draw": 5}))
   assert trajectory.termination == "submitted", trajectory.metadata
+  assert (trajectory.task_id, trajectory.group_id) == ("intervals-1", "intervals-1/5")
+  assert trajectory.metadata["draw"] == 5
   assert len(trajectory.calls) == len(SCRIPTS[script])
   for prev, call in zip(trajectory.calls, trajectory.calls[1:]):  # sampled ids never re-tokenized
     assert call.input_ids[:len(prev.input_ids) + len(prev.output_ids)] == (

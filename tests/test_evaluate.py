@@ -1,4 +1,4 @@
-"""Issue 8: the eval mode (trainer/evaluate.py): pass@k, paired bootstrap, evaluate() end to end
+"""The eval mode (trainer/evaluate.py): pass@k, paired bootstrap, evaluate() end to end
 with bwrap sandboxes and the tests verifier (a tiny random model, and a scripted engine whose
 fixes score 1), the test-time selection modes, and mode "eval"'s plumbing (run)."""
 
@@ -22,6 +22,7 @@ from models.engine import Completion, EngineConfig
 from envs.scaffold import ScaffoldConfig
 from tests.test_chat import _tiny_bpe
 from trainer import evaluate as ev
+from trainer import selection
 
 
 @pytest.fixture(scope="module")
@@ -121,10 +122,10 @@ def traj(logprobs, termination="submitted", reward=0.0):
 def test_best_of_n_uses_the_policys_mean_logprob_among_submitted_episodes():
   trajs = [traj([[-1.0, -1.0]]), traj([[-0.2], [-0.4]]), traj([[-0.01]], "max_turns"),
            RuntimeError("sandbox")]
-  assert ev.mean_logprob(trajs[1]) == pytest.approx(-0.3)
-  assert ev.select_best_of_n(trajs) == 1  # the unsubmitted -0.01 and the failure never win
-  assert ev.select_best_of_n([traj([[-2.0]], "max_turns"), traj([[-1.0]], "timeout")]) == 1
-  assert ev.select_best_of_n([RuntimeError("x"), traj([], "max_turns")]) == 0  # no score
+  assert selection.mean_logprob(trajs[1]) == pytest.approx(-0.3)
+  assert selection.select_best_of_n(trajs) == 1  # the unsubmitted -0.01 and the failure never win
+  assert selection.select_best_of_n([traj([[-2.0]], "max_turns"), traj([[-1.0]], "timeout")]) == 1
+  assert selection.select_best_of_n([RuntimeError("x"), traj([], "max_turns")]) == 0  # no score
 
 
 def test_majority_vote_over_final_patches(tasks):
@@ -141,18 +142,18 @@ def test_majority_vote_over_final_patches(tasks):
       {fix["path"]: fixed, test_file: b"x = 1\n"},     # the fix (+ a test edit: not code)
       None,                                            # the episode failed
   ]
-  assert ev.submission_key(task, subs[2]) == ev.submission_key(task, subs[3])
-  assert ev.submission_key(task, {test_file: b""})[0] == "empty"
-  assert ev.submission_key(task, {"conftest.py": b"", fix["path"]: fixed})[0] == "refused"
-  assert ev.select_majority(task, subs) == 2
-  assert ev.select_majority(task, [{}, {fix["path"]: other}, {fix["path"]: fixed}]) == 1  # tie
-  assert ev.select_majority(task, [{}, None, {"conftest.py": b""}]) == 0  # nothing to vote on
+  assert selection.submission_key(task, subs[2]) == selection.submission_key(task, subs[3])
+  assert selection.submission_key(task, {test_file: b""})[0] == "empty"
+  assert selection.submission_key(task, {"conftest.py": b"", fix["path"]: fixed})[0] == "refused"
+  assert selection.select_majority(task, subs) == 2
+  assert selection.select_majority(task, [{}, {fix["path"]: other}, {fix["path"]: fixed}]) == 1  # tie
+  assert selection.select_majority(task, [{}, None, {"conftest.py": b""}]) == 0  # nothing to vote on
   exact = types.SimpleNamespace(kind="exact")
-  assert ev.select_majority(exact, ["The answer is 4", "\\boxed{5}", "answer: 5.", ""]) == 1
+  assert selection.select_majority(exact, ["The answer is 4", "\\boxed{5}", "answer: 5.", ""]) == 1
 
 
 def test_self_play_scores_patches_against_visible_and_generated_tests(tasks):
-  from envs.rollout_worker import make_sandbox_factory
+  from envs.episode import make_sandbox_factory
   import asyncio
   task = tasks[0]
   fix = task.metadata["fix_edit"]
@@ -163,7 +164,7 @@ def test_self_play_scores_patches_against_visible_and_generated_tests(tasks):
   subs = [None, {}, {fix["path"]: fixed}, {fix["path"]: broken},
           {fix["path"]: fixed, "tests/test_repro.py": files[test_file]},  # + its own test
           {"conftest.py": b"", fix["path"]: fixed}]                      # refused
-  out = asyncio.run(ev.self_play_scores(task, subs, make_sandbox_factory("bwrap")))
+  out = asyncio.run(selection.self_play_scores(task, subs, make_sandbox_factory("bwrap")))
   visible = len(task.fail_to_pass) + len(task.pass_to_pass)
   assert out["generated"] == ["arbor_selfplay/test_sp4_tests__test_repro.py"]
   assert out["tests"] == 2 * visible  # the visible suite and the sample's copy of it
@@ -238,8 +239,8 @@ def test_evaluate_scripted_fixes_score_1_and_selection_modes(chat, tasks):
   assert list(trajs[0][2].metadata["submission"]) == [fix0["path"]]
   assert trajs[0][0].metadata["submission"] == {}
   subs = [[t.metadata["submission"] for t in row] for row in trajs]
-  assert [ev.select_majority(t, s) for t, s in zip(tasks, subs)] == [1, 0]  # tie -> first
-  assert [ev.select_best_of_n(row) for row in trajs] == [0, 2]  # "nothing" is most likely
+  assert [selection.select_majority(t, s) for t, s in zip(tasks, subs)] == [1, 0]  # tie -> first
+  assert [selection.select_best_of_n(row) for row in trajs] == [0, 2]  # "nothing" is most likely
   json.dumps({k: v for k, v in out.items() if k != "trajectories"}, allow_nan=False)  # JSON
 
 
@@ -288,8 +289,8 @@ def test_evaluate_a_tiny_random_model_in_bwrap(chat, tasks, monkeypatch):
 def test_run_evaluates_each_checkpoint_and_writes_results(tmp_path, monkeypatch):
   from models.hf import config_to_json
   from models.presets import get_preset
-  from trainer import config as config_lib
-  from trainer import sft
+  from configs.base import base_config
+  from trainer import harness
 
   runs = {}
   for name in ("sft", "rl"):
@@ -313,9 +314,9 @@ def test_run_evaluates_each_checkpoint_and_writes_results(tmp_path, monkeypatch)
     if kw["selection"] != "none":
       out["pass@1/selected"] = 0.5
     return out
-  monkeypatch.setattr(sft, "initial_model", fake_initial_model)
+  monkeypatch.setattr(harness, "initial_model", fake_initial_model)
   monkeypatch.setattr(ev, "evaluate", fake_evaluate)
-  config = config_lib.base_config()
+  config = base_config()
   config.mode = "eval"
   config.eval.num_tasks, config.eval.samples, config.eval.selection = 2, 2, "best_of_n"
   config.eval.checkpoints = (f"ckpt:{runs['sft']}", f"ckpt:{runs['rl']}")

@@ -1,4 +1,4 @@
-"""models/hf.py against Hugging Face transformers (PyTorch CPU, fp32).
+"""models/hf.py, hf_config.py and hf_names.py against Hugging Face transformers (PyTorch CPU).
 
 Tiny random models of each family are built from transformers config classes (no downloads),
 saved with `save_pretrained`, imported with `models.hf.load` and compared on logits; the import
@@ -19,8 +19,10 @@ import torch
 from flax import nnx
 from transformers import (AutoModelForCausalLM, DeepseekV3Config, Qwen2Config, Qwen3Config,
                           Qwen3MoeConfig)
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from models import hf
+from models import hf, hf_config
+from models.rope import inv_freq_and_factor
 
 BATCH, LENGTH, ATOL = 2, 64, 1e-4
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -142,7 +144,7 @@ def test_logits_match_transformers_and_round_trip(name, cases, tmp_path):
   print(f"{name}: round trip max abs err {err:.2e}")
   np.testing.assert_allclose(hf_logits(back, case.tokens), case.logits, atol=ATOL, rtol=0)
   with open(tmp_path / "out" / "config.json") as f:
-    assert hf.config_from_hf(json.load(f)) == model.cfg
+    assert hf_config.config_from_hf(json.load(f)) == model.cfg
 
 
 def test_bf16_sharded_export(cases, tmp_path):
@@ -172,10 +174,8 @@ def test_bf16_sharded_export(cases, tmp_path):
                             rope_parameters=dict(YARN, mscale=0.8, factor=40.0))),
 ])
 def test_rope_frequencies_and_scales_match_transformers(config_cls, kwargs):
-  from models.rope import inv_freq_and_factor
-  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
   config = config_cls(**kwargs)
-  cfg = hf.config_from_hf(config.to_dict())
+  cfg = hf_config.config_from_hf(config.to_dict())
   inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
   got_inv_freq, got_factor = inv_freq_and_factor(cfg)
   np.testing.assert_allclose(got_inv_freq, inv_freq.numpy(), rtol=1e-6)
@@ -188,12 +188,12 @@ def test_config_tables_match_transformers_configs(cases):
   """Key fields of config_from_hf, and the experts' layout on disk, checked against the
   transformers objects (not our own output)."""
   ds = cases("deepseek_v3")
-  cfg = hf.config_from_hf(ds.torch_model.config.to_dict())
+  cfg = hf_config.config_from_hf(ds.torch_model.config.to_dict())
   assert (cfg.attention, cfg.router_bias, cfg.score_func, cfg.num_dense_layers,
           cfg.num_moe_layers, cfg.rope_type, cfg.rope_factor, cfg.n_group) == \
       ("mla", True, "sigmoid", 1, 2, "yarn", 4.0, 4)
   assert cfg.softmax_scale == pytest.approx(ds.torch_model.model.layers[0].self_attn.scaling)
-  moe = hf.config_from_hf(cases("qwen3_moe_norm").torch_model.config.to_dict())
+  moe = hf_config.config_from_hf(cases("qwen3_moe_norm").torch_model.config.to_dict())
   assert (moe.score_func, moe.qk_norm, moe.norm_topk_prob, moe.num_dense_layers) == \
       ("softmax", True, True, 0)
 
@@ -368,14 +368,14 @@ def _qwen3_dict(**changes):
 ])
 def test_unsupported_config_fields(changes, field):
   with pytest.raises(ValueError, match=f"{field}.*supported families"):
-    hf.config_from_hf(_qwen3_dict(**changes))
+    hf_config.config_from_hf(_qwen3_dict(**changes))
 
 
 def test_deepseek_attention_bias_unsupported():
   d = DeepseekV3Config(**dict(DEEPSEEK, q_lora_rank=24, n_group=4, topk_group=2)).to_dict()
   d["attention_bias"] = True
   with pytest.raises(ValueError, match="DeepseekV3ForCausalLM.*attention_bias.*supported"):
-    hf.config_from_hf(d)
+    hf_config.config_from_hf(d)
 
 
 def test_rope_settings_from_transformers_4_and_5_styles():
@@ -387,17 +387,17 @@ def test_rope_settings_from_transformers_4_and_5_styles():
                                               "beta_slow": 1, "mscale": 1.0,
                                               "mscale_all_dim": 1.0,
                                               "original_max_position_embeddings": 32})
-  a, b = hf.config_from_hf(v5), hf.config_from_hf(v4)
+  a, b = hf_config.config_from_hf(v5), hf_config.config_from_hf(v4)
   assert a == b
   assert (a.rope_type, a.rope_factor, a.rope_original_max_position, a.yarn_mscale_all_dim,
           a.rope_theta) == ("yarn", 4.0, 32, 1.0, 10000.0)
   # kimi_k2 is the same family under another model_type.
-  assert hf.config_from_hf(dict(v5, model_type="kimi_k2")) == a
+  assert hf_config.config_from_hf(dict(v5, model_type="kimi_k2")) == a
   # transformers parses what config_to_hf writes to the same rotary settings.
-  back = DeepseekV3Config(**{k: v for k, v in hf.config_to_hf(a).items()
+  back = DeepseekV3Config(**{k: v for k, v in hf_config.config_to_hf(a).items()
                             if k not in ("architectures", "model_type")})
   assert back.rope_parameters["rope_type"] == "yarn" and back.rope_parameters["factor"] == 4.0
-  assert hf.config_from_hf(back.to_dict()) == a
+  assert hf_config.config_from_hf(back.to_dict()) == a
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -411,7 +411,7 @@ def test_cli_import_export(cases, tmp_path, capsys):
   out = capsys.readouterr().out
   assert "imported" in out and "exported" in out and "parameters" in out
   saved = json.loads((tmp_path / "arbor" / "model_config.json").read_text())
-  assert hf.config_from_json(saved) == hf.config_from_hf(
+  assert hf.config_from_json(saved) == hf_config.config_from_hf(
       json.loads((tmp_path / "hf_out" / "config.json").read_text()))
   got = hf_logits(load_torch(tmp_path / "hf_out"), case.tokens)
   print(f"cli import/export: max abs err {np.abs(got - case.logits).max():.2e}")

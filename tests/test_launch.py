@@ -23,7 +23,7 @@ import types
 
 import pytest
 
-from launch import common, fleet, tpu, xm
+from launch import common, fleet, local_fleet, tpu, xm
 from launch.common import LaunchError
 
 REPO = common.REPO_ROOT
@@ -62,6 +62,60 @@ def bash_syntax_ok(script: str) -> None:
 def flags(argv: list[str]) -> dict[str, str]:
   return {a.split("=", 1)[0]: (a.split("=", 1)[1] if "=" in a else "") for a in argv
           if a.startswith("--")}
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags of every launcher
+
+HELP_FLAGS = {
+    tpu: ["--config", "--detach", "--dry_run", "--git_ref", "--git_url", "--internal_ips",
+          "--libtpu_init_args", "--logs_worker", "--max_requeues", "--name", "--network",
+          "--project", "--runtime_version", "--secret", "--service_account",
+          "--skip_config_check", "--spot", "--subnetwork", "--teardown", "--tpu", "--workdir",
+          "--zone"],
+    xm: ["--config", "--dry_run", "--executor", "--name", "--project", "--secret", "--spot",
+         "--sweep", "--title", "--tpu", "--workdir", "--zone"],
+    fleet: ["--allow_plaintext_redis", "--chat", "--concurrency", "--dry_run", "--grace",
+            "--group_size", "--keep_dir", "--local", "--machine_type", "--max_sandboxes", "--name",
+            "--network", "--policy_token_file", "--policy_token_secret", "--policy_url",
+            "--project", "--queue_prefix", "--ready_file", "--redis", "--redis_ca_secret",
+            "--redis_password_file", "--redis_password_secret", "--sandbox_backend",
+            "--sandbox_servers", "--sandbox_token_secret", "--service_account", "--spot",
+            "--staging", "--subnet", "--tasks", "--teardown", "--tokenizer", "--warm",
+            "--workers", "--zone"],
+}
+
+
+@pytest.mark.parametrize("module", [tpu, xm, fleet], ids=["tpu", "xm", "fleet"])
+def test_help_lists_every_flag(module):
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as e:
+    module.main(["--help"])
+  assert e.value.code == 0
+  listed = re.findall(r"^  (--[a-z_]+)", out.getvalue(), re.M)
+  assert sorted(set(listed) - {"--help"}) == HELP_FLAGS[module]
+
+
+@pytest.mark.parametrize("module,argv,defaults", [
+    (tpu, ["--tpu=v5p-8", "--zone=z", "--project=p"],
+     {"name": None, "spot": False, "secret": [], "service_account": "", "network": "",
+      "teardown": False, "dry_run": False}),
+    (xm, ["--config=c", "--workdir=w"],
+     {"zone": "", "project": "", "name": "", "spot": False, "secret": [], "dry_run": False}),
+    (fleet, [],
+     {"name": "arbor-fleet", "project": "", "zone": "", "network": "default",
+      "service_account": "", "spot": False, "teardown": False, "dry_run": False}),
+], ids=["tpu", "xm", "fleet"])
+def test_cloud_flag_defaults(module, argv, defaults):
+  args = vars(module.build_parser().parse_known_args(argv)[0])
+  assert {k: args[k] for k in defaults} == defaults
+
+
+def test_tpu_zone_and_project_are_required():
+  err = io.StringIO()
+  with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+    tpu.build_parser().parse_args(["--tpu=v5p-8", "--zone=z"])
+  assert e.value.code == 2 and "--project" in err.getvalue()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -488,14 +542,14 @@ def test_fleet_local_smoke(tmp_path):
     password = open(info["redis_password_file"]).read().strip()
     url = info["sandbox_urls"][0]
     assert url.startswith("http://127.0.0.1:") and info["redis"].startswith("redis://127.0.0.1:")
-    assert fleet.http_health(url, info["sandbox_token_file"])["ok"] is True
+    assert local_fleet.http_health(url, info["sandbox_token_file"])["ok"] is True
     wrong = tmp_path / "wrong"
     wrong.write_text("x" * 32)
     with pytest.raises(OSError, match="401"):
-      fleet.http_health(url, str(wrong))
+      local_fleet.http_health(url, str(wrong))
     port = int(info["redis"].rsplit(":", 1)[1])
-    assert fleet.redis_ping(port, info["redis_password_file"])
-    assert not fleet.redis_ping(port, str(wrong))
+    assert local_fleet.redis_ping(port, info["redis_password_file"])
+    assert not local_fleet.redis_ping(port, str(wrong))
     cmdline = open(f"/proc/{info['pids']['redis']}/cmdline", "rb").read()
     assert password.encode() not in cmdline  # the password lives in a 0600 config file
   finally:

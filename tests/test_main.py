@@ -11,7 +11,8 @@ import pytest
 
 from trainer import config as config_lib
 from trainer import main as main_lib
-from trainer.config import ConfigError, base_config, validate
+from configs.base import base_config
+from trainer.config import ConfigError, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -117,8 +118,7 @@ CASES = [  # (field path, value, substrings of the message)
     ("train.eval_every", 10, ["config.train.eval_every=10", "held-out data",
                               "data.eval_sources"]),
     ("optimizer.name", "sgd", ["config.optimizer.name='sgd'", "'adamw', 'muon'"]),
-    ("optimizer.accumulation_steps", 4, ["config.optimizer.accumulation_steps=4",
-                                         "data.microbatches"]),
+    ("optimizer.beta1", 0.9, ["config.optimizer.beta1: unknown field", "'b1'"]),
     ("metrics.dir", "gs://b/m", ["config.metrics.dir='gs://b/m'", "local directory"]),
     ("rl.loop", "overlap", ["config.rl.loop='overlap'", "('sync', 'async')"]),
     ("rl.queue_url", "http://q", ["config.rl.queue_url='http://q'", "redis://"]),

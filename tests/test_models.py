@@ -11,7 +11,7 @@ from flax import nnx
 from models import decode, transformer
 from models.config import ModelConfig
 from models.logprobs import token_logprobs
-from models.moe import update_router_bias
+from models.moe import route, update_router_bias
 from tests.conftest import TINY_DENSE, TINY_MOE_MLA
 
 ROW = 64
@@ -186,7 +186,6 @@ def test_ragged_dispatch_equals_dense_experts(moe_mla_model):
 def test_router_matches_numpy_transcription(moe_mla_model):
   """DeepSeek-V3 routing (sigmoid, bias for selection, group-limited top-k, renormalise, scale)
   against a direct NumPy transcription of the published procedure."""
-  from models.moe import route
   cfg = TINY_MOE_MLA
   rng = np.random.default_rng(4)
   logits = rng.normal(size=(50, cfg.num_experts)).astype(np.float32)

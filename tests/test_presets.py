@@ -12,7 +12,9 @@ import dataclasses
 import math
 
 import pytest
+from flax import nnx
 
+from models import transformer
 from models.config import ModelConfig
 from models.presets import PRESETS, count_active_params, count_params, get_preset
 
@@ -187,8 +189,6 @@ def test_unknown_preset_names_the_choices():
 def test_model_parameter_tree_matches_count(name):
   """The Transformer built from each preset (abstractly: shapes only, nothing allocated) has
   exactly the analytic count, so the published totals above are totals of our model."""
-  from flax import nnx
-  from models import transformer
   cfg = PRESETS[name]
   state = nnx.state(transformer.abstract(cfg))
   params = sum(math.prod(v.shape) for _, v in nnx.to_flat_state(state) if isinstance(v, nnx.Param))

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from envs.trajectory import LLMCall, Trajectory
-from trainer import rl
+from trainer import groups as groups_lib
 from trainer.metrics import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,13 +116,14 @@ def demo_run(tmp_path_factory):
 def _params(workdir):
   """The latest checkpoint's parameters of an Arbor run, as a flat list of arrays."""
   import jax
-  from trainer import sft
   import ml_collections
-  cfg = ml_collections.ConfigDict({"model": {"init": f"ckpt:{workdir}", "preset": "",
-                                             "overrides": {}}})
-  from trainer import config as config_lib
-  model = sft.initial_model(cfg, config_lib.model_config(cfg))
   from flax import nnx
+
+  from trainer import config as config_lib
+  from trainer import harness
+  cfg = ml_collections.ConfigDict({"model": {"init": f"ckpt:{workdir}", "preset": "",
+                                             "overrides": {}}, "mode": "rl"})
+  model = harness.initial_model(cfg, config_lib.model_config(cfg))
   return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
 
@@ -196,7 +197,7 @@ def test_select_groups_drops_partial_consumed_stale_and_constant_groups():
             [_traj(1, "c"), _traj(1, "c")],              # constant
             [_traj(1, "d", version=0), _traj(0, "d", version=3)],  # stale (oldest token v0)
             [_traj(0, "e", tid="seen"), _traj(1, "e")]]  # already trained
-  kept, dropped, counts = rl.select_groups(groups, group_size=2, drop_constant=True,
+  kept, dropped, counts = groups_lib.select_groups(groups, group_size=2, drop_constant=True,
                                            min_version=1, consumed=frozenset({"seen"}))
   assert [g[0].group_id for g in kept] == ["a"]
   assert sorted(g[0].group_id for g in dropped) == ["b", "c", "d", "e"]
@@ -207,17 +208,27 @@ def test_select_groups_drops_partial_consumed_stale_and_constant_groups():
 def test_advantages_are_group_normalised_rewards():
   rewards = [[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0]]
   groups = [[_traj(r, str(i)) for r in g] for i, g in enumerate(rewards)]
-  for got, r in zip(rl.advantages_of(groups, "grpo"), rewards):
+  for got, r in zip(groups_lib.advantages_of(groups, "grpo"), rewards):
     r = np.asarray(r)
     np.testing.assert_allclose(got, (r - r.mean()) / (r.std() + 1e-6), rtol=1e-5)
 
 
-def test_to_tokens_and_minibatches():
-  t = _traj(1.0, "a")
-  tokens = rl.to_tokens(t, 0.5)
-  assert tokens.scalars == {"advantage": 0.5, "reward": 1.0}
-  assert list(tokens.calls[0].output_ids) == [4, 5]
-  assert list(tokens.calls[0].fields["logprobs"]) == [-0.5, -0.25]
-  parts = rl.split_minibatches(list(range(7)), 3)
+def test_micro_batches_and_minibatches():
+  """Every sampled token is trained with the sampler's log-probs as π_old; the advantage and
+  the reward are the trajectory's scalars."""
+  from trainer.batches import BatchShape
+  groups = [[_traj(1.0, "a"), _traj(0.0, "a")]]
+  (part, mb), = groups_lib.micro_batches(
+      groups, [np.array([0.5, -0.5])], BatchShape(row_len=128, rows=1, seqs=None, seq_len=None,
+                                                  micro_batches=None), minibatches=1)
+  assert part == groups
+  valid = np.asarray(mb.seq_valid)[0, 0]
+  assert np.asarray(mb.seq_tokens)[0, 0][valid].tolist() == [4, 5]
+  np.testing.assert_allclose(np.asarray(mb.fields["logprobs"])[0, 0][valid], [-0.5, -0.25])
+  np.testing.assert_array_equal(mb.fields["old_logprobs"], mb.fields["logprobs"])
+  np.testing.assert_array_equal(np.asarray(mb.fields["loss_mask"])[0, 0][valid], [1.0, 1.0])
+  np.testing.assert_allclose(np.asarray(mb.scalars["advantage"])[0, :2], [0.5, -0.5])
+  np.testing.assert_allclose(np.asarray(mb.scalars["reward"])[0, :2], [1.0, 0.0])
+  parts = groups_lib.split_minibatches(list(range(7)), 3)
   assert [len(p) for p in parts] == [2, 3, 2] and sum(parts, []) == list(range(7))
-  assert rl.split_minibatches([1], 4) == [[1]]
+  assert groups_lib.split_minibatches([1], 4) == [[1]]

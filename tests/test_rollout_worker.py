@@ -14,13 +14,21 @@ import time
 
 import pytest
 
+from envs.episode import episode_seed, load_task_file, run_task_group
 from envs.queue import InMemoryQueue, RedisQueue
-from envs.rollout_worker import RolloutWorker, WorkerConfig, WorkerThread, run_task_group
+from envs.rollout_worker import RolloutWorker, WorkerConfig, WorkerThread
+from envs.tasks import Task
 from envs.trajectory import LLMCall, Trajectory
 from tests.redis_fixture import start_redis
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TASKS = [{"id": f"t{i}"} for i in range(3)]
+
+
+def exact_task(instance_id):
+  return Task(instance_id, "exact", (f"What is {instance_id}?",), answers=("42",))
+
+
+TASKS = [exact_task(f"t{i}") for i in range(3)]
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +38,14 @@ def server():
   s.stop()
 
 
-def fake_trajectory(reward=1.0):
-  return Trajectory([LLMCall([1, 2], [3], [-0.1])], reward=reward, task_id="", group_id="",
-                    termination="submitted")
+def fake_trajectory(task, group_id, metadata, reward=1.0):
+  return Trajectory([LLMCall([1, 2], [3], [-0.1])], reward=reward, task_id=task.instance_id,
+                    group_id=group_id, termination="submitted", metadata=dict(metadata or {}))
 
 
 def fake_episode(seconds=0.0, fail_index=None, running=None):
   """An episode that sleeps; `running` tracks how many run at once."""
-  async def episode(task, index, seed):
+  async def episode(task, index, seed, *, group_id="", metadata=None):
     if running is not None:
       running["now"] += 1
       running["max"] = max(running["max"], running["now"])
@@ -45,7 +53,7 @@ def fake_episode(seconds=0.0, fail_index=None, running=None):
       await asyncio.sleep(seconds)
       if index == fail_index:
         raise RuntimeError("sandbox exploded")
-      return fake_trajectory(reward=float(index))
+      return fake_trajectory(task, group_id, metadata, reward=float(index))
     finally:
       if running is not None:
         running["now"] -= 1
@@ -106,18 +114,34 @@ def test_run_task_group_abort_returns_finished_episodes():
   async def main():
     abort = asyncio.Event()
 
-    async def episode(task, index, seed):
+    async def episode(task, index, seed, *, group_id="", metadata=None):
       await asyncio.sleep(0.01 if index == 0 else 60)
-      return fake_trajectory()
+      return fake_trajectory(task, group_id, metadata)
     asyncio.get_running_loop().call_later(0.2, abort.set)
     counters = {}
-    out = await run_task_group({"id": "x"}, 3, episode, draw=7, abort=abort, counters=counters)
+    out = await run_task_group(exact_task("x"), 3, episode, draw=7, abort=abort,
+                               counters=counters)
     return out, counters
   start = time.monotonic()
   out, counters = asyncio.run(main())
   assert time.monotonic() - start < 5
   assert [(t.group_id, t.metadata["index"]) for t in out] == [("x/7", 0)]
   assert counters == {"episodes_cancelled": 2}
+
+
+def test_run_task_group_builds_ids_into_each_episode_and_refuses_others():
+  seeds = {}
+
+  async def episode(task, index, seed, *, group_id="", metadata=None):
+    seeds[index] = seed
+    return fake_trajectory(task, group_id if index else "another/3", metadata)
+  counters = {}
+  out = asyncio.run(run_task_group(exact_task("x"), 2, episode, draw=3, seed=1,
+                                   counters=counters))
+  assert [(t.task_id, t.group_id, t.metadata) for t in out] == [
+      ("x", "x/3", {"group_size": 2, "draw": 3, "index": 1})]
+  assert counters == {"episodes_failed": 1}
+  assert seeds == {i: episode_seed(1, 3, i) for i in range(2)}
 
 
 def test_backpressure_waits_for_the_trainer():
@@ -197,18 +221,19 @@ _WORKER = """
 import asyncio, json, os, sys
 from envs.queue import RedisQueue
 from envs.rollout_worker import RolloutWorker, WorkerConfig
+from envs.tasks import Task
 from envs.trajectory import LLMCall, Trajectory
 durations = json.loads(os.environ["DURATIONS"])
 
-async def episode(task, index, seed):
-  print("start", task["id"], index, flush=True)
+async def episode(task, index, seed, *, group_id="", metadata=None):
+  print("start", task.instance_id, index, flush=True)
   await asyncio.sleep(durations[index])
-  return Trajectory([LLMCall([1], [2], [-0.1])], reward=float(index), task_id="", group_id="",
-                    termination="submitted")
+  return Trajectory([LLMCall([1], [2], [-0.1])], reward=float(index), task_id=task.instance_id,
+                    group_id=group_id, termination="submitted", metadata=dict(metadata))
 
 q = RedisQueue(os.environ["URL"], password=os.environ["PASSWORD"], prefix=os.environ["PREFIX"])
 cfg = WorkerConfig(**json.loads(os.environ["CONFIG"]))
-tasks = [{"id": f"t{i}"} for i in range(3)]
+tasks = [Task(f"t{i}", "exact", (f"What is t{i}?",), answers=("42",)) for i in range(3)]
 stats = asyncio.run(RolloutWorker(q, tasks, episode, cfg, worker_id=sys.argv[1]).run(
     handle_signals=True))
 print("stats", json.dumps(stats), flush=True)
@@ -306,7 +331,6 @@ def test_worker_rides_out_a_redis_restart():
 
 
 def test_task_file_bad_lines_are_counted_and_skipped(tmp_path):
-  from envs.rollout_worker import load_task_file
   path = tmp_path / "tasks.jsonl"
   good = {"id": "q1", "kind": "exact", "prompt": "6 * 7?", "answer": "42"}
   path.write_text("\n".join([json.dumps(good), "{not json", json.dumps({"id": "q2"}),

@@ -1,5 +1,5 @@
 """Isolation of the hardened backends (bwrap, and remote = the sandbox server over loopback
-backed by bwrap), run as root as our machines are (acceptance 2 of the environments issue).
+backed by bwrap), run as root as our machines are.
 
 Every check is phrased so that it fails if the protection is missing: the sandbox tries the
 escape and the test asserts that it did not work (and, where it can, that the same action

@@ -23,13 +23,14 @@ import pytest
 
 from envs.chat import make_chat
 from envs.chat.tokenizer import HFTokenizer
-from envs.policy import HTTPPolicy, SamplingParams as EnvParams
+from envs.policy import HTTPPolicy, SamplingParams
 from models import transformer
-from models.engine import Completion, Engine, EngineConfig, SamplingParams
+from models.engine import Completion, Engine, EngineConfig
 from tests.conftest import TINY_DENSE
 from tests.test_chat import _tiny_bpe
 from tests.test_engine import check_logprobs
-from trainer.serve import EnginePolicy, PolicyServer, ServerConfig, check_bind
+from envs.net import check_bind
+from trainer.serve import EnginePolicy, PolicyServer, ServerConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = EngineConfig(slots=8, max_seq_len=192, prefix_cache_rows=8, min_prefix=4,
@@ -83,8 +84,9 @@ def test_concurrent_generate_requests(server, model):
   for i in range(36):
     prompt = rng.integers(1, vocab, int(rng.integers(3, 30))).tolist()
     greedy = i % 3 == 0
-    params = EnvParams(max_tokens=int(rng.integers(4, 16)), temperature=0.0 if greedy else 1.0,
-                       top_k=0 if greedy else 20, seed=None if greedy else i)
+    params = SamplingParams(max_tokens=int(rng.integers(4, 16)),
+                            temperature=0.0 if greedy else 1.0, top_k=0 if greedy else 20,
+                            seed=None if greedy else i)
     jobs.append((prompt, params))
   before = srv.engine.counters
   policy = HTTPPolicy(url, timeout=120)
@@ -107,7 +109,7 @@ def test_concurrent_generate_requests(server, model):
   assert [o.output_ids for o in outs[::3]] == [a.output_ids for a in alone]
 
 
-def engine_params(p: EnvParams) -> SamplingParams:
+def engine_params(p: SamplingParams) -> SamplingParams:
   return SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k)
 
 
@@ -146,7 +148,7 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(server, method, path, bod
 def test_engine_policy_in_process(server):
   """The in-process envs.policy.Policy over the same engine answers like /generate."""
   srv, url = server
-  params = EnvParams(max_tokens=5, temperature=0.0)
+  params = SamplingParams(max_tokens=5, temperature=0.0)
   got = asyncio.run(EnginePolicy(srv.engine).generate([7, 8, 9], params))
   status, reply = request(url + "/generate", "POST", {"input_ids": [7, 8, 9], **params.to_dict()})
   assert status == 200 and got.output_ids == reply["output_ids"]

@@ -54,7 +54,7 @@ def record(i):
 
 
 CONFIG = '''
-from trainer.config import base_config
+from configs.base import base_config
 
 
 def get_config(arg=None):
@@ -181,7 +181,7 @@ def comparable(metrics):
 
 def test_sft_reduces_the_loss_and_changes_the_parameters(assets, reference):
   from models import transformer
-  from trainer import checkpoint, optimizers
+  from trainer import checkpoint, optim
   from trainer import state as state_lib
 
   m = reference["metrics"]
@@ -203,7 +203,7 @@ def test_sft_reduces_the_loss_and_changes_the_parameters(assets, reference):
   # The final checkpoint holds other weights than the initial ones, every parameter moved.
   config = load_config(assets)
   model_cfg = config_lib.model_config(config)
-  opt = optimizers.build(config.optimizer, model_cfg)
+  opt = optim.build(config.optimizer, model_cfg)
   with checkpoint.Checkpointer(workdir / "checkpoints") as ckpt:
     assert ckpt.all_steps() == [STEPS - CHECKPOINT_EVERY, STEPS]  # keep = 2
     step, state, extra = ckpt.restore_latest(state_lib.abstract(model_cfg, opt))
@@ -301,7 +301,7 @@ def test_start_from_an_hf_checkpoint_then_from_the_run(assets, tmp_path):
   run starts from with init=ckpt:<that run's workdir> and ckpt:<a `models.hf import` dir>."""
   from configs import sft as sft_template
   from models import hf, presets, transformer
-  from trainer import checkpoint, optimizers, sft
+  from trainer import checkpoint, harness, optim
   from trainer import state as state_lib
 
   hf_dir = tmp_path / "hf"
@@ -328,15 +328,15 @@ def test_start_from_an_hf_checkpoint_then_from_the_run(assets, tmp_path):
   model_cfg = config_lib.model_config(config)  # from the run's model_config.json
   assert (model_cfg.num_layers, model_cfg.qk_norm, model_cfg.dtype) == (2, True, "bfloat16")
   assert config_lib.tokenizer_source(config, "elsewhere") == str(d / "tok")  # the run's
-  start, _ = state_lib.split_model(sft.initial_model(config, model_cfg))
+  start, _ = state_lib.split_model(harness.initial_model(config, model_cfg))
   with checkpoint.Checkpointer(workdir / "checkpoints") as ckpt:
     trained = ckpt.restore_latest(state_lib.abstract(
-        model_cfg, optimizers.build(config.optimizer, model_cfg)))
+        model_cfg, optim.build(config.optimizer, model_cfg)))
   original, _ = state_lib.split_model(hf.load(hf_dir))
   jax.tree.map(np.testing.assert_array_equal, start, trained.state.params)
   assert not all(jax.tree.leaves(jax.tree.map(np.array_equal, start, original)))
 
   hf.import_hf(str(hf_dir), str(tmp_path / "imported"))
   config.model.init = f"ckpt:{tmp_path / 'imported'}"
-  start, _ = state_lib.split_model(sft.initial_model(config, config_lib.model_config(config)))
+  start, _ = state_lib.split_model(harness.initial_model(config, config_lib.model_config(config)))
   jax.tree.map(np.testing.assert_array_equal, start, original)

@@ -30,7 +30,7 @@ from rl.tree import CallTokens, TrajectoryTokens
 from tests.conftest import TINY_DENSE, TINY_MOE_MLA
 from tests.test_tree_training import groups as tree_groups
 from trainer import batches as B
-from trainer import optimizers as O
+from trainer import optim as O
 from trainer import state as S
 from trainer import step as T
 
@@ -277,8 +277,8 @@ def test_step_gradients_equal_unpacked(name, loss, request):
 
 
 def test_step_update_equals_optimizer_by_hand(request):
-  """MoE + MLA (the GQA clip is covered by tests/test_optimizers.py): new params =
-  trainer.optimizers applied by hand to the summed gradient with the max logits of the
+  """MoE + MLA (the GQA clip is covered by tests/test_qk_clip.py): new params =
+  trainer.optim applied by hand to the summed gradient with the max logits of the
   unpacked forward (QK-Clip clips at least one head); the router bias takes the aux-loss-free
   step from the unpacked load; counters advance."""
   s = setup(request, "moe_mla")
@@ -298,6 +298,9 @@ def test_step_update_equals_optimizer_by_hand(request):
     a, b = np.asarray(a), np.asarray(b)
     assert np.abs(a - b).max() <= 1e-6 * max(1.0, np.abs(b).max()), jax.tree_util.keystr(path)
   assert_trees_close(new.opt_state, want_opt, rel=1e-6)
+  # clipped once, on the sum: the recorded pre-clip norm is the summed gradient's
+  norm = np.sqrt(sum(float((np.asarray(g, np.float64) ** 2).sum()) for g in jax.tree.leaves(grads)))
+  np.testing.assert_allclose(float(metrics["grad_norm"]), norm, rtol=1e-6)
   assert int(metrics["qk_clipped_heads"]) == int((s["max_logits"] > opt.config.qk_clip.tau).sum())
   assert int(metrics["qk_clipped_heads"]) >= 1
   assert int(new.step) == 1 and int(new.policy_version) == 1

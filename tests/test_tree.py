@@ -76,5 +76,54 @@ def test_from_trajectory_duck_typing():
     calls = [Call([1, 2], [3, 4], [-0.5, -0.25])]
     reward = 1.0
 
-  t = from_trajectory(Traj())
+  t = from_trajectory(Traj(), scalars={"reward": Traj.reward})
   assert t.calls[0].fields["logprobs"] == [-0.5, -0.25] and t.scalars == {"reward": 1.0}
+
+
+class _Call:
+  def __init__(self, input_ids, output_ids, output_logprobs, meta):
+    self.input_ids, self.output_ids = input_ids, output_ids
+    self.output_logprobs, self.meta = output_logprobs, meta
+
+
+def _calls(as_dicts):
+  """A trained call, a failed one, a call with no output, a call marked not to train."""
+  specs = [([1, 2], [3, 4], [-0.5, -0.25], {"tool_error": False}),
+           ([1, 2, 3, 4, 9], [5], [-1.0], {"tool_error": True}),
+           ([1, 2, 3, 4, 9, 5, 9], [], [], {}),
+           ([7], [8, 9], [-0.1, -0.2], None),
+           ([7, 8, 9, 6], [6], [-0.3], {"train": False})]
+  return [dict(input_ids=i, output_ids=o, output_logprobs=lp, meta=m) if as_dicts
+          else _Call(i, o, lp, m) for i, o, lp, m in specs]
+
+
+@pytest.mark.parametrize("as_dicts", [False, True])
+def test_from_trajectory_fields(as_dicts):
+  record = {"calls": _calls(True)} if as_dicts else type("Traj", (), {"calls": _calls(False)})
+  t = from_trajectory(record, scalars={"advantage": 0.5, "reward": 1})
+  assert [list(c.input_ids) for c in t.calls] == [[1, 2], [1, 2, 3, 4, 9], [7], [7, 8, 9, 6]]
+  assert [list(c.output_ids) for c in t.calls] == [[3, 4], [5], [8, 9], [6]]  # empty skipped
+  assert [c.fields for c in t.calls] == [
+      {"loss_mask": [1.0, 1.0], "failed": [0.0, 0.0], "logprobs": [-0.5, -0.25]},
+      {"loss_mask": [0.0], "failed": [1.0], "logprobs": [-1.0]},
+      {"loss_mask": [1.0, 1.0], "failed": [0.0, 0.0], "logprobs": [-0.1, -0.2]},
+      {"loss_mask": [0.0], "failed": [0.0], "logprobs": [-0.3]}]
+  assert t.scalars == {"advantage": 0.5, "reward": 1.0}
+  assert all(isinstance(v, float) for v in t.scalars.values())
+  # RL: failed calls are trained (their advantage says how good the turn was)
+  rl_tokens = from_trajectory(record, scalars={"advantage": -1.0}, mask_tool_errors=False)
+  assert [c.fields["loss_mask"] for c in rl_tokens.calls] == [[1.0, 1.0], [1.0], [1.0, 1.0],
+                                                              [0.0]]
+  assert [c.fields["failed"] for c in rl_tokens.calls] == [[0.0, 0.0], [1.0], [0.0, 0.0], [0.0]]
+  # SFT: no sampler log-probs needed
+  sft_tokens = from_trajectory(record, logprobs=False)
+  assert all(set(c.fields) == {"loss_mask", "failed"} for c in sft_tokens.calls)
+  assert sft_tokens.scalars == {}
+
+
+def test_from_trajectory_needs_logprobs_unless_told_not_to():
+  record = {"calls": [{"input_ids": [1], "output_ids": [2]}]}
+  with pytest.raises(ValueError, match="no output_logprobs"):
+    from_trajectory(record)
+  assert from_trajectory(record, logprobs=False).calls[0].fields == {"loss_mask": [1.0],
+                                                                     "failed": [0.0]}

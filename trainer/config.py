@@ -1,16 +1,18 @@
-"""The experiment config: the sections every `configs/*.py` starts from, and their validation.
+"""Reading an experiment config: its validation, and the typed configs the code takes from it.
 
-    config = base_config()                     # in configs/NAME.py: get_config(arg) -> ConfigDict
-    config.mode = "sft"
-    validate(config, workdir)                  # trainer.main calls this before touching JAX
+    validate(config, workdir)          # trainer.main, before any device is touched
+    model_cfg = model_config(config)   # models.config.ModelConfig (preset / checkpoint + overrides)
+    loss_cfg = loss_config(config)     # rl.losses.LossConfig
+    data_cfg = data_config(config, sources=files)   # trainer.data.SFTDataConfig
 
-Sections (each field carries a one-line comment in `base_config`):
+The sections and their defaults are `configs/base.py` (every field carries a one-line comment
+there; config files start from `configs.base.base_config()`):
 
   mode, seed, compile_cache_dir   what runs, the run's one seed, the persistent XLA cache
   model        preset + overrides (ModelConfig fields), or init from hf:DIR / ckpt:DIR
   tokenizer    path and chat format, or a sentencepiece model trained for the demo
   mesh         device mesh axis sizes (data, fsdp, tensor, expert); -1 = the remaining devices
-  optimizer    trainer.optimizers.default_config()
+  optimizer    trainer.optim.OptimizerConfig fields (AdamW, Muon, MuonClip, schedule)
   loss         rl.losses.LossConfig fields
   data         SFT data: trainer.data.SFTDataConfig fields (the fixed BatchShape of a step
                included) + held-out files + generated demo episodes
@@ -19,17 +21,20 @@ Sections (each field carries a one-line comment in `base_config`):
   metrics      where and how metrics are written, the end-of-run report
   rl, distill, eval   the RL / distillation loop (trainer/rl.py) and held-out evaluation
                       (trainer/evaluate.py)
+  serve        the policy server (trainer/serve.py)
 
-`validate` runs in a few seconds: it imports ml_collections, the model config, the loss and
-optimizer configs (JAX is imported by the last two, but no backend is started and nothing is
-compiled), checks every field and raises `ConfigError` naming the field, the value and the
-valid choices. What needs the devices (the mesh's product, rows divisible by the data axes)
-is checked by `trainer.main` right after `jax.distributed.initialize`.
+`validate` runs in a few seconds (JAX is imported, but no backend is started and nothing is
+compiled): it checks every field and raises `ConfigError` naming the field, the value and the
+valid choices. The choice lists come from the code that owns them (rl.losses.LOSSES,
+rl.advantages.ADVANTAGES, envs.sandbox.BACKENDS, ...); this module owns only the run-level ones
+(MODES, RL_LOOPS, ...). What needs the devices (the mesh's product, rows divisible by the data
+axes) is checked by `trainer.main` right after `jax.distributed.initialize`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -37,22 +42,24 @@ from typing import Any, Optional
 
 import ml_collections
 
+from configs import base
+from envs import net, sandbox, taskgen
+from envs.chat.formats import FORMATS
+from models import hf
+from models.config import ModelConfig
+from models.presets import PRESETS, get_preset
+from models.sharding import MESH_AXES, MeshConfig
+from rl import advantages, corrections, losses
+from trainer import demo_data, optim, selection
+from trainer.data import SFTDataConfig
+
 MODES = ("smoke", "sft", "rl", "distill", "eval", "serve", "demo")
-IMPLEMENTED_MODES = MODES
 RL_LOSSES_EXCLUDED = ("sft", "dpo")  # not on-policy RL losses (dpo needs preference pairs)
-MESH_AXES = ("data", "fsdp", "tensor", "expert")  # = models.sharding.MESH_AXES (no JAX here)
 INIT_KINDS = ("random", "hf:<dir>", "ckpt:<dir>")
 SFT_LOSSES = ("sft",)
-DEMO_SANDBOXES = ("bwrap", "local")              # = trainer.demo_data.SANDBOXES
-DEMO_LEVELS = (0, 1, 2, 3)                       # = envs.taskgen.LEVELS
 RL_LOOPS = ("sync", "async")
 RL_ROLLOUT_WORKERS = ("inprocess", "queue")
 RL_REFERENCES = ("initial", "ckpt:<dir>")
-SANDBOX_BACKENDS = ("bwrap", "local", "docker", "remote")  # = envs.sandbox.BACKENDS
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # = rl.advantages.ADVANTAGES
-CORRECTIONS = ("none", "tis_token", "tis_sequence", "icepop", "geo_mask", "opsm")  # rl.corrections
-MCLA_MODES = ("logprob", "prob")
-EVAL_SELECTIONS = ("none", "best_of_n", "majority_vote", "self_play")
 TEACHER_CHOICE = ("by_domain", "single")
 # The fields of the smoke config (configs/smoke.py), which predates the sections.
 SMOKE_FIELDS = ("mode", "seed", "model", "batch", "seq", "decode_tokens")
@@ -60,175 +67,6 @@ SMOKE_FIELDS = ("mode", "seed", "model", "batch", "seq", "decode_tokens")
 
 class ConfigError(ValueError):
   """A bad config value; the message names the field, the value and the valid choices."""
-
-
-# ----------------------------------------------------------------------------- the sections
-
-
-def base_config() -> ml_collections.ConfigDict:
-  """Every section with its defaults (an SFT run of the tiny MoE+MLA model on demo data sizes).
-
-  Config files start from this, change what they need, and add nothing at the top level.
-  """
-  from trainer import optimizers  # its default_config is the optimizer section
-
-  placeholder = ml_collections.config_dict.placeholder
-  c = ml_collections.ConfigDict()
-  c.mode = "sft"  # one of MODES: "smoke" | "sft" | "rl" | "distill" | "eval" | "serve"
-  c.seed = 0  # the run's seed: initialisation, data order (data.seed follows it), sampling
-  c.compile_cache_dir = ""  # persistent XLA compilation cache directory ("" = off)
-
-  c.model = ml_collections.ConfigDict()
-  c.model.init = "random"  # "random" (preset) | "hf:<dir>" (HF checkpoint) | "ckpt:<dir>" (below)
-  # models/presets.py name, for init="random"; must be "" otherwise (the checkpoint says)
-  c.model.preset = "tiny-moe-mla"
-  # ModelConfig fields changed on top of the preset / checkpoint; None = keep. Config files may
-  # add any other ModelConfig field here (the command line can only set fields that exist).
-  c.model.overrides = ml_collections.ConfigDict()
-  c.model.overrides.dtype = placeholder(str)  # compute dtype: "float32" | "bfloat16" | "float16"
-  c.model.overrides.remat = placeholder(str)  # "none" | "full" | "save_dots" | "offload"
-  c.model.overrides.attention_impl = placeholder(str)  # "xla" | "xla_flash" | "pallas_*" | "auto"
-  c.model.overrides.moe_impl = placeholder(str)  # "ragged" | "dense"
-  c.model.overrides.logits_chunk = placeholder(int)  # tokens per vocabulary-projection chunk
-
-  c.tokenizer = ml_collections.ConfigDict()
-  # tokenizer dir or file (tokenizer.json / tokenizer.model / tiktoken); "" = the trained demo
-  # tokenizer (train_vocab_size > 0), else the checkpoint's (hf:DIR, ckpt:DIR)
-  c.tokenizer.path = ""
-  c.tokenizer.chat_format = "chatml"  # envs.chat: "chatml" | "qwen2.5" | "deepseek_v3" | "plain"
-  # > 0 (and path ""): train a sentencepiece BPE of this size on demo text into <workdir>/tokenizer
-  c.tokenizer.train_vocab_size = 0
-  c.tokenizer.train_episodes = 64  # scripted demo episodes whose text trains that tokenizer
-
-  c.mesh = ml_collections.ConfigDict()
-  c.mesh.data = 1  # pure data parallelism (replicated parameters)
-  c.mesh.fsdp = -1  # data parallelism with sharded parameters; -1 = all remaining devices
-  c.mesh.tensor = 1  # tensor parallelism (heads, MLP width, vocabulary)
-  c.mesh.expert = 1  # expert parallelism (MoE experts)
-
-  c.optimizer = optimizers.default_config()  # trainer/optimizers.py (every field commented there)
-
-  c.loss = ml_collections.ConfigDict()  # rl.losses.LossConfig; None = the loss's paper default
-  c.loss.name = "sft"  # rl.losses.LOSSES key; mode "sft" takes "sft"
-  c.loss.aggregation = placeholder(str)  # rl.losses.AGGREGATIONS / SEQ_AGGREGATIONS (sequence)
-  c.loss.eps_low = placeholder(float)  # lower clip: ratio >= 1 - eps_low
-  c.loss.eps_high = placeholder(float)  # upper clip: ratio <= 1 + eps_high
-  c.loss.dual_clip = placeholder(float)  # PPO dual clip c > 1
-  c.loss.max_len = 0  # Dr.GRPO constant normaliser L (seq_mean_token_sum_norm)
-  c.loss.kl_coef = 0.0  # β of the KL-to-reference penalty (the rl.reference policy scores)
-  c.loss.kl_estimator = "k3"  # "k1" | "k2" | "k3" | "k3_is"
-  c.loss.entropy_coef = 0.0  # entropy bonus coefficient
-  c.loss.behaviour_cap = placeholder(float)  # decoupled PPO: cap on π_old/μ
-  c.loss.decoupled = False  # decoupled PPO: weight each token by π_old/μ (needs rl.recompute_old)
-  c.loss.turn_ratio = "product"  # turn_gspo: "product" | "geometric_mean"
-  c.loss.cispo_masked = False  # CISPO unified form with the PPO-style token mask
-  c.loss.tau = 1.0  # kimi_pmd regulariser τ
-  c.loss.opd_coef = 0.0  # add coef · OPD (needs the distill teachers)
-  c.loss.dpo_beta = 0.1  # DPO β
-  c.loss.mask_failed_turns = False  # also drop failed tool-call turns in the loss (data flags)
-
-  c.data = ml_collections.ConfigDict()  # trainer.data.SFTDataConfig + held-out and demo data
-  c.data.sources = ()  # training files: *.jsonl / *.parquet / *.msgpack, e.g. "('a.jsonl',)"
-  c.data.eval_sources = ()  # held-out files for the eval loss (same formats)
-  c.data.row_len = 2048  # L: tokens per packed row (multiple of 128; longest LLM call fits)
-  c.data.rows_per_batch = 2  # R: rows per micro-batch (a multiple of mesh data x fsdp)
-  c.data.microbatches = 1  # M: micro-batches per step, summed into one update
-  c.data.max_seqs = 8  # S: trajectories per micro-batch at most
-  c.data.seq_len = 512  # T: trained tokens per trajectory at most
-  c.data.seed = c.get_ref("seed")  # shuffle seed (follows `seed` unless set)
-  c.data.shuffle = True  # shuffle groups, differently every epoch
-  c.data.num_epochs = 0  # passes over the data; 0 = repeat until train.steps
-  c.data.group_by = "system"  # records in one tree: "field" | "prompt" | "system" | "none"
-  c.data.max_group_size = 4  # records per tree at most (0 = whole groups)
-  c.data.mask_tool_errors = True  # error-masked SFT: failed tool-call turns stay out of the loss
-  c.data.skip_bad = False  # log and count bad records instead of failing
-  c.data.num_threads = 1  # threads rendering records ahead of the packer
-  c.data.prefetch = 16  # groups rendered ahead
-  c.data.demo = ml_collections.ConfigDict()  # generated data (trainer/demo_data.py), no download
-  c.data.demo.episodes = 0  # > 0: scripted demo episodes written to <workdir>/data/train.jsonl
-  c.data.demo.eval_episodes = 0  # > 0: held-out episodes (taskgen "eval" programs)
-  c.data.demo.level = 0  # envs.taskgen difficulty level: 0 | 1 | 2 | 3
-  c.data.demo.seed = 0  # envs.taskgen seed of the tasks
-  c.data.demo.error_rate = 0.25  # fraction of episodes with a failed (error-masked) tool call
-  c.data.demo.early_submit_rate = 0.0  # fraction of episodes that submit without the fix
-  c.data.demo.sandbox = "bwrap"  # where the scripted solver's tools run: "bwrap" | "local"
-
-  c.train = ml_collections.ConfigDict()
-  c.train.steps = 100  # optimizer steps of the run (a resumed run continues to this many)
-  c.train.eval_every = 0  # eval loss on held-out data every N steps and at the end (0 = never)
-  c.train.eval_batches = 0  # held-out batches per eval (0 = all of them)
-  c.train.checkpoint_every = 50  # checkpoint every N steps (0 = only at the end); SIGTERM saves too
-  c.train.log_every = 10  # a log line every N steps (metrics are written every step)
-  c.optimizer.total_steps = c.train.get_ref("steps")  # the schedule spans the run
-
-  c.checkpoint = ml_collections.ConfigDict()
-  c.checkpoint.keep = 3  # latest checkpoints kept (older ones are deleted)
-  c.checkpoint.async_save = True  # write in the background while training continues
-
-  c.metrics = ml_collections.ConfigDict()
-  c.metrics.dir = ""  # local directory for metrics.jsonl, events, report ("" = <workdir>/<mode>)
-  c.metrics.tensorboard = True  # TensorBoard event files
-  c.metrics.progress = True  # progress bar on stderr
-  c.metrics.wandb_project = ""  # Weights & Biases project ("" = off; needs wandb installed)
-  c.metrics.report = True  # report.png + report.html at the end of the run
-
-  # --- RL and distillation (trainer/rl.py)
-  c.rl = ml_collections.ConfigDict()
-  c.rl.loop = "sync"  # "sync" (generate, then train) | "async" (overlapped, bounded staleness)
-  c.rl.max_staleness = 1  # async / queue: at most k policy versions between rollout and trainer
-  c.rl.prompts_per_step = 8  # tasks (groups) per optimizer step
-  c.rl.group_size = 8  # samples per task (G)
-  c.rl.epochs = 1  # passes over each step's rollouts
-  c.rl.minibatches = 1  # optimizer updates per pass
-  c.rl.advantage = "grpo"  # rl.advantages: "grpo" | "dr_grpo" | "rloo" | "reinforce_pp_baseline"
-  c.rl.drop_constant_groups = True  # drop groups whose rewards are all equal (no signal)
-  c.rl.reference = "initial"  # KL reference (loss.kl_coef > 0): "initial" policy | "ckpt:<dir>"
-  c.rl.recompute_old = False  # score π_old with the trainer instead of trusting the sampler's
-  c.rl.correction = "none"  # mismatch correction: rl.corrections.KINDS
-  c.rl.mcla_passes = 0  # MCLA scoring passes averaged for π_old (0 = off)
-  c.rl.mcla_mode = "logprob"  # MCLA average: "logprob" | "prob"
-  c.rl.routing_replay = False  # MoE: replay the engine's expert choices in the training forward
-  c.rl.temperature = 1.0  # sampling temperature (0 = greedy)
-  c.rl.top_p = 1.0  # nucleus mass (1 = off)
-  c.rl.top_k = 0  # top-k (0 = off)
-  c.rl.max_new_tokens = 512  # tokens sampled per LLM call at most
-  c.rl.max_turns = 6  # agent turns per episode
-  c.rl.max_context_tokens = 8192  # one call's input + output at most
-  c.rl.sandbox = "bwrap"  # sandbox backend: "bwrap" | "local" | "docker" | "remote"
-  c.rl.sandbox_url = ""  # rl.sandbox="remote": the sandbox server, http(s)://host:port
-  c.rl.sandbox_token_file = ""  # rl.sandbox="remote": file holding the server's bearer token
-  c.rl.rollout_workers = "inprocess"  # "inprocess" (asyncio) | "queue" (remote workers)
-  c.rl.episode_timeout_s = 600.0  # wall-clock limit of one episode (termination "timeout")
-  c.rl.concurrency = 8  # in-process episodes run at once
-  c.rl.queue_url = ""  # queue workers: "memory" | redis://host:port | rediss://... ("" = memory)
-  c.rl.queue_password_file = ""  # file holding the Redis password ("" = none)
-  c.rl.group_deadline_s = 600.0  # queue: a group still short this long after its first member
-                                 # arrived is dropped
-  c.rl.tasks = ""  # task JSONL file (envs.tasks); "" = generated tasks (envs.taskgen)
-  c.rl.task_level = 0  # generated tasks: taskgen level 0 | 1 | 2 | 3
-  c.rl.task_seed = 1  # generated tasks: taskgen seed (disjoint from the SFT demo's)
-
-  c.distill = ml_collections.ConfigDict()
-  c.distill.teachers = ()  # teacher checkpoints "domain=ckpt:<dir>" (one per domain expert)
-  c.distill.choose = "by_domain"  # teacher per task: "by_domain" (task domain) | "single"
-  c.distill.opd_coef = 1.0  # weight of the OPD term added to the RL loss
-
-  c.eval = ml_collections.ConfigDict()
-  c.eval.tasks = ""  # held-out task JSONL ("" = generated, distinct taskgen "eval" programs)
-  c.eval.num_tasks = 200  # held-out tasks evaluated
-  c.eval.k = 1  # pass@k
-  c.eval.samples = 1  # samples per task (n >= k)
-  c.eval.selection = "none"  # test-time: "none" | "best_of_n" | "majority_vote" | "self_play"
-  c.eval.temperature = 0.0  # eval sampling temperature (0 = greedy)
-  c.eval.checkpoints = ()  # checkpoints to evaluate ("ckpt:<dir>"); () = this run's latest
-
-  c.serve = ml_collections.ConfigDict()  # mode "serve": trainer/serve.py's policy server
-  c.serve.host = "127.0.0.1"  # bind address; any other needs a token ($ARBOR_SERVE_TOKEN)
-  c.serve.port = 8000  # port (0 = any free port)
-  c.serve.served_name = "arbor"  # the "model" field of chat replies
-  c.serve.slots = 16  # sequences decoded together
-  c.serve.max_seq_len = 4096  # longest input + output
-  return c
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -294,7 +132,7 @@ def _get(config, field: str) -> Any:
   for part in field.split("."):
     if not isinstance(node, ml_collections.ConfigDict) or part not in node:
       raise ConfigError(f"config.{field} is missing (configs start from "
-                        "trainer.config.base_config())")
+                        "configs.base.base_config())")
     node = node[part]
   return node
 
@@ -353,9 +191,7 @@ def overrides(config) -> dict:
 def model_config(config):
   """The ModelConfig the run trains: the preset (init="random") or the checkpoint's
   architecture (hf:DIR config.json, ckpt:DIR model_config.json), plus `model.overrides`."""
-  import json
 
-  from models.presets import get_preset
 
   init = config.model.get("init", "random")  # smoke configs have no init
   kind, path = init_kind(init)
@@ -364,18 +200,15 @@ def model_config(config):
     if kind == "random":
       return get_preset(config.model.preset).replace(**over)
     if kind == "hf":
-      from models.hf import config_from_hf, read_hf_config
-      return config_from_hf(read_hf_config(path)).replace(**over)
-    from models.hf import config_from_json
+      return hf.config_from_hf(hf.read_hf_config(path)).replace(**over)
     with open(os.path.join(path, "model_config.json")) as f:
-      return config_from_json(json.load(f)).replace(**over)
+      return hf.config_from_json(json.load(f)).replace(**over)
   except (ValueError, TypeError) as e:
     raise ConfigError(f"config.model (init={init!r}, overrides {over}): {e}") from e
 
 
 def data_config(config, *, sources: tuple[str, ...] = (), eval: bool = False):
   """trainer.data.SFTDataConfig from config.data (held-out data: in order, one pass)."""
-  from trainer.data import SFTDataConfig
 
   d = config.data
   kw = dict(sources=tuple(sources), row_len=d.row_len, rows_per_batch=d.rows_per_batch,
@@ -392,7 +225,6 @@ def data_config(config, *, sources: tuple[str, ...] = (), eval: bool = False):
 
 def loss_config(config):
   """rl.losses.LossConfig from config.loss, checked (errors name config.loss.FIELD)."""
-  from rl import losses
 
   fields = {f.name for f in dataclasses.fields(losses.LossConfig)}
   given = config.loss.to_dict()
@@ -424,7 +256,6 @@ def tokenizer_source(config, workdir: str) -> str:
         return os.path.join(path, sub)
     source = os.path.join(path, "config.json")  # an Arbor run given a tokenizer.path
     if os.path.isfile(source):
-      import json
       with open(source) as f:
         given = json.load(f).get("tokenizer", {}).get("path", "")
       if given:
@@ -453,7 +284,7 @@ def validate(config: ml_collections.ConfigDict, workdir: Optional[str] = None) -
   if mode == "demo":
     _validate_demo(config, workdir)
     return
-  _known_keys(config, base_config(), "")
+  _known_keys(config, base.base_config(), "")
   _str(config, "compile_cache_dir")
   _validate_model(config)
   _validate_mesh(config)
@@ -463,9 +294,8 @@ def validate(config: ml_collections.ConfigDict, workdir: Optional[str] = None) -
   if mode == "sft" and loss.name not in SFT_LOSSES:
     _fail("loss.name", loss.name, f"one of {SFT_LOSSES} for mode 'sft'")
   if mode in ("rl", "distill") and loss.name in RL_LOSSES_EXCLUDED:
-    from rl import losses
-    _fail("loss.name", loss.name, f"one of {tuple(sorted(set(losses.LOSSES) - set(RL_LOSSES_EXCLUDED)))} "
-          f"for mode {mode!r}")
+    rl_losses = tuple(sorted(set(losses.LOSSES) - set(RL_LOSSES_EXCLUDED)))
+    _fail("loss.name", loss.name, f"one of {rl_losses} for mode {mode!r}")
   _validate_data(config, mode)
   _validate_tokenizer(config, mode, workdir)
   _int(config, "checkpoint.keep", 1)
@@ -550,12 +380,10 @@ def _validate_smoke(config) -> None:
 
 
 def _preset_names() -> tuple[str, ...]:
-  from models.presets import PRESETS
   return tuple(sorted(PRESETS))
 
 
 def _check_overrides(config) -> None:
-  from models.config import ModelConfig
 
   node = _get(config, "model.overrides")
   if not isinstance(node, ml_collections.ConfigDict):
@@ -608,7 +436,6 @@ def _validate_mesh(config) -> None:
 
 def mesh_shape(config, num_devices: int) -> tuple[int, ...]:
   """The mesh's axis sizes on `num_devices` devices; ConfigError when they do not fit."""
-  from models.sharding import MeshConfig
 
   given = {a: config.mesh[a] for a in MESH_AXES}
   try:
@@ -625,18 +452,13 @@ def mesh_shape(config, num_devices: int) -> tuple[int, ...]:
 
 
 def _validate_optimizer(config) -> None:
-  from trainer.optimizers import OptimizerConfig
-
   try:
-    cfg = OptimizerConfig.from_config(config.optimizer)
+    optim.OptimizerConfig.from_config(config.optimizer)
   except (ValueError, TypeError) as e:
     msg = str(e)
     msg = re.sub(r"^OptimizerConfig\.", "config.optimizer.", msg)
     msg = re.sub(r"^optimizer\.", "config.optimizer.", msg)
     raise ConfigError(msg if msg.startswith("config.") else f"config.optimizer: {msg}") from e
-  if cfg.accumulation_steps != 1:
-    _fail("optimizer.accumulation_steps", cfg.accumulation_steps,
-          "1: a step sums data.microbatches micro-batches itself (set that instead)")
 
 
 def _validate_data(config, mode: str) -> None:
@@ -649,11 +471,11 @@ def _validate_data(config, mode: str) -> None:
   _int(config, "data.max_group_size", 0)
   _int(config, "data.demo.episodes", 0)
   _int(config, "data.demo.eval_episodes", 0)
-  _choice(config, "data.demo.level", DEMO_LEVELS)
+  _choice(config, "data.demo.level", taskgen.LEVELS)
   _int(config, "data.demo.seed", 0)
   _number(config, "data.demo.error_rate", 0.0, 1.0)
   _number(config, "data.demo.early_submit_rate", 0.0, 1.0)
-  _choice(config, "data.demo.sandbox", DEMO_SANDBOXES)
+  _choice(config, "data.demo.sandbox", demo_data.SANDBOXES)
   if mode == "sft" and not config.data.sources and not config.data.demo.episodes:
     raise ConfigError("config.data.sources=(): no training data; give files or set "
                       "data.demo.episodes > 0 (generated demo episodes)")
@@ -678,7 +500,6 @@ def _validate_train(config, mode: str) -> None:
 
 
 def _validate_tokenizer(config, mode: str, workdir: Optional[str]) -> None:
-  from envs.chat.formats import FORMATS
 
   _choice(config, "tokenizer.chat_format", tuple(FORMATS))
   path = _str(config, "tokenizer.path")
@@ -721,22 +542,22 @@ def _validate_rl(config) -> None:
   _int(config, "rl.group_size", 2)
   _int(config, "rl.epochs", 1)
   _int(config, "rl.minibatches", 1)
-  _choice(config, "rl.advantage", ADVANTAGES)
+  _choice(config, "rl.advantage", tuple(advantages.ADVANTAGES))
   _bool(config, "rl.drop_constant_groups")
   ref = _str(config, "rl.reference")
   if ref != "initial" and not (ref.startswith("ckpt:") and len(ref) > 5):
     _fail("rl.reference", ref, f"one of {RL_REFERENCES}")
   _bool(config, "rl.recompute_old")
-  _choice(config, "rl.correction", CORRECTIONS)
+  _choice(config, "rl.correction", corrections.KINDS)
   _int(config, "rl.mcla_passes", 0)
-  _choice(config, "rl.mcla_mode", MCLA_MODES)
+  _choice(config, "rl.mcla_mode", corrections.MCLA_MODES)
   _bool(config, "rl.routing_replay")
   _number(config, "rl.temperature", 0.0)
   _number(config, "rl.top_p", 0.0, 1.0, low_open=True)
   _int(config, "rl.top_k", 0)
   for field in ("max_new_tokens", "max_turns", "max_context_tokens", "concurrency"):
     _int(config, f"rl.{field}", 1)
-  _choice(config, "rl.sandbox", SANDBOX_BACKENDS)
+  _choice(config, "rl.sandbox", sandbox.BACKENDS)
   sandbox_url = _str(config, "rl.sandbox_url")
   token_file = _str(config, "rl.sandbox_token_file")
   if config.rl.sandbox == "remote":
@@ -754,7 +575,7 @@ def _validate_rl(config) -> None:
     _fail("rl.queue_url", url, "'' | 'memory' | 'redis://host:port[/db]' | 'rediss://...'")
   _str(config, "rl.queue_password_file")
   _str(config, "rl.tasks")
-  _choice(config, "rl.task_level", DEMO_LEVELS)
+  _choice(config, "rl.task_level", taskgen.LEVELS)
   _int(config, "rl.task_seed", 0)
 
 
@@ -775,9 +596,8 @@ def _validate_serve(config) -> None:
   _int(config, "serve.slots", 1)
   _int(config, "serve.max_seq_len", 128)
   if config.mode == "serve":
-    from trainer.serve import check_bind
     try:
-      check_bind(host, os.environ.get("ARBOR_SERVE_TOKEN") or None)
+      net.check_bind(host, os.environ.get("ARBOR_SERVE_TOKEN") or None)
     except ValueError as e:
       raise ConfigError(f"config.serve.host={host!r}: {e}") from e
 
@@ -789,7 +609,7 @@ def _validate_eval(config) -> None:
   samples = _int(config, "eval.samples", 1)
   if samples < k:
     _fail("eval.samples", samples, f"an integer >= eval.k={k}")
-  _choice(config, "eval.selection", EVAL_SELECTIONS)
+  _choice(config, "eval.selection", selection.SELECTIONS)
   _number(config, "eval.temperature", 0.0)
   for c in _paths(config, "eval.checkpoints"):
     if not (c.startswith("ckpt:") and len(c) > 5):

@@ -46,6 +46,7 @@ micro-batch when they are reached (`stats["skipped"]`, part of the iterator stat
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
@@ -58,18 +59,21 @@ import grain
 import jax
 import numpy as np
 
+from envs.chat import load_tokenizer, make_chat
 from envs.chat.formats import ChatFormat
 from rl.packing import TreeBatch, pack
 from rl.tree import Tree, TrajectoryTokens, build_tree
 from trainer.batches import BatchShape, MicroBatches, make_micro_batches
+from trainer.demo_data import chat_record, demo_corpus, demo_trajectories
 from trainer.sft_data import (GROUP_BY, MemoryReader, Reader, RecordError, check_record,
                               conversation_calls, failed_turns, group_key, reader_for,
-                              record_trajectories, trajectory_calls, write_jsonl)
+                              record_trajectories, write_jsonl)
+from trainer.tokenizer_train import read_texts, train_tokenizer
 
 log = logging.getLogger(__name__)
 
 __all__ = ["SFTDataConfig", "SFTDataset", "make_sft_dataset", "RecordError", "check_record",
-           "conversation_calls", "failed_turns", "record_trajectories", "trajectory_calls",
+           "conversation_calls", "failed_turns", "record_trajectories",
            "write_jsonl", "main"]
 STATS = ("trajectories", "trees", "row_tokens", "loss_tokens", "linear_tokens", "skipped")
 
@@ -413,8 +417,7 @@ def _fingerprint(cfg: SFTDataConfig, chat: ChatFormat, readers, groups) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  import argparse
-
+  """`python -m trainer.data train_tokenizer | demo_data ...` (see --help)."""
   p = argparse.ArgumentParser(prog="python -m trainer.data", description=__doc__.split("\n")[0])
   sub = p.add_subparsers(dest="command", required=True)
   t = sub.add_parser("train_tokenizer", help="train a sentencepiece tokenizer on local text")
@@ -449,9 +452,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   args = p.parse_args(argv)
 
   if args.command == "train_tokenizer":
-    from trainer.demo_data import demo_corpus
-    from trainer.tokenizer_train import read_texts, train_tokenizer
-
     if not args.input and not args.demo_corpus:
       p.error("train_tokenizer: give --input FILES and/or --demo_corpus")
     texts = read_texts(args.input)
@@ -462,9 +462,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            model_type=args.model_type)
     print(f"wrote {path} (vocab {args.vocab_size}, {len(texts)} texts)")
     return 0
-  from envs.chat import load_tokenizer, make_chat
-  from trainer.demo_data import chat_record, demo_trajectories
-
   chat = make_chat(args.chat_format, load_tokenizer(args.tokenizer))
   trajs = demo_trajectories(chat, args.n, level=args.level, seed=args.seed, start=args.start,
                             error_rate=args.error_rate, early_submit_rate=args.early_submit_rate,

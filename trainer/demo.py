@@ -15,12 +15,15 @@ import os
 import time
 
 import ml_collections
+from matplotlib.figure import Figure
+
+from envs.chat import load_tokenizer, make_chat
+from trainer import config as config_lib
+from trainer import evaluate, harness, rl, rollouts, sft
+from trainer.metrics import JSONL, read_jsonl, say
+from trainer.tasks import held_out_tasks
 
 STAGES = ("sft", "rl")
-
-
-def _say(message: str) -> None:
-  print(f"demo: {message}", flush=True)
 
 
 def stage_configs(config, seed: int, seed_dir: str) -> tuple:
@@ -46,26 +49,17 @@ def held_out_eval(rl_cfg, run_dir: str, out: str, mesh) -> dict:
   if os.path.isfile(out):
     with open(out) as f:
       return json.load(f)
-  from envs.chat import load_tokenizer, make_chat
-  from trainer import config as config_lib
-  from trainer import evaluate, rl, sft
-  from trainer.demo_data import DEMO_SCAFFOLD
-  from trainer.rollouts import scaffold_config
-
   cfg = ml_collections.ConfigDict(rl_cfg.to_dict())
   cfg.model.init, cfg.model.preset = f"ckpt:{run_dir}", ""
   model_cfg = config_lib.model_config(cfg)
-  model = sft.initial_model(cfg, model_cfg)
+  model = harness.initial_model(cfg, model_cfg)
   chat = make_chat(cfg.tokenizer.chat_format, load_tokenizer(cfg.tokenizer.path))
-  tasks = rl.held_out_tasks(cfg, os.path.join(os.path.dirname(out), "eval_tasks"))
-  scaffold = scaffold_config(DEMO_SCAFFOLD, max_turns=cfg.rl.max_turns,
-                             max_new_tokens=cfg.rl.max_new_tokens,
-                             max_context_tokens=cfg.rl.max_context_tokens,
-                             temperature=cfg.eval.temperature)
+  tasks = held_out_tasks(cfg, os.path.join(os.path.dirname(out), "eval_tasks"))
+  scaffold = rollouts.scaffold_config(cfg, temperature=cfg.eval.temperature)
   t0 = time.perf_counter()
   result = evaluate.evaluate(model, model_cfg, chat, tasks, samples=cfg.eval.samples,
                              k=cfg.eval.k, temperature=cfg.eval.temperature, seed=cfg.seed,
-                             engine_cfg=rl.engine_config(cfg), scaffold=scaffold,
+                             engine_cfg=rollouts.engine_config(cfg), scaffold=scaffold,
                              sandbox=cfg.rl.sandbox, concurrency=cfg.rl.concurrency)
   result = {"checkpoint": run_dir, "pass@1": float(result[f"pass@{cfg.eval.k}"]),
             "per_task": [float(x) for x in result["per_task"]],
@@ -79,27 +73,26 @@ def held_out_eval(rl_cfg, run_dir: str, out: str, mesh) -> dict:
 
 def run(config, workdir: str, mesh=None) -> dict:
   """Every seed's pipeline, then the results and the report; the summary dict."""
-  from trainer import evaluate, rl, sft
-
   os.makedirs(workdir, exist_ok=True)
   per_seed = []
   for seed in config.seeds:
     t0 = time.perf_counter()
     seed_dir = os.path.join(workdir, f"seed_{seed}")
     sft_cfg, rl_cfg = stage_configs(config, seed, seed_dir)
-    _say(f"seed {seed}: SFT ({sft_cfg.train.steps} steps) in {seed_dir}/sft")
+    say("demo", f"seed {seed}: SFT ({sft_cfg.train.steps} steps) in {seed_dir}/sft")
     sft.run(sft_cfg, os.path.join(seed_dir, "sft"), mesh)
     t_sft = time.perf_counter() - t0
     before = held_out_eval(rl_cfg, os.path.join(seed_dir, "sft"),
                            os.path.join(seed_dir, "eval_sft.json"), mesh)
-    _say(f"seed {seed}: SFT held-out pass@1 {before['pass@1']:.3f} "
+    say("demo", f"seed {seed}: SFT held-out pass@1 {before['pass@1']:.3f} "
          f"({len(before['per_task'])} tasks)")
-    _say(f"seed {seed}: RL ({rl_cfg.train.steps} steps, {rl_cfg.loss.name}) in {seed_dir}/rl")
+    say("demo", f"seed {seed}: RL ({rl_cfg.train.steps} steps, {rl_cfg.loss.name}) in "
+        f"{seed_dir}/rl")
     rl.run(rl_cfg, os.path.join(seed_dir, "rl"), mesh)
     after = held_out_eval(rl_cfg, os.path.join(seed_dir, "rl"),
                           os.path.join(seed_dir, "eval_rl.json"), mesh)
     minutes = (time.perf_counter() - t0) / 60
-    _say(f"seed {seed}: pass@1 SFT {before['pass@1']:.3f} -> RL {after['pass@1']:.3f} "
+    say("demo", f"seed {seed}: pass@1 SFT {before['pass@1']:.3f} -> RL {after['pass@1']:.3f} "
          f"({minutes:.1f} min this run, SFT stage {t_sft / 60:.1f} min)")
     per_seed.append({"seed": seed, "sft_pass@1": before["pass@1"],
                      "rl_pass@1": after["pass@1"], "sft": before["per_task"],
@@ -114,7 +107,7 @@ def run(config, workdir: str, mesh=None) -> dict:
   with open(os.path.join(workdir, "demo_results.json"), "w") as f:
     json.dump(results, f, indent=1)
   results["report"] = write_report(workdir, config, results)
-  _say(f"pass@1 SFT {results['mean_sft_pass@1']:.3f} -> RL {results['mean_rl_pass@1']:.3f}; "
+  say("demo", f"pass@1 SFT {results['mean_sft_pass@1']:.3f} -> RL {results['mean_rl_pass@1']:.3f}; "
        f"improvement {ci['diff']:+.3f} (95% CI {ci['low']:+.3f} .. {ci['high']:+.3f}); "
        f"report {results['report']}")
   return results
@@ -123,13 +116,8 @@ def run(config, workdir: str, mesh=None) -> dict:
 def write_report(workdir: str, config, results: dict) -> str:
   """demo_report.html (+ .png): SFT loss and RL reward curves per seed, the pass@1 table and
   the interval."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  from trainer.metrics import JSONL, read_jsonl
-
-  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+  fig = Figure(figsize=(15, 4))  # the object API: no pyplot state, no display
+  axes = fig.subplots(1, 3)
   for s in results["seeds"]:
     seed_dir = os.path.join(workdir, f"seed_{s['seed']}")
     for ax, stage, key in ((axes[0], "sft", "loss"), (axes[1], "rl", "reward_mean")):
@@ -149,7 +137,6 @@ def write_report(workdir: str, config, results: dict) -> str:
   fig.tight_layout()
   png = os.path.join(workdir, "demo_report.png")
   fig.savefig(png, dpi=80)
-  plt.close(fig)
   ci = results["improvement"]
   rows = "".join(f"<tr><td>{s['seed']}</td><td>{s['sft_pass@1']:.3f}</td>"
                  f"<td>{s['rl_pass@1']:.3f}</td><td>{s['minutes']:.1f}</td></tr>"

@@ -39,11 +39,14 @@ from typing import Optional, Sequence
 import numpy as np
 
 from envs.chat.formats import ChatFormat, make_chat
+from envs.episode import make_sandbox_factory
 from envs.scaffold import ScaffoldConfig, ScriptedPolicy, run_episode
 from envs.taskgen import write_tasks
 from envs.tasks import Task, load_repo_files
 from envs.tools import default_tools
 from envs.trajectory import Trajectory
+from envs.verifiers import verify_tests, workspace_files
+from trainer.tokenizer_train import BOS_EOS, chat_symbols
 
 SANDBOXES = ("bwrap", "local")
 # Short episodes: the demo trains a tiny model on a 2-core CPU.
@@ -126,11 +129,8 @@ def scripted_turns(task: Task, rng: random.Random, error_rate: float = 0.0,
 async def _episode(task: Task, chat: ChatFormat, sandbox: str, seed: int, error_rate: float,
                    early_submit_rate: float, config: ScaffoldConfig, verify: bool
                    ) -> Trajectory:
-  """One scripted episode, set up as `envs.rollout_worker.make_react_episode` does (prompt
+  """One scripted episode, set up as `envs.episode.make_react_episode` does (prompt
   drawn with the episode seed, fresh sandbox with the repository, default tools)."""
-  from envs.rollout_worker import make_sandbox_factory
-  from envs.verifiers import verify_tests, workspace_files
-
   make_sandbox = make_sandbox_factory(sandbox, allow_unsafe=sandbox == "local")
   prompt = task.prompt(np.random.default_rng(seed))
   policy = ScriptedPolicy(chat, scripted_turns(task, random.Random(seed), error_rate,
@@ -239,8 +239,6 @@ def demo_corpus(chat_format: str = "chatml", n: int = 64, *, level: int = 0, see
   contents, tool outputs), one string per run of text. Episodes use the "local" sandbox (the
   solver runs no code) and half of them carry an error turn. The tasks come from taskgen's
   `split` ("train": no held-out program's text, fixed lines included, shapes the vocabulary)."""
-  from trainer.tokenizer_train import BOS_EOS, chat_symbols
-
   tok = ByteTokenizer(list(chat_symbols(chat_format)[0]) + list(control),
                       *BOS_EOS.get(chat_format, ("<s>", "</s>")))
   chat = make_chat(chat_format, tok)

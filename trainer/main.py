@@ -25,11 +25,17 @@ import os
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from absl import app, flags, logging
+from flax import nnx
 from ml_collections import config_flags
 
+from models import decode, sharding, transformer
+from models.logprobs import token_logprobs
 from trainer import config as config_lib
-from trainer import distributed
+from trainer import demo, distributed, evaluate, rl, serve, sft
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
@@ -38,14 +44,6 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (local path or
 
 def smoke(config, workdir: str) -> dict:
   """Build the model, one forward/backward on random tokens, a short greedy decode."""
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from flax import nnx
-
-  from models import decode, transformer
-  from models.logprobs import token_logprobs
-
   cfg = config_lib.model_config(config)
   t0 = time.perf_counter()
   model = transformer.init(cfg, seed=config.seed)
@@ -105,13 +103,10 @@ initialize_distributed = distributed.initialize
 
 def make_mesh(config):
   """The device mesh of `config.mesh` over all devices (its product must match them)."""
-  import jax
-
-  from models.sharding import MESH_AXES, MeshConfig, make_mesh as build
   if config.mode == "demo":  # the stages share one mesh: the SFT stage's
     config = config.sft
   shape = config_lib.mesh_shape(config, jax.device_count())
-  return build(MeshConfig(**dict(zip(MESH_AXES, shape))))
+  return sharding.make_mesh(sharding.MeshConfig(**dict(zip(sharding.MESH_AXES, shape))))
 
 
 def run(config, workdir: str) -> dict:
@@ -120,7 +115,6 @@ def run(config, workdir: str) -> dict:
   if config.mode == "smoke":
     return smoke(config, workdir)
   initialize_distributed()
-  import jax
   cache_dir = (config.sft if config.mode == "demo" else config).compile_cache_dir
   if cache_dir:
     jax.config.update("jax_compilation_cache_dir", cache_dir)
@@ -131,18 +125,13 @@ def run(config, workdir: str) -> dict:
   # placed; the math is the same
   mesh = mesh if mesh.size > 1 else None
   if config.mode == "sft":
-    from trainer import sft
     return sft.run(config, workdir, mesh)
   if config.mode in ("rl", "distill"):
-    from trainer import rl
     return rl.run(config, workdir, mesh)
   if config.mode == "eval":
-    from trainer import evaluate
     return evaluate.run(config, workdir, mesh)
   if config.mode == "demo":
-    from trainer import demo
     return demo.run(config, workdir, mesh)
-  from trainer import serve
   return serve.run(config, workdir)
 
 

@@ -50,7 +50,9 @@ import time
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import google_crc32c
+import jax
 import numpy as np
+import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +205,6 @@ class MetricsWriter:
     if "://" in str(logdir):
       raise ValueError(f"MetricsWriter: logdir must be a local path, got {str(logdir)!r}")
     if primary is None:
-      import jax
       primary = jax.process_index() == 0
     self.primary = primary
     self.logdir = str(logdir)
@@ -217,7 +218,6 @@ class MetricsWriter:
     if tensorboard:
       self._events = EventFile(self.logdir, start_step)
     if progress:
-      import tqdm
       # steps before start_step are done: the bar starts at their count
       self._bar = tqdm.tqdm(total=total_steps, initial=max(start_step - 1, 0), unit="step",
                             dynamic_ncols=True)
@@ -349,22 +349,7 @@ class Timer:
     return out
 
 
-def report(*args, **kwargs) -> dict[str, str]:
-  """`trainer.report.report`: report.png + report.html from metrics.jsonl (needs matplotlib)."""
-  from trainer import report as report_lib
-  return report_lib.report(*args, **kwargs)
-
-
-def end_of_run_report(config, logdir: str, keys: Sequence[str], title: str) -> Optional[dict]:
-  """A trainer run's report (`report` of `keys`, those the run logged) when `config.metrics.report`
-  and this is process 0; None, with a warning, when it cannot be drawn (no matplotlib, no
-  metrics yet)."""
-  import jax
-  if not (config.metrics.report and jax.process_index() == 0
-          and os.path.exists(os.path.join(logdir, JSONL))):
-    return None
-  try:
-    return report(logdir, keys=keys, skip_missing=True, title=title)
-  except (ImportError, ValueError) as e:
-    logging.getLogger(__name__).warning("no report: %s", e)
-    return None
+def say(who: str, message: str) -> None:
+  """A progress line `who: message` on stdout, from the primary process only."""
+  if jax.process_index() == 0:
+    print(f"{who}: {message}", flush=True)

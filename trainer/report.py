@@ -21,8 +21,11 @@ import base64
 import fnmatch
 import html
 import math
+import logging
 import os
 from typing import Any, Mapping, Optional, Sequence
+
+import jax
 
 from trainer.metrics import JSONL, read_jsonl
 
@@ -214,3 +217,20 @@ def report(runs: str | os.PathLike | Sequence[str] | Mapping[str, str],
   render_png(data, panels, tables, paths["png"], title=title, smooth=smooth)
   render_html(data, panels, tables, paths["png"], paths["html"], title=title)
   return paths
+
+
+def end_of_run_report(config, logdir: str, keys: Sequence[str], title: str
+                      ) -> Optional[dict[str, str]]:
+  """A trainer run's `report` of `keys` (those the run logged).
+
+  Drawn when `config.metrics.report` and this is process 0; None, with a warning, when it
+  cannot be drawn (no matplotlib, no metrics yet).
+  """
+  if not (config.metrics.report and jax.process_index() == 0
+          and os.path.exists(os.path.join(logdir, JSONL))):
+    return None
+  try:
+    return report(logdir, keys=keys, skip_missing=True, title=title)
+  except (ImportError, ValueError) as e:
+    logging.getLogger(__name__).warning("no report: %s", e)
+    return None

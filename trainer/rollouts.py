@@ -1,11 +1,13 @@
 """In-process rollouts: react episodes in sandboxes, sampled by an in-process engine.
 
+    engine = Engine(model, engine_config(config), detokenize=chat.tokenizer.decode)
+    scaffold = scaffold_config(config)          # the episode limits and sampling of config.rl
     rollouts = Rollouts(engine, chat, scaffold, sandbox="bwrap", concurrency=8)
     groups = rollouts.groups([(task, draw), ...], group_size=8, seed=0).result()
     trajectories = rollouts.episodes([(task, seed), ...]).result()      # one episode each
     rollouts.close()
 
-Episodes are `envs.rollout_worker.make_react_episode` (fresh sandbox with the task's repository,
+Episodes are `envs.episode.make_react_episode` (fresh sandbox with the task's repository,
 the react scaffold with the default tools, the task's verifier for the reward), exactly what a
 remote rollout worker runs, with `trainer.serve.EnginePolicy` as the policy. They run on an
 asyncio loop in a background thread, at most `concurrency` at once, so the engine batches the
@@ -14,41 +16,106 @@ RL loop can train on one step's rollouts while the next step's are sampled (asyn
 
 Sampling is reproducible: episode i of (task, draw) samples with `episode_seed(seed, draw, i)`
 (its prompt phrasing and every call's sampling seed follow from it).
+
+`scaffold_config` and `engine_config` are the one place where a run's config becomes episode
+limits and an engine: the RL loop, mode "eval" and the demo's evals all take them from here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
+import logging
 import threading
 from typing import Any, Optional, Sequence
 
-from envs.rollout_worker import make_react_episode, make_sandbox_factory, run_task_group
+import ml_collections
+
+from envs.episode import EpisodeFn, make_react_episode, make_sandbox_factory, run_task_group
 from envs.scaffold import ScaffoldConfig
+from envs.tasks import Task, load_repo_files
+from envs.trajectory import Trajectory
+from envs.verifiers import workspace_files
+from models.engine import EngineConfig
+from trainer.serve import EnginePolicy
+
+log = logging.getLogger(__name__)
+
+
+def recording_episode(policy, chat, make_sandbox, scaffold: ScaffoldConfig) -> EpisodeFn:
+  """`envs.episode.make_react_episode`, unchanged, except that the trajectory's
+  metadata["submission"] keeps what the agent submitted: for "swe" tasks its final workspace's
+  changes {path: bytes | None (deleted)} relative to the repository (read from the agent's
+  sandbox when the episode closes it, after the verifier ran in its own), else the submit
+  answer or the last reply's text. None when it could not be read."""
+  originals: dict[str, dict] = {}
+
+  async def episode(task: Task, index: int, seed: int, **ids) -> Trajectory:
+    record: dict[str, Any] = {}
+
+    async def make(t):
+      box = await make_sandbox(t)
+      if "box" not in record and task.kind == "swe":  # the first one is the agent's
+        record["box"] = box
+        close = box.close
+
+        async def close_after_reading():
+          try:
+            record["files"] = await workspace_files(box)
+          except Exception as e:  # the sandbox died: no submission
+            log.warning("%s: cannot read the final workspace: %r", task.instance_id, e)
+          await close()
+        box.close = close_after_reading
+      return box
+
+    trajectory = await make_react_episode(policy, chat, make, scaffold)(task, index, seed, **ids)
+    if task.kind == "swe":
+      submission = None
+      if "files" in record:
+        if task.instance_id not in originals:
+          originals[task.instance_id] = await asyncio.to_thread(load_repo_files, task)
+        original, final = originals[task.instance_id], record["files"]
+        submission = {p: final.get(p) for p in sorted(set(original) | set(final))
+                      if original.get(p) != final.get(p)}
+    elif trajectory.metadata.get("answer") is not None:
+      submission = trajectory.metadata["answer"]
+    else:
+      last = [c for c in trajectory.calls if not c.meta.get("summary")][-1:]
+      submission = chat.parse_assistant(last[0].output_ids).text if last else ""
+    trajectory.metadata["submission"] = submission
+    return trajectory
+  return episode
 
 
 class Rollouts:
-  """Runs episodes of `engine`'s policy (see the module docstring). Not picklable; one per run."""
+  """Runs episodes of `engine`'s policy (see the module docstring). Not picklable; one per run.
+
+  Args:
+    engine: the generation engine (started here, stopped by `close`).
+    chat: the chat format episodes render with.
+    scaffold: the episodes' ScaffoldConfig (`scaffold_config`).
+    sandbox: the sandbox backend ("local" runs no isolation: only for scripted tests);
+      "remote" is a sandbox server (envs.sandbox_server) at `sandbox_url`.
+    concurrency: episodes at once.
+    limits: the sandboxes' resource limits (None: the backend's defaults).
+    sandbox_url, sandbox_token_file: the remote sandbox server and its token.
+    record_submissions: keep each episode's submission in its metadata
+      (`recording_episode`; test-time selection needs it).
+  """
 
   def __init__(self, engine, chat, scaffold: ScaffoldConfig, *, sandbox: str = "bwrap",
                concurrency: int = 8, limits=None, sandbox_url: str = "",
-               sandbox_token_file: str = ""):
-    from trainer.serve import EnginePolicy
-
+               sandbox_token_file: str = "", record_submissions: bool = False):
     if concurrency < 1:
       raise ValueError(f"concurrency={concurrency!r}: expected an integer >= 1")
     self.engine = engine
     self.scaffold = scaffold
-    # "local" runs no isolation: acceptable only for the scripted tests that ask for it
-    # sandbox "remote": a sandbox server (envs.sandbox_server) at sandbox_url
-    self._make_sandbox = make_sandbox_factory(sandbox, limits=limits,
-                                              allow_unsafe=sandbox == "local",
-                                              url=sandbox_url or None,
-                                              token_file=sandbox_token_file or None)
+    make_sandbox = make_sandbox_factory(sandbox, limits=limits, allow_unsafe=sandbox == "local",
+                                        url=sandbox_url or None,
+                                        token_file=sandbox_token_file or None)
     self.policy = EnginePolicy(engine)  # starts the engine's thread
-    self._chat = chat
-    self._episode = make_react_episode(self.policy, chat, self._make_sandbox, scaffold)
+    make_episode = recording_episode if record_submissions else make_react_episode
+    self._episode = make_episode(self.policy, chat, make_sandbox, scaffold)
     self._loop = asyncio.new_event_loop()
     self._thread = threading.Thread(target=self._loop.run_forever, name="arbor-rollouts",
                                     daemon=True)
@@ -63,35 +130,25 @@ class Rollouts:
   def _call(self, coroutine) -> concurrent.futures.Future:
     return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
-  def groups(self, tasks: Sequence[tuple[Any, int]], group_size: int, seed: int = 0,
-             scaffold: Optional[ScaffoldConfig] = None) -> concurrent.futures.Future:
+  def groups(self, tasks: Sequence[tuple[Task, int]], group_size: int, seed: int = 0
+             ) -> concurrent.futures.Future:
     """Future of one list of trajectories per (task, draw), `group_size` episodes each (an
     episode that raised is logged and left out, so a group may come back short)."""
-    episode = self._with(scaffold)
-
     async def run():
       return await asyncio.gather(*(run_task_group(
-          task, group_size, episode, draw=draw, seed=seed, limiter=self._limiter,
+          task, group_size, self._episode, draw=draw, seed=seed, limiter=self._limiter,
           counters=self.counters) for task, draw in tasks))
     return self._call(run())
 
-  def episodes(self, runs: Sequence[tuple[Any, int]],
-               scaffold: Optional[ScaffoldConfig] = None) -> concurrent.futures.Future:
+  def episodes(self, runs: Sequence[tuple[Task, int]]) -> concurrent.futures.Future:
     """Future of one trajectory (or the exception it raised) per (task, seed), in order."""
-    episode = self._with(scaffold)
-
     async def one(task, seed):
       async with self._limiter:
-        return await episode(task, 0, seed)
+        return await self._episode(task, 0, seed)
 
     async def run():
       return await asyncio.gather(*(one(t, s) for t, s in runs), return_exceptions=True)
     return self._call(run())
-
-  def _with(self, scaffold: Optional[ScaffoldConfig]):
-    if scaffold is None or scaffold == self.scaffold:
-      return self._episode
-    return make_react_episode(self.policy, self._chat, self._make_sandbox, scaffold)
 
   def close(self) -> None:
     """Cancel running episodes (their sandboxes are closed), stop the loop and the engine."""
@@ -112,6 +169,25 @@ class Rollouts:
     self.engine.stop()
 
 
-def scaffold_config(base: ScaffoldConfig, **sampling: Any) -> ScaffoldConfig:
-  """`base` with sampling fields replaced (temperature, top_p, top_k, max_new_tokens, ...)."""
-  return dataclasses.replace(base, **sampling)
+def scaffold_config(config: ml_collections.ConfigDict,
+                    temperature: Optional[float] = None) -> ScaffoldConfig:
+  """The episodes of a run: the react scaffold with the limits and sampling of `config.rl`.
+
+  Args:
+    config: the run's config (`rl.max_turns`, `rl.max_new_tokens`, `rl.max_context_tokens`,
+      `rl.episode_timeout_s`, `rl.temperature`, `rl.top_p`, `rl.top_k`).
+    temperature: replaces `rl.temperature` (an eval's `eval.temperature`).
+  """
+  rl = config.rl
+  return ScaffoldConfig(max_turns=rl.max_turns, max_new_tokens=rl.max_new_tokens,
+                        max_context_tokens=rl.max_context_tokens, timeout_s=rl.episode_timeout_s,
+                        temperature=rl.temperature if temperature is None else temperature,
+                        top_p=rl.top_p, top_k=rl.top_k)
+
+
+def engine_config(config: ml_collections.ConfigDict) -> EngineConfig:
+  """The engine of a run's rollouts: a slot per concurrent episode (`rl.concurrency`), as many
+  rows for prefix reuse, rows long enough for `rl.max_context_tokens`."""
+  rl = config.rl
+  return EngineConfig(slots=rl.concurrency, max_seq_len=-(-rl.max_context_tokens // 128) * 128,
+                      prefix_cache_rows=rl.concurrency, prefill_chunk=512, seed=config.seed)

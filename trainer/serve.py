@@ -29,7 +29,6 @@ import asyncio
 import collections
 import dataclasses
 import hmac
-import ipaddress
 import json
 import logging
 import os
@@ -38,6 +37,15 @@ import threading
 import time
 import uuid
 from typing import Any, Optional, Sequence
+
+from envs.chat import load_tokenizer, make_chat
+from envs.net import check_bind
+from envs.policy import Generation, SamplingParams
+from models import hf, transformer
+from models.engine import Engine, EngineConfig
+from models.presets import get_preset
+from trainer import config as config_lib
+from trainer import harness
 
 logger = logging.getLogger(__name__)
 
@@ -69,22 +77,6 @@ class HTTPError(Exception):
     self.status = status
 
 
-def is_loopback(host: str) -> bool:
-  if host == "localhost":
-    return True
-  try:
-    return ipaddress.ip_address(host).is_loopback
-  except ValueError:
-    return False  # another host name: assume it is reachable from elsewhere
-
-
-def check_bind(host: str, token: Optional[str]) -> None:
-  """Refuse to expose the server beyond loopback without a token."""
-  if not is_loopback(host) and not token:
-    raise ValueError(f"refusing to bind host={host!r} without a token: pass --token (or set "
-                     "ARBOR_SERVE_TOKEN); clients send it as 'Authorization: Bearer <token>'")
-
-
 # ----------------------------------------------------------------------------- request checks
 
 
@@ -92,10 +84,12 @@ def _field(body: dict, name: str, kind, default=None, *, where: str = ""):
   value = body.get(name, default)
   if value is None:
     return default
-  ok = (isinstance(value, kind) and not isinstance(value, bool)) if kind in (int, float, (int, float)) \
-      else isinstance(value, kind)
+  numeric = kind in (int, float, (int, float))
+  ok = (isinstance(value, kind) and not isinstance(value, bool)) if numeric else isinstance(
+      value, kind)
   if not ok:
-    raise HTTPError(400, f"{where}{name}={value!r:.100}: expected {getattr(kind, '__name__', 'a number')}")
+    expected = getattr(kind, "__name__", "a number")
+    raise HTTPError(400, f"{where}{name}={value!r:.100}: expected {expected}")
   return value
 
 
@@ -115,14 +109,14 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
     return ()
   if isinstance(stop, str):
     stop = [stop]
-  if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
+  if (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)
+      or len(stop) > 16):
     raise HTTPError(400, f"stop={stop!r:.100}: expected up to 16 non-empty strings")
   return tuple(stop)
 
 
 def sampling_params(body: dict, *, max_tokens: int, stop_token_ids: Sequence[int] = ()):
   """engine SamplingParams from a request body (HTTP 400 on a bad field)."""
-  from models.engine import SamplingParams
   mt = _field(body, "max_tokens", int, max_tokens)
   if mt < 1:
     raise HTTPError(400, f"max_tokens={mt}: must be >= 1")
@@ -342,7 +336,8 @@ class PolicyServer:
       raise HTTPError(400, "input_ids: required")
     input_ids = _int_list(body, "input_ids")
     # default: 256 new tokens, or what the cache row has room for
-    params = sampling_params(body, max_tokens=max(1, min(256, self.engine.capacity - len(input_ids))))
+    max_tokens = max(1, min(256, self.engine.capacity - len(input_ids)))
+    params = sampling_params(body, max_tokens=max_tokens)
     out = await self._run(input_ids, params)
     reply = {"output_ids": out.output_ids, "logprobs": out.logprobs,
              "finish_reason": out.finish_reason, "policy_version": out.policy_version,
@@ -441,7 +436,6 @@ class EnginePolicy:
     engine.start()
 
   async def generate(self, input_ids, params):
-    from envs.policy import Generation
     out = await asyncio.wrap_future(self.engine.submit(list(input_ids), params))
     return Generation(output_ids=out.output_ids, logprobs=out.logprobs,
                       finish_reason=out.finish_reason, policy_version=out.policy_version,
@@ -459,18 +453,14 @@ def build(args) -> PolicyServer:
   """Model, tokenizer, engine and server from parsed command-line arguments."""
   token = args.token or os.environ.get("ARBOR_SERVE_TOKEN") or None
   check_bind(args.host, token)  # before loading anything
-  from models import hf, transformer
-  from models.engine import Engine, EngineConfig
   if args.ckpt:
     model = hf.restore(args.ckpt)
   else:
-    from models.presets import get_preset
     model = transformer.init(get_preset(args.preset), seed=args.seed)
   tokenizer = chat = None
   tok_path = args.tokenizer or (os.path.join(args.ckpt, "hf_extra") if args.ckpt else None)
   if tok_path and (args.tokenizer or any(os.path.exists(os.path.join(tok_path, f)) for f in (
       "tokenizer.json", "tiktoken.model", "tokenizer.model"))):
-    from envs.chat import load_tokenizer, make_chat
     tokenizer = load_tokenizer(tok_path)
     chat = make_chat(args.chat_format or default_chat_format(model.cfg), tokenizer)
   engine = Engine(model, EngineConfig(
@@ -486,16 +476,11 @@ def build(args) -> PolicyServer:
 def run(config, workdir: str) -> dict:
   """trainer.main mode "serve": the config's model (model.init: a preset, hf:DIR or an Arbor
   run's ckpt:DIR) and tokenizer behind the policy server (config.serve), until interrupted."""
-  from envs.chat import load_tokenizer, make_chat
-  from models import transformer
-  from models.engine import Engine, EngineConfig
-  from trainer import config as config_lib
-  from trainer import sft
-
   token = os.environ.get("ARBOR_SERVE_TOKEN") or None
   check_bind(config.serve.host, token)
   model_cfg = config_lib.model_config(config)
-  model = sft.initial_model(config, model_cfg) or transformer.init(model_cfg, seed=config.seed)
+  model = (harness.initial_model(config, model_cfg)
+           or transformer.init(model_cfg, seed=config.seed))
   tokenizer = load_tokenizer(config_lib.tokenizer_source(config, workdir))
   chat = make_chat(config.tokenizer.chat_format, tokenizer)
   engine = Engine(model, EngineConfig(slots=config.serve.slots,

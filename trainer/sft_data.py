@@ -40,7 +40,7 @@ import os
 from typing import Any, Iterator, Optional, Sequence
 
 from envs.chat.formats import ROLES, ChatFormat
-from rl.tree import CallTokens, TrajectoryTokens
+from rl.tree import CallTokens, TrajectoryTokens, from_trajectory
 
 GROUP_BY = ("field", "prompt", "system", "none")  # see trainer.data
 
@@ -179,19 +179,6 @@ def conversation_calls(chat: ChatFormat, messages: Sequence[dict],
   return calls
 
 
-def trajectory_calls(record: dict, mask_tool_errors: bool = True) -> list[CallTokens]:
-  """A trajectory record's calls, 1:1, with "loss_mask" / "failed" from each call's meta."""
-  calls = []
-  for c in record["calls"]:
-    meta = c.get("meta") or {}
-    failed = bool(meta.get("tool_error", False))
-    train = meta.get("train", True) is not False and not (mask_tool_errors and failed)
-    n = len(c["output_ids"])
-    calls.append(CallTokens(list(c["input_ids"]), list(c["output_ids"]),
-                            {"loss_mask": [float(train)] * n, "failed": [float(failed)] * n}))
-  return calls
-
-
 def record_trajectories(record: Any, chat: ChatFormat, mask_tool_errors: bool = True,
                         where: str = "record") -> list[TrajectoryTokens]:
   """The trajectories of one record: one per conversation (a record with "branches" has one
@@ -200,7 +187,7 @@ def record_trajectories(record: Any, chat: ChatFormat, mask_tool_errors: bool = 
   kind = check_record(record, where)
   try:
     if kind == "trajectory":
-      return [TrajectoryTokens(trajectory_calls(record, mask_tool_errors))]
+      return [from_trajectory(record, logprobs=False, mask_tool_errors=mask_tool_errors)]
     convs = ([record["messages"]] if record.get("branches") is None else
              [record["messages"] + b for b in record["branches"]])
     return [TrajectoryTokens(conversation_calls(chat, conv, record.get("tools"),

@@ -1,6 +1,6 @@
 """The train state: everything one training step reads and writes, as one pytree of arrays.
 
-    opt = optimizers.build(config.optimizer, model_cfg)
+    opt = optim.build(config.optimizer, model_cfg)
     state = create(model_cfg, opt, seed=0, mesh=mesh)   # sharded by the model's logical axes
     model = state.model(model_cfg)                       # an nnx Transformer view (engine, eval)
 
@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from models import sharding, transformer
 from models.config import ModelConfig
-from trainer import distributed, optimizers
+from trainer import distributed, optim
 
 
 @functools.partial(
@@ -71,11 +71,11 @@ def split_model(model: transformer.Transformer) -> tuple[Any, Any]:
   return nnx.as_pure(params), nnx.as_pure(rest)
 
 
-def _build(optimizer: Union[optimizers.Optimizer, Any], model_cfg: ModelConfig
-           ) -> optimizers.Optimizer:
-  if isinstance(optimizer, optimizers.Optimizer):
+def _build(optimizer: Union[optim.Optimizer, Any], model_cfg: ModelConfig
+           ) -> optim.Optimizer:
+  if isinstance(optimizer, optim.Optimizer):
     return optimizer
-  return optimizers.build(optimizer, model_cfg)
+  return optim.build(optimizer, model_cfg)
 
 
 def _scalars(seed: int) -> dict:
@@ -83,14 +83,14 @@ def _scalars(seed: int) -> dict:
           "rng": jax.random.key_data(jax.random.key(seed))}
 
 
-def create(model_cfg: ModelConfig, optimizer: Union[optimizers.Optimizer, Any], seed: int = 0,
+def create(model_cfg: ModelConfig, optimizer: Union[optim.Optimizer, Any], seed: int = 0,
            mesh: Optional[jax.sharding.Mesh] = None,
            model: Optional[transformer.Transformer] = None) -> TrainState:
   """A fresh train state.
 
-  optimizer: a built `trainer.optimizers.Optimizer`, or its config (built here).
+  optimizer: a built `trainer.optim.Optimizer`, or its config (built here).
   mesh: None = default device, parameters drawn on the host (`transformer.init`); a mesh =
-    drawn directly sharded (`sharding.init_sharded`: other numbers for the same seed) and the
+    drawn directly sharded (`transformer.init_sharded`: other numbers for the same seed) and the
     optimizer state created with `Optimizer.state_shardings`.
   model: start from these weights (e.g. a Hugging Face import or an SFT checkpoint) instead
     of a random initialisation; placed on `mesh` when one is given.
@@ -98,7 +98,7 @@ def create(model_cfg: ModelConfig, optimizer: Union[optimizers.Optimizer, Any], 
   opt = _build(optimizer, model_cfg)
   if model is None:
     model = (transformer.init(model_cfg, seed) if mesh is None
-             else sharding.init_sharded(model_cfg, mesh, seed))
+             else transformer.init_sharded(model_cfg, mesh, seed))
   params, model_state = split_model(model)
   if mesh is None:
     opt_state = jax.jit(opt.init)(params)
@@ -112,7 +112,7 @@ def create(model_cfg: ModelConfig, optimizer: Union[optimizers.Optimizer, Any], 
   return TrainState(params=params, model_state=model_state, opt_state=opt_state, **scalars)
 
 
-def shardings(model_cfg: ModelConfig, optimizer: Union[optimizers.Optimizer, Any],
+def shardings(model_cfg: ModelConfig, optimizer: Union[optim.Optimizer, Any],
               mesh: jax.sharding.Mesh) -> TrainState:
   """A TrainState of `NamedSharding`s: parameters and router bias by the model's logical axes
   and sharding rules, optimizer moments like their parameters (`Optimizer.state_shardings`),
@@ -128,7 +128,7 @@ def shardings(model_cfg: ModelConfig, optimizer: Union[optimizers.Optimizer, Any
                     step=replicated, rng=replicated, policy_version=replicated)
 
 
-def abstract(model_cfg: ModelConfig, optimizer: Union[optimizers.Optimizer, Any],
+def abstract(model_cfg: ModelConfig, optimizer: Union[optim.Optimizer, Any],
              mesh: Optional[jax.sharding.Mesh] = None) -> TrainState:
   """The state's shapes and dtypes (with shardings on a mesh) without allocating anything:
   the target for restoring a checkpoint."""

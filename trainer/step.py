@@ -1,6 +1,6 @@
 """The jitted train step and the forward-only scoring pass on tree-packed micro-batches.
 
-    opt = optimizers.build(config.optimizer, model_cfg)
+    opt = optim.build(config.optimizer, model_cfg)
     state = state_lib.create(model_cfg, opt, seed, mesh)
     step = make_train_step(model_cfg, LossConfig(name="cispo"), opt, mesh=mesh)
     score = make_score_fn(model_cfg, mesh=mesh)
@@ -57,7 +57,7 @@ from models.config import ModelConfig
 from models.logprobs import sequence_logprobs
 from rl import corrections, losses
 from rl.batch import Counts, global_counts, from_tree_batch
-from trainer import distributed, optimizers
+from trainer import distributed, optim
 from trainer import state as state_lib
 from trainer.batches import MicroBatches
 from trainer.state import TrainState
@@ -309,7 +309,7 @@ class TrainStep:
   """
 
   def __init__(self, model_cfg: ModelConfig, loss_cfg: losses.LossConfig,
-               optimizer: optimizers.Optimizer, *,
+               optimizer: optim.Optimizer, *,
                correction_cfg: Optional[corrections.CorrectionConfig] = None, mesh=None,
                entropy: bool = False, donate: bool = True):
     losses.check_config(loss_cfg)
@@ -317,8 +317,8 @@ class TrainStep:
                                                      corrections.CorrectionConfig):
       raise ValueError(f"correction_cfg: expected rl.corrections.CorrectionConfig, got "
                        f"{type(correction_cfg).__name__}")
-    if not isinstance(optimizer, optimizers.Optimizer):
-      optimizer = optimizers.build(optimizer, model_cfg)
+    if not isinstance(optimizer, optim.Optimizer):
+      optimizer = optim.build(optimizer, model_cfg)
     self.model_cfg, self.loss_cfg, self.optimizer = model_cfg, loss_cfg, optimizer
     self.correction_cfg, self.mesh, self.entropy = correction_cfg, mesh, entropy
     self.graphdef = state_lib.graphdef(model_cfg)
@@ -418,7 +418,7 @@ class TrainStep:
       model = nnx.merge(self.graphdef, params, model_state)
       model.update_router_bias(load)
       model_state = state_lib.split_model(model)[1]
-    metrics = optimizers.metrics(opt, opt_state)
+    metrics = optim.metrics(opt, opt_state)
     metrics["param_norm"] = optax.tree.norm(params)
     new = state.replace(params=params, model_state=model_state, opt_state=opt_state,
                         step=state.step + 1, policy_version=state.policy_version + 1)
@@ -462,13 +462,13 @@ class TrainStep:
 
 
 def make_train_step(model_cfg: ModelConfig, loss_cfg: losses.LossConfig,
-                    optimizer: Union[optimizers.Optimizer, Any], *,
+                    optimizer: Union[optim.Optimizer, Any], *,
                     correction_cfg: Optional[corrections.CorrectionConfig] = None,
                     mesh=None, entropy: bool = False, donate: bool = True) -> TrainStep:
   """The jitted train step `step(state, micro_batches) -> (new state, metrics)` (module
   docstring). Compiles on the first call and once per distinct micro-batch shape/field set.
 
-  optimizer: a built `trainer.optimizers.Optimizer` (or its config); correction_cfg: the
+  optimizer: a built `trainer.optim.Optimizer` (or its config); correction_cfg: the
   mismatch correction whose weights multiply the loss terms (needs the sampler's "logprobs");
   mesh: shard the step (state by the logical axes, rows over the data axes); entropy: compute
   the policy entropy metric (the entropy bonus, `entropy_coef`, turns it on anyway); donate:

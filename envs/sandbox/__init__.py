@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from envs.sandbox.base import (ExecResult, Limits, PathError, Sandbox, SandboxError, SandboxFull,
                                confine)
+from envs.sandbox.bwrap import BwrapSandbox
+from envs.sandbox.docker import DockerSandbox
+from envs.sandbox.local import LocalSandbox
+from envs.sandbox.remote import RemoteSandbox
 
 __all__ = ["BACKENDS", "ExecResult", "Limits", "PathError", "Sandbox", "SandboxError",
            "SandboxFull", "confine", "create_sandbox"]
@@ -20,24 +24,26 @@ BACKENDS = ("bwrap", "local", "docker", "remote")
 
 
 async def create_sandbox(backend: str, *, limits: Limits = Limits(), **kw) -> Sandbox:
-  """A started sandbox of `backend`; keyword arguments go to that backend's `create`.
+  """A started sandbox of `backend`.
 
-  bwrap: `envs.sandbox.bwrap.BwrapSandbox.create(limits, rootfs=, ro_binds=, uids=,
-    root_dir=, cgroups=)`.
-  local: `LocalSandbox(limits, allow_unsafe=True)` (refused without it).
-  docker: `DockerSandbox.create(limits, image=, user=)`.
-  remote: `RemoteSandbox.create(url, token=, limits=, token_file=, cafile=)`.
+  Args:
+    backend: one of BACKENDS.
+    limits: the sandbox's limits.
+    **kw: the backend's own arguments:
+      bwrap: `BwrapSandbox.create(limits, rootfs=, ro_binds=, uids=, root_dir=, cgroups=)`;
+      local: `LocalSandbox(limits, allow_unsafe=True)` (refused without it);
+      docker: `DockerSandbox.create(limits, image=, user=)`;
+      remote: `RemoteSandbox.create(url, token=, limits=, token_file=, cafile=)`.
+
+  Returns:
+    The sandbox, closed by `close()` / `async with`.
   """
   if backend == "local":
-    from envs.sandbox.local import LocalSandbox
     return LocalSandbox(limits, **kw)
   if backend == "bwrap":
-    from envs.sandbox.bwrap import BwrapSandbox
     return await BwrapSandbox.create(limits, **kw)
   if backend == "docker":
-    from envs.sandbox.docker import DockerSandbox
     return await DockerSandbox.create(limits, **kw)
   if backend == "remote":
-    from envs.sandbox.remote import RemoteSandbox
     return await RemoteSandbox.create(limits=limits, **kw)
   raise ValueError(f"backend={backend!r}: expected one of {', '.join(BACKENDS)}")

@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 from typing import Mapping, Optional
 
+from envs.net import read_secret
 from envs.sandbox.base import ExecResult, Limits, PathError, Sandbox, SandboxError, SandboxFull
 
 # Not asyncio's default executor (a handful of threads): long execs would queue behind each other.
@@ -79,9 +80,21 @@ class RemoteSandbox(Sandbox):
   async def create(cls, url: str, token: Optional[str] = None, *,
                    limits: Optional[Limits] = None, token_file: Optional[str] = None,
                    cafile: Optional[str] = None, timeout: float = 120.0) -> "RemoteSandbox":
-    """Ask the server at `url` for a sandbox (token given or read from `token_file`)."""
+    """Asks the sandbox server at `url` for a sandbox.
+
+    Args:
+      url: the server (http:// or https://).
+      token: the server's bearer token.
+      limits: the sandbox's limits (default: the server's).
+      token_file: a file holding the token, read when `token` is None.
+      cafile: CA certificate of an https server.
+      timeout: seconds for the request.
+
+    Returns:
+      The sandbox.
+    """
     if token is None and token_file is not None:
-      token = open(token_file).read().strip()
+      token = read_secret(token_file)
     client = _Client(url, token or "", cafile)
     body = {} if limits is None else {"limits": dataclasses.asdict(limits)}
     r = await client.request("POST", "/sandboxes", body, timeout)

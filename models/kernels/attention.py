@@ -23,20 +23,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
-# Finite, so a fully masked row (never produced by the rule: a query always sees itself)
-# cannot yield NaN.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from models.kernels import tree_attention_gpu, tree_attention_tpu, tree_attention_xla
+from models.kernels.mask import MASK_VALUE, allowed
+
 # Below this many keys the dense reference beats the blocked loop on CPU (one fused einsum);
 # from 768 keys on, block skipping wins on tree rows (docs/benchmarks.md, rl_step).
 FLASH_MIN_LENGTH = 768
 IMPLS = ("xla", "xla_flash", "pallas_tpu", "pallas_gpu")
-
-
-def allowed(end: jax.Array, q_index: jax.Array) -> jax.Array:
-  """Boolean mask [batch, q_len, kv_len] of the tree rule: j <= q_index[i] < end[j]."""
-  j = jnp.arange(end.shape[-1])
-  i = q_index[:, :, None]
-  return (j[None, None, :] <= i) & (i < end[:, None, :])
+# Pallas kernel -> (function, the backend it compiles for).
+_PALLAS = {"pallas_tpu": (tree_attention_tpu.tree_attention, "tpu"),
+           "pallas_gpu": (tree_attention_gpu.tree_attention, "gpu")}
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array, *, scale: float,
@@ -85,15 +81,6 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array, *, scale
 def _kernel(impl: str):
   """The kernel for `impl`; a Pallas kernel runs in interpret mode off its own backend."""
   if impl == "xla_flash":
-    from models.kernels.tree_attention_xla import tree_attention
-    return tree_attention
-  if impl == "pallas_tpu":
-    from models.kernels.tree_attention_tpu import tree_attention
-    native = "tpu"
-  elif impl == "pallas_gpu":
-    from models.kernels.tree_attention_gpu import tree_attention
-    native = "gpu"
-  else:
-    raise ValueError(f"attention impl={impl!r}: expected one of {IMPLS}")
-  interpret = jax.default_backend() != native
-  return functools.partial(tree_attention, interpret=interpret)
+    return tree_attention_xla.tree_attention
+  kernel, native = _PALLAS[impl]
+  return functools.partial(kernel, interpret=jax.default_backend() != native)

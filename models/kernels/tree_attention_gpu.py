@@ -52,8 +52,9 @@ gives 0 here (the XLA reference gives a uniform average).
 Hardware. With interpret=False the kernels compile through Pallas' Triton backend and run on
 NVIDIA GPUs (Ampere or newer; the Pallas docs call this backend best-effort). Defaults:
 num_warps = 4 if the padded head dims are <= 64, else 8; num_stages = 2. fp32 dots run at
-HIGHEST precision, i.e. IEEE fp32 (not TF32: `_dot`). interpret=True runs the same kernels through the Pallas interpreter on any
-backend (this is how the tests run on CPU); it is slow and meant for correctness only.
+HIGHEST precision, i.e. IEEE fp32 (not TF32: `_dot`). interpret=True runs the same kernels
+through the Pallas interpreter on any backend (this is how the tests run on CPU); it is slow
+and meant for correctness only.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# Same finite mask value as the XLA reference.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from models.kernels.mask import MASK_VALUE
+
 _MIN_DIM = 16  # smallest operand size of tl.dot
 
 

@@ -73,7 +73,8 @@ Running
                                                            # TPU interpret mode: simulates
                                                            # VMEM/SMEM/DMA, NaN-fills scratch
   On TPU block_q / block_k must be multiples of 128 (defaults; the lane-dense logsumexp rows
-  need it); interpret mode also accepts multiples of 8. Tests: tests/test_kernels_tpu.py compares with the XLA reference on CPU.
+  need it); interpret mode also accepts multiples of 8. Tests: tests/test_kernels_tpu.py
+  compares with the XLA reference on CPU.
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-# Same finite mask value as the reference: masked logits never produce NaN.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from models.kernels.mask import MASK_VALUE
+
 LANES = 128  # lane width; m / l scratch is lane-replicated [block_q, LANES]
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 

@@ -31,7 +31,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from models.kernels.attention import MASK_VALUE
+from models.kernels.mask import MASK_VALUE
 
 
 def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array, *, scale: float,

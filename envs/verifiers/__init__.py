@@ -1,0 +1,67 @@
+"""Verifiers: turn what an agent produced into a reward, a `Verdict(reward, details)`.
+
+- `verify_tests` ("swe" tasks, swe.py): the agent's non-test changes, applied to a clean copy of
+  the repository in a fresh sandbox, rewarded by a trusted pytest run's JUnit report.
+- `verify_python_io` ("code", python_io.py): function tests or stdin/stdout tests, in a sandbox.
+- `verify_exact` ("exact", exact.py): normalised answer match.
+- `verify_judge` ("judge", judge.py): a policy scores the response on a weighted rubric.
+- `verify(task, submission, ...)` dispatches on `task.kind`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+from envs.policy import Policy
+from envs.tasks import Task
+from envs.verifiers.base import SandboxFactory, Verdict, start_sandbox
+from envs.verifiers.exact import extract_answer, normalize_answer, verify_exact
+from envs.verifiers.judge import (JUDGE_PROMPT, judge_prompt, parse_scores, rubric_reward,
+                                  verify_judge)
+from envs.verifiers.python_io import (extract_code, normalize_output, values_equal,
+                                      verify_python_io)
+from envs.verifiers.swe import (CONFIG_FILES, LOG_TAIL, TEST_DIRS, PytestRun, Refused,
+                                is_ignored_path, is_test_path, junit_key, merge_submission,
+                                parse_junit, refused_reason, run_pytest, task_test_files,
+                                verify_tests, workspace_files)
+
+__all__ = ["CONFIG_FILES", "JUDGE_PROMPT", "LOG_TAIL", "TEST_DIRS", "PytestRun", "Refused",
+           "SandboxFactory", "Verdict", "extract_answer", "extract_code", "is_ignored_path",
+           "is_test_path", "judge_prompt", "junit_key", "merge_submission", "normalize_answer",
+           "normalize_output", "parse_junit", "parse_scores", "refused_reason", "rubric_reward",
+           "run_pytest", "start_sandbox", "task_test_files", "values_equal", "verify",
+           "verify_exact", "verify_judge", "verify_python_io", "verify_tests",
+           "workspace_files"]
+
+
+async def verify(task: Task, submission, *, make_sandbox: Optional[SandboxFactory] = None,
+                 policy: Optional[Policy] = None,
+                 render: Optional[Callable[[str], Sequence[int]]] = None,
+                 decode: Optional[Callable[[Sequence[int]], str]] = None,
+                 partial: bool = False) -> Verdict:
+  """The verifier of `task.kind` applied to `submission`.
+
+  Args:
+    task: the task.
+    submission: swe: the final workspace files {path: bytes} or a diff; code: the program
+      text; exact and judge: the response text.
+    make_sandbox: fresh sandboxes (swe and code need it).
+    policy: the judge (judge tasks).
+    render: prompt text -> input ids (judge tasks).
+    decode: output ids -> text (judge tasks).
+    partial: reward the fraction of tests passing (swe, code).
+
+  Returns:
+    The verdict.
+  """
+  if task.kind in ("swe", "code") and make_sandbox is None:
+    raise ValueError(f"verify: task kind {task.kind!r} needs make_sandbox")
+  if task.kind == "swe":
+    return await verify_tests(task, submission, make_sandbox, partial=partial)
+  if task.kind == "code":
+    return await verify_python_io(task, submission, make_sandbox, partial=partial)
+  if task.kind == "exact":
+    return verify_exact(task, submission)
+  if policy is None or render is None or decode is None:
+    raise ValueError("verify: a judge task needs policy, render and decode")
+  return await verify_judge(task, submission, policy, render, decode)

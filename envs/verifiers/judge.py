@@ -1,0 +1,151 @@
+"""The `judge` verifier of "judge" tasks: a policy scores the response on the task's weighted
+rubric."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from envs.policy import Policy, SamplingParams
+from envs.tasks import Task
+from envs.verifiers.base import Verdict
+
+
+JUDGE_PROMPT = """You are a strict grader. Score the response to the task below.
+
+## Task
+{task}
+
+## Response
+{response}
+
+## Rubric
+{dimensions}
+
+Reply with one line per dimension, in this form and nothing else:
+{form}"""
+
+
+def judge_prompt(task: Task, response: str) -> str:
+  """The grading prompt for a "judge" task (rendered to tokens by the caller).
+
+  Args:
+    task: the "judge" task (its statement and rubric).
+    response: the response to grade.
+
+  Returns:
+    The prompt text.
+  """
+  dims = "\n".join(f"- {d['name']} (0-{d.get('max', 10):g}): {d.get('description', '')}".rstrip()
+                   for d in task.rubric)
+  form = "\n".join(f"{d['name']}: <score>" for d in task.rubric)
+  return JUDGE_PROMPT.format(task=task.problem_statement, response=response, dimensions=dims,
+                             form=form)
+
+
+def _name_pattern(name: str) -> str:
+  """Regex for a dimension name: case-insensitive words joined by spaces, _ or -."""
+  return r"[\s_\-]+".join(re.escape(w) for w in re.split(r"[\s_\-]+", name.strip()))
+
+
+def _key(name: str) -> str:
+  return re.sub(r"[\s_\-]+", " ", name.strip().lower())
+
+
+def parse_scores(text: str, rubric: Sequence[Mapping[str, Any]]) -> dict[str, Optional[float]]:
+  """The scores a judge's reply gives each rubric dimension.
+
+  Accepts a JSON object ({"correctness": 8}), or lines such as "Correctness: 8",
+  "**correctness** (0-10) = 8/10", "correctness - 4 out of 5" (a denominator rescales to the
+  dimension's max); the last mention wins; scores are clamped to [0, max].
+
+  Args:
+    text: the judge's reply.
+    rubric: the dimensions ({"name", "max"?, ...}).
+
+  Returns:
+    {dimension name: score in [0, max], or None when the reply gives none}.
+  """
+  found: dict[str, Optional[float]] = {d["name"]: None for d in rubric}
+  by_key = {_key(d["name"]): d for d in rubric}
+  for m in re.finditer(r"\{[^{}]*\}", text):  # JSON objects, last one wins per dimension
+    try:
+      obj = json.loads(m.group(0))
+    except json.JSONDecodeError:
+      continue
+    for k, v in obj.items() if isinstance(obj, dict) else ():
+      d = by_key.get(_key(str(k)))
+      if d is not None and isinstance(v, (int, float)) and not isinstance(v, bool):
+        found[d["name"]] = float(v)
+  number = r"(-?\d+(?:\.\d+)?)"
+  for d in rubric:
+    pattern = (rf"(?i){_name_pattern(d['name'])}[\s*_]*(?:\([^)\n]*\)|\[[^\]\n]*\])?[\s*_]*"
+               rf"(?:[:=\-\u2013\u2014]|\bis\b)?[\s*_]*{number}(?:\s*(?:/|out of)\s*{number})?")
+    matches = list(re.finditer(pattern, text))
+    if matches:
+      m = matches[-1]
+      score = float(m.group(1))
+      if m.group(2) is not None and float(m.group(2)) > 0:
+        score = score / float(m.group(2)) * d.get("max", 10)
+      found[d["name"]] = score
+  return {name: None if s is None else min(max(s, 0.0), float(next(
+      d.get("max", 10) for d in rubric if d["name"] == name))) for name, s in found.items()}
+
+
+def rubric_reward(scores: Mapping[str, Optional[float]],
+                  rubric: Sequence[Mapping[str, Any]]) -> float:
+  """The weighted mean of score/max over the dimensions; a missing score counts as 0.
+
+  Args:
+    scores: {dimension name: score or None}.
+    rubric: the dimensions ({"name", "weight"?, "max"?}).
+
+  Returns:
+    A reward in [0, 1].
+  """
+  total = sum(float(d.get("weight", 1.0)) for d in rubric)
+  got = sum(float(d.get("weight", 1.0)) * (scores.get(d["name"]) or 0.0) / float(d.get("max", 10))
+            for d in rubric)
+  return got / total
+
+
+async def verify_judge(task: Task, response: str, policy: Policy,
+                       render: Callable[[str], Sequence[int]],
+                       decode: Callable[[Sequence[int]], str], *,
+                       params: SamplingParams = SamplingParams(max_tokens=256, temperature=0.0),
+                       samples: int = 1) -> Verdict:
+  """A policy grades `response` on `task.rubric`.
+
+  A reply that names no dimension scores 0 for it (listed under details["missing"]).
+
+  Args:
+    task: the "judge" task.
+    response: the response to grade.
+    policy: the judge.
+    render: prompt text -> input ids (the caller applies its chat template).
+    decode: output ids -> text.
+    params: the judge's sampling.
+    samples: judge replies to average.
+
+  Returns:
+    Reward = mean over the replies of the weighted, normalised rubric score; details hold each
+    reply's scores.
+  """
+  if task.kind != "judge":
+    raise ValueError(f"verify_judge: task {task.instance_id!r} has kind={task.kind!r}, "
+                     "expected 'judge'")
+  if samples < 1:
+    raise ValueError(f"samples={samples!r}: expected >= 1")
+  ids = list(render(judge_prompt(task, response)))
+  replies = await asyncio.gather(*(policy.generate(ids, params) for _ in range(samples)))
+  rewards, per_sample, missing = [], [], set()
+  for gen in replies:
+    text = decode(gen.output_ids)
+    scores = parse_scores(text, task.rubric)
+    missing.update(n for n, s in scores.items() if s is None)
+    rewards.append(rubric_reward(scores, task.rubric))
+    per_sample.append({"scores": scores, "reply": text[:1000]})
+  details: dict[str, Any] = {"samples": per_sample, "missing": sorted(missing)}
+  return Verdict(sum(rewards) / len(rewards), details)

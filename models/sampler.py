@@ -1,0 +1,190 @@
+"""The generation engine's device side: token sampling and the jitted calls that prefill, copy
+and decode rows of a pool of decode caches (models/engine.py schedules them).
+
+The jitted functions are module-level with the model's graphdef and sizes as static arguments,
+so engines of one model config share compiled code. `TRACES` counts traces per function: a
+retrace is a recompile.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+TRACES: collections.Counter = collections.Counter()
+
+
+def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+           keys: jax.Array) -> jax.Array:
+  """Sample one token per row with per-row settings (Gumbel-max).
+
+  Top-k is applied first, then top-p keeps the smallest prefix of the renormalised top-k
+  distribution whose mass reaches top_p.
+
+  Args:
+    logits: [batch, vocab] fp32.
+    temperature: [batch]; 0 = greedy (argmax).
+    top_k: [batch] int; 0 = off.
+    top_p: [batch]; 1 = off.
+    keys: [batch] one PRNG key per row.
+
+  Returns:
+    [batch] int32 token ids.
+
+  References:
+    Holtzman et al., "The Curious Case of Neural Text Degeneration" (top-p), arXiv:1904.09751.
+  """
+  greedy = jnp.argmax(logits, -1).astype(jnp.int32)
+
+  def draw(_):
+    x = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    x = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), _truncate, lambda x, *_: x,
+                     x, top_k, top_p)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, x.shape[-1:], jnp.float32))(keys)
+    return jnp.argmax(x + gumbel, -1).astype(jnp.int32)
+
+  drawn = jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)
+  return jnp.where(temperature > 0, drawn, greedy)
+
+
+def _truncate(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+  """Set logits outside each row's top-k / top-p set to -inf."""
+  v = x.shape[-1]
+  sorted_x = jnp.sort(x, axis=-1)[:, ::-1]
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+  ranks = jnp.arange(v)[None]
+  in_k = ranks < k[:, None]
+  p = jax.nn.softmax(jnp.where(in_k, sorted_x, -jnp.inf), axis=-1)
+  mass_before = jnp.cumsum(p, axis=-1) - p
+  n_keep = jnp.maximum(jnp.sum(in_k & (mass_before < top_p[:, None]), -1), 1)
+  threshold = jnp.take_along_axis(sorted_x, (n_keep - 1)[:, None], axis=-1)
+  return jnp.where(x >= threshold, x, -jnp.inf)
+
+
+def _gather_rows(pool: dict, rows: jax.Array) -> dict:
+  """Rows [n] of every cache array [pool_rows, ...]; out-of-range rows read zeros."""
+  return jax.tree.map(lambda a: jnp.take(a, rows, axis=0, mode="fill", fill_value=0), pool)
+
+
+def _scatter_rows(pool: dict, rows: jax.Array, sub: dict) -> dict:
+  """Write sub [n, ...] back to rows [n]; out-of-range rows are dropped (padding)."""
+  return jax.tree.map(lambda a, s: a.at[rows].set(s, mode="drop"), pool, sub)
+
+
+def _forward(graphdef, state, tokens, positions, cache, index):
+  """(final hidden [b, s, hidden], aux, cache) after running tokens [b, s] against the cache."""
+  model = nnx.merge(graphdef, state)
+  return model.hidden(tokens, positions, None, cache=cache, index=index)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def prefill(graphdef, state, pool: dict, rows: jax.Array, tokens: jax.Array,
+            starts: jax.Array) -> dict:
+  """Write the cache of tokens into pool rows.
+
+  Args:
+    graphdef: the (unstacked) model's graphdef (static).
+    state: the model's state.
+    pool: decode caches [pool_rows, ...] (donated).
+    rows: [b] pool row of each batch row; out-of-range rows are padding.
+    tokens: [b, p] int32 tokens to prefill.
+    starts: [b] cache slot of each row's first token.
+
+  Returns:
+    The updated pool.
+  """
+  TRACES["prefill"] += 1
+  sub = _gather_rows(pool, rows)
+  positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+  _, _, sub = _forward(graphdef, state, tokens, positions, sub, starts)
+  return _scatter_rows(pool, rows, sub)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def copy_row(pool: dict, src: jax.Array, dst: jax.Array) -> dict:
+  """The pool (donated) with row `src` copied to row `dst`."""
+  TRACES["copy"] += 1
+  return jax.tree.map(lambda a: a.at[dst].set(a[src]), pool)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+def decode(graphdef, k: int, top_n: int, experts: bool, state, pool, rows, tokens, lengths,
+           active, counts, limits, temperature, top_k, top_p, seeds, stop_ids, max_steps,
+           exit_on_finish):
+  """Up to `max_steps` (<= k) decode steps of the slots batch, in one `lax.while_loop`.
+
+  Arrays are [slots] unless noted. Each step samples with `sample` (keys: `seeds` folded with
+  the tokens generated so far) and stops a slot at a stop token or its limit.
+
+  Args:
+    graphdef: the (unstacked) model's graphdef (static).
+    k: steps of per-step output room (static).
+    top_n: top log-probs recorded per token (static; 0 = none).
+    experts: record MoE expert ids (static).
+    state: the model's state.
+    pool: decode caches [pool_rows, ...] (donated).
+    rows: pool row of each slot (out of range = empty slot).
+    tokens: the next input token.
+    lengths: its position (= tokens in the row).
+    active: whether the slot decodes.
+    counts: tokens generated so far.
+    limits: tokens to generate at most.
+    temperature, top_k, top_p: sampling settings (see `sample`).
+    seeds: uint32 per-request seeds.
+    stop_ids: [slots, max_stop_token_ids] stop token ids (-1 = none).
+    max_steps: steps to run at most (<= k).
+    exit_on_finish: stop after the step in which any slot finishes.
+
+  Returns:
+    (pool, steps run, final tokens, lengths, active, counts, per-step outputs {name: [k, ...]}:
+    tokens, logprobs, and top_ids/top_logprobs [k, slots, top_n] and expert_ids
+    [k, moe_layers, slots, experts_per_token] when asked for).
+  """
+  TRACES["decode"] += 1
+  model = nnx.merge(graphdef, state)
+  mc = model.cfg
+  lm_head = model.lm_head_weight()
+  s = rows.shape[0]
+  out = {"tokens": jnp.zeros((k, s), jnp.int32), "logprobs": jnp.zeros((k, s), jnp.float32)}
+  if top_n:
+    out["top_ids"] = jnp.zeros((k, s, top_n), jnp.int32)
+    out["top_logprobs"] = jnp.zeros((k, s, top_n), jnp.float32)
+  if experts:
+    out["expert_ids"] = jnp.zeros((k, mc.num_moe_layers, s, mc.experts_per_token), jnp.int32)
+  base_keys = jax.vmap(jax.random.key)(seeds)
+
+  def cond(carry):
+    step, _, _, _, act, _, finished, _ = carry
+    return (step < max_steps) & jnp.any(act) & ~(exit_on_finish & finished)
+
+  def body(carry):
+    step, sub, tok, length, act, count, finished, out = carry
+    h, aux, sub = _forward(graphdef, state, tok[:, None], length[:, None], sub, length)
+    logits = jnp.dot(h[:, 0].astype(jnp.float32), lm_head)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    keys = jax.vmap(jax.random.fold_in)(base_keys, count)
+    nxt = sample(logits, temperature, top_k, top_p, keys)
+    out = dict(out)
+    out["tokens"] = out["tokens"].at[step].set(nxt)
+    out["logprobs"] = out["logprobs"].at[step].set(
+        jnp.take_along_axis(logp, nxt[:, None], axis=-1)[:, 0])
+    if top_n:
+      vals, ids = jax.lax.top_k(logp, top_n)
+      out["top_ids"] = out["top_ids"].at[step].set(ids)
+      out["top_logprobs"] = out["top_logprobs"].at[step].set(vals)
+    if experts:
+      out["expert_ids"] = out["expert_ids"].at[step].set(aux["expert_ids"][:, :, 0])
+    count = count + act
+    done = act & (jnp.any(nxt[:, None] == stop_ids, axis=-1) | (count >= limits))
+    length = length + act
+    tok = jnp.where(act, nxt, tok)
+    return (step + 1, sub, tok, length, act & ~done, count, finished | jnp.any(done), out)
+
+  sub = _gather_rows(pool, rows)
+  carry = (jnp.int32(0), sub, tokens, lengths, active, counts, jnp.bool_(False), out)
+  step, sub, tokens, lengths, active, counts, _, out = jax.lax.while_loop(cond, body, carry)
+  return _scatter_rows(pool, rows, sub), step, tokens, lengths, active, counts, out

@@ -1,0 +1,151 @@
+"""From a step's rollout groups to what the train step takes: filters, advantages, micro-batches.
+
+    metrics = episode_stats(groups)                                   # before filtering
+    kept, dropped, counts = select_groups(groups, group_size=8, drop_constant=True)
+    parts = micro_batches(kept, advantages_of(kept, "grpo"), shape, minibatches=1)
+    metrics.update(batch_stats([mb for _, mb in parts]))
+
+A group is the list of `envs.trajectory.Trajectory` sampled for one task draw. Each group's
+LLM calls become one trajectory tree (`rl.tree.from_trajectory`, the one adapter from a
+trajectory record to tokens: every sampled token trained, the sampler's log-probs as
+"logprobs", also π_old until the trainer rescores it), packed into fixed-shape micro-batches
+(`trainer.batches`).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Optional, Sequence
+
+import numpy as np
+
+from rl import advantages, filters
+from rl.tree import from_trajectory
+from trainer import batches as batches_lib
+
+
+def episode_stats(groups: list[list]) -> dict:
+  """Rollout metrics of a step's groups (before filtering).
+
+  Returns:
+    {"episodes", "reward_mean", "reward_std", "pass_rate", "response_tokens" (sampled per
+    episode), "response_tokens_max", "episode_tokens" (the last call's context), "turns",
+    "tool_errors", "tests_run" (share of rewards from tests run in a sandbox),
+    "termination/<reason>" (shares)}.
+  """
+  trajs = [t for g in groups for t in g]
+  if not trajs:
+    return {"episodes": 0}
+  rewards = np.array([t.reward for t in trajs], np.float64)
+  sampled = np.array([sum(len(c.output_ids) for c in t.calls) for t in trajs], np.float64)
+  context = np.array([len(t.calls[-1].input_ids) + len(t.calls[-1].output_ids) if t.calls else 0
+                      for t in trajs], np.float64)
+  out = {"episodes": len(trajs), "reward_mean": rewards.mean(), "reward_std": rewards.std(),
+         "pass_rate": float((rewards >= 1.0).mean()), "response_tokens": sampled.mean(),
+         "response_tokens_max": sampled.max(), "episode_tokens": context.mean(),
+         "turns": float(np.mean([len(t.calls) for t in trajs])),
+         "tool_errors": float(np.mean([t.metadata.get("tool_errors", 0) for t in trajs])),
+         # episodes whose reward came from a test run in a sandbox (verdict with test counts)
+         "tests_run": float(np.mean([isinstance(t.metadata.get("verdict"), dict) and
+                                     "total" in t.metadata["verdict"] for t in trajs]))}
+  for reason, n in collections.Counter(t.termination for t in trajs).items():
+    out[f"termination/{reason}"] = n / len(trajs)
+  return out
+
+
+def select_groups(groups: list[list], *, group_size: int, drop_constant: bool,
+                  min_version: Optional[int] = None, consumed: frozenset = frozenset()
+                  ) -> tuple[list[list], list[list], dict]:
+  """The groups worth training on.
+
+  Args:
+    groups: the step's groups.
+    group_size: G; a shorter group (an episode failed) is dropped.
+    drop_constant: drop groups whose rewards are all equal (no signal).
+    min_version: drop groups with a token sampled by an older policy version (None: keep).
+    consumed: ids of trajectories already trained; a group holding one is dropped.
+
+  Returns:
+    (kept groups, dropped groups, counts {"dropped/<why>_groups": n}).
+  """
+  kept, out, counts = [], [], collections.Counter()
+  for g in groups:
+    if len(g) < group_size:
+      counts["dropped/partial_groups"] += 1
+    elif any(t.trajectory_id in consumed for t in g):
+      counts["dropped/consumed_groups"] += 1
+    elif min_version is not None and min(t.policy_version for t in g) < min_version:
+      counts["dropped/stale_groups"] += 1
+    else:
+      kept.append(g)
+      continue
+    out.append(g)
+  if drop_constant and kept:
+    rewards = np.array([t.reward for g in kept for t in g], np.float64)
+    group = np.repeat(np.arange(len(kept)), [len(g) for g in kept])
+    _, constant = filters.drop_constant_groups(rewards, group)
+    constant = set(constant.tolist())
+    counts["dropped/constant_groups"] += len(constant)
+    out += [g for i, g in enumerate(kept) if i in constant]
+    kept = [g for i, g in enumerate(kept) if i not in constant]
+  return kept, out, dict(counts)
+
+
+def advantages_of(groups: list[list], name: str) -> list[np.ndarray]:
+  """Per group, the advantages of its trajectories (`rl.advantages.compute(name, ...)`)."""
+  rewards = np.array([t.reward for g in groups for t in g], np.float32)
+  group = np.repeat(np.arange(len(groups)), [len(g) for g in groups]).astype(np.int32)
+  adv = np.asarray(advantages.compute(name, rewards, group))
+  return np.split(adv, np.cumsum([len(g) for g in groups])[:-1])
+
+
+def split_minibatches(items: list, n: int) -> list[list]:
+  """`items` in n contiguous, nearly equal parts (fewer when there are fewer items)."""
+  n = max(1, min(n, len(items)))
+  bounds = np.linspace(0, len(items), n + 1).round().astype(int)
+  return [items[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def micro_batches(groups: list[list], group_advantages: Sequence[np.ndarray],
+                  shape: batches_lib.BatchShape, minibatches: int
+                  ) -> list[tuple[list[list], batches_lib.MicroBatches]]:
+  """The groups as `minibatches` optimizer updates' worth of packed micro-batches.
+
+  Args:
+    groups: the kept groups.
+    group_advantages: per group, its trajectories' advantages (`advantages_of`).
+    shape: the fixed BatchShape (row length, rows per micro-batch).
+    minibatches: optimizer updates per pass (`rl.minibatches`).
+
+  Returns:
+    [(the groups of the update, their MicroBatches)]; fields "logprobs" (the sampler's) and
+    "old_logprobs" (π_old: the sampler's until rescored), scalars "advantage" and "reward".
+  """
+  out = []
+  for part in split_minibatches(list(zip(groups, group_advantages)), minibatches):
+    trees = [[from_trajectory(t, scalars={"advantage": float(a), "reward": float(t.reward)},
+                              mask_tool_errors=False) for t, a in zip(g, adv)]
+             for g, adv in part]
+    mb = batches_lib.make_micro_batches(trees, shape)
+    out.append(([g for g, _ in part], mb.with_fields(old_logprobs=mb.fields["logprobs"])))
+  return out
+
+
+def batch_stats(mbs: list[batches_lib.MicroBatches]) -> dict:
+  """Packing counts summed over a step's micro-batches: tree and logical (unpacked) tokens,
+  and their ratio "tree_token_ratio"."""
+  total = collections.Counter()
+  for mb in mbs:
+    total.update(batches_lib.describe(mb))
+  out = dict(total)
+  out["tree_token_ratio"] = out["logical_tokens"] / max(out["tree_tokens"], 1)
+  return out
+
+
+def mean_metrics(items: list[dict]) -> dict:
+  """Train-step metrics averaged over a step's updates ("max" keys: the max)."""
+  out = {}
+  for k in items[0]:
+    vals = [float(np.asarray(m[k])) for m in items if k in m]
+    out[k] = max(vals) if "max" in k else float(np.mean(vals))
+  return out

@@ -1,0 +1,203 @@
+"""The run harness: what every training loop (SFT, RL, distillation) does around its steps.
+
+    run = harness.Run(config, workdir, mesh)     # run files, optimizer, checkpointer, restore
+    state = run.resume_or(lambda: initial_model(config, run.model_cfg))
+    with run.loop(bar_keys=("loss",)):           # metrics writer, SIGTERM guard, phase timer
+      for step in run.steps():                   # start + 1 .. train.steps
+        ...                                      # the loop's own work, timed by run.timer
+        if run.end_step(step, metrics, state, extra=lambda: {...}):
+          break                                  # saved after SIGTERM: stop
+    summary = run.finish(REPORT_KEYS, title)     # the end-of-run report
+
+A loop keeps only its own steps; the harness owns the rest:
+  - the workdir's run files (`config.json`, `model_config.json`; a later run's `ckpt:<workdir>`
+    reads them), the optimizer, the checkpointer and the latest checkpoint (resuming is
+    automatic: `run.restored` holds the step, the state and the loop's `extra`);
+  - per step, `end_step`: the metrics line (it goes out before the save starts, so a checkpoint
+    never covers a step whose line is missing), then a checkpoint on schedule
+    (`train.checkpoint_every`), at the last step, or after SIGTERM (`checkpoint.PreemptionGuard`);
+  - on exit, the guard, the writer and the checkpointer are closed (the last save committed);
+    `finish` draws the report (`metrics.report`) and returns the summary: "start_step",
+    "steps", "preempted", "checkpoint" (last saved step), "metrics" (metrics.jsonl), "report".
+
+`initial_model` is where a run's weights come from: random (`state.create` draws them), a
+Hugging Face checkpoint, a `models.hf import` directory, or an Arbor run's workdir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import warnings
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import jax
+import ml_collections
+from etils import epath
+from flax import nnx
+
+from models import hf
+from trainer import checkpoint, metrics, optim, report
+from trainer import config as config_lib
+from trainer import state as state_lib
+
+log = logging.getLogger(__name__)
+
+
+def initial_model(config: ml_collections.ConfigDict, model_cfg):
+  """The weights a run starts from, as `config.model.init` says.
+
+  Args:
+    config: the run's config (`model.init`: "random" | "hf:<dir>" | "ckpt:<dir>").
+    model_cfg: the run's ModelConfig (overrides change numerics, never shapes).
+
+  Returns:
+    None for "random" (`state.create` draws the weights), else a Transformer: an HF
+    checkpoint, a `models.hf import` directory (its state/), or the latest checkpoint of an
+    Arbor run's workdir (its TrainState rebuilt from the run's own config files).
+
+  Raises:
+    ConfigError: an Arbor workdir without a checkpoint.
+  """
+  kind, path = config_lib.init_kind(config.model.init)
+  if kind == "random":
+    return None
+  if kind == "hf":
+    return hf.load(path, **config_lib.overrides(config))
+  if os.path.isdir(os.path.join(path, "state")):  # models.hf import output
+    params, rest = state_lib.split_model(hf.restore(path))
+  else:  # an Arbor run: rebuild its state's shapes from its own config, take the weights
+    with open(os.path.join(path, "config.json")) as f:
+      source = ml_collections.ConfigDict(json.load(f))
+    with open(os.path.join(path, "model_config.json")) as f:
+      source_cfg = hf.config_from_json(json.load(f))
+    opt = optim.build(source.optimizer, source_cfg)
+    with checkpoint.Checkpointer(os.path.join(path, "checkpoints")) as ckpt:
+      restored = ckpt.restore_latest(state_lib.abstract(source_cfg, opt))
+    if restored is None:
+      raise config_lib.ConfigError(f"config.model.init={config.model.init!r}: no checkpoint "
+                                   f"in {os.path.join(path, 'checkpoints')}")
+    metrics.say(config.mode, f"starting from the weights of step {restored.step} of {path}")
+    params, rest = restored.state.params, restored.state.model_state
+  return nnx.merge(state_lib.graphdef(model_cfg), params, rest)
+
+
+def write_run_files(config: ml_collections.ConfigDict, model_cfg, workdir: str) -> None:
+  """config.json and model_config.json in `workdir` (primary process only)."""
+  if jax.process_index() != 0:
+    return
+  root = epath.Path(workdir)
+  root.mkdir(parents=True, exist_ok=True)
+  (root / "config.json").write_text(config.to_json_best_effort(indent=1))
+  (root / "model_config.json").write_text(json.dumps(hf.config_to_json(model_cfg), indent=1))
+
+
+class Run:
+  """One training run in a workdir: its state, checkpoints, metrics and preemption.
+
+  Attributes:
+    config, workdir, mesh: as given.
+    model_cfg: the run's ModelConfig (`config_lib.model_config`).
+    optimizer: `optim.build(config.optimizer, model_cfg)`.
+    checkpointer: the workdir's `checkpoints/` (keep-N, schedule, async saves).
+    restored: the latest checkpoint (`checkpoint.Restored`), or None for a fresh run.
+    start: the step resumed from (0: fresh).
+    logdir: metrics.jsonl, TensorBoard events, the report (`metrics.dir` or <workdir>/<mode>).
+    timer: the step's phase timer (inside `loop`).
+    summary: the run's summary so far.
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str, mesh=None):
+    # CPU has no buffer donation: the warning says nothing the user can act on.
+    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+    self.config, self.workdir, self.mesh = config, workdir, mesh
+    self.model_cfg = config_lib.model_config(config)
+    self.logdir = config.metrics.dir or os.path.join(workdir, config.mode)
+    if not config_lib.is_remote(workdir):
+      os.makedirs(workdir, exist_ok=True)
+    write_run_files(config, self.model_cfg, workdir)
+    train = config.train
+    self.optimizer = optim.build(config.optimizer, self.model_cfg)
+    self.checkpointer = checkpoint.Checkpointer(
+        os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
+        save_every=train.checkpoint_every or train.steps, async_save=config.checkpoint.async_save)
+    self.restored = self.checkpointer.restore_latest(
+        state_lib.abstract(self.model_cfg, self.optimizer, mesh))
+    self.start = self.restored.step if self.restored is not None else 0
+    self.summary: dict[str, Any] = {"start_step": self.start, "steps": self.start,
+                                    "preempted": False,
+                                    "checkpoint": self.start if self.restored is not None else None}
+    self.timer: Optional[metrics.Timer] = None
+    self._writer: Optional[metrics.MetricsWriter] = None
+    self._guard: Optional[checkpoint.PreemptionGuard] = None
+
+  def say(self, message: str) -> None:
+    """A progress line `<mode>: message` (primary process)."""
+    metrics.say(self.config.mode, message)
+
+  def resume_or(self, initial: Callable[[], Any]) -> state_lib.TrainState:
+    """The restored TrainState, or a fresh one from `initial()` (a model, or None: random)."""
+    if self.restored is not None:
+      self.say(f"resumed from the checkpoint of step {self.start} in {self.workdir}")
+      return self.restored.state
+    return state_lib.create(self.model_cfg, self.optimizer, seed=self.config.seed,
+                            mesh=self.mesh, model=initial())
+
+  @contextlib.contextmanager
+  def loop(self, bar_keys: Sequence[str]) -> Iterator["Run"]:
+    """The metrics writer (lines from `start + 1` on), the SIGTERM guard and the phase timer,
+    for the steps of the loop; closes them and the checkpointer (waiting for the last save)."""
+    try:
+      self._writer = metrics.writer_for(self.config, self.logdir, self.start + 1, bar_keys)
+      self._guard = checkpoint.PreemptionGuard()
+      self.timer = metrics.Timer()
+      yield self
+    finally:
+      if self._guard is not None:
+        self._guard.close()
+      if self._writer is not None:
+        self._writer.close()
+      self.checkpointer.close()
+
+  def steps(self) -> range:
+    """The steps left: start + 1 .. train.steps."""
+    return range(self.start + 1, self.config.train.steps + 1)
+
+  def should_log(self, step: int) -> bool:
+    """Whether `step` gets a log line (every `train.log_every` steps and the last)."""
+    return step % self.config.train.log_every == 0 or step == self.config.train.steps
+
+  def end_step(self, step: int, line: dict, state, extra: Callable[[], dict]) -> bool:
+    """Write `step`'s metrics line, then checkpoint on schedule, at the last step or after
+    SIGTERM (`extra()`: the loop's resume data, called only when saving).
+
+    Returns:
+      True when the run was preempted: the state is saved and the loop must stop.
+    """
+    self._writer.write(step, line)
+    self.summary["steps"] = step
+    train = self.config.train
+    stop = self._guard.should_stop(step)
+    if stop or step == train.steps or (train.checkpoint_every
+                                       and step % train.checkpoint_every == 0):
+      with self.timer.phase("checkpoint"):
+        self.save(step, state, extra())
+    if stop:
+      self.summary["preempted"] = True
+      log.warning("preempted: saved step %d and stopping", step)
+    return stop
+
+  def save(self, step: int, state, extra: dict) -> None:
+    """Checkpoint `state` at `step` now, with the loop's `extra`."""
+    if self.checkpointer.save(step, state, extra, force=True):
+      self.summary["checkpoint"] = step
+
+  def finish(self, report_keys: Sequence[str], title: str) -> dict:
+    """The summary, with the metrics path and the end-of-run report (if drawn)."""
+    self.summary["metrics"] = os.path.join(self.logdir, metrics.JSONL)
+    drawn = report.end_of_run_report(self.config, self.logdir, report_keys, title)
+    if drawn:
+      self.summary["report"] = drawn
+    return self.summary
