@@ -29,6 +29,9 @@ valid choices. The choice lists come from the code that owns them (rl.losses.LOS
 rl.advantages.ADVANTAGES, envs.sandbox.BACKENDS, ...); this module owns only the run-level ones
 (MODES, RL_LOOPS, ...). What needs the devices (the mesh's product, rows divisible by the data
 axes) is checked by `trainer.main` right after `jax.distributed.initialize`.
+
+One module (~600 lines): the section validators and the adapters share the field checks and
+the error form, and a reader looks for "what does this field accept" in one place.
 """
 
 from __future__ import annotations
