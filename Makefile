@@ -8,7 +8,6 @@ TESTS ?= tests
 PYTEST_ARGS ?=
 # apt-get needs root; elsewhere go through sudo (and fail loudly if that is not possible).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-APT_PACKAGES := bubblewrap redis-server python3-pytest openssl util-linux
 
 .PHONY: demo test venv clean
 
@@ -26,12 +25,28 @@ venv: $(VENV)/.stamp
 # install maps package names when it is made).
 $(VENV)/.stamp: setup.py requirements-lock.txt $(wildcard */__init__.py)
 	@# Sandboxes run in bubblewrap (the verifier runs the sandbox's system python3 with pytest);
-	@# the RL queue tests start a real redis-server; openssl makes their TLS certificates.
-	@if ! command -v bwrap >/dev/null || ! command -v redis-server >/dev/null || \
-	    ! command -v openssl >/dev/null || ! /usr/bin/python3 -c "import pytest" 2>/dev/null; then \
-		echo "Installing Debian packages: $(APT_PACKAGES)"; \
+	@# the RL queue tests start their own redis-server; openssl makes their TLS certificates.
+	@# Only what is missing is installed (--no-upgrade: nothing already there changes), and the
+	@# redis-server service is neither started nor enabled at boot.
+	@missing=""; \
+	command -v bwrap >/dev/null || missing="$$missing bubblewrap"; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v openssl >/dev/null || missing="$$missing openssl"; \
+	command -v unshare >/dev/null || missing="$$missing util-linux"; \
+	/usr/bin/python3 -c "import pytest" 2>/dev/null || missing="$$missing python3-pytest"; \
+	if [ -n "$$missing" ]; then \
+		echo "Installing the missing Debian packages:$$missing"; \
+		policy=""; [ -e /usr/sbin/policy-rc.d ] || policy=/usr/sbin/policy-rc.d; \
+		[ -z "$$policy" ] || printf '#!/bin/sh\nexit 101\n' | $(SUDO) tee $$policy >/dev/null; \
+		[ -z "$$policy" ] || $(SUDO) chmod +x $$policy; \
 		$(SUDO) apt-get update -qq && \
-		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES); \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-upgrade $$missing; \
+		status=$$?; [ -z "$$policy" ] || $(SUDO) rm -f $$policy; \
+		if echo "$$missing" | grep -q redis-server; then \
+			$(SUDO) update-rc.d redis-server disable >/dev/null 2>&1 || true; \
+			! command -v systemctl >/dev/null || $(SUDO) systemctl disable redis-server >/dev/null 2>&1 || true; \
+		fi; \
+		exit $$status; \
 	fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

@@ -37,7 +37,8 @@ from models.config import ModelConfig
 from models.engine import Engine, EngineConfig
 
 flags.DEFINE_integer("repeats", 5, "interleaved rounds (medians are reported)")
-flags.DEFINE_bool("update_docs", True, "rewrite the generate section of docs/benchmarks.md")
+flags.DEFINE_bool("update_docs", False,
+                  "also rewrite the generate section of docs/benchmarks.md")
 flags.DEFINE_string("out", None, "also write the JSON result to this path")
 flags.DEFINE_string("worker", None, "internal: run as the 'transformers' worker process")
 flags.DEFINE_bool("kl", True, "measure the mismatch KL (bf16, absorbed MLA)")
@@ -289,7 +290,7 @@ def markdown(result: dict, machine_name: str) -> str:
                    f"{'-' if m['routing_flips'] is None else format(m['routing_flips'], '.2%')} |")
     lines.append("")
   lines += ["```", "bash benchmarks/setup_tunix.sh   # once: the tunix virtualenv",
-            f"python -m benchmarks.generate --repeats={r['repeats']}", "```"]
+            f"python -m benchmarks.generate --update_docs --repeats={r['repeats']}", "```"]
   return "\n".join(lines)
 
 

@@ -2,7 +2,7 @@
 
     python -m benchmarks.model_step [--repeats=5 --batch=4 --seq=128 --out=x.json]
 
-Prints one JSON object and (with --update_docs, the default) rewrites the model_step section of
+Prints one JSON object and (with --update_docs) rewrites the model_step section of
 docs/benchmarks.md. The MoE config runs twice: `moe_impl="ragged"` and the all-experts
 `moe_impl="dense"` reference, which is the in-process baseline of the reported ratio.
 """
@@ -26,7 +26,8 @@ from models.presets import count_params
 flags.DEFINE_integer("repeats", 5, "timed steps per config (the median is reported)")
 flags.DEFINE_integer("batch", 4, "rows per step")
 flags.DEFINE_integer("seq", 128, "tokens per row")
-flags.DEFINE_bool("update_docs", True, "rewrite the model_step section of docs/benchmarks.md")
+flags.DEFINE_bool("update_docs", False,
+                  "also rewrite the model_step section of docs/benchmarks.md")
 flags.DEFINE_string("out", None, "also write the JSON result to this path")
 FLAGS = flags.FLAGS
 
@@ -99,7 +100,7 @@ def main(argv):
     with open(FLAGS.out, "w") as f:
       json.dump(result, f, indent=2)
   if FLAGS.update_docs:
-    update_docs(result, f"python -m benchmarks.model_step --repeats={FLAGS.repeats} "
+    update_docs(result, f"python -m benchmarks.model_step --update_docs --repeats={FLAGS.repeats} "
                         f"--batch={FLAGS.batch} --seq={FLAGS.seq}")
 
 

@@ -25,7 +25,7 @@ batch, so the training loss is a held-out loss. Model: 2-layer dense GQA, hidden
 3. Optimizer step time (`opt.apply` alone, jitted, median of repeats) for AdamW, Muon and
    MuonClip on the task model and on the ~10M-parameter MoE + MLA model of benchmarks/common.py.
 
-Prints one JSON object and (with --update_docs, the default) rewrites the optimizers section of
+Prints one JSON object and (with --update_docs) rewrites the optimizers section of
 docs/benchmarks.md (`--render=result.json` rewrites it from a saved result without running).
 """
 
@@ -55,7 +55,8 @@ flags.DEFINE_list("muon_lrs", ["1e-2", "2e-2", "3e-2", "5e-2"],
 flags.DEFINE_integer("window", 20, "steps averaged for final losses and the reach criterion")
 flags.DEFINE_float("tau_fraction", 0.5, "MuonClip τ as a fraction of Muon's largest max logit")
 flags.DEFINE_integer("repeats", 20, "timed optimizer steps (the median is reported)")
-flags.DEFINE_bool("update_docs", True, "rewrite the optimizers section of docs/benchmarks.md")
+flags.DEFINE_bool("update_docs", False,
+                  "also rewrite the optimizers section of docs/benchmarks.md")
 flags.DEFINE_string("out", None, "also write the JSON result to this path")
 flags.DEFINE_string("render", None, "only rewrite the docs section from this saved JSON result")
 FLAGS = flags.FLAGS
@@ -224,7 +225,7 @@ def update_docs(result: dict, command: str) -> None:
 
 def command_line(r: dict) -> str:
   lrs = {k: ",".join(f"{float(x):g}" for x in r["sweeps"][k]["finals"]) for k in r["sweeps"]}
-  return (f"python -m benchmarks.optimizers --steps={r['steps']} --batch={r['batch']} "
+  return (f"python -m benchmarks.optimizers --update_docs --steps={r['steps']} --batch={r['batch']} "
           f"--seq={r['seq']} --adamw_lrs={lrs['adamw']} --muon_lrs={lrs['muon']}")
 
 

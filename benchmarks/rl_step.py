@@ -57,7 +57,8 @@ from benchmarks import generate
 flags.DEFINE_enum("part", "all", ["all", "step", "demo"], "what to measure")
 flags.DEFINE_integer("repeats", 5, "interleaved rounds (medians are reported)",
                      allow_override=True)
-flags.DEFINE_bool("update_docs", True, "rewrite the rl_step section of docs/benchmarks.md",
+flags.DEFINE_bool("update_docs", False,
+                  "also rewrite the rl_step section of docs/benchmarks.md",
                   allow_override=True)
 flags.DEFINE_string("out", None, "also write the JSON result to this path", allow_override=True)
 flags.DEFINE_list("sides", ["arbor_tree", "arbor_linear", "tunix", "torch", "torch_keep"],
@@ -580,7 +581,7 @@ def markdown(r: dict) -> str:
     lines += ["", f"Tree / linearized: whole step {d['tree_vs_linear_step']:.2f}×, score_ref + "
               f"train {d['tree_vs_linear_train']:.2f}×.", ""]
   lines += [NOTES, "```", "bash benchmarks/setup_tunix.sh   # once: the tunix virtualenv",
-            f"python -m benchmarks.rl_step --repeats={r['repeats']}", "```"]
+            f"python -m benchmarks.rl_step --update_docs --repeats={r['repeats']}", "```"]
   return "\n".join(lines)
 
 

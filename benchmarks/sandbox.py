@@ -35,7 +35,8 @@ flags.DEFINE_integer("concurrency", 4, "sandbox lifecycles in flight at once")
 flags.DEFINE_integer("execs", 200, "sequential execs timed for the latency figures")
 flags.DEFINE_integer("warm", 8, "remote: the server's warm pool")
 flags.DEFINE_list("backends", ["bwrap", "local", "remote"], "backends to measure")
-flags.DEFINE_bool("update_docs", True, "rewrite the sandbox section of docs/benchmarks.md")
+flags.DEFINE_bool("update_docs", False,
+                  "also rewrite the sandbox section of docs/benchmarks.md")
 FLAGS = flags.FLAGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -131,7 +132,7 @@ def main(argv):
         *rows,
         "",
         "```",
-        f"python -m benchmarks.sandbox --n={FLAGS.n} --concurrency={FLAGS.concurrency} "
+        f"python -m benchmarks.sandbox --update_docs --n={FLAGS.n} --concurrency={FLAGS.concurrency} "
         f"--execs={FLAGS.execs}",
         "```",
     ]))

@@ -36,7 +36,8 @@ from rl.tree import CallTokens, TrajectoryTokens, build_tree
 
 flags.DEFINE_integer("repeats", 2, "timed steps per variant (median reported)")
 flags.DEFINE_list("workloads", ["prompt_group", "agent_group"], "workloads to run")
-flags.DEFINE_bool("update_docs", True, "rewrite the tree_speedup section of docs/benchmarks.md")
+flags.DEFINE_bool("update_docs", False,
+                  "also rewrite the tree_speedup section of docs/benchmarks.md")
 FLAGS = flags.FLAGS
 
 flags.DEFINE_enum("attention_impl", "xla_flash", ["xla", "xla_flash", "auto"],
@@ -185,7 +186,7 @@ def main(argv):
         "shape for both variants. Goal: speedup >= 0.8 x bound.", "", *rows, "",
         "Temporary memory is equal because both variants compile the same micro-batch shape; "
         "the tree step needs fewer micro-batches.", "", "```",
-        f"python -m benchmarks.tree_speedup --repeats={FLAGS.repeats} "
+        f"python -m benchmarks.tree_speedup --update_docs --repeats={FLAGS.repeats} "
         f"--attention_impl={FLAGS.attention_impl} --workloads={','.join(FLAGS.workloads)}",
         "```"]))
 

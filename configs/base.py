@@ -30,6 +30,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.mode = "sft"  # "smoke" | "sft" | "rl" | "distill" | "eval" | "serve" | "demo"
   c.seed = 0  # the run's seed: initialisation, data order (data.seed follows it), sampling
   c.compile_cache_dir = ""  # persistent XLA compilation cache directory ("" = off)
+  # resume a workdir's checkpoint although fields outside trainer.harness.RESUMABLE_FIELDS
+  # changed (by default the run stops and names them)
+  c.allow_config_change = False
 
   c.model = _model()
   c.tokenizer = _tokenizer()
@@ -228,7 +231,7 @@ def _metrics() -> ml_collections.ConfigDict:
   s = ml_collections.ConfigDict()
   s.dir = ""  # local directory for metrics.jsonl, events, report ("" = <workdir>/<mode>)
   s.tensorboard = True  # TensorBoard event files
-  s.progress = True  # progress bar on stderr
+  s.progress = True  # progress bar with rate and ETA on stderr (only on a terminal)
   s.wandb_project = ""  # Weights & Biases project ("" = off; needs wandb installed)
   s.report = True  # report.png + report.html at the end of the run
   return s

@@ -50,7 +50,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.seeds = (0, 1)  # one full pipeline per seed (SFT init and data order, RL sampling)
 
   c.sft = sft_demo.get_config()  # the SFT stage: configs/sft_demo.py (every field commented)
-  c.sft.metrics.progress = False  # one log line per 25 steps instead of a bar per stage
+  c.sft.metrics.progress = True  # a bar per stage on a terminal, and a log line every 25 steps
 
   r = c.rl = base_config()  # the RL stage; model and tokenizer come from the SFT stage
   r.mode = "rl"
@@ -81,7 +81,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   r.train.steps = 12  # RL steps (~4.6 min: the 15-minute budget per seed)
   r.train.checkpoint_every = 5  # checkpoints (and resume points) every 5 steps
   r.train.log_every = 1  # a line per step
-  r.metrics.progress = False
+  r.metrics.progress = True  # a bar on a terminal, and a log line per step
   r.eval.num_tasks = 200  # held-out tasks (taskgen seed rl.task_seed, far past the RL tasks)
   r.eval.temperature = 0.0  # greedy pass@1
   return c

@@ -320,8 +320,16 @@ def test_run_evaluates_each_checkpoint_and_writes_results(tmp_path, monkeypatch)
   config.mode = "eval"
   config.eval.num_tasks, config.eval.samples, config.eval.selection = 2, 2, "best_of_n"
   config.eval.checkpoints = (f"ckpt:{runs['sft']}", f"ckpt:{runs['rl']}")
+  config.rl.episode_timeout_s, config.rl.max_turns, config.rl.max_new_tokens = 123.0, 3, 77
+  config.rl.max_context_tokens, config.rl.top_p, config.eval.temperature = 1000, 0.9, 0.5
   work = str(tmp_path / "work")
   summary = ev.run(config, work)
+  # every episode limit comes from the config (the eval's temperature, the RL section's rest)
+  scaffold = calls[0][1]["scaffold"]
+  assert (scaffold.timeout_s, scaffold.max_turns, scaffold.max_new_tokens,
+          scaffold.max_context_tokens, scaffold.top_p, scaffold.temperature) == (
+              123.0, 3, 77, 1000, 0.9, 0.5)
+  assert calls[0][1]["engine_cfg"].max_seq_len == 1024
   assert [c[0][1] for c in calls] == list(config.eval.checkpoints)
   assert calls[0][2] == calls[1][2] and len(calls[0][2]) == 2  # the same held-out tasks
   assert calls[0][1]["samples"] == 2 and calls[0][1]["sandbox"] == config.rl.sandbox

@@ -2,7 +2,8 @@
 
 Every training run is a subprocess with the same config file: an uninterrupted reference run,
 and a run killed with SIGKILL after its first checkpoint, rerun with the same command and
-stopped with SIGTERM (preemption) after a later one, and rerun again to the end.
+stopped with SIGTERM (preemption) after a later one, rerun and stopped with Ctrl-C (SIGINT), and
+rerun again to the end.
 The references are independent of the loop: the initial weights drawn by `transformer.init`
 with the config's seed, the uninterrupted run for the resumed one, and the metrics lines
 (trajectory ids) of each step. The runs share a persistent XLA compilation cache, so only the
@@ -157,8 +158,9 @@ def checkpoint_steps(workdir):
 
 @pytest.fixture(scope="module")
 def killed_and_resumed(assets, reference):
-  """The same command three times in one workdir: SIGKILLed once the checkpoint of step 2 is
-  committed, rerun and SIGTERMed (preemption) once that of step 6 is, rerun to the end.
+  """The same command four times in one workdir: SIGKILLed once the checkpoint of step 2 is
+  committed, rerun and SIGTERMed (preemption) once that of step 4 is, rerun and interrupted with
+  Ctrl-C (SIGINT) once that of step 6 is, rerun to the end.
   {"before": metrics.jsonl right after the kill, "after": after the last run, ...}."""
   del reference  # run after it: the compilation cache is warm, the kill lands mid-run
   workdir = assets["dir"] / "killed"
@@ -166,13 +168,17 @@ def killed_and_resumed(assets, reference):
   rc, output = interrupt(assets, workdir, CHECKPOINT_EVERY, signal.SIGKILL)
   assert rc == -signal.SIGKILL, f"the run ended before the kill:\n{output[-3000:]}"
   before, at_kill = read_jsonl(metrics_path), checkpoint_steps(workdir)
-  rc, preempted = interrupt(assets, workdir, 3 * CHECKPOINT_EVERY, signal.SIGTERM)
+  rc, preempted = interrupt(assets, workdir, 2 * CHECKPOINT_EVERY, signal.SIGTERM)
   assert rc == 0, preempted[-3000:]
   at_term = checkpoint_steps(workdir)
+  rc, ctrl_c = interrupt(assets, workdir, 3 * CHECKPOINT_EVERY, signal.SIGINT)
+  assert rc == 0, ctrl_c[-3000:]
+  at_int = checkpoint_steps(workdir)
   out = run(assets, workdir)
   return {"before": before, "after": read_jsonl(metrics_path), "workdir": workdir,
           "checkpoints_at_kill": at_kill, "preempted": preempted,
-          "checkpoints_at_term": at_term, "stdout": out.stdout}
+          "checkpoints_at_term": at_term, "ctrl_c": ctrl_c, "checkpoints_at_int": at_int,
+          "stdout": out.stdout}
 
 
 def comparable(metrics):
@@ -222,10 +228,16 @@ def test_kill_9_and_sigterm_then_rerun_resume_exactly(killed_and_resumed, refere
   assert f"resumed from the checkpoint of step {killed_at}" in run_["preempted"]
   # SIGTERM: a checkpoint at the end of the step it arrived in, exit status 0
   terminated_at = max(run_["checkpoints_at_term"])
-  assert 3 * CHECKPOINT_EVERY <= terminated_at < STEPS
+  assert 2 * CHECKPOINT_EVERY <= terminated_at < STEPS
   assert f"steps {killed_at + 1}..{terminated_at} done" in run_["preempted"]
   assert "(preempted)" in run_["preempted"]
-  resumed_from = terminated_at
+  # Ctrl-C (SIGINT) behaves as SIGTERM: a checkpoint at the end of its step, exit status 0
+  interrupted_at = max(run_["checkpoints_at_int"])
+  assert 3 * CHECKPOINT_EVERY <= interrupted_at < STEPS
+  assert f"resumed from the checkpoint of step {terminated_at}" in run_["ctrl_c"]
+  assert f"steps {terminated_at + 1}..{interrupted_at} done" in run_["ctrl_c"]
+  assert "(preempted)" in run_["ctrl_c"] and "Traceback" not in run_["ctrl_c"]
+  resumed_from = interrupted_at
   assert f"resumed from the checkpoint of step {resumed_from}" in run_["stdout"]
   after, ref = run_["after"], reference["metrics"]
   # metrics.jsonl is the lineage of the final checkpoint: every step once, the same total
@@ -243,6 +255,50 @@ def test_kill_9_and_sigterm_then_rerun_resume_exactly(killed_and_resumed, refere
     assert comparable(after[s]) == comparable(ref[s]), s
   with checkpoint_dir(run_["workdir"]) as ckpt:
     assert ckpt.latest_step() == STEPS
+
+
+def test_rerun_with_a_changed_config(assets, reference, tmp_path):
+  """A finished workdir rerun: a larger step budget resumes; a changed learning rate or model
+  stops in seconds with one line naming each changed field; allow_config_change resumes."""
+  import shutil
+  workdir = tmp_path / "run"
+  shutil.copytree(reference["workdir"], workdir)
+
+  def rerun(*overrides):
+    start = time.perf_counter()
+    out = subprocess.run(command(assets, workdir, *overrides), cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    return out, time.perf_counter() - start
+
+  out, _ = rerun(f"--config.train.steps={STEPS + 1}")
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert f"resumed from the checkpoint of step {STEPS}" in out.stdout
+  assert sorted(read_jsonl(workdir / "sft" / "metrics.jsonl"))[-1] == STEPS + 1
+  for overrides, named in ((["--config.optimizer.learning_rate=0.001"],
+                            ["optimizer.learning_rate: 0.003 -> 0.001"]),
+                           (["--config.model.overrides.num_layers=3",
+                             "--config.data.seed=5"],
+                            ["model.overrides.num_layers: 2 -> 3", "data.seed: 3 -> 5"])):
+    out, seconds = rerun(f"--config.train.steps={STEPS + 1}", *overrides)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error:"), out.stderr[-2000:]
+    assert all(n in lines[0] for n in named) and "allow_config_change" in lines[0], lines[0]
+    assert seconds < 60  # a hang guard: it stops before restoring anything
+  out, _ = rerun(f"--config.train.steps={STEPS + 2}", "--config.optimizer.learning_rate=0.001",
+                 "--config.allow_config_change=True")
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert f"resumed from the checkpoint of step {STEPS + 1}" in out.stdout
+
+
+def test_a_missing_config_file_is_one_line(tmp_path):
+  out = subprocess.run([sys.executable, "-m", "trainer.main", "--config=configs/nope.py",
+                        f"--workdir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 2
+  path = os.path.join(ROOT, "configs", "nope.py")
+  assert out.stderr.strip().splitlines() == [
+      f"config error: --config=configs/nope.py: no such file {path!r}"]
 
 
 def checkpoint_dir(workdir):

@@ -5,7 +5,7 @@
     restored = ckpt.restore_latest(abstract_state)          # None on a fresh workdir
     if restored:
       step, state, extra = restored                         # extra["consumed_ids"]: sorted list
-    guard = PreemptionGuard()                               # SIGTERM -> a flag, never an exception
+    guard = PreemptionGuard()                               # SIGTERM, Ctrl-C -> a flag, never an exception
     for step in range(step + 1, total + 1):
       state = train_step(state, batch)
       stop = guard.should_stop(step)
@@ -335,16 +335,17 @@ class Checkpointer:
 
 
 class PreemptionGuard:
-  """Turns SIGTERM (TPU preemption, `kill`) into a flag the training loop polls.
+  """Turns SIGTERM (TPU preemption, `kill`) and Ctrl-C (SIGINT) into a flag the loop polls.
 
   Single process: installs handlers for `signals` that only set a flag (so no save is ever
   interrupted half-way by an exception); `should_stop(step)` returns it. Multi-host: installs
   nothing and asks JAX's preemption sync point instead, which makes every host return True at
   the same step (a host-local flag would leave the others waiting in a collective). The
-  handlers must be installed from the main thread; `close()` restores the previous ones.
+  handlers must be installed from the main thread; `close()` restores the previous ones. A
+  second Ctrl-C raises KeyboardInterrupt at once (no save).
   """
 
-  def __init__(self, signals: Iterable[int] = (signal.SIGTERM,)):
+  def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT)):
     self._flag = threading.Event()
     self._multihost = jax.process_count() > 1
     self._previous: dict[int, Any] = {}
@@ -354,7 +355,11 @@ class PreemptionGuard:
 
   def _handle(self, signum: int, frame: Any) -> None:
     del frame
-    log.warning("received signal %d: will checkpoint and exit at the end of this step", signum)
+    if signum == signal.SIGINT and self._flag.is_set():
+      raise KeyboardInterrupt
+    name = signal.Signals(signum).name
+    log.warning("%s: will checkpoint and exit at the end of this step%s", name,
+                " (Ctrl-C again: stop now, unsaved)" if signum == signal.SIGINT else "")
     self._flag.set()
 
   def should_stop(self, step: int) -> bool:

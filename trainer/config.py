@@ -9,6 +9,7 @@ The sections and their defaults are `configs/base.py` (every field carries a one
 there; config files start from `configs.base.base_config()`):
 
   mode, seed, compile_cache_dir   what runs, the run's one seed, the persistent XLA cache
+  allow_config_change   resume a workdir whose run was started with another config
   model        preset + overrides (ModelConfig fields), or init from hf:DIR / ckpt:DIR
   tokenizer    path and chat format, or a sentencepiece model trained for the demo
   mesh         device mesh axis sizes (data, fsdp, tensor, expert); -1 = the remaining devices
@@ -289,6 +290,7 @@ def validate(config: ml_collections.ConfigDict, workdir: Optional[str] = None) -
     return
   _known_keys(config, base.base_config(), "")
   _str(config, "compile_cache_dir")
+  _bool(config, "allow_config_change")
   _validate_model(config)
   _validate_mesh(config)
   _validate_train(config, mode)  # before the optimizer, whose schedule spans train.steps

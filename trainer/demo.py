@@ -5,7 +5,9 @@ report with both pass@1 values per seed and a paired bootstrap interval of the i
 
 Layout: <workdir>/seed_<s>/{sft,rl}/ (each a normal workdir of its mode, so a rerun resumes
 every stage where it stopped), <workdir>/seed_<s>/eval_{sft,rl}.json (per-task held-out
-rewards; an existing file is reused), <workdir>/demo_results.json and demo_report.html.
+rewards; an existing file is reused), <workdir>/seed_<s>/result.json (a finished seed, with
+the minutes it took: a rerun reuses it), <workdir>/demo_results.json and demo_report.html.
+SIGTERM or Ctrl-C saves the running stage's checkpoint and stops the demo.
 """
 
 from __future__ import annotations
@@ -71,32 +73,51 @@ def held_out_eval(rl_cfg, run_dir: str, out: str, mesh) -> dict:
   return result
 
 
+def run_seed(config, seed: int, seed_dir: str, mesh) -> dict | None:
+  """One seed's SFT -> eval -> RL -> eval (each stage resumes or is reused); None when a stage
+  was interrupted. The result, with the minutes of the run that completed the seed, is kept in
+  <seed_dir>/result.json, so a rerun of a finished seed reports what was measured."""
+  path = os.path.join(seed_dir, "result.json")
+  if os.path.isfile(path):
+    with open(path) as f:
+      return json.load(f)
+  t0 = time.perf_counter()
+  sft_cfg, rl_cfg = stage_configs(config, seed, seed_dir)
+  say("demo", f"seed {seed}: SFT ({sft_cfg.train.steps} steps) in {seed_dir}/sft")
+  if sft.run(sft_cfg, os.path.join(seed_dir, "sft"), mesh)["preempted"]:
+    return None
+  t_sft = time.perf_counter() - t0
+  before = held_out_eval(rl_cfg, os.path.join(seed_dir, "sft"),
+                         os.path.join(seed_dir, "eval_sft.json"), mesh)
+  say("demo", f"seed {seed}: SFT held-out pass@1 {before['pass@1']:.3f} "
+      f"({len(before['per_task'])} tasks)")
+  say("demo", f"seed {seed}: RL ({rl_cfg.train.steps} steps, {rl_cfg.loss.name}) in "
+      f"{seed_dir}/rl")
+  if rl.run(rl_cfg, os.path.join(seed_dir, "rl"), mesh)["preempted"]:
+    return None
+  after = held_out_eval(rl_cfg, os.path.join(seed_dir, "rl"),
+                        os.path.join(seed_dir, "eval_rl.json"), mesh)
+  minutes = (time.perf_counter() - t0) / 60
+  say("demo", f"seed {seed}: pass@1 SFT {before['pass@1']:.3f} -> RL {after['pass@1']:.3f} "
+      f"({minutes:.1f} min, SFT stage {t_sft / 60:.1f} min)")
+  result = {"seed": seed, "sft_pass@1": before["pass@1"], "rl_pass@1": after["pass@1"],
+            "sft": before["per_task"], "rl": after["per_task"], "minutes": minutes}
+  with open(path + ".tmp", "w") as f:
+    json.dump(result, f)
+  os.replace(path + ".tmp", path)
+  return result
+
+
 def run(config, workdir: str, mesh=None) -> dict:
   """Every seed's pipeline, then the results and the report; the summary dict."""
   os.makedirs(workdir, exist_ok=True)
   per_seed = []
   for seed in config.seeds:
-    t0 = time.perf_counter()
-    seed_dir = os.path.join(workdir, f"seed_{seed}")
-    sft_cfg, rl_cfg = stage_configs(config, seed, seed_dir)
-    say("demo", f"seed {seed}: SFT ({sft_cfg.train.steps} steps) in {seed_dir}/sft")
-    sft.run(sft_cfg, os.path.join(seed_dir, "sft"), mesh)
-    t_sft = time.perf_counter() - t0
-    before = held_out_eval(rl_cfg, os.path.join(seed_dir, "sft"),
-                           os.path.join(seed_dir, "eval_sft.json"), mesh)
-    say("demo", f"seed {seed}: SFT held-out pass@1 {before['pass@1']:.3f} "
-         f"({len(before['per_task'])} tasks)")
-    say("demo", f"seed {seed}: RL ({rl_cfg.train.steps} steps, {rl_cfg.loss.name}) in "
-        f"{seed_dir}/rl")
-    rl.run(rl_cfg, os.path.join(seed_dir, "rl"), mesh)
-    after = held_out_eval(rl_cfg, os.path.join(seed_dir, "rl"),
-                          os.path.join(seed_dir, "eval_rl.json"), mesh)
-    minutes = (time.perf_counter() - t0) / 60
-    say("demo", f"seed {seed}: pass@1 SFT {before['pass@1']:.3f} -> RL {after['pass@1']:.3f} "
-         f"({minutes:.1f} min this run, SFT stage {t_sft / 60:.1f} min)")
-    per_seed.append({"seed": seed, "sft_pass@1": before["pass@1"],
-                     "rl_pass@1": after["pass@1"], "sft": before["per_task"],
-                     "rl": after["per_task"], "minutes": minutes})
+    result = run_seed(config, seed, os.path.join(workdir, f"seed_{seed}"), mesh)
+    if result is None:  # interrupted (SIGTERM / Ctrl-C): its stage saved a checkpoint
+      say("demo", f"seed {seed}: interrupted; rerun the same command to resume")
+      return {"preempted": True}
+    per_seed.append(result)
   ci = evaluate.paired_bootstrap_seeds([s["sft"] for s in per_seed],
                                        [s["rl"] for s in per_seed])
   results = {"seeds": [{k: v for k, v in s.items() if k not in ("sft", "rl")}

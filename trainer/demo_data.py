@@ -38,6 +38,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from envs import aio
 from envs.chat.formats import ChatFormat, make_chat
 from envs.episode import make_sandbox_factory
 from envs.scaffold import ScaffoldConfig, ScriptedPolicy, run_episode
@@ -184,7 +185,7 @@ def demo_trajectories(chat: ChatFormat, n: int, *, level: int = 0, seed: int = 0
           return await _episode(task, chat, sandbox, seed * 1_000_003 + start + i, error_rate,
                                 early_submit_rate, config, verify)
       return await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks)))
-    return list(asyncio.run(run_all()))
+    return list(aio.run(run_all()))
 
 
 def chat_record(trajectory: Trajectory) -> dict:

@@ -42,6 +42,7 @@ from typing import Any, Optional, Sequence
 
 import ml_collections
 import numpy as np
+import tqdm
 from etils import epath
 
 from envs.chat import load_tokenizer, make_chat
@@ -170,7 +171,7 @@ def evaluate(model, model_cfg, chat, tasks: Sequence, *, scaffold: ScaffoldConfi
       concurrent episode and the scaffold's max_context_tokens).
     sandbox, concurrency, sandbox_url, sandbox_token_file: where episodes run, how many at once.
     engine: an already built engine (started and stopped here).
-    progress: a line per ~10% of the episodes.
+    progress: a bar on a terminal, else a line per ~10% of the episodes.
     name: the label of those lines.
     keep_trajectories: also return the episodes.
 
@@ -249,21 +250,25 @@ def _engine(model, model_cfg, chat, engine_cfg: Optional[EngineConfig], concurre
 
 def _run_episodes(episodes: rollouts_lib.Rollouts, tasks: Sequence, samples: int, seed: int,
                   label: str, progress: bool, start: float) -> list[list[Any]]:
-  """[T][n] the episodes' trajectories (or the exceptions they raised), with a progress line
-  per tenth of them."""
+  """[T][n] the episodes' trajectories (or the exceptions they raised). Progress: a bar (rate,
+  ETA, solved) on a terminal, else a line per tenth of the episodes."""
   runs = [(i, j) for i in range(len(tasks)) for j in range(samples)]
   results: list[list[Any]] = [[None] * samples for _ in tasks]
   futures = {episodes.episodes([(tasks[i], sample_seed(seed, i, j))]): (i, j) for i, j in runs}
-  done, reported = 0, 0
-  for future in concurrent.futures.as_completed(futures):
-    i, j = futures[future]
-    (results[i][j],) = future.result()
-    done += 1
-    if progress and (10 * done // len(runs) > reported or done == len(runs)):
-      reported = 10 * done // len(runs)
-      solved = sum(getattr(r, "reward", 0.0) >= 1.0 for row in results for r in row)
-      metrics.say("eval", f"{label}{done}/{len(runs)} episodes ({100 * done / len(runs):.0f}%),"
-                  f" {solved} solved, {time.monotonic() - start:.0f}s")
+  done, reported, solved = 0, 0, 0
+  with tqdm.tqdm(total=len(runs), unit="episode", desc=label.rstrip(": ") or "eval",
+                 dynamic_ncols=True, disable=None if progress else True) as bar:
+    for future in concurrent.futures.as_completed(futures):
+      i, j = futures[future]
+      (results[i][j],) = future.result()
+      done += 1
+      solved += getattr(results[i][j], "reward", 0.0) >= 1.0
+      bar.set_postfix(solved=solved, refresh=False)
+      bar.update()
+      if progress and bar.disable and (10 * done // len(runs) > reported or done == len(runs)):
+        reported = 10 * done // len(runs)
+        metrics.say("eval", f"{label}{done}/{len(runs)} episodes ({100 * done / len(runs):.0f}%)"
+                    f", {solved} solved, {time.monotonic() - start:.0f}s")
   return results
 
 

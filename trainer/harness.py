@@ -27,6 +27,7 @@ Hugging Face checkpoint, a `models.hf import` directory, or an Arbor run's workd
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import logging
 import os
@@ -94,6 +95,55 @@ def write_run_files(config: ml_collections.ConfigDict, model_cfg, workdir: str) 
   (root / "model_config.json").write_text(json.dumps(hf.config_to_json(model_cfg), indent=1))
 
 
+# Fields a resumed run may change: the step budget, intervals, where and how outputs are
+# written, throughput and implementation knobs that leave the numbers as they are.
+RESUMABLE_FIELDS = ("train.steps", "optimizer.total_steps", "train.log_every",
+                    "train.eval_every", "train.eval_batches", "train.checkpoint_every",
+                    "checkpoint.*", "metrics.*", "compile_cache_dir", "mesh.*", "data.num_threads",
+                    "data.prefetch", "rl.concurrency", "eval.*", "serve.*",
+                    "model.overrides.attention_impl", "model.overrides.remat",
+                    "model.overrides.logits_chunk", "allow_config_change")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
+def config_changes(config: ml_collections.ConfigDict, workdir: str) -> list[tuple[str, Any, Any]]:
+  """[(field, value the workdir's run was started with, value now)] of every field outside
+  RESUMABLE_FIELDS that differs from the workdir's config.json ([] without one)."""
+  path = epath.Path(workdir) / "config.json"
+  if not path.exists():
+    return []
+  before = _flat(json.loads(path.read_text()))
+  now = _flat(json.loads(config.to_json_best_effort()))
+  return [(k, before.get(k), now.get(k)) for k in sorted(set(before) | set(now))
+          if before.get(k) != now.get(k)
+          and not any(fnmatch.fnmatchcase(k, p) for p in RESUMABLE_FIELDS)]
+
+
+def check_resume_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Refuse to resume a workdir's checkpoint with a config that changes what the run computes.
+
+  Raises:
+    ConfigError: naming each changed field, unless `config.allow_config_change`.
+  """
+  changes = config_changes(config, workdir)
+  if not changes or config.get("allow_config_change", False):
+    return
+  listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes)
+  raise config_lib.ConfigError(
+      f"--workdir={workdir} holds a checkpoint of a run started with another config ({listed}). "
+      "Use a new workdir, or resume with the change: --config.allow_config_change=True (fields "
+      f"that may change on resume: {', '.join(RESUMABLE_FIELDS[:-1])})")
+
+
 class Run:
   """One training run in a workdir: its state, checkpoints, metrics and preemption.
 
@@ -117,12 +167,14 @@ class Run:
     self.logdir = config.metrics.dir or os.path.join(workdir, config.mode)
     if not config_lib.is_remote(workdir):
       os.makedirs(workdir, exist_ok=True)
-    write_run_files(config, self.model_cfg, workdir)
     train = config.train
     self.optimizer = optim.build(config.optimizer, self.model_cfg)
     self.checkpointer = checkpoint.Checkpointer(
         os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
         save_every=train.checkpoint_every or train.steps, async_save=config.checkpoint.async_save)
+    if self.checkpointer.latest_step() is not None:
+      check_resume_config(config, workdir)
+    write_run_files(config, self.model_cfg, workdir)
     self.restored = self.checkpointer.restore_latest(
         state_lib.abstract(self.model_cfg, self.optimizer, mesh))
     self.start = self.restored.step if self.restored is not None else 0

@@ -139,19 +139,33 @@ def _override_keys(argv) -> list[str]:
   return [a[len("--config."):].split("=", 1)[0] for a in argv if a.startswith("--config.")]
 
 
-def _load_config_file(argv):
-  """The config that --config names (loaded as config_flags will), or None if it cannot be."""
+def _config_spec(argv) -> str | None:
+  """The value of --config in `argv` (None: not given)."""
   spec = None
   for i, a in enumerate(argv):
     if a.startswith("--config="):
       spec = a[len("--config="):]
     elif a == "--config" and i + 1 < len(argv):
       spec = argv[i + 1]
+  return spec
+
+
+def check_config_file(argv) -> None:
+  """--config names an existing file (absl would fail later with an unreadable message)."""
+  spec = _config_spec(argv)
+  if spec and not os.path.isfile(spec.partition(":")[0]):
+    raise config_lib.ConfigError(f"--config={spec}: no such file "
+                                 f"{os.path.abspath(spec.partition(':')[0])!r}")
+
+
+def _load_config_file(argv):
+  """The config that --config names (loaded as config_flags will), or None if it cannot be."""
+  spec = _config_spec(argv)
   if not spec:
     return None
   path, sep, arg = spec.partition(":")
   if not os.path.isfile(path):
-    return None  # config_flags reports it
+    return None
   module_spec = importlib.util.spec_from_file_location("_arbor_config_precheck", path)
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
@@ -186,6 +200,7 @@ def main(argv):
 
 def entry_point() -> None:
   try:
+    check_config_file(sys.argv[1:])
     check_overrides(sys.argv[1:])
   except config_lib.ConfigError as e:
     print(f"config error: {e}", file=sys.stderr, flush=True)

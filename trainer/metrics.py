@@ -21,7 +21,8 @@
 - Weights & Biases, when `wandb_project` is given and `wandb` is installed (never required; a
   missing package is a warning). The run id is kept in `<logdir>/wandb_run_id` so a resumed
   run continues the same W&B run. `WANDB_MODE=offline|disabled` work as usual.
-- The progress bar (tqdm) shows `bar_keys` that the metrics contain.
+- The progress bar (tqdm: rate and ETA; none when stderr is not a terminal) shows `bar_keys`
+  that the metrics contain.
 
 **Resuming.** A run restored from the checkpoint of step s passes `start_step=s + 1`: lines of
 steps >= start_step already in metrics.jsonl (trained before a crash, lost with it), and a
@@ -46,6 +47,7 @@ import math
 import os
 import socket
 import struct
+import sys
 import time
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
@@ -303,7 +305,8 @@ def writer_for(config, logdir: str, start_step: int, bar_keys: Sequence[str]) ->
   """The MetricsWriter of a trainer run: `config.train.steps` steps, `config.metrics` outputs."""
   m = config.metrics
   return MetricsWriter(logdir, total_steps=config.train.steps, start_step=start_step,
-                       bar_keys=bar_keys, tensorboard=m.tensorboard, progress=m.progress,
+                       bar_keys=bar_keys, tensorboard=m.tensorboard,
+                       progress=m.progress and sys.stderr.isatty(),  # no bar in logs
                        wandb_project=m.wandb_project or None, wandb_config=config.to_dict())
 
 
@@ -350,6 +353,8 @@ class Timer:
 
 
 def say(who: str, message: str) -> None:
-  """A progress line `who: message` on stdout, from the primary process only."""
+  """A progress line `who: message` on stdout, from the primary process only (written around
+  any progress bar on the terminal)."""
   if jax.process_index() == 0:
-    print(f"{who}: {message}", flush=True)
+    tqdm.tqdm.write(f"{who}: {message}", file=sys.stdout)
+    sys.stdout.flush()

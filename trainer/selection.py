@@ -41,7 +41,7 @@ from typing import Any, Hashable, Optional, Sequence
 
 import numpy as np
 
-from envs import verifiers
+from envs import aio, verifiers
 from envs.episode import make_sandbox_factory
 from envs.sandbox.base import SandboxError
 from envs.tasks import load_repo_files
@@ -312,7 +312,7 @@ def select(tasks, results, rewards, selection: str, sandbox: str, concurrency: i
       return await asyncio.gather(*(self_play_scores(
           tasks[i], [submission(r) for r in results[i]], make_sandbox, limiter=limiter)
           for i in swe))
-    scored = dict(zip(swe, asyncio.run(all_scores()))) if swe else {}
+    scored = dict(zip(swe, aio.run(all_scores()))) if swe else {}
     extra.update(tests=[], score=[], fallback=0)
     for i, t in enumerate(tasks):
       if i in scored:
