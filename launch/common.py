@@ -6,7 +6,9 @@ or a script: scripts name Secret Manager secrets and fetch them on the machine i
 files (`secret_fetch_lines`), and a value that must be fed to gcloud (a generated token) goes
 through the command's stdin, which is never printed.
 
-The `check_*` functions take the flag a value came from and raise `LaunchError` naming it.
+The `check_*` functions take the flag (or config field) a value came from and raise
+`LaunchError` naming it and the value; they refuse placeholders (`/path/to/...`, `gs://BUCKET`,
+`REDIS_HOST`) so that a copied example fails here, not once the machines are up.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import argparse
 import copy
 import dataclasses
 import importlib.util
+import ipaddress
 import os
 import re
 import shlex
 import subprocess
 import sys
 import tarfile
+import urllib.parse
 from typing import Any, Iterable, Mapping, Optional, Sequence, TextIO
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,6 +35,19 @@ _NAME_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 _SECRET_RE = re.compile(r"^[A-Za-z0-9_-]{1,255}$")
 # File names under /run/arbor/secrets (a config refers to them by this name).
 _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# Cloud Storage bucket names: lower case, digits, dashes, underscores and dots, 3-222 characters
+# (63 without dots), starting and ending with a letter or digit.
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
+# Project ids: 6-30 lower-case letters, digits and dashes, starting with a letter (an optional
+# "domain:" prefix for the older domain-scoped projects).
+_PROJECT_RE = re.compile(r"^([a-z0-9.-]+:)?[a-z][a-z0-9-]{4,28}[a-z0-9]$")
+# Zones: REGION-LETTER, e.g. us-east5-a, europe-west4-b, northamerica-northeast1-c.
+_ZONE_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
+# Host names: dot-separated labels of lower-case letters, digits and inner dashes.
+_LABEL = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+_HOST_RE = re.compile(rf"^{_LABEL}(\.{_LABEL})*$")
+# What the examples in docs and configs write where a real value belongs.
+PLACEHOLDER = "/path/to/"
 
 # Where scripts on the VMs put fetched secrets: /run is a tmpfs, so they never reach a disk.
 SECRETS_DIR = "/run/arbor/secrets"
@@ -149,12 +166,84 @@ def check_name(flag: str, value: str) -> str:
   return value
 
 
+def check_not_placeholder(flag: str, value: str) -> str:
+  """Returns `value` unless it holds the examples' `/path/to/` (a value still to be filled in)."""
+  if PLACEHOLDER in (value or ""):
+    how = f" (--{flag}=...)" if flag.startswith("config.") else ""
+    raise LaunchError(f"{flag}={value!r}: a placeholder; give the real path{how}")
+  return value
+
+
+def is_gcs(value: str) -> bool:
+  """Whether `value` is meant as a Cloud Storage URL (`check_gcs` says if it is one)."""
+  return value.startswith("gs:")
+
+
 def check_gcs(flag: str, value: str) -> str:
   """Returns a gs://BUCKET/PATH URL without trailing slashes (VMs cannot see this disk)."""
-  if not (value or "").startswith("gs://") or len(value) <= len("gs://"):
-    raise LaunchError(f"{flag}={value!r}: expected a gs://BUCKET/PATH URL (TPU and fleet VMs "
-                      "cannot see this machine's disk)")
+  check_not_placeholder(flag, value)
+  bucket, _, path = (value or "").removeprefix("gs://").partition("/")
+  if (not (value or "").startswith("gs://") or not _BUCKET_RE.match(bucket)
+      or ("." not in bucket and len(bucket) > 63) or not path.strip("/")
+      or re.search(r"\s", value)):
+    raise LaunchError(f"{flag}={value!r}: expected a gs://BUCKET/PATH URL, BUCKET a bucket name "
+                      "(3-63 lower-case letters, digits, dashes, dots); TPU and fleet VMs cannot "
+                      "see this machine's disk")
   return value.rstrip("/")
+
+
+def check_project(flag: str, value: str) -> str:
+  """Returns `value` if it is a Google Cloud project id (e.g. my-project-123)."""
+  if not _PROJECT_RE.match(value or ""):
+    raise LaunchError(f"{flag}={value!r}: expected a project id (6-30 lower-case letters, "
+                      "digits and dashes, starting with a letter)")
+  return value
+
+
+def check_zone(flag: str, value: str) -> str:
+  """Returns `value` if it is a Compute Engine zone (e.g. us-east5-a)."""
+  if not _ZONE_RE.match(value or ""):
+    raise LaunchError(f"{flag}={value!r}: expected a zone such as us-east5-a")
+  return value
+
+
+def check_url(flag: str, url: str, schemes: Sequence[str],
+              secrets_go: str = "a file or a secret") -> urllib.parse.SplitResult:
+  """Checks a SCHEME://HOST:PORT URL without credentials; an error never echoes a password.
+
+  Args:
+    flag: the flag or config field it came from.
+    url: the URL.
+    schemes: the schemes it may have, e.g. ("redis", "rediss").
+    secrets_go: where credentials belong instead, for the error message.
+
+  Returns:
+    The URL's parts.
+
+  Raises:
+    LaunchError: a malformed URL, another scheme, credentials in it, or a host that is not a
+      lower-case host name or an IP address (REDIS_HOST and the like are placeholders).
+  """
+  expected = " or ".join(f"{s}://HOST:PORT" for s in schemes)
+  try:
+    parts = urllib.parse.urlsplit(url or "")
+    parts.port  # raises ValueError on a malformed port
+  except ValueError:
+    raise LaunchError(f"{flag}: not a URL (expected {expected})") from None
+  if parts.password is not None or parts.username:
+    raise LaunchError(f"{flag}: the URL carries credentials; put them in {secrets_go}, never "
+                      "in a URL (it would show in process lists and metadata)")
+  if parts.scheme not in schemes or not parts.hostname:
+    raise LaunchError(f"{flag}={url!r}: expected {expected}")
+  # parts.hostname is lower-cased; the placeholder test needs the host as written
+  host = parts.hostname if parts.netloc.startswith("[") else parts.netloc.split(":", 1)[0]
+  try:
+    ipaddress.ip_address(host)
+  except ValueError:
+    if not _HOST_RE.match(host):
+      raise LaunchError(f"{flag}={url!r}: {host!r} is not a lower-case host name or an IP "
+                        "address (a placeholder?)") from None
+  return parts
 
 
 def parse_secrets(flag: str, values: Sequence[str]) -> dict[str, str]:
@@ -264,6 +353,40 @@ def split_config_arg(config: str) -> tuple[str, Optional[str]]:
   """
   path, sep, arg = config.partition(":")
   return path, (arg if sep else None)
+
+
+def check_shipped(flag: str, value: str, *, file_only: bool = False) -> str:
+  """Returns a path inside the repository, relative to its root (it ships with the code).
+
+  Remote machines run the code in the unpacked source tree, so a relative path means the same
+  file there as here; a file git ignores does not ship.
+
+  Args:
+    flag: the flag or config field it came from.
+    value: the path, relative to the repository root.
+    file_only: a directory is refused.
+
+  Raises:
+    LaunchError: a path outside the repository, missing, or ignored by git.
+  """
+  check_not_placeholder(flag, value)
+  full = os.path.abspath(os.path.join(REPO_ROOT, value or ""))
+  exists = os.path.isfile(full) if file_only else os.path.exists(full)
+  if not value or os.path.isabs(value) or not full.startswith(REPO_ROOT + os.sep) or not exists:
+    raise LaunchError(f"{flag}={value!r}: expected gs://BUCKET/PATH or a "
+                      f"{'file' if file_only else 'path'} inside the repository, relative to its "
+                      "root (it ships with the code; this machine's other paths do not exist "
+                      "there)")
+  relative = os.path.relpath(full, REPO_ROOT)
+  try:  # a read-only query; exit status 0: ignored
+    ignored = subprocess.run(["git", "check-ignore", "-q", relative], cwd=REPO_ROOT,
+                             capture_output=True).returncode == 0
+  except OSError:  # no git: nothing to go by
+    ignored = False
+  if ignored:
+    raise LaunchError(f"{flag}={value!r}: git ignores it, so it does not ship with the code; "
+                      "copy it to gs:// or stop ignoring it")
+  return relative
 
 
 def check_config_path(flag: str, config: str) -> str:

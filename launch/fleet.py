@@ -7,7 +7,7 @@
         --tasks envs/data/swe/tasks.jsonl --tokenizer gs://B/tok/tokenizer.json [--dry_run]
     python -m launch.fleet --name arbor-fleet --project P --zone Z --teardown
     python -m launch.fleet --local --workers 2 --policy_url http://127.0.0.1:8000 \\
-        --tokenizer tok.json [--policy_token_file F]          # same processes on this machine
+        --tokenizer tok.json [--policy_token_file F] [--dry_run]   # the same, on this machine
 
 Cloud (one gcloud command per step; `--dry_run` prints them and the boot script):
 1. the working tree as a tarball to `STAGING/code/arbor-src.tar.gz`;
@@ -32,7 +32,9 @@ Local (`--local`): redis-server (unless `--redis` is given), `--sandbox_servers`
 (default: one per worker) and `--workers` rollout workers as subprocesses, every one bound to
 127.0.0.1, with generated password and tokens in 0600 files of a 0700 directory. It prints the
 Redis URL and the *files* that hold the secrets (a trainer on this machine reads them), and
-stops everything cleanly on Ctrl-C / SIGTERM (workers first, Redis last).
+stops everything cleanly on Ctrl-C / SIGTERM (workers first, Redis last). `--local --dry_run`
+prints the command lines and starts nothing. Here `--tasks` and `--tokenizer` are files of
+this machine (relative paths: to the repository root, where the processes run).
 """
 
 from __future__ import annotations
@@ -44,11 +46,10 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import urllib.parse
 from typing import Optional, Sequence
 
 from envs.net import is_loopback
-from launch import common
+from launch import common, local_fleet
 from launch.common import Command, LaunchError
 from launch.local_fleet import LocalFleet, run_local
 
@@ -66,18 +67,9 @@ def check_redis_url(flag: str, url: str, allow_plaintext: bool) -> str:
 
   Plaintext redis:// must go to a loopback host unless `allow_plaintext`.
   """
-  try:
-    parts = urllib.parse.urlsplit(url or "")
-    parts.port  # raises ValueError on a malformed port
-  except ValueError:
-    raise LaunchError(f"{flag}: not a URL (expected redis://HOST:PORT or rediss://HOST:PORT)"
-                      ) from None
-  if parts.password is not None or parts.username:
-    raise LaunchError(f"{flag}: the URL carries credentials; put the password in Secret "
-                      "Manager (--redis_password_secret) or a file (--redis_password_file), "
-                      "never in a URL (it would show in process lists and metadata)")
-  if parts.scheme not in ("redis", "rediss") or not parts.hostname:
-    raise LaunchError(f"{flag}={url!r}: expected redis://HOST:PORT or rediss://HOST:PORT")
+  parts = common.check_url(flag, url, ("redis", "rediss"),
+                           "Secret Manager (--redis_password_secret) or a file "
+                           "(--redis_password_file)")
   if parts.scheme == "redis" and not is_loopback(parts.hostname) and not allow_plaintext:
     raise LaunchError(f"{flag}={url!r}: a non-loopback Redis must use TLS (rediss://); "
                       "--allow_plaintext_redis overrides this on a trusted private network")
@@ -86,11 +78,7 @@ def check_redis_url(flag: str, url: str, allow_plaintext: bool) -> str:
 
 def check_http_url(flag: str, url: str) -> str:
   """Returns an http(s)://HOST:PORT URL without credentials, without trailing slashes."""
-  parts = urllib.parse.urlsplit(url or "")
-  if parts.scheme not in ("http", "https") or not parts.hostname:
-    raise LaunchError(f"{flag}={url!r}: expected http(s)://HOST:PORT")
-  if parts.password is not None or parts.username:
-    raise LaunchError(f"{flag}: the URL carries credentials; use the token flags instead")
+  common.check_url(flag, url, ("http", "https"), "the token flags")
   return url.rstrip("/")
 
 
@@ -331,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
       "service_account": "VM service account (GCS read, secret access)",
       "spot": "spot VMs (the group recreates preempted ones)",
       "teardown": "delete the group and its template",
-      "dry_run": "print the gcloud commands and the boot script",
+      "dry_run": "print the gcloud commands and the boot script (--local: the processes' "
+                 "command lines); start nothing",
   }, defaults={"name": "arbor-fleet", "network": "default"})
   a("--subnet", default="", help="subnetwork (in the zone's region)")
   a("--workers", type=int, default=1, help="VMs (cloud) / rollout worker processes (local)")
@@ -339,8 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
   a("--redis", default="", help="rediss://HOST:PORT of the rollout queue (no password in it)")
   a("--policy_url", default="", help="the trainer's policy server, http(s)://HOST:PORT")
   a("--staging", default="", help="gs://BUCKET/PATH for the code tarball")
-  a("--tasks", default="envs/data/swe/tasks.jsonl", help="task JSONL: gs:// or repo path")
-  a("--tokenizer", default="", help="tokenizer file: gs:// or repo path")
+  a("--tasks", default="envs/data/swe/tasks.jsonl",
+    help="task JSONL: gs:// or a repository path (--local: a file here)")
+  a("--tokenizer", default="",
+    help="tokenizer file: gs:// or a repository path (--local: a file or directory here)")
   a("--chat", default="chatml", choices=CHATS, help="chat format of the policy")
   a("--group_size", type=int, default=8, help="episodes per task draw")
   a("--concurrency", type=int, default=16, help="episodes in flight per worker")
@@ -368,13 +359,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _repo_or_gcs(flag: str, value: str) -> str:
   """A gs:// URL, or a file inside the repository (relative to its root: it ships there)."""
-  if value.startswith("gs://"):
+  if common.is_gcs(value):
     return common.check_gcs(flag, value)
-  full = os.path.abspath(os.path.join(common.REPO_ROOT, value))
-  if not value or not full.startswith(common.REPO_ROOT + os.sep) or not os.path.isfile(full):
-    raise LaunchError(f"{flag}={value!r}: expected gs://... or a file inside the repository "
-                      "(it ships with the code)")
-  return os.path.relpath(full, common.REPO_ROOT)
+  return common.check_shipped(flag, value, file_only=True)
+
+
+def _local_file(flag: str, value: str) -> str:
+  """A file (or directory) of this machine; relative to the repository root, where it is read."""
+  common.check_not_placeholder(flag, value)
+  if not os.path.exists(os.path.join(common.REPO_ROOT, value)):
+    raise LaunchError(f"{flag}={value!r}: no such file or directory (relative paths are read "
+                      f"from the repository root, {common.REPO_ROOT})")
+  return value
 
 
 def parse_cloud(args: argparse.Namespace) -> Fleet:
@@ -407,7 +403,9 @@ def parse_cloud(args: argparse.Namespace) -> Fleet:
   if args.redis_ca_secret and not redis.startswith("rediss://"):
     raise LaunchError("--redis_ca_secret needs a rediss:// --redis")
   return Fleet(
-      name=common.check_name("--name", args.name), project=args.project, zone=args.zone,
+      name=common.check_name("--name", args.name),
+      project=common.check_project("--project", args.project),
+      zone=common.check_zone("--zone", args.zone),
       workers=args.workers, machine_type=args.machine_type, redis=redis,
       policy_url=check_http_url("--policy_url", args.policy_url),
       staging=common.check_gcs("--staging", args.staging),
@@ -450,6 +448,8 @@ def parse_local(args: argparse.Namespace) -> LocalFleet:
       if not getattr(args, flag):
         raise LaunchError(f"--local with --workers={args.workers} needs --{flag}")
     check_http_url("--policy_url", args.policy_url)
+    for flag in ("tasks", "tokenizer"):
+      _local_file(f"--{flag}", getattr(args, flag))
   for flag in ("policy_token_file", "redis_password_file"):
     path = getattr(args, flag)
     if path and not os.path.isfile(path):
@@ -482,14 +482,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       for flag in ("project", "zone"):
         if not getattr(args, flag):
           raise LaunchError(f"--teardown needs --{flag}")
-      common.run(teardown_commands(common.check_name("--name", args.name), args.project,
-                                   args.zone), args.dry_run)
+      common.run(teardown_commands(common.check_name("--name", args.name),
+                                   common.check_project("--project", args.project),
+                                   common.check_zone("--zone", args.zone)), args.dry_run)
       return 0
     else:
       cloud = parse_cloud(args)
   except LaunchError as e:
     print(f"launch.fleet: error: {e}", file=sys.stderr)
     return 2
+  if args.local and args.dry_run:
+    print(f"# launch.fleet --local dry run: nothing is started. {local_fleet.PLAN_DIR} stands "
+          f"for the fresh 0700 directory of the logs and the generated secrets, "
+          f"{local_fleet.PLAN_REDIS_PORT} and {local_fleet.PLAN_SANDBOX_PORT.format('i')} for "
+          "the free ports picked at start")
+    common.print_commands(fleet.plan())
+    return 0
   if args.local:
     return run_local(fleet, args.ready_file, args.keep_dir)
   if args.dry_run:

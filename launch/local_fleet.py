@@ -3,7 +3,9 @@ servers and rollout workers as subprocesses, every one bound to 127.0.0.1.
 
 Generated secrets (the Redis password, the sandbox token) live in 0600 files of a 0700
 directory and never appear on a command line; `LocalFleet.info` names the files, never the
-values. `launch.fleet` parses the flags; tests/test_cluster.py drives `LocalFleet` directly.
+values. `LocalFleet.plan` lists the same command lines without starting anything or writing a
+file (`--dry_run`). `launch.fleet` parses the flags; tests/test_cluster.py drives `LocalFleet`
+directly.
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ import urllib.request
 from typing import Optional, Sequence
 
 from launch import common
-from launch.common import LaunchError
+from launch.common import Command, LaunchError
+
+# What `plan` shows where a real start fills in a value it only knows then.
+PLAN_DIR = "/tmp/arbor-fleet-XXXXXXXX"  # mkdtemp's fresh 0700 directory
+PLAN_REDIS_PORT = "REDIS_PORT"  # a free port
+PLAN_SANDBOX_PORT = "SANDBOX_{}_PORT"  # the port sandbox server i picked (--port 0)
+
 
 def free_port() -> int:
   """A TCP port on 127.0.0.1 that was free a moment ago."""
@@ -129,10 +137,75 @@ class LocalFleet:
   python: str = sys.executable
 
   def __post_init__(self):
-    self.dir = tempfile.mkdtemp(prefix="arbor-fleet-")  # mode 0700
+    self.dir = ""  # made by start_services: mode 0700, the logs and the secret files
     self.procs: list[tuple[str, subprocess.Popen]] = []
     self.redis_url = self.redis
+    self.password_file = self.redis_password_file
+    self.sandbox_token_file = ""
     self.sandbox_urls: list[str] = []
+
+  # The command lines (secrets only as file names)
+
+  def redis_conf(self, port: int | str, password: str) -> str:
+    """redis-server's config: loopback only, AUTH with `password`, append-only file in `dir`."""
+    return "\n".join(["bind 127.0.0.1", f"port {port}", "protected-mode yes",
+                      f"requirepass {password}", f"dir {self.dir or PLAN_DIR}",
+                      "appendonly yes", 'save ""', "daemonize no", ""])
+
+  def sandbox_argv(self, i: int, port_file: str, token_file: str) -> list[str]:
+    """Sandbox server i: loopback, a free port it writes to `port_file`, its own uid range."""
+    argv = [self.python, "-m", "envs.sandbox_server", "--host", "127.0.0.1", "--port", "0",
+            "--port_file", port_file, "--token-file", token_file,
+            "--backend", self.sandbox_backend, "--max_sandboxes", str(self.max_sandboxes),
+            "--uid_base", str(2_000_000_000 + 4096 * i), "--uid_count", "256"]
+    if self.sandbox_backend == "local":
+      argv.append("--allow_unsafe_local")
+    return argv
+
+  def worker_argv(self, i: int, redis_url: str, password_file: str, sandbox_url: str,
+                  token_file: str) -> list[str]:
+    """Rollout worker `local-<i>`, on the sandbox server at `sandbox_url`."""
+    argv = [self.python, "-m", "envs.rollout_worker", "--policy_url", self.policy_url,
+            "--queue", redis_url, "--queue_password_file", password_file,
+            "--queue_prefix", self.queue_prefix, "--tasks", self.tasks,
+            "--tokenizer", self.tokenizer, "--chat", self.chat,
+            "--group_size", str(self.group_size), "--concurrency", str(self.concurrency),
+            "--sandbox", "remote", "--sandbox_url", sandbox_url,
+            "--token_file", token_file, "--grace", str(self.grace),
+            "--lease_ttl", str(self.lease_ttl), "--max_backlog", str(self.max_backlog),
+            "--epochs", str(self.epochs), "--max_turns", str(self.max_turns),
+            "--max_new_tokens", str(self.max_new_tokens),
+            "--max_context_tokens", str(self.max_context_tokens), "--worker_id", f"local-{i}"]
+    if self.policy_token_file:
+      argv += ["--policy_token_file", self.policy_token_file]
+    return argv
+
+  def plan(self) -> list[Command]:
+    """What `start` runs, in order, with PLAN_* where it fills in a directory or a port.
+
+    Starts nothing and writes nothing (`--dry_run`).
+    """
+    cmds = []
+    redis_url, password_file = self.redis, self.redis_password_file
+    if not self.redis:
+      redis_url = f"redis://127.0.0.1:{PLAN_REDIS_PORT}"
+      password_file = f"{PLAN_DIR}/redis.password"
+      cmds.append(Command(("redis-server", f"{PLAN_DIR}/redis.conf"),
+                          f"Redis on {redis_url}; the password is generated into "
+                          f"{password_file} (0600) and the config"))
+    token_file = f"{PLAN_DIR}/sandbox.token"
+    urls = [f"http://127.0.0.1:{PLAN_SANDBOX_PORT.format(i)}"
+            for i in range(self.sandbox_servers)]
+    for i, url in enumerate(urls):
+      cmds.append(Command(tuple(self.sandbox_argv(i, f"{PLAN_DIR}/sandbox-{i}.port",
+                                                  token_file)),
+                          f"sandbox server {i} on {url}; its token is generated into "
+                          f"{token_file} (0600)"))
+    for i in range(self.workers):
+      cmds.append(Command(tuple(self.worker_argv(i, redis_url, password_file,
+                                                 urls[i % len(urls)], token_file)),
+                          f"rollout worker local-{i} (log: {PLAN_DIR}/worker-{i}.log)"))
+    return cmds
 
   def _spawn(self, name: str, argv: Sequence[str]) -> subprocess.Popen:
     """Starts a process in the repository, its output in <dir>/<name>.log."""
@@ -181,22 +254,15 @@ class LocalFleet:
       LaunchError: redis-server is not installed and no --redis was given.
       RuntimeError: a process exited or was not ready in time (its log is in `dir`).
     """
-    d = self.dir
-    if self.redis:
-      self.password_file = self.redis_password_file
-    else:
-      if not shutil.which("redis-server"):
-        raise LaunchError("--local: redis-server is not installed (apt-get install "
-                          "redis-server), or pass --redis and --redis_password_file")
+    if not self.redis and not shutil.which("redis-server"):
+      raise LaunchError("--local: redis-server is not installed (apt-get install "
+                        "redis-server), or pass --redis and --redis_password_file")
+    d = self.dir = tempfile.mkdtemp(prefix="arbor-fleet-")  # mode 0700
+    if not self.redis:
       port = free_port()
-      self.password_file = write_secret_file(os.path.join(d, "redis.password"),
-                                             pysecrets.token_hex(32))
-      conf = os.path.join(d, "redis.conf")
-      with open(self.password_file) as fh:  # the password goes in a 0600 file, not argv
-        pw = fh.read()
-      write_secret_file(conf, "\n".join([
-          "bind 127.0.0.1", f"port {port}", "protected-mode yes", f"requirepass {pw}",
-          f"dir {d}", "appendonly yes", 'save ""', "daemonize no", ""]))
+      password = pysecrets.token_hex(32)  # in 0600 files only, never in an argv
+      self.password_file = write_secret_file(os.path.join(d, "redis.password"), password)
+      conf = write_secret_file(os.path.join(d, "redis.conf"), self.redis_conf(port, password))
       proc = self._spawn("redis", ["redis-server", conf])
       self._wait("redis-server", proc, lambda: redis_ping(port, self.password_file))
       self.redis_url = f"redis://127.0.0.1:{port}"
@@ -204,13 +270,7 @@ class LocalFleet:
                                                 pysecrets.token_hex(32))
     for i in range(self.sandbox_servers):
       port_file = os.path.join(d, f"sandbox-{i}.port")
-      argv = [self.python, "-m", "envs.sandbox_server", "--host", "127.0.0.1", "--port", "0",
-              "--port_file", port_file, "--token-file", self.sandbox_token_file,
-              "--backend", self.sandbox_backend, "--max_sandboxes", str(self.max_sandboxes),
-              "--uid_base", str(2_000_000_000 + 4096 * i), "--uid_count", "256"]
-      if self.sandbox_backend == "local":
-        argv.append("--allow_unsafe_local")
-      proc = self._spawn(f"sandbox-{i}", argv)
+      proc = self._spawn(f"sandbox-{i}", self.sandbox_argv(i, port_file, self.sandbox_token_file))
 
       def port_ready(port_file=port_file):
         try:
@@ -234,21 +294,9 @@ class LocalFleet:
     Returns:
       Its process.
     """
-    argv = [self.python, "-m", "envs.rollout_worker", "--policy_url", self.policy_url,
-            "--queue", self.redis_url, "--queue_password_file", self.password_file,
-            "--queue_prefix", self.queue_prefix, "--tasks", self.tasks,
-            "--tokenizer", self.tokenizer, "--chat", self.chat,
-            "--group_size", str(self.group_size), "--concurrency", str(self.concurrency),
-            "--sandbox", "remote", "--sandbox_url",
-            self.sandbox_urls[i % len(self.sandbox_urls)],
-            "--token_file", self.sandbox_token_file, "--grace", str(self.grace),
-            "--lease_ttl", str(self.lease_ttl), "--max_backlog", str(self.max_backlog),
-            "--epochs", str(self.epochs), "--max_turns", str(self.max_turns),
-            "--max_new_tokens", str(self.max_new_tokens),
-            "--max_context_tokens", str(self.max_context_tokens), "--worker_id", f"local-{i}"]
-    if self.policy_token_file:
-      argv += ["--policy_token_file", self.policy_token_file]
-    return self._spawn(f"worker-{i}", argv)
+    return self._spawn(f"worker-{i}", self.worker_argv(
+        i, self.redis_url, self.password_file, self.sandbox_urls[i % len(self.sandbox_urls)],
+        self.sandbox_token_file))
 
   def _healthy(self, url: str) -> bool:
     try:
@@ -287,7 +335,7 @@ class LocalFleet:
         print(f"launch.fleet: {name} ignored SIGTERM for {grace:.0f}s; killing", file=sys.stderr)
         p.kill()
         p.wait()
-    if not keep_dir:
+    if self.dir and not keep_dir:
       shutil.rmtree(self.dir, ignore_errors=True)
 
 

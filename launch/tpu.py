@@ -4,6 +4,12 @@
         --project=P --workdir=gs://BUCKET/run [--spot] [--config.key=value ...] [--dry_run]
     python -m launch.tpu --tpu=v5p-128 --zone=us-east5-a --project=P --name=NAME --teardown
 
+Before anything is created (and under `--dry_run`) the flags and the config's values are
+checked (`launch/config_check.py`): the accelerator type, zone, project and gs:// workdir are
+well-formed, the config's mesh fits the slice's chips, and every input the run reads is a path
+inside the repository (it ships with the code), a gs:// URL or a `--secret` file, with no
+placeholder left. A bad value is one line naming the flag or field and the value (exit 2).
+
 What it does, in order (each step is one gcloud command; `--dry_run` prints them all and the
 boot script instead of running them):
 
@@ -11,9 +17,10 @@ boot script instead of running them):
    copies it to `WORKDIR/code/arbor-src.tar.gz` (or, with `--git_url`, the VMs clone instead).
 2. Creates a queued resource (spot with `--spot`, on-demand otherwise) whose TPU VMs carry the
    boot script as `startup-script` metadata. The script runs on every worker at every boot: it
-   fetches the code, installs it (uv, Python 3.11, `.[tpu]` constrained by
-   requirements-lock.txt), fetches `--secret`s from Secret Manager into root-only files under
-   /run/arbor/secrets, and starts the `arbor-train` systemd unit.
+   fetches the code and the config's gs:// inputs (into /opt/arbor/inputs; the trainer is
+   given the copies, since it opens inputs as local files), installs the code (uv, Python
+   3.11, `.[tpu]` constrained by requirements-lock.txt), fetches `--secret`s from Secret
+   Manager into root-only files under /run/arbor/secrets, and starts the `arbor-train` unit.
 3. Waits for the queued resource to be ACTIVE, then runs the same script on every worker over
    `gcloud compute tpus tpu-vm ssh --worker=all` (a no-op where boot already started the unit).
 4. Streams worker 0's log until its trainer exits. If the slice was lost meanwhile (spot
@@ -54,7 +61,7 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from launch import common
+from launch import common, config_check
 from launch.common import Command, LaunchError
 
 # ---------------------------------------------------------------------------------------------
@@ -133,11 +140,11 @@ def parse_accelerator(tpu: str) -> Slice:
   if chips > gen.max_chips:
     raise LaunchError(f"--tpu={tpu!r}: {chips} chips exceed the largest {gen.prefix} slice "
                       f"({gen.max_chips} chips)")
-  if chips <= gen.max_single_host_chips:
-    return Slice(tpu, gen, chips, 1)
-  if chips % gen.chips_per_host:
+  if chips < 1 or (gen.valid_chips is None and chips % gen.chips_per_host):
     raise LaunchError(f"--tpu={tpu!r}: {chips} chips is not a whole number of "
                       f"{gen.chips_per_host}-chip hosts")
+  if chips <= gen.max_single_host_chips:
+    return Slice(tpu, gen, chips, 1)
   return Slice(tpu, gen, chips, chips // gen.chips_per_host)
 
 
@@ -172,6 +179,7 @@ class Job:
   subnetwork: str = ""
   internal_ips: bool = False
   libtpu_init_args: str = ""
+  inputs: tuple[config_check.SliceInput, ...] = ()  # gs:// inputs copied onto every worker
 
   @property
   def code_url(self) -> str:
@@ -272,9 +280,11 @@ def boot_script(job: Job) -> str:
       "flock 9",
       f"if systemctl is-active --quiet {UNIT}; then echo '{UNIT} is already running'; exit 0; fi",
       "mkdir -p /opt/arbor /var/log/arbor",
-      "# 1. code",
-      f"rm -rf {SRC} && mkdir -p {SRC}",
+      "# 1. code and the config's gs:// inputs (the trainer is given these copies)",
+      f"rm -rf {SRC} {config_check.INPUTS_DIR} && mkdir -p {SRC}",
       *code,
+      *(f"mkdir -p {q(i.dest)} && gcloud storage cp -r {q(i.url)} {q(i.dest)}/"
+        for i in job.inputs),
       "# 2. install (Python 3.11 venv; tested versions from requirements-lock.txt)",
       *common.install_lines(SRC, VENV, "tpu"),
       "# 3. secrets (root-only files on tmpfs)",
@@ -491,7 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
   a("--detach", action="store_true", help="return after starting; do not stream logs")
   a("--logs_worker", default="0", help="worker whose log is streamed ('all' for every one)")
   a("--skip_config_check", action="store_true",
-    help="do not load the config here to check --config.KEY overrides")
+    help="do not load the config here: no check of its keys and values, no copy of its "
+         "gs:// inputs")
   return p
 
 
@@ -520,21 +531,28 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, Job]:
   name = common.check_name("--name", args.name or default_name(args.config, args.tpu))
   if args.max_requeues < 0:
     raise LaunchError(f"--max_requeues={args.max_requeues}: must be >= 0")
+  zone = common.check_zone("--zone", args.zone)
+  project = common.check_project("--project", args.project)
   if args.teardown:
-    return args, Job(name, sl, args.zone, args.project, "", (), "")
+    return args, Job(name, sl, zone, project, "", (), "")
   if not args.config:
     raise LaunchError("--config is required (configs/NAME.py[:ARG])")
   config = common.check_config_path("--config", args.config)
-  workdir = common.check_gcs("--workdir", args.workdir or "")
-  if overrides and not args.skip_config_check:
-    common.check_override_keys(config, common.override_keys(overrides), "--config.KEY")
+  workdir = config_check.check_workdir("--workdir", args.workdir, remote=True)
   secrets = common.parse_secrets("--secret", args.secret)
-  job = Job(name=name, slice=sl, zone=args.zone, project=args.project, config=config,
-            overrides=tuple(overrides), workdir=workdir, spot=args.spot,
+  overrides, inputs = tuple(overrides), ()
+  if not args.skip_config_check:
+    if overrides:
+      common.check_override_keys(config, common.override_keys(overrides), "--config.KEY")
+    overrides, inputs = config_check.check_slice(
+        config_check.load(config, overrides), overrides, sl.chips, f"--tpu={args.tpu}",
+        tuple(secrets))
+  job = Job(name=name, slice=sl, zone=zone, project=project, config=config,
+            overrides=overrides, workdir=workdir, spot=args.spot,
             runtime_version=args.runtime_version, git_url=args.git_url, git_ref=args.git_ref,
             secrets=tuple(sorted(secrets.items())), service_account=args.service_account,
             network=args.network, subnetwork=args.subnetwork, internal_ips=args.internal_ips,
-            libtpu_init_args=args.libtpu_init_args)
+            libtpu_init_args=args.libtpu_init_args, inputs=inputs)
   return args, job
 
 

@@ -20,7 +20,10 @@ Executors:
   tpu         one queued-resource TPU slice per job, through launch.tpu's helpers (detached:
               each job's slice runs and checkpoints on its own; no xmanager needed).
 `--dry_run` prints each job's command (or, for tpu, its gcloud commands and boot script) and
-works without xmanager.
+works without xmanager. Before any job starts (and under `--dry_run`) each job's config values
+are checked (`launch/config_check.py`): on this machine every input it reads must exist here;
+on TPU slices as `launch.tpu` checks them (the mesh against the chips, inputs that ship with
+the code or are gs:// URLs).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import sys
 import tempfile
 from typing import Optional, Sequence
 
-from launch import common
+from launch import common, config_check
 from launch import tpu as tpu_launch
 from launch.common import LaunchError
 
@@ -195,24 +198,31 @@ def tpu_job(args: argparse.Namespace, config: str, job: SweepJob) -> tpu_launch.
     job: the sweep job.
 
   Returns:
-    The TPU job.
+    The TPU job, its config's values checked for the slice.
+
+  Raises:
+    LaunchError: a bad flag or config value; the message names it.
   """
   sl = tpu_launch.parse_accelerator(args.tpu)
   base = args.name or tpu_launch.default_name(config, args.tpu)
   name = common.check_name("--name", f"{base[:63 - 1 - len(str(job.index))]}-{job.index}")
+  secrets = common.parse_secrets("--secret", args.secret)
+  overrides, inputs = config_check.check_slice(
+      config_check.load(config, job.overrides), job.overrides, sl.chips, f"--tpu={args.tpu}",
+      tuple(secrets))
   return tpu_launch.Job(name=name, slice=sl, zone=args.zone, project=args.project,
-                        config=config, overrides=job.overrides, workdir=job.workdir,
-                        spot=args.spot, secrets=tuple(sorted(
-                            common.parse_secrets("--secret", args.secret).items())))
+                        config=config, overrides=overrides, workdir=job.workdir,
+                        spot=args.spot, secrets=tuple(sorted(secrets.items())), inputs=inputs)
 
 
-def run_on_tpu(args: argparse.Namespace, config: str, jobs: Sequence[SweepJob]) -> int:
+def run_on_tpu(args: argparse.Namespace, jobs: Sequence[SweepJob],
+               tpu_jobs: Sequence[tpu_launch.Job]) -> int:
   """Starts one detached TPU slice per job (no requeues), or prints them with --dry_run.
 
   Args:
     args: the parsed flags.
-    config: configs/NAME.py[:ARG].
     jobs: the jobs.
+    tpu_jobs: their TPU jobs (`tpu_job`).
 
   Returns:
     0 once every slice is started (or printed).
@@ -220,7 +230,6 @@ def run_on_tpu(args: argparse.Namespace, config: str, jobs: Sequence[SweepJob]) 
   Raises:
     subprocess.CalledProcessError: a gcloud command failed.
   """
-  tpu_jobs = [tpu_job(args, config, j) for j in jobs]
   for job, tj in zip(jobs, tpu_jobs):
     print(f"# ==== job {job.index}: {job.label} -> {tj.name}")
     tmp = os.path.join(tempfile.gettempdir(), f"arbor-launch-{tj.name}")
@@ -266,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, str, list[SweepJob]]:
-  """Parses and checks the command line.
+  """Parses and checks the command line (`tpu_job` checks the config values of TPU jobs).
 
   Args:
     argv: the arguments, without the program name.
@@ -275,7 +284,8 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, str, list[SweepJob]]
     (the parsed flags, the config relative to the repository root, the jobs).
 
   Raises:
-    LaunchError: a bad flag, sweep or override; a key that is not a field of the config.
+    LaunchError: a bad flag, sweep or override; a key that is not a field of the config; a
+      bad config value of a job on this machine.
   """
   args, extra = build_parser().parse_known_args(list(argv))
   shared = common.split_overrides(extra, "launch.xm passes only --config.KEY=VALUE on")
@@ -290,11 +300,15 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, str, list[SweepJob]]
     for flag in ("tpu", "zone", "project"):
       if not getattr(args, flag):
         raise LaunchError(f"--executor=tpu needs --{flag}")
-    workdir = common.check_gcs("--workdir", args.workdir)
     tpu_launch.parse_accelerator(args.tpu)
-  else:
-    workdir = args.workdir
-  return args, config, expand(axes, shared, workdir)
+    common.check_zone("--zone", args.zone)
+    common.check_project("--project", args.project)
+  workdir = config_check.check_workdir("--workdir", args.workdir, remote=args.executor == "tpu")
+  jobs = expand(axes, shared, workdir)
+  if args.executor != "tpu":
+    for job in jobs:
+      config_check.check_local(config_check.load(config, job.overrides))
+  return args, config, jobs
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -309,10 +323,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   try:
     args, config, jobs = parse(argv)
+    tpu_jobs = [tpu_job(args, config, j) for j in jobs] if args.executor == "tpu" else []
     title = args.title or f"{os.path.basename(config.split(':')[0])} {args.sweep}".strip()
     print(f"# launch.xm: {len(jobs)} job(s), executor {args.executor}: {title}")
     if args.executor == "tpu":
-      return run_on_tpu(args, config, jobs)
+      return run_on_tpu(args, jobs, tpu_jobs)
     if args.dry_run:
       for job in jobs:
         print(f"# job {job.index}: {job.label}\n{shlex.join(job_argv(config, job))}")

@@ -1,5 +1,7 @@
 """launch/: dry-run outputs parsed and checked, boot scripts executed with a fake metadata server
-and a fake trainer, the requeue loop driven by a fake gcloud, sweeps, and a local fleet.
+and a fake trainer, the requeue loop driven by a fake gcloud, sweeps, and a local fleet; dry
+runs start no process, bad flag and config values are one line naming the flag or field and
+the value, and the README's launch commands pass as written.
 
 Nothing here reaches Google Cloud: gcloud is never installed on the test machines.
 """
@@ -23,7 +25,7 @@ import types
 
 import pytest
 
-from launch import common, fleet, local_fleet, tpu, xm
+from launch import common, config_check, fleet, local_fleet, tpu, xm
 from launch.common import LaunchError
 
 REPO = common.REPO_ROOT
@@ -62,6 +64,12 @@ def bash_syntax_ok(script: str) -> None:
 def flags(argv: list[str]) -> dict[str, str]:
   return {a.split("=", 1)[0]: (a.split("=", 1)[1] if "=" in a else "") for a in argv
           if a.startswith("--")}
+
+
+def spaced_flags(argv: list[str]) -> dict[str, str]:
+  """Flags written `--FLAG VALUE` (a flag followed by another flag has the value "")."""
+  nxt = argv[1:] + [""]
+  return {a: ("" if v.startswith("--") else v) for a, v in zip(argv, nxt) if a.startswith("--")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,8 +262,8 @@ def test_tpu_wrapper_execs_so_sigterm_reaches_trainer(tmp_path):
 
 
 def test_tpu_single_host_has_no_coordinator():
-  _, out, _ = run_main(tpu, ["--config=configs/smoke.py", "--tpu=v6e-8", "--zone=z",
-                             "--project=p", "--workdir=gs://b/r", "--dry_run"])
+  _, out, _ = run_main(tpu, ["--config=configs/smoke.py", "--tpu=v6e-8", "--zone=us-east5-a",
+                             "--project=my-proj", "--workdir=gs://bkt/r", "--dry_run"])
   wrapper = heredoc(split_dry_run(out)[0], "/opt/arbor/train.sh")
   assert "JAX_COORDINATOR_ADDRESS" not in wrapper
   assert "export ARBOR_NUM_PROCESSES=1 ARBOR_PROCESS_ID=0" in wrapper
@@ -267,11 +275,12 @@ def test_tpu_git_mode_and_teardown():
   script, cmds = split_dry_run(out)
   assert not any(c[1:3] == ["storage", "cp"] for c in cmds)
   assert "git -C /opt/arbor/src checkout --quiet v1" in script
-  rc, out, _ = run_main(tpu, ["--tpu=v5p-128", "--zone=z", "--project=p", "--name=my-run",
-                              "--teardown", "--dry_run"])
+  rc, out, _ = run_main(tpu, ["--tpu=v5p-128", "--zone=us-east5-a", "--project=my-proj",
+                              "--name=my-run", "--teardown", "--dry_run"])
   cmds = [shlex.split(l) for l in out.splitlines() if l and not l.startswith("#")]
   assert rc == 0 and cmds == [["gcloud", "compute", "tpus", "queued-resources", "delete",
-                               "my-run", "--zone=z", "--project=p", "--force", "--quiet"]]
+                               "my-run", "--zone=us-east5-a", "--project=my-proj", "--force",
+                               "--quiet"]]
 
 
 @pytest.mark.parametrize("argv,words", [
@@ -291,8 +300,8 @@ def test_tpu_bad_flags_clear_errors(argv, words):
 
 
 def test_tpu_missing_config_file():
-  rc, _, err = run_main(tpu, ["--config=configs/nope.py", "--tpu=v5p-8", "--zone=z",
-                              "--project=p", "--workdir=gs://b/r", "--dry_run"])
+  rc, _, err = run_main(tpu, ["--config=configs/nope.py", "--tpu=v5p-8", "--zone=us-east5-a",
+                              "--project=my-proj", "--workdir=gs://bkt/r", "--dry_run"])
   assert rc == 2 and "--config='configs/nope.py': no such file" in err
 
 
@@ -374,9 +383,9 @@ def test_sweep_unknown_key_and_duplicate_override():
 
 
 def test_sweep_on_tpu_dry_run_one_slice_per_job():
-  rc, out, _ = run_main(xm, ["--config=configs/smoke.py", "--workdir=gs://b/sweep",
-                             "--executor=tpu", "--tpu=v5p-16", "--zone=z", "--project=p",
-                             "--sweep=seed=0,1", "--dry_run"])
+  rc, out, _ = run_main(xm, ["--config=configs/smoke.py", "--workdir=gs://bkt/sweep",
+                             "--executor=tpu", "--tpu=v5p-16", "--zone=us-east5-a",
+                             "--project=my-proj", "--sweep=seed=0,1", "--dry_run"])
   assert rc == 0
   creates = [shlex.split(l) for l in out.splitlines()
              if l.startswith("gcloud compute tpus queued-resources create")]
@@ -385,8 +394,8 @@ def test_sweep_on_tpu_dry_run_one_slice_per_job():
   assert len(execs) == 2
   for i, line in enumerate(execs):
     f = flags(shlex.split(line))
-    assert f["--config.seed"] == str(i) and f["--workdir"].startswith(f"gs://b/sweep/{i}_")
-  rc, _, err = run_main(xm, ["--config=configs/smoke.py", "--workdir=gs://b/s",
+    assert f["--config.seed"] == str(i) and f["--workdir"].startswith(f"gs://bkt/sweep/{i}_")
+  rc, _, err = run_main(xm, ["--config=configs/smoke.py", "--workdir=gs://bkt/s",
                              "--executor=tpu", "--dry_run"])
   assert rc == 2 and "--executor=tpu needs --tpu" in err
 
@@ -433,11 +442,12 @@ def test_xm_local_builds_one_work_unit_per_job(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # launch.fleet (cloud)
 
-FLEET_ARGS = ["--workers=64", "--machine_type=e2-standard-8", "--project=p", "--zone=us-central1-a",
+FLEET_ARGS = ["--workers=64", "--machine_type=e2-standard-8", "--project=my-proj",
+              "--zone=us-central1-a",
               "--redis=rediss://10.0.0.5:6378", "--redis_password_secret=arbor-redis",
               "--redis_ca_secret=arbor-redis-ca", "--policy_url=http://10.0.0.2:8000",
-              "--policy_token_secret=arbor-policy", "--staging=gs://b/fleet",
-              "--tokenizer=gs://b/tok/tokenizer.json", "--subnet=arbor-sub"]
+              "--policy_token_secret=arbor-policy", "--staging=gs://bkt/fleet",
+              "--tokenizer=gs://bkt/tok/tokenizer.json", "--subnet=arbor-sub"]
 
 
 def test_fleet_dry_run_template_group_and_boot_script():
@@ -455,7 +465,7 @@ def test_fleet_dry_run_template_group_and_boot_script():
   assert flags(group)["--size"] == "64" and flags(group)["--template"] == template[4]
   for secret, name in (("arbor-policy", "policy.token"), ("arbor-redis", "redis.password"),
                        ("arbor-redis-ca", "redis-ca.pem")):
-    assert (f"gcloud secrets versions access latest --secret={secret} --project=p "
+    assert (f"gcloud secrets versions access latest --secret={secret} --project=my-proj "
             f"--out-file=/run/arbor/secrets/{name}") in script
   worker_unit = heredoc(script, "/etc/systemd/system/arbor-worker.service")
   assert "User=arbor" in worker_unit.splitlines()
@@ -477,8 +487,8 @@ def test_fleet_dry_run_template_group_and_boot_script():
 
 
 def test_fleet_teardown():
-  rc, out, _ = run_main(fleet, ["--teardown", "--name=arbor-fleet", "--project=p",
-                                "--zone=z", "--dry_run"])
+  rc, out, _ = run_main(fleet, ["--teardown", "--name=arbor-fleet", "--project=my-proj",
+                                "--zone=us-east5-a", "--dry_run"])
   cmds = [shlex.split(l) for l in out.splitlines() if l and not l.startswith("#")]
   assert rc == 0 and [c[1:5] for c in cmds] == [
       ["compute", "instance-groups", "managed", "delete"],
@@ -569,3 +579,268 @@ def test_fleet_local_flag_errors():
   rc, _, err = run_main(fleet, ["--local", "--workers=1", "--policy_url=http://127.0.0.1:1",
                                 "--tokenizer=t", "--sandbox_servers=0"])
   assert rc == 2 and "--sandbox_servers=0" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# Dry runs start nothing
+
+
+SERVICES = re.compile(r"redis-server|sandbox_server|rollout_worker|trainer\.main|gcloud")
+
+
+def session_processes(sid: int) -> list[tuple[int, str]]:
+  """(pid, command line) of every process in session `sid`."""
+  found = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:  # exited meanwhile
+      continue
+    if int(stat[stat.rindex(")") + 2:].split()[3]) == sid:  # state, ppid, pgrp, session
+      found.append((int(pid), cmdline))
+  return found
+
+
+def run_cli(argv: list[str], tmp_path, timeout: float = 60.0):
+  """Runs `python -m ARGV` in a session of its own, watching the session's processes.
+
+  Returns:
+    (exit status, stdout, stderr, the command lines of the other processes seen in the session
+    while it ran, those left after it exited, the files written to its TMPDIR).
+  """
+  tmpdir = tmp_path / "tmpdir"
+  tmpdir.mkdir(exist_ok=True)
+  env = dict(os.environ, TMPDIR=str(tmpdir))
+  proc = subprocess.Popen([sys.executable, "-m", *argv], cwd=REPO, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+  seen, deadline = set(), time.monotonic() + timeout
+  try:
+    while proc.poll() is None and not any(SERVICES.search(c) for c in seen):
+      seen |= {c for pid, c in session_processes(proc.pid) if pid != proc.pid}
+      assert time.monotonic() < deadline, f"{argv} still running after {timeout} s: {seen}"
+      time.sleep(0.01)
+    left = [c for pid, c in session_processes(proc.pid) if pid != proc.pid]
+  finally:
+    with contextlib.suppress(ProcessLookupError):
+      os.killpg(proc.pid, signal.SIGKILL)  # whatever a broken dry run started
+    out, err = proc.communicate()
+  return proc.returncode, out, err, sorted(seen), left, sorted(os.listdir(tmpdir))
+
+
+def _dry_run_argv(name: str, tmp_path) -> list[str]:
+  tokenizer = tmp_path / "tokenizer.json"
+  tokenizer.write_text("{}")
+  return {
+      "fleet --local": ["launch.fleet", "--local", "--workers=2",
+                        "--policy_url=http://127.0.0.1:8000", f"--tokenizer={tokenizer}"],
+      "fleet": ["launch.fleet", *FLEET_ARGS],
+      "tpu": ["launch.tpu", *TPU_ARGS],
+      "xm": ["launch.xm", "--config=configs/smoke.py", f"--workdir={tmp_path}/sweep",
+             "--sweep=seed=0,1", "--executor=subprocess"],
+  }[name] + ["--dry_run"]
+
+
+@pytest.mark.parametrize("name", ["fleet --local", "fleet", "tpu", "xm"])
+def test_dry_run_starts_no_process(tmp_path, name):
+  rc, out, err, seen, left, written = run_cli(_dry_run_argv(name, tmp_path), tmp_path)
+  assert not [c for c in seen if SERVICES.search(c)], seen
+  assert rc == 0 and left == [] and written == [], err
+  if name == "fleet --local":  # it prints what it would run instead, secrets as file names
+    commands = [shlex.split(l) for l in out.splitlines() if l and not l.startswith("#")]
+    assert [c[0] if c[0] == "redis-server" else c[2] for c in commands] == [
+        "redis-server", "envs.sandbox_server", "envs.sandbox_server", "envs.rollout_worker",
+        "envs.rollout_worker"]
+    workers = [spaced_flags(c) for c in commands if c[2:3] == ["envs.rollout_worker"]]
+    assert [w["--sandbox_url"] for w in workers] == [
+        "http://127.0.0.1:SANDBOX_0_PORT", "http://127.0.0.1:SANDBOX_1_PORT"]
+    assert all(w["--queue_password_file"].endswith("/redis.password") for w in workers)
+    assert "requirepass" not in out
+
+
+def test_fleet_local_plan_is_what_start_runs():
+  f = local_fleet.LocalFleet(workers=1, sandbox_servers=1, policy_url="http://127.0.0.1:1",
+                             tokenizer="t.json", policy_token_file="/secrets/policy")
+  plan = [list(c.argv) for c in f.plan()]
+  assert plan[1] == f.sandbox_argv(0, f"{local_fleet.PLAN_DIR}/sandbox-0.port",
+                                   f"{local_fleet.PLAN_DIR}/sandbox.token")
+  assert spaced_flags(plan[2])["--policy_token_file"] == "/secrets/policy"
+  assert f.dir == "" and f.procs == []  # nothing made
+
+
+# ---------------------------------------------------------------------------------------------
+# Values checked before anything starts
+
+RL_ARGS = ["--config=configs/rl.py", "--tpu=v5p-64", "--zone=us-east5-a", "--project=my-proj",
+           "--workdir=gs://bkt/run", "--config.metrics.dir=/tmp/arbor_metrics",
+           "--config.model.init=hf:gs://bkt/qwen", "--config.rl.tasks=gs://bkt/tasks.jsonl",
+           "--config.rl.queue_url=redis://10.0.0.5:6379", "--config.mesh.tensor=2",
+           "--config.data.rows_per_batch=16"]
+
+
+def changed(base: list[str], *changes: str) -> list[str]:
+  """`base` with each change's flag replaced (a change "-FLAG" drops FLAG)."""
+  keys = {c.lstrip("-").split("=", 1)[0] for c in changes}
+  kept = [a for a in base if a.lstrip("-").split("=", 1)[0] not in keys]
+  return kept + [c for c in changes if not c.startswith("-" * 3)]
+
+
+def test_rl_template_on_a_slice_copies_its_gs_inputs():
+  rc, out, err = run_main(tpu, RL_ARGS + ["--dry_run"])
+  assert rc == 0, err
+  script, _ = split_dry_run(out)
+  bash_syntax_ok(script)
+  assert ("mkdir -p /opt/arbor/inputs/0 && gcloud storage cp -r gs://bkt/qwen "
+          "/opt/arbor/inputs/0/") in script.splitlines()
+  assert ("mkdir -p /opt/arbor/inputs/1 && gcloud storage cp -r gs://bkt/tasks.jsonl "
+          "/opt/arbor/inputs/1/") in script.splitlines()
+  trainer = flags(shlex.split(heredoc(script, "/opt/arbor/train.sh").splitlines()[-1]))
+  assert trainer["--config.model.init"] == "hf:/opt/arbor/inputs/0/qwen"
+  assert trainer["--config.rl.tasks"] == "/opt/arbor/inputs/1/tasks.jsonl"
+  assert trainer["--config.mesh.tensor"] == "2" and trainer["--workdir"] == "gs://bkt/run"
+  # A path inside the repository ships with the code: passed on as it is, nothing copied.
+  rc, out, _ = run_main(tpu, changed(RL_ARGS, "--config.rl.tasks=envs/data/swe/tasks.jsonl")
+                        + ["--dry_run"])
+  script, _ = split_dry_run(out)
+  assert rc == 0 and "gs://bkt/tasks.jsonl" not in script
+  assert "--config.rl.tasks=envs/data/swe/tasks.jsonl" in script
+
+
+def test_sft_sources_on_a_slice_keep_their_order():
+  cfg = config_check.load("configs/sft.py:qwen3", [
+      "--config.data.sources=('gs://bkt/a.jsonl', 'envs/data/problems.jsonl')",
+      "--config.data.eval_sources=()", "--config.model.init=hf:gs://bkt/qwen3",
+      "--config.metrics.dir=/tmp/m"])
+  overrides, inputs = config_check.check_slice(cfg, [], 8, "--tpu=v5p-16")
+  assert [(i.field, i.url, i.path) for i in inputs] == [
+      ("model.init", "gs://bkt/qwen3", "/opt/arbor/inputs/0/qwen3"),
+      ("data.sources", "gs://bkt/a.jsonl", "/opt/arbor/inputs/1/a.jsonl")]
+  assert overrides == ("--config.model.init=hf:/opt/arbor/inputs/0/qwen3",
+                       "--config.data.sources=('/opt/arbor/inputs/1/a.jsonl', "
+                       "'envs/data/problems.jsonl')")
+
+
+@pytest.mark.parametrize("change,words", [
+    ("--tpu=v9-8", "--tpu='v9-8'"),  # unknown accelerator type
+    ("--tpu=v5p-4", "--tpu='v5p-4'"),  # 2 chips: not a whole host
+    ("--tpu=v5litepod-12", "--tpu='v5litepod-12'"),
+    ("--tpu=v4-0", "--tpu='v4-0'"),
+    ("--config.mesh.tensor=3", "config.mesh={'data': 1, 'expert': 1, 'fsdp': -1, 'tensor': 3}"),
+    ("--config.mesh.fsdp=8", "the 32 chips of --tpu=v5p-64"),  # 8 x 2 != 32, no -1
+    ("--config.mesh.tensor=x", "--config.mesh.tensor=x"),
+    ("--config.data.rows_per_batch=8", "config.data.rows_per_batch=8"),
+    ("---config.model.init", "config.model.init='hf:/path/to/Qwen2.5-Coder-7B-Instruct'"),
+    ("--config.rl.tasks=/path/to/tasks.jsonl", "config.rl.tasks='/path/to/tasks.jsonl'"),
+    ("---config.rl.queue_url", "config.rl.queue_url='redis://REDIS_HOST:6379/0'"),
+    ("--config.rl.queue_url=redis://x:1:2", "config.rl.queue_url"),
+    ("--workdir=gs://Bad_Bucket/run", "--workdir='gs://Bad_Bucket/run'"),
+    ("--workdir=gs:/bkt/run", "--workdir='gs:/bkt/run'"),
+    ("--config.rl.tasks=gs://", "config.rl.tasks='gs://'"),
+    ("--config.model.init=hf:gs://BUCKET/qwen", "config.model.init='gs://BUCKET/qwen'"),
+    ("--config.model.init=qwen", "config.model.init='qwen'"),
+    ("--config.rl.tasks=/home/me/tasks.jsonl", "config.rl.tasks='/home/me/tasks.jsonl'"),
+    ("--config.rl.tasks=envs/data/nope.jsonl", "config.rl.tasks='envs/data/nope.jsonl'"),
+    ("--config.rl.queue_password_file=/run/arbor/secrets/redis.password",
+     "config.rl.queue_password_file='/run/arbor/secrets/redis.password': no --secret"),
+    ("--config.metrics.dir=", "config.metrics.dir=''"),
+    ("--zone=Z", "--zone='Z'"),
+    ("--project=P", "--project='P'"),
+    ("---workdir", "--workdir is required"),
+])
+def test_tpu_bad_values_one_line_naming_them(change, words):
+  rc, out, err = run_main(tpu, changed(RL_ARGS, change) + ["--dry_run"])
+  assert rc == 2 and out == "" and words in err, err
+  assert err.count("\n") == 1 and err.startswith("launch.tpu: error: ")
+
+
+def test_tpu_secret_file_and_disabled_queue_pass():
+  rc, _, err = run_main(tpu, changed(
+      RL_ARGS, "--secret=redis.password=arbor-redis",
+      "--config.rl.queue_password_file=/run/arbor/secrets/redis.password") + ["--dry_run"])
+  assert rc == 0, err
+  # rl.queue_url is read only with rl.rollout_workers="queue": the template's placeholder stays.
+  rc, _, err = run_main(tpu, changed(RL_ARGS, "---config.rl.queue_url",
+                                     "--config.rl.rollout_workers=inprocess") + ["--dry_run"])
+  assert rc == 0, err
+
+
+XM_LOCAL = ["--config=configs/sft_demo.py", "--workdir=/tmp/arbor_sweep", "--dry_run"]
+
+
+@pytest.mark.parametrize("argv,words", [
+    (XM_LOCAL + ["--config.data.sources=('nope.jsonl',)"], "config.data.sources='nope.jsonl'"),
+    (XM_LOCAL + ["--config.data.sources=('gs://bkt/a.jsonl',)"],
+     "config.data.sources='gs://bkt/a.jsonl': the trainer opens it as a local file"),
+    (["--config=configs/rl.py", "--workdir=/tmp/w", "--dry_run"],
+     "config.model.init='hf:/path/to/Qwen2.5-Coder-7B-Instruct': a placeholder"),
+    (["--config=configs/smoke.py", "--workdir=/path/to/sweep", "--dry_run"],
+     "--workdir='/path/to/sweep'"),
+    (XM_LOCAL + ["--sweep=tokenizer.path=envs/data,/path/to/tok"],
+     "config.tokenizer.path='/path/to/tok'"),  # the second job's value
+    (["--config=configs/sft_demo.py", "--workdir=gs://bkt/sw", "--executor=tpu", "--tpu=v5p-16",
+      "--zone=us-east5-a", "--project=my-proj", "--config.metrics.dir=/tmp/m",
+      "--config.data.rows_per_batch=8", "--sweep=mesh.tensor=2,3", "--dry_run"],
+     "'tensor': 3}: the product of the fixed axes, 3, does not divide the 8 chips of "
+     "--tpu=v5p-16"),
+    (["--config=configs/smoke.py", "--workdir=gs://bkt/sw", "--executor=tpu", "--tpu=v5p-3",
+      "--zone=us-east5-a", "--project=my-proj", "--dry_run"], "--tpu='v5p-3'"),
+])
+def test_xm_bad_values_one_line_naming_them(argv, words):
+  rc, out, err = run_main(xm, argv)
+  assert rc == 2 and out == "" and words in err, err
+  assert err.count("\n") == 1
+
+
+def test_xm_missing_workdir():
+  err = io.StringIO()
+  with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+    xm.main(["--config=configs/smoke.py", "--dry_run"])
+  assert e.value.code == 2 and "--workdir" in err.getvalue()
+
+
+@pytest.mark.parametrize("change,words", [
+    ("--redis=rediss://REDIS_HOST:6378", "--redis='rediss://REDIS_HOST:6378'"),
+    ("--staging=gs://B/fleet", "--staging='gs://B/fleet'"),
+    ("--tokenizer=gs://bkt", "--tokenizer='gs://bkt'"),  # a 3-letter bucket, no object
+    ("--project=P", "--project='P'"),
+    ("--zone=Z", "--zone='Z'"),
+])
+def test_fleet_bad_values(change, words):
+  rc, _, err = run_main(fleet, changed(FLEET_ARGS, change) + ["--dry_run"])
+  assert rc == 2 and words in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--tokenizer=nope.json"], "--tokenizer='nope.json': no such file"),
+    (["--tokenizer=/path/to/tokenizer.json"], "--tokenizer='/path/to/tokenizer.json'"),
+    (["--tokenizer=envs/data/problems.jsonl", "--tasks=nope.jsonl"], "--tasks='nope.jsonl'"),
+    (["--tokenizer=envs/data/problems.jsonl", "--policy_url=http://POLICY_HOST:8000"],
+     "--policy_url='http://POLICY_HOST:8000'"),
+])
+def test_fleet_local_bad_values(argv, words):
+  rc, out, err = run_main(fleet, ["--local", "--workers=1", "--policy_url=http://127.0.0.1:1",
+                                  "--dry_run", *argv])
+  assert rc == 2 and out == "" and words in err, err
+
+
+def readme_launch_commands() -> list[list[str]]:
+  """Every `python -m launch.*` command of README.md (continuation lines joined), as argv."""
+  text = open(os.path.join(REPO, "README.md")).read().replace("\\\n", " ")
+  return [shlex.split(line, comments=True) for line in text.splitlines()
+          if line.startswith("python -m launch.")]
+
+
+def test_readme_launch_commands_pass_as_written(tmp_path):
+  # The one input the README takes from an earlier command (the SFT demo's tokenizer).
+  tokenizer = tmp_path / "tokenizer.json"
+  tokenizer.write_text("{}")
+  commands = readme_launch_commands()
+  assert sorted(c[2] for c in commands) == ["launch.fleet", "launch.tpu", "launch.xm"]
+  for argv in commands:
+    argv = [a.replace("/tmp/arbor_sft_demo/tokenizer", str(tokenizer)) for a in argv[2:]]
+    argv += [] if "--dry_run" in argv else ["--dry_run"]
+    rc, out, err, seen, left, _ = run_cli(argv, tmp_path)
+    assert rc == 0 and out, (argv, err)
+    assert not [c for c in seen if SERVICES.search(c)] and left == []
