@@ -53,6 +53,9 @@ setup(
             "hypothesis>=6.170,<7",
             "torch==2.13.0",
             "transformers>=5.23,<6",
+            # The quickstart notebook runs under a real Jupyter kernel, as on Colab.
+            "nbclient>=0.11,<0.12",
+            "ipykernel>=7.4,<8",
         ],
         # gcsfs lets orbax/etils read and write gs:// workdirs.
         "tpu": [JAX.replace("jax", "jax[tpu]", 1), "gcsfs>=2026.9.0"],

@@ -95,6 +95,9 @@ async def run_task_group(task: Task, group_size: int, episode: EpisodeFn, *, dra
 
   Returns:
     The finished trajectories, in episode order (possibly fewer than G).
+
+  Raises:
+    ValueError: group_size < 1.
   """
   if group_size < 1:
     raise ValueError(f"group_size={group_size}: must be >= 1")
@@ -163,6 +166,9 @@ def make_sandbox_factory(backend: str, *, limits: Optional[Limits] = None,
 
   Returns:
     `async make(task) -> Sandbox`; bwrap honours a task's `rootfs`.
+
+  Raises:
+    ValueError: an unknown backend, or remote without url or token_file.
   """
   if backend not in BACKENDS:
     raise ValueError(f"sandbox={backend!r}: expected one of {', '.join(BACKENDS)}")

@@ -48,7 +48,7 @@ def read_secret(path: str) -> str:
 
 
 def check_bind(host: str, token: str | None) -> None:
-  """Refuse to expose a server beyond loopback without a token.
+  """Refuses to expose a server beyond loopback without a token.
 
   Args:
     host: the bind address.

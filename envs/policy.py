@@ -29,6 +29,7 @@ class SamplingParams:
   seed: Optional[int] = None            # per-request seed (None: the engine's stream)
 
   def to_dict(self) -> dict:
+    """The parameters as a JSON-ready dict (tuples as lists)."""
     d = dataclasses.asdict(self)
     d["stop_token_ids"], d["stop"] = list(self.stop_token_ids), list(self.stop)
     return d
@@ -46,7 +47,18 @@ class Generation:
 
 
 class Policy(Protocol):
+  """What a rollout needs from a policy: one completion per call."""
+
   async def generate(self, input_ids: Sequence[int], params: SamplingParams) -> Generation:
+    """Samples one completion.
+
+    Args:
+      input_ids: the prompt's token ids.
+      params: how to sample.
+
+    Returns:
+      The sampled ids, their log-probs and the policy version.
+    """
     ...
 
 
@@ -58,8 +70,13 @@ class HTTPPolicy:
   """Client of `POST {url}/generate` (the policy server of trainer.serve).
 
   Request JSON: {"input_ids": [...], **SamplingParams.to_dict()}; reply JSON: {"output_ids",
-  "logprobs", "finish_reason", "policy_version"[, "token_versions"]}. `token` is sent as a
-  bearer token (required by servers bound to non-loopback addresses).
+  "logprobs", "finish_reason", "policy_version"[, "token_versions"]}.
+
+  Args:
+    url: the server's base URL (a trailing "/" is ignored).
+    token: sent as a bearer token (required by servers bound to non-loopback addresses);
+      None: no Authorization header.
+    timeout: seconds to wait for one reply.
   """
 
   def __init__(self, url: str, token: Optional[str] = None, timeout: float = 600.0):
@@ -81,6 +98,18 @@ class HTTPPolicy:
       raise PolicyError(f"{self.url}/generate failed: {e}") from e
 
   async def generate(self, input_ids: Sequence[int], params: SamplingParams) -> Generation:
+    """Samples one completion on the server (the request runs in a worker thread).
+
+    Args:
+      input_ids: the prompt's token ids.
+      params: how to sample.
+
+    Returns:
+      The server's completion.
+
+    Raises:
+      PolicyError: the server is unreachable, answers an HTTP error, or its reply is malformed.
+    """
     reply = await asyncio.to_thread(self._post, {"input_ids": list(map(int, input_ids)),
                                                  **params.to_dict()})
     try:

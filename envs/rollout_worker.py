@@ -66,7 +66,7 @@ def tasks_fingerprint(tasks: Sequence[Task], seed: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class WorkerConfig:
-  """How a worker paces itself. Validated by `check()`; errors name the field."""
+  """How a worker paces itself. Validated by `check()`."""
 
   group_size: int = 8                # episodes per task draw (G)
   concurrency: int = 8               # episodes in flight across the worker
@@ -79,7 +79,14 @@ class WorkerConfig:
   seed: int = 0                      # task order per epoch and per-episode seeds
 
   def check(self) -> "WorkerConfig":
-    """Returns self; ValueError naming the first bad field."""
+    """Validates the fields.
+
+    Returns:
+      self.
+
+    Raises:
+      ValueError: naming the first bad field.
+    """
     for name in ("group_size", "concurrency", "max_backlog"):
       if getattr(self, name) < 1:
         raise ValueError(f"WorkerConfig.{name}={getattr(self, name)}: must be >= 1")
@@ -94,8 +101,9 @@ class WorkerConfig:
 
 
 class RolloutWorker:
-  """Leases draws from `queue`, runs `episode` G times per draw, completes the draw with the
-  group (see the module docstring).
+  """Leases draws, runs G episodes per draw and completes each draw with its group.
+
+  See the module docstring for the loop, the leases and the graceful stop.
 
   Args:
     queue: the rollout queue (its task leases and its trajectory stream).
@@ -103,6 +111,9 @@ class RolloutWorker:
     episode: the episode function (`envs.episode.make_react_episode`, or a fake in tests).
     config: pacing (group size, concurrency, leases, backpressure, grace).
     worker_id: the name in leases and logs (default host-pid-random).
+
+  Raises:
+    ValueError: no tasks, or a bad config field.
   """
 
   def __init__(self, queue: RolloutQueue, tasks: Sequence[Task], episode: EpisodeFn,
@@ -121,8 +132,9 @@ class RolloutWorker:
     self.counters[name] = self.counters.get(name, 0) + n
 
   def task_for(self, draw: int) -> Task:
-    """The task of a draw: draw d is task `task_order(T, d // T)[d % T]` (epoch by epoch,
-    shuffled per epoch).
+    """The task of a draw.
+
+    Draw d is task `task_order(T, d // T)[d % T]`: epoch by epoch, shuffled per epoch.
 
     Args:
       draw: the draw number.
@@ -281,12 +293,17 @@ class RolloutWorker:
 
 
 class WorkerThread:
-  """A RolloutWorker on its own event loop in a daemon thread: the trainer's in-process mode
-  (with an InMemoryQueue, or Redis), while the trainer's own thread stays synchronous.
+  """A RolloutWorker on its own event loop in a daemon thread.
+
+  This is the trainer's in-process mode (with an InMemoryQueue, or Redis), while the trainer's
+  own thread stays synchronous.
 
       thread = WorkerThread(RolloutWorker(queue, tasks, episode, config)).start()
       ... queue.get_batch(...) in the trainer loop ...
       stats = thread.stop()   # graceful: finished trajectories are still delivered
+
+  Args:
+    worker: the worker to run.
   """
 
   def __init__(self, worker: RolloutWorker):

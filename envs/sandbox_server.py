@@ -51,7 +51,13 @@ log = logging.getLogger("arbor.sandbox_server")
 
 
 class HTTPError(Exception):
-  """An error reply: HTTP `status`, a message and an error type name for the client."""
+  """An error reply.
+
+  Args:
+    status: the HTTP status.
+    message: the reply's "error".
+    type_: the reply's "type": the exception name the client raises (see `envs.sandbox.remote`).
+  """
   def __init__(self, status: int, message: str, type_: str = "HTTPError"):
     super().__init__(message)
     self.status, self.type = status, type_
@@ -95,6 +101,9 @@ class SandboxService:
     warm: sandboxes kept created ahead of demand.
     max_timeout: the largest exec timeout, seconds.
     backend_kw: keyword arguments of the backend's `create`.
+
+  Raises:
+    ValueError: max_sandboxes < 1, or warm outside 0..max_sandboxes.
   """
 
   def __init__(self, backend: str, *, max_sandboxes: int, limits: Limits, ttl: float = 3600.0,
@@ -119,7 +128,15 @@ class SandboxService:
     self._bg = self.run(self._start_background(), timeout=10)
 
   def run(self, coro, timeout: Optional[float] = None):
-    """Runs a coroutine on the service loop from another thread and returns its result."""
+    """Runs a coroutine on the service loop from another thread and waits for it.
+
+    Args:
+      coro: the coroutine.
+      timeout: seconds to wait; None: no limit.
+
+    Returns:
+      The coroutine's result (its exception is raised here).
+    """
     return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
   async def _start_background(self):
@@ -202,7 +219,13 @@ class SandboxService:
     return dataclasses.replace(self.limits, **values)
 
   async def create(self, limits: Limits) -> str:
-    """A new live sandbox (a warm one when the limits match); returns its id.
+    """Makes a new live sandbox, taking a warm one when the limits match.
+
+    Args:
+      limits: checked by `check_limits`.
+
+    Returns:
+      The sandbox's id.
 
     Raises:
       SandboxFull: max_sandboxes are live.
@@ -237,7 +260,20 @@ class SandboxService:
     return e
 
   async def use(self, sid: str, method: str, *args, **kw):
-    """Calls `method` of sandbox `sid` with the arguments (it counts as busy meanwhile)."""
+    """Calls a method of a live sandbox; meanwhile the sandbox is busy (never reaped).
+
+    Args:
+      sid: the sandbox's id.
+      method: a `Sandbox` method name (exec, write_file, read_file, list_files).
+      *args: its positional arguments.
+      **kw: its keyword arguments.
+
+    Returns:
+      What the method returns.
+
+    Raises:
+      HTTPError: 404 when the sandbox is unknown or closed.
+    """
     e = self.entry(sid)
     e.busy += 1
     e.last_used = time.monotonic()
@@ -434,6 +470,9 @@ def make_server(service: SandboxService, token: str, host: str = "127.0.0.1", po
 
   Returns:
     The server.
+
+  Raises:
+    ValueError: a short token, only one of tls_cert/tls_key, or a non-loopback host without TLS.
   """
   if len(token) < 16:
     raise ValueError("token: expected at least 16 characters")

@@ -52,7 +52,11 @@ RESUME_TEMPLATE = "{task}\n\nYou have already worked on this task. Your summary 
 
 @dataclasses.dataclass(frozen=True)
 class ScaffoldConfig:
-  """Settings of the react scaffold (validated at construction; errors name the field)."""
+  """Settings of the react scaffold, validated at construction.
+
+  Raises:
+    ValueError: naming the field whose value is out of range.
+  """
 
   system_prompt: str = DEFAULT_SYSTEM_PROMPT  # system message; the chat format adds the tools
   max_turns: int = 30                 # agent turns (policy calls other than summaries)
@@ -129,8 +133,11 @@ def scaffold_config_from_flags(args: argparse.Namespace) -> ScaffoldConfig:
 
 @dataclasses.dataclass
 class EpisodeResult:
-  """What an episode did. `messages` is a readable transcript of every context (assistant
-  turns as parsed, tool results as shown); `calls` is the exact record for training."""
+  """What an episode did.
+
+  `messages` is a readable transcript of every context (assistant turns as parsed, tool
+  results as shown); `calls` is the exact record for training.
+  """
 
   calls: list[LLMCall]
   termination: str                      # one of envs.trajectory.TERMINATIONS
@@ -300,6 +307,9 @@ async def run_episode(policy: Policy, sandbox: Sandbox, task_prompt: str, tools:
 
   Returns:
     What the episode did: the calls, the termination and a readable transcript.
+
+  Raises:
+    ValueError: two tools share a name.
   """
   config = config or ScaffoldConfig()
   names = [t.name for t in tools]
@@ -330,6 +340,11 @@ class ScriptedPolicy:
   one (a solver that reacts to observations). The turn is tokenized with the chat format as a
   sampler would emit it, cut to `max_tokens` (finish "length"), with fake log-probs.
   `requests` keeps every (input_ids, params) received.
+
+  Args:
+    chat: tokenizes the turns.
+    turns: the script, one entry per call.
+    policy_version: reported with every generation.
   """
 
   def __init__(self, chat: ChatFormat, turns: Sequence[Turn], policy_version: int = 0):

@@ -217,6 +217,7 @@ def generate(level: int, seed: int, index: int) -> GeneratedTask:
     The generated task (not yet written).
 
   Raises:
+    ValueError: level is not one of LEVELS.
     RuntimeError: no valid task within 100 draws (never seen in practice).
   """
   if level not in LEVELS:
@@ -432,8 +433,21 @@ def split_of(g: GeneratedTask) -> str:
 
 
 class SplitStream:
-  """Generator indices of one split, in order: position p is the p-th task of (level, seed)
-  whose `split_of` is `split` (`unique`: the p-th distinct program). Walks lazily; cached."""
+  """Generator indices of one split, in order, found lazily and cached.
+
+  `stream[p]` is the index of the p-th task of (level, seed) whose `split_of` is `split` (with
+  `unique`: of the p-th distinct program).
+
+  Args:
+    level: difficulty, one of LEVELS.
+    seed: the generator seed.
+    split: "train" or "eval".
+    unique: skip tasks whose program (`task_key`) was already taken.
+    max_draws: generator indices walked at most; asking past them raises ValueError.
+
+  Raises:
+    ValueError: split is not one of SPLITS.
+  """
 
   def __init__(self, level: int, seed: int, split: str, unique: bool = False,
                max_draws: int = 20_000):
@@ -481,6 +495,9 @@ def write_tasks(out_dir: str, n: int, level: int, seed: int, start: int = 0,
 
   Returns:
     The tasks, as loaded from the written file.
+
+  Raises:
+    ValueError: n < 1, a bad level or split, or the split has too few tasks.
   """
   if n < 1:
     raise ValueError(f"n={n!r}: expected >= 1")

@@ -102,8 +102,11 @@ class Task:
 
 
 def pytest_command(test_command: str) -> tuple[str, list[str]]:
-  """(python, args) of "PYTHON -m pytest ARGS" or "pytest ARGS" (python3); ValueError naming
-  the value for anything else."""
+  """Returns (python, args) of "PYTHON -m pytest ARGS" or "pytest ARGS" (python3).
+
+  Raises:
+    ValueError: naming the value, for any other command.
+  """
   try:
     words = shlex.split(test_command)
   except ValueError as e:
@@ -217,7 +220,15 @@ def default_test_command(test_ids: Iterable[str]) -> str:
 
 
 def swe_task_from_dict(d: Mapping, base_dir: str = ".") -> Task:
-  """A "swe" Task from one SWE-format record; ValueError naming the field."""
+  """Returns the "swe" Task of one SWE-format record (see the module docstring).
+
+  Args:
+    d: the record; fields that are not Task fields go to the task's `metadata`.
+    base_dir: what relative `repo_path` and `rootfs` are resolved against.
+
+  Raises:
+    ValueError: naming the field that is missing or malformed.
+  """
   if not isinstance(d, Mapping):
     raise ValueError(f"expected a JSON object, got {type(d).__name__}")
   instance_id = _get(d, "instance_id", str)
@@ -255,7 +266,11 @@ def swe_task_from_dict(d: Mapping, base_dir: str = ".") -> Task:
 
 
 def problem_task_from_dict(d: Mapping) -> Task:
-  """A "code" / "exact" / "judge" Task from one problem record; ValueError naming the field."""
+  """Returns the "code" / "exact" / "judge" Task of one problem record.
+
+  Raises:
+    ValueError: naming the field that is missing or malformed.
+  """
   if not isinstance(d, Mapping):
     raise ValueError(f"expected a JSON object, got {type(d).__name__}")
   instance_id = _get(d, "id", str, None) or _get(d, "instance_id", str)
@@ -336,10 +351,16 @@ def _load(path: str, parse, skip_bad: bool, errors: Optional[list]) -> list[Task
 
 def load_swe_jsonl(path: str, skip_bad: bool = False,
                    errors: Optional[list] = None) -> list[Task]:
-  """Tasks of a SWE-format JSONL file; relative `repo_path`s are resolved against its dir.
+  """Returns the tasks of a SWE-format JSONL file, in file order.
 
-  A bad line raises TaskFormatError("FILE:LINE: field 'NAME': ..."); with `skip_bad=True` it is
-  logged, appended to `errors` if given, and skipped.
+  Args:
+    path: the file; relative `repo_path`s are resolved against its directory.
+    skip_bad: log and skip a bad line instead of raising.
+    errors: when given, the skipped lines' errors are appended to it.
+
+  Raises:
+    TaskFormatError: "FILE:LINE: field 'NAME': ..." for a bad line or a repeated instance_id
+      (unless skip_bad).
   """
   base = os.path.dirname(os.path.abspath(path))
   return _load(path, lambda d: swe_task_from_dict(d, base), skip_bad, errors)
@@ -347,12 +368,24 @@ def load_swe_jsonl(path: str, skip_bad: bool = False,
 
 def load_problems_jsonl(path: str, skip_bad: bool = False,
                         errors: Optional[list] = None) -> list[Task]:
-  """Tasks of a problem JSONL file (code / exact / judge); errors as in `load_swe_jsonl`."""
+  """Returns the tasks of a problem JSONL file (code / exact / judge), in file order.
+
+  Args:
+    path: the file.
+    skip_bad: log and skip a bad line instead of raising TaskFormatError (`load_swe_jsonl`).
+    errors: when given, the skipped lines' errors are appended to it.
+  """
   return _load(path, problem_task_from_dict, skip_bad, errors)
 
 
 def load_tasks(path: str, skip_bad: bool = False, errors: Optional[list] = None) -> list[Task]:
-  """Either format, decided per line: a line with FAIL_TO_PASS is a SWE task."""
+  """Returns the tasks of a JSONL file of either format: a line with FAIL_TO_PASS is SWE.
+
+  Args:
+    path: the file; relative `repo_path`s are resolved against its directory.
+    skip_bad: log and skip a bad line instead of raising TaskFormatError (`load_swe_jsonl`).
+    errors: when given, the skipped lines' errors are appended to it.
+  """
   base = os.path.dirname(os.path.abspath(path))
 
   def parse(d):
@@ -363,7 +396,12 @@ def load_tasks(path: str, skip_bad: bool = False, errors: Optional[list] = None)
 
 
 def task_to_swe_dict(task: Task, repo_path: Optional[str] = None) -> dict:
-  """The SWE-format record of a "swe" task (inverse of `swe_task_from_dict`)."""
+  """Returns the SWE-format record of a "swe" task (inverse of `swe_task_from_dict`).
+
+  Args:
+    task: the task; its metadata fields are written back as record fields.
+    repo_path: the record's repo_path; None: the task's.
+  """
   d = dict(task.metadata)
   d.update(instance_id=task.instance_id, repo_path=repo_path or task.repo_path,
            problem_statement=task.problem_statement,
@@ -397,8 +435,14 @@ def _check_rel(path: str, where: str) -> str:
 def load_repo_files(task_or_path) -> dict[str, bytes]:
   """The snapshot's regular files as {relative path: bytes} (caches and .git left out).
 
-  Accepts a Task or a path to a directory or a .tar / .tar.gz / .tgz archive. Symlinks and
-  special files are skipped: the sandbox file API writes regular files only.
+  Symlinks and special files are skipped: the sandbox file API writes regular files only.
+
+  Args:
+    task_or_path: a Task, or a path to a directory or a .tar / .tar.gz / .tgz archive.
+
+  Raises:
+    ValueError: the task has no repository, the path is neither a directory nor a tar archive,
+      or an archive member has an unsafe path.
   """
   path = task_or_path.repo_path if isinstance(task_or_path, Task) else task_or_path
   if path is None:
@@ -431,9 +475,14 @@ def load_repo_files(task_or_path) -> dict[str, bytes]:
 
 
 def make_patch(old: Mapping[str, bytes], new: Mapping[str, bytes]) -> str:
-  """A unified diff (git-style a/ b/ paths) turning the `old` files into the `new` files.
+  """Returns a unified diff (git-style a/ b/ paths) turning the `old` files into the `new` ones.
 
-  Files that are not UTF-8 text are left out (with a warning): diffs carry text only.
+  Files that are not UTF-8 text are left out (with a warning): diffs carry text only. No
+  change gives "".
+
+  Args:
+    old: {relative path: content} before.
+    new: {relative path: content} after.
   """
   out = []
   for path in sorted(set(old) | set(new)):
@@ -473,10 +522,18 @@ def _diff_path(header: str) -> Optional[str]:
 
 
 def apply_patch(files: Mapping[str, bytes], patch: str) -> dict[str, bytes]:
-  """`files` with the unified diff applied (new dict). ValueError if a hunk does not match.
+  """Returns `files` with a unified diff applied (a new dict; `files` is not modified).
 
   Strict: context and removed lines must match exactly; a hunk may sit at another line than
   its header says (as `patch` allows offsets) but there is no fuzz.
+
+  Args:
+    files: {relative path: content}.
+    patch: the unified diff.
+
+  Raises:
+    ValueError: a malformed or unsafe patch, a hunk that does not match, a missing source file
+      or a created file that already exists.
   """
   out = dict(files)
   lines = patch.splitlines(keepends=True)

@@ -24,6 +24,8 @@ UNITS = ("chars", "tokens")
 
 @dataclasses.dataclass
 class ToolResult:
+  """What one tool call gives back to the agent."""
+
   output: str                      # what the model sees
   error: bool = False              # the call could not be carried out as asked
   submitted: bool = False          # the agent declared it is done (`submit`)
@@ -43,7 +45,15 @@ class Tool:
                                              "parameters": self.parameters}}
 
   async def run(self, sandbox: Sandbox, **args) -> ToolResult:
-    """Run with arguments already checked against `parameters`."""
+    """Runs the tool.
+
+    Args:
+      sandbox: the workspace the tool acts on.
+      **args: the call's arguments, already checked against `parameters`.
+
+    Returns:
+      The result; a mistake of the model is a result with error=True, not an exception.
+    """
     raise NotImplementedError
 
 
@@ -53,7 +63,15 @@ def _obj(properties: dict, required: Sequence[str] = ()) -> dict:
 
 
 def format_exec(result: ExecResult, timeout: float) -> str:
-  """Output of a command for the model: stdout, stderr, and how it ended."""
+  """Formats a command's result for the model: stdout, stderr, and how it ended.
+
+  Args:
+    result: what the command did.
+    timeout: the command's timeout in seconds, shown when it timed out.
+
+  Returns:
+    The text, ending with "[exit code N]" or "[timed out after T s]".
+  """
   parts = []
   if result.stdout:
     parts.append(result.stdout.rstrip("\n"))
@@ -67,6 +85,12 @@ def format_exec(result: ExecResult, timeout: float) -> str:
 
 
 class Bash(Tool):
+  """Runs a shell command in the workspace.
+
+  Args:
+    timeout: seconds a command may run: the default, and the most a call may ask for.
+  """
+
   name = "bash"
   description = ("Run a shell command (/bin/sh -c) in the repository root and return its output "
                  "and exit code. No network. Each call starts a fresh shell.")
@@ -80,6 +104,16 @@ class Bash(Tool):
     }, ["command"])
 
   async def run(self, sandbox, command: str, timeout: Optional[int] = None) -> ToolResult:
+    """Runs a command with `/bin/sh -c` in the workspace root.
+
+    Args:
+      sandbox: the workspace.
+      command: the command line.
+      timeout: seconds, at most the tool's timeout (the schema's maximum); None: the tool's.
+
+    Returns:
+      The `format_exec` text.
+    """
     timeout = float(timeout or self.timeout)
     return ToolResult(format_exec(await sandbox.exec(command, timeout=timeout), timeout))
 
@@ -96,6 +130,8 @@ def _numbered(lines: Sequence[str], first: int) -> str:
 
 
 class ReadFile(Tool):
+  """Shows a text file, or a range of its lines, with line numbers."""
+
   name = "read_file"
   description = ("Read a text file of the repository, or the lines start_line..end_line of it "
                  "(1-based, inclusive). Lines are shown with their numbers.")
@@ -107,6 +143,18 @@ class ReadFile(Tool):
 
   async def run(self, sandbox, path: str, start_line: int = 1,
                 end_line: Optional[int] = None) -> ToolResult:
+    """Reads lines start_line..end_line of a file.
+
+    Args:
+      sandbox: the workspace.
+      path: workspace-relative path.
+      start_line: first line shown, 1-based.
+      end_line: last line shown, inclusive (past the end: the end); None: the end.
+
+    Returns:
+      The numbered lines, headed "[lines a-b of n]" when not the whole file; error=True for a
+      binary file or a range outside the file.
+    """
     data = await sandbox.read_file(path)
     text = _text(data)
     if text is None:
@@ -127,6 +175,8 @@ class ReadFile(Tool):
 
 
 class WriteFile(Tool):
+  """Creates or overwrites a file."""
+
   name = "write_file"
   description = "Create or overwrite a file of the repository with the given content."
   parameters = _obj({
@@ -135,6 +185,16 @@ class WriteFile(Tool):
   }, ["path", "content"])
 
   async def run(self, sandbox, path: str, content: str) -> ToolResult:
+    """Creates or overwrites a file.
+
+    Args:
+      sandbox: the workspace.
+      path: workspace-relative path.
+      content: the whole new content.
+
+    Returns:
+      How many bytes were written; error=True above the sandbox's `limits.file_bytes`.
+    """
     size, limit = len(content.encode()), sandbox.limits.file_bytes
     if size > limit:
       return ToolResult(f"content is {size} bytes, more than the {limit} bytes a file may have",
@@ -144,6 +204,8 @@ class WriteFile(Tool):
 
 
 class StrReplace(Tool):
+  """Replaces the one occurrence of a text in a file, and shows the edited lines."""
+
   name = "str_replace"
   description = ("Edit a file: replace the one occurrence of old_str (exact text, whitespace "
                  "included) with new_str. old_str must occur exactly once; add surrounding "
@@ -157,6 +219,18 @@ class StrReplace(Tool):
   context_lines = 3  # lines shown around the edit
 
   async def run(self, sandbox, path: str, old_str: str, new_str: str) -> ToolResult:
+    """Replaces `old_str` by `new_str` in a file.
+
+    Args:
+      sandbox: the workspace.
+      path: workspace-relative path.
+      old_str: exact text that must occur exactly once.
+      new_str: the replacement.
+
+    Returns:
+      The edited lines with `context_lines` around them, numbered; error=True for a binary file
+      or when old_str occurs zero or several times (their lines are named).
+    """
     text = _text(await sandbox.read_file(path))
     if text is None:
       return ToolResult(f"{path} is a binary file", error=True)
@@ -183,6 +257,13 @@ class StrReplace(Tool):
 
 
 class Search(Tool):
+  """Greps the workspace's text files for an extended regular expression.
+
+  Args:
+    timeout: seconds a search may run.
+    max_matches: matching lines returned at most (the rest are counted).
+  """
+
   name = "search"
   description = ("Search the repository's text files for a regular expression (grep -E); "
                  "returns matching lines as path:line:text.")
@@ -196,6 +277,17 @@ class Search(Tool):
     self.max_matches = max_matches  # lines returned at most
 
   async def run(self, sandbox, pattern: str, path: str = ".") -> ToolResult:
+    """Searches text files for a pattern.
+
+    Args:
+      sandbox: the workspace.
+      pattern: an extended regular expression (grep -E).
+      path: workspace-relative file or directory to search.
+
+    Returns:
+      Matching lines as path:line:text, at most `max_matches`; error=True on timeout or a
+      grep error.
+    """
     cmd = (f"grep -rnHIE --color=never --exclude-dir=.git -e {shlex.quote(pattern)} -- "
            f"{shlex.quote(path)}")
     r = await sandbox.exec(cmd, timeout=self.timeout)
@@ -212,6 +304,13 @@ class Search(Tool):
 
 
 class RunTests(Tool):
+  """Runs the task's test command.
+
+  Args:
+    command: the test command, run from the repository root.
+    timeout: seconds the tests may run.
+  """
+
   name = "run_tests"
   description = "Run the task's tests and return their output."
 
@@ -220,24 +319,45 @@ class RunTests(Tool):
     self.timeout = timeout
 
   async def run(self, sandbox) -> ToolResult:
+    """Runs the test command; returns its `format_exec` text."""
     return ToolResult(format_exec(await sandbox.exec(self.command, timeout=self.timeout),
                                   self.timeout))
 
 
 class Submit(Tool):
+  """Ends the episode: the agent declares the task done."""
+
   name = "submit"
   description = ("Finish: call when the task is done. Your changes to the repository are what "
                  "gets evaluated; `answer` is for tasks that ask for one.")
   parameters = _obj({"answer": {"type": "string", "description": "final answer, if asked"}})
 
   async def run(self, sandbox, answer: Optional[str] = None) -> ToolResult:
+    """Marks the episode submitted.
+
+    Args:
+      sandbox: unused.
+      answer: the agent's final answer, for tasks that ask for one; None: none.
+
+    Returns:
+      A result with submitted=True.
+    """
     return ToolResult("submitted", submitted=True, answer=answer)
 
 
 def default_tools(test_command: Optional[str] = None, *, timeout: float = 60.0,
                   test_timeout: float = 300.0) -> list[Tool]:
-  """bash, read_file, write_file, str_replace, search, run_tests (when the task has a test
-  command) and submit."""
+  """The standard tool set.
+
+  Args:
+    test_command: the task's test command; None or "": no run_tests tool.
+    timeout: bash's timeout, seconds.
+    test_timeout: run_tests' timeout, seconds.
+
+  Returns:
+    bash, read_file, write_file, str_replace, search, run_tests (when there is a test command)
+    and submit.
+  """
   tools = [Bash(timeout), ReadFile(), WriteFile(), StrReplace(), Search()]
   if test_command:
     tools.append(RunTests(test_command, test_timeout))
@@ -245,8 +365,21 @@ def default_tools(test_command: Optional[str] = None, *, timeout: float = 60.0,
 
 
 def truncate(text: str, budget: Optional[int], unit: str = "chars", tokenizer=None) -> str:
-  """`text` cut to `budget` characters or tokens (its head and tail halves, with a marker
-  between them saying how much was cut); None: no limit."""
+  """Cuts text to a budget, keeping its head and tail halves.
+
+  Args:
+    text: the text.
+    budget: characters or tokens kept at most; None: no limit.
+    unit: "chars" or "tokens".
+    tokenizer: encodes and decodes the text when unit is "tokens".
+
+  Returns:
+    The text itself if within budget, else its head and tail with a marker between them saying
+    how much was cut.
+
+  Raises:
+    ValueError: an unknown unit, or unit "tokens" without a tokenizer.
+  """
   if unit not in UNITS:
     raise ValueError(f"unit={unit!r}: expected one of {UNITS}")
   if budget is None:
@@ -270,8 +403,24 @@ def truncate(text: str, budget: Optional[int], unit: str = "chars", tokenizer=No
 async def call_tool(tools: Union[Sequence[Tool], Mapping[str, Tool]], sandbox: Sandbox,
                     name: str, arguments: Any, *, max_output: Optional[int] = None,
                     unit: str = "chars", tokenizer=None) -> ToolResult:
-  """Validate and run one call; the output is truncated to `max_output` `unit`s. Raises only
-  SandboxError (the sandbox failed); the model's mistakes come back as error results."""
+  """Validates and runs one tool call.
+
+  Args:
+    tools: the tools, as a list or by name.
+    sandbox: the workspace the tool acts on.
+    name: the called tool.
+    arguments: the call's decoded arguments (checked against the tool's schema).
+    max_output: the output's budget (see `truncate`); None: no limit.
+    unit: "chars" or "tokens".
+    tokenizer: needed when unit is "tokens".
+
+  Returns:
+    The result; the model's mistakes (unknown tool, bad arguments, missing file, path outside
+    the workspace...) come back as error=True results.
+
+  Raises:
+    SandboxError: the sandbox itself failed.
+  """
   by_name = tools if isinstance(tools, Mapping) else {t.name: t for t in tools}
   error = check_call(name, arguments, list(by_name.values()))
   if error:

@@ -20,11 +20,18 @@ TERMINATIONS = ("submitted", "max_turns", "token_budget", "timeout", "sandbox_er
 class LLMCall:
   """One request to the policy, exactly as the engine saw it.
 
-  input_ids: [n_in] the rendered context. output_ids / output_logprobs: [n_out] the sampled
-  tokens and the sampler's log-probs of them. policy_version: the version that produced the
-  first sampled token (the oldest one: an in-flight weight update can only make later tokens
-  newer); token_versions: optional [n_out] version of every sampled token. meta: JSON-like
-  extras, e.g. {"tool_error": True} when the call's tool call failed (error-masked SFT).
+  Attributes:
+    input_ids: [n_in] the rendered context.
+    output_ids: [n_out] the sampled tokens.
+    output_logprobs: [n_out] the sampler's log-probs of them.
+    policy_version: the version that produced the first sampled token (the oldest one: an
+      in-flight weight update can only make later tokens newer).
+    token_versions: optional [n_out] version of every sampled token.
+    meta: JSON-like extras, e.g. {"tool_error": True} when the call's tool call failed
+      (error-masked SFT).
+
+  Raises:
+    ValueError: output_logprobs or token_versions do not have n_out entries.
   """
 
   input_ids: list[int]
@@ -50,6 +57,9 @@ class Trajectory:
   `trajectory_id` is unique per episode (the trainer records consumed ids in its checkpoint so
   a re-delivered trajectory is never trained twice); `group_id` names the G episodes sampled
   for one task (normally `f"{task_id}/{draw}"`).
+
+  Raises:
+    ValueError: termination is not one of TERMINATIONS.
   """
 
   calls: list[LLMCall]
@@ -71,19 +81,26 @@ class Trajectory:
     return min((c.policy_version for c in self.calls), default=0)
 
   def to_dict(self) -> dict:
+    """The record as plain dicts and lists (calls included)."""
     return dataclasses.asdict(self)
 
   @classmethod
   def from_dict(cls, d: dict) -> "Trajectory":
+    """Inverse of `to_dict`."""
     calls = [LLMCall(**c) for c in d["calls"]]
     return cls(**{**d, "calls": calls})
 
   def to_bytes(self) -> bytes:
+    """The record serialised with msgpack."""
     return msgpack.packb(self.to_dict(), use_bin_type=True)
 
   @classmethod
   def from_bytes(cls, data: bytes) -> "Trajectory":
-    """Inverse of `to_bytes`; raises ValueError on anything that is not a trajectory record."""
+    """Inverse of `to_bytes`.
+
+    Raises:
+      ValueError: the bytes are not a trajectory record.
+    """
     try:
       d = msgpack.unpackb(data, raw=False, strict_map_key=True)
       return cls.from_dict(d)

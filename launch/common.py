@@ -159,7 +159,19 @@ def write_script(directory: str, name: str, script: str) -> str:
 
 
 def check_name(flag: str, value: str) -> str:
-  """Returns `value` if it is a GCE/TPU resource name (an RFC 1035 label)."""
+  """Checks a GCE/TPU resource name (an RFC 1035 label).
+
+  Args:
+    flag: the flag or config field it came from.
+    value: the name: lower-case letters, digits and dashes, starting with a letter, at most 63
+      characters.
+
+  Returns:
+    `value`.
+
+  Raises:
+    LaunchError: not a resource name.
+  """
   if not _NAME_RE.match(value or ""):
     raise LaunchError(f"{flag}={value!r}: expected a resource name of lower-case letters, digits "
                       "and dashes, starting with a letter, at most 63 characters")
@@ -167,7 +179,18 @@ def check_name(flag: str, value: str) -> str:
 
 
 def check_not_placeholder(flag: str, value: str) -> str:
-  """Returns `value` unless it holds the examples' `/path/to/` (a value still to be filled in)."""
+  """Checks that a value does not hold the examples' `/path/to/` (a value still to be filled in).
+
+  Args:
+    flag: the flag or config field it came from.
+    value: the value (None counts as "").
+
+  Returns:
+    `value`.
+
+  Raises:
+    LaunchError: `value` contains PLACEHOLDER.
+  """
   if PLACEHOLDER in (value or ""):
     how = f" (--{flag}=...)" if flag.startswith("config.") else ""
     raise LaunchError(f"{flag}={value!r}: a placeholder; give the real path{how}")
@@ -180,7 +203,18 @@ def is_gcs(value: str) -> bool:
 
 
 def check_gcs(flag: str, value: str) -> str:
-  """Returns a gs://BUCKET/PATH URL without trailing slashes (VMs cannot see this disk)."""
+  """Checks a gs://BUCKET/PATH URL (VMs cannot see this machine's disk).
+
+  Args:
+    flag: the flag or config field it came from.
+    value: the URL: a valid bucket name and a non-empty path, no whitespace, no placeholder.
+
+  Returns:
+    The URL without trailing slashes.
+
+  Raises:
+    LaunchError: not such a URL.
+  """
   check_not_placeholder(flag, value)
   bucket, _, path = (value or "").removeprefix("gs://").partition("/")
   if (not (value or "").startswith("gs://") or not _BUCKET_RE.match(bucket)
@@ -193,7 +227,18 @@ def check_gcs(flag: str, value: str) -> str:
 
 
 def check_project(flag: str, value: str) -> str:
-  """Returns `value` if it is a Google Cloud project id (e.g. my-project-123)."""
+  """Checks a Google Cloud project id (e.g. my-project-123).
+
+  Args:
+    flag: the flag or config field it came from.
+    value: the project id (an optional "domain:" prefix allowed).
+
+  Returns:
+    `value`.
+
+  Raises:
+    LaunchError: not a project id.
+  """
   if not _PROJECT_RE.match(value or ""):
     raise LaunchError(f"{flag}={value!r}: expected a project id (6-30 lower-case letters, "
                       "digits and dashes, starting with a letter)")
@@ -201,7 +246,18 @@ def check_project(flag: str, value: str) -> str:
 
 
 def check_zone(flag: str, value: str) -> str:
-  """Returns `value` if it is a Compute Engine zone (e.g. us-east5-a)."""
+  """Checks a Compute Engine zone (e.g. us-east5-a).
+
+  Args:
+    flag: the flag or config field it came from.
+    value: the zone, REGION-LETTER.
+
+  Returns:
+    `value`.
+
+  Raises:
+    LaunchError: not a zone.
+  """
   if not _ZONE_RE.match(value or ""):
     raise LaunchError(f"{flag}={value!r}: expected a zone such as us-east5-a")
   return value
@@ -356,7 +412,7 @@ def split_config_arg(config: str) -> tuple[str, Optional[str]]:
 
 
 def check_shipped(flag: str, value: str, *, file_only: bool = False) -> str:
-  """Returns a path inside the repository, relative to its root (it ships with the code).
+  """Checks a path inside the repository, relative to its root (it ships with the code).
 
   Remote machines run the code in the unpacked source tree, so a relative path means the same
   file there as here; a file git ignores does not ship.
@@ -365,6 +421,9 @@ def check_shipped(flag: str, value: str, *, file_only: bool = False) -> str:
     flag: the flag or config field it came from.
     value: the path, relative to the repository root.
     file_only: a directory is refused.
+
+  Returns:
+    The path, normalised, relative to the repository root.
 
   Raises:
     LaunchError: a path outside the repository, missing, or ignored by git.
@@ -390,9 +449,20 @@ def check_shipped(flag: str, value: str, *, file_only: bool = False) -> str:
 
 
 def check_config_path(flag: str, config: str) -> str:
-  """Returns configs/NAME.py[:ARG], relative to the repository root, if the file is inside it.
+  """Checks a config argument configs/NAME.py[:ARG] whose file is inside the repository.
 
   The config must live in the repository because it ships with the code.
+
+  Args:
+    flag: the flag it came from.
+    config: the config file, relative to the repository root (or absolute, inside it),
+      optionally followed by `:ARG`.
+
+  Returns:
+    The config argument with its path relative to the repository root.
+
+  Raises:
+    LaunchError: not a .py file, outside the repository, or missing.
   """
   path, _ = split_config_arg(config or "")
   if not path.endswith(".py"):

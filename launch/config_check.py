@@ -279,9 +279,14 @@ def check_mesh(cfg: ml_collections.ConfigDict, chips: int, tpu_flag: str) -> Non
   `mesh` holds one size per axis (data, fsdp, tensor, expert), -1 for the remaining devices:
   the product of the fixed sizes must divide the devices (equal them without a -1).
 
+  Args:
+    cfg: the config with its overrides (a demo's stages are each checked).
+    chips: the slice's chip count.
+    tpu_flag: the flag naming the slice, for the error message.
+
   Raises:
-    LaunchError: a mesh that does not fit; the message names the field, its values and the
-      slice.
+    LaunchError: a mesh that does not fit, or `data.rows_per_batch` not a multiple of data x
+      fsdp; the message names the field, its values and the slice.
   """
   for prefix, stage in _stages(cfg):
     mesh = stage.get("mesh")
@@ -308,7 +313,15 @@ def check_mesh(cfg: ml_collections.ConfigDict, chips: int, tpu_flag: str) -> Non
 
 
 def check_workdir(flag: str, value: Optional[str], remote: bool) -> str:
-  """Returns a run's workdir: gs://BUCKET/PATH, or (unless `remote`) a local directory.
+  """Checks a run's workdir: gs://BUCKET/PATH, or (unless `remote`) a local directory.
+
+  Args:
+    flag: the flag it came from.
+    value: the workdir; None or "" is refused.
+    remote: the run is on remote machines, which can only reach gs://.
+
+  Returns:
+    The workdir (a gs:// URL without trailing slashes).
 
   Raises:
     LaunchError: missing, a placeholder, a malformed gs:// URL, a local path for a remote

@@ -63,9 +63,19 @@ CHATS = ("chatml", "qwen2.5", "deepseek_v3", "plain")
 
 
 def check_redis_url(flag: str, url: str, allow_plaintext: bool) -> str:
-  """Returns a redis:// or rediss:// URL without credentials (an error never echoes them).
+  """Checks a redis:// or rediss:// URL without credentials (an error never echoes them).
 
-  Plaintext redis:// must go to a loopback host unless `allow_plaintext`.
+  Args:
+    flag: the flag it came from.
+    url: the queue's URL.
+    allow_plaintext: let plaintext redis:// go to a non-loopback host (a trusted private
+      network); otherwise only rediss:// may.
+
+  Returns:
+    `url`.
+
+  Raises:
+    LaunchError: a malformed URL, credentials in it, or plaintext to a non-loopback host.
   """
   parts = common.check_url(flag, url, ("redis", "rediss"),
                            "Secret Manager (--redis_password_secret) or a file "
@@ -77,7 +87,18 @@ def check_redis_url(flag: str, url: str, allow_plaintext: bool) -> str:
 
 
 def check_http_url(flag: str, url: str) -> str:
-  """Returns an http(s)://HOST:PORT URL without credentials, without trailing slashes."""
+  """Checks an http(s)://HOST:PORT URL without credentials.
+
+  Args:
+    flag: the flag it came from.
+    url: the URL.
+
+  Returns:
+    The URL without trailing slashes.
+
+  Raises:
+    LaunchError: a malformed URL, another scheme, or credentials in it.
+  """
   common.check_url(flag, url, ("http", "https"), "the token flags")
   return url.rstrip("/")
 
@@ -177,6 +198,12 @@ def boot_script(f: Fleet) -> str:
   """The startup-script metadata of every fleet VM: code, install, secrets, two units.
 
   It names Secret Manager secrets and never holds a value.
+
+  Args:
+    f: the fleet.
+
+  Returns:
+    The bash script.
   """
   sec = common.SECRETS_DIR
   data: list[str] = []
@@ -246,12 +273,28 @@ def _proj(f: Fleet) -> str:
 
 
 def upload_command(f: Fleet, tarball: str) -> Command:
-  """Copies the source tarball to `f.code_url`."""
+  """Copies the source tarball to `f.code_url`.
+
+  Args:
+    f: the fleet.
+    tarball: the local source tarball.
+
+  Returns:
+    The gcloud storage cp command.
+  """
   return Command(("gcloud", "storage", "cp", tarball, f.code_url), "ship the working tree")
 
 
 def template_command(f: Fleet, script_path: str) -> Command:
-  """Creates the instance template: private VMs that boot with the script at `script_path`."""
+  """Creates the instance template: private VMs that boot with the script at `script_path`.
+
+  Args:
+    f: the fleet (machine type, image, network, service account, spot).
+    script_path: the local boot script file (`boot_script`).
+
+  Returns:
+    The gcloud command.
+  """
   argv = ["gcloud", "compute", "instance-templates", "create", f.template, _proj(f),
           f"--machine-type={f.machine_type}", f"--image-family={f.image_family}",
           f"--image-project={f.image_project}", f"--boot-disk-size={f.boot_disk_gb}GB",
@@ -278,7 +321,16 @@ def group_command(f: Fleet) -> Command:
 
 
 def launch_commands(f: Fleet, script_path: str, tarball: str) -> list[Command]:
-  """The commands of one launch, in order: upload, template, group."""
+  """The commands of one launch, in order: upload, template, group.
+
+  Args:
+    f: the fleet.
+    script_path: the local boot script file.
+    tarball: the local source tarball.
+
+  Returns:
+    The three commands.
+  """
   return [upload_command(f, tarball), template_command(f, script_path), group_command(f)]
 
 

@@ -147,13 +147,30 @@ class LocalFleet:
   # The command lines (secrets only as file names)
 
   def redis_conf(self, port: int | str, password: str) -> str:
-    """redis-server's config: loopback only, AUTH with `password`, append-only file in `dir`."""
+    """redis-server's config: loopback only, AUTH with `password`, append-only file in `dir`.
+
+    Args:
+      port: the port (a number, or the PLAN_* placeholder of `plan`).
+      password: the AUTH password (written to a 0600 file only).
+
+    Returns:
+      The config file's text.
+    """
     return "\n".join(["bind 127.0.0.1", f"port {port}", "protected-mode yes",
                       f"requirepass {password}", f"dir {self.dir or PLAN_DIR}",
                       "appendonly yes", 'save ""', "daemonize no", ""])
 
   def sandbox_argv(self, i: int, port_file: str, token_file: str) -> list[str]:
-    """Sandbox server i: loopback, a free port it writes to `port_file`, its own uid range."""
+    """Sandbox server i's command line: loopback, a free port, its own uid range.
+
+    Args:
+      i: the server's number (picks its uid range).
+      port_file: where the server writes the port it bound.
+      token_file: the file holding the token clients must send.
+
+    Returns:
+      The argv (the token only as a file name).
+    """
     argv = [self.python, "-m", "envs.sandbox_server", "--host", "127.0.0.1", "--port", "0",
             "--port_file", port_file, "--token-file", token_file,
             "--backend", self.sandbox_backend, "--max_sandboxes", str(self.max_sandboxes),
@@ -164,7 +181,18 @@ class LocalFleet:
 
   def worker_argv(self, i: int, redis_url: str, password_file: str, sandbox_url: str,
                   token_file: str) -> list[str]:
-    """Rollout worker `local-<i>`, on the sandbox server at `sandbox_url`."""
+    """Rollout worker `local-<i>`'s command line, on the sandbox server at `sandbox_url`.
+
+    Args:
+      i: the worker's number.
+      redis_url: the queue's redis:// URL.
+      password_file: the file holding the Redis password.
+      sandbox_url: the worker's sandbox server.
+      token_file: the file holding the sandbox server's token.
+
+    Returns:
+      The argv (secrets only as file names).
+    """
     argv = [self.python, "-m", "envs.rollout_worker", "--policy_url", self.policy_url,
             "--queue", redis_url, "--queue_password_file", password_file,
             "--queue_prefix", self.queue_prefix, "--tasks", self.tasks,
@@ -319,8 +347,9 @@ class LocalFleet:
     return None
 
   def stop(self, keep_dir: bool = False) -> None:
-    """Stops every process: SIGTERM in reverse start order (workers, sandbox servers, Redis),
-    then SIGKILL for whatever outlives its grace.
+    """Stops every process, in reverse start order (workers, sandbox servers, Redis).
+
+    SIGTERM first, then SIGKILL for whatever outlives its grace.
 
     Args:
       keep_dir: keep the directory with the logs and secret files.

@@ -260,6 +260,12 @@ def boot_script(job: Job) -> str:
   """The startup-script metadata: code, install, secrets, wrapper, unit; idempotent.
 
   Every worker runs it at every boot; it names secrets and never holds one.
+
+  Args:
+    job: the job.
+
+  Returns:
+    The bash script.
   """
   q = shlex.quote
   if job.git_url:
@@ -314,13 +320,29 @@ def _where(job: Job) -> list[str]:
 
 
 def upload_command(job: Job, tarball: str) -> Command:
-  """Copies the source tarball to `job.code_url`."""
+  """Copies the source tarball to `job.code_url`.
+
+  Args:
+    job: the job.
+    tarball: the local source tarball.
+
+  Returns:
+    The gcloud storage cp command.
+  """
   return Command(("gcloud", "storage", "cp", tarball, job.code_url),
                  "ship the working tree (git-tracked + untracked, not ignored)")
 
 
 def create_command(job: Job, script_path: str) -> Command:
-  """Creates the queued resource whose VMs boot with the script at `script_path`."""
+  """Creates the queued resource whose VMs boot with the script at `script_path`.
+
+  Args:
+    job: the job (slice, runtime version, spot, service account, network).
+    script_path: the local boot script file (`boot_script`).
+
+  Returns:
+    The gcloud command.
+  """
   argv = ["gcloud", "compute", "tpus", "queued-resources", "create", job.name,
           f"--node-id={job.name}", f"--accelerator-type={job.slice.accelerator_type}",
           f"--runtime-version={job.runtime_version or job.slice.generation.runtime_version}",
@@ -349,7 +371,17 @@ def describe_command(job: Job) -> Command:
 
 
 def ssh_command(job: Job, worker: str, command: str, why: str) -> Command:
-  """Runs a shell command on one worker ("0", "1", ...) or on "all"."""
+  """Runs a shell command on one TPU worker or on all of them.
+
+  Args:
+    job: the job.
+    worker: "0", "1", ... or "all".
+    command: the shell command run there.
+    why: the command's description, printed with it.
+
+  Returns:
+    The gcloud ssh command.
+  """
   return Command(("gcloud", "compute", "tpus", "tpu-vm", "ssh", job.name, *_where(job),
                   f"--worker={worker}", f"--command={command}"), why)
 
@@ -363,7 +395,15 @@ def start_command(job: Job) -> Command:
 
 
 def logs_command(job: Job, worker: str = "0") -> Command:
-  """Streams a worker's trainer log until the trainer exits, then its exit status."""
+  """Streams a worker's trainer log until the trainer exits, then its exit status.
+
+  Args:
+    job: the job.
+    worker: the worker whose log is streamed ("all" for every one).
+
+  Returns:
+    The gcloud ssh command.
+  """
   tail = (f"pid=$(systemctl show -p MainPID --value {UNIT}); "
           f"if [ \"$pid\" -gt 0 ]; then sudo tail -n +1 -F --pid=\"$pid\" {LOG}; "
           f"else sudo cat {LOG}; fi; "
@@ -412,7 +452,15 @@ def state(job: Job) -> str:
 
 
 def wait_active(job: Job, poll_s: float = 30.0) -> str:
-  """Polls the state every `poll_s` seconds until ACTIVE or lost; returns that state."""
+  """Polls the queued resource's state until it is ACTIVE or lost.
+
+  Args:
+    job: the job.
+    poll_s: seconds between polls.
+
+  Returns:
+    "ACTIVE", or the lost state (one of LOST_STATES).
+  """
   while True:
     s = state(job)
     print(f"launch.tpu: {job.name} is {s}", flush=True)
@@ -507,7 +555,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def default_name(config: Optional[str], tpu: str) -> str:
-  """arbor-<config file name>-<accelerator type>, made a valid resource name."""
+  """Makes the default resource name arbor-<config file name>-<accelerator type>.
+
+  Args:
+    config: configs/NAME.py[:ARG], or None ("run").
+    tpu: the accelerator type, e.g. v5p-128.
+
+  Returns:
+    A valid resource name (lower case, dashes, at most 63 characters).
+  """
   base = os.path.splitext(os.path.basename(common.split_config_arg(config or "run")[0]))[0]
   name = re.sub(r"[^a-z0-9-]+", "-", f"arbor-{base}-{tpu}".lower()).strip("-")
   return name[:63].rstrip("-")

@@ -122,7 +122,16 @@ def expand(axes: Sequence[tuple[str, Sequence[str]]], shared: Sequence[str],
 
 
 def job_argv(config: str, job: SweepJob, python: str = sys.executable) -> list[str]:
-  """The trainer's command line for one job."""
+  """The trainer's command line for one job.
+
+  Args:
+    config: configs/NAME.py[:ARG].
+    job: the sweep job (its overrides and workdir).
+    python: the interpreter that runs trainer.main.
+
+  Returns:
+    The argv.
+  """
   return [python, "-m", "trainer.main", f"--config={config}", *job.overrides,
           f"--workdir={job.workdir}"]
 

@@ -92,8 +92,19 @@ class GQA(nnx.Module):
       self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
   def init_cache(self, batch: int, capacity: int) -> dict:
-    """k [batch, kv_heads, capacity, head_dim], v [batch, kv_heads, head_dim, capacity]: the
-    layouts the two attention matmuls read without transposing the cache every decode step."""
+    """Allocates this layer's empty KV cache.
+
+    The layouts are those the two attention matmuls read without transposing the cache every
+    decode step.
+
+    Args:
+      batch: cache rows.
+      capacity: token slots per row.
+
+    Returns:
+      {"k": [batch, kv_heads, capacity, head_dim], "v": [batch, kv_heads, head_dim, capacity]}
+      zeros in the compute dtype.
+    """
     kvh, hd, dt = self.cfg.num_kv_heads, self.cfg.head_dim, dtype_of(self.cfg)
     return {"k": jnp.zeros((batch, kvh, capacity, hd), dt),
             "v": jnp.zeros((batch, kvh, hd, capacity), dt)}
@@ -103,7 +114,8 @@ class GQA(nnx.Module):
 
     Args:
       x: [batch, seq, hidden] normed input.
-      cos, sin: rotary tables of x's positions (`models.rope.cos_sin`).
+      cos: rotary cosine table of x's positions (`models.rope.cos_sin`).
+      sin: the matching sine table.
       end: [batch, seq] tree-rule ends; ignored (may be None) with a cache.
       cache: this layer's cache from `init_cache`, or None.
       index: [batch] cache slot of each row's first token (with a cache).
@@ -162,7 +174,16 @@ class MLA(nnx.Module):
     self.o_proj = Dense((h, cfg.v_head_dim), (d,), ("heads", "kv"), ("embed",), cfg)
 
   def init_cache(self, batch: int, capacity: int) -> dict:
-    """c_kv [batch, capacity, kv_lora_rank] and k_rope [batch, capacity, qk_rope_head_dim]."""
+    """Allocates this layer's empty latent cache.
+
+    Args:
+      batch: cache rows.
+      capacity: token slots per row.
+
+    Returns:
+      {"c_kv": [batch, capacity, kv_lora_rank], "k_rope": [batch, capacity, qk_rope_head_dim]}
+      zeros in the compute dtype.
+    """
     cfg = self.cfg
     return {"c_kv": jnp.zeros((batch, capacity, cfg.kv_lora_rank), dtype_of(cfg)),
             "k_rope": jnp.zeros((batch, capacity, cfg.qk_rope_head_dim), dtype_of(cfg))}

@@ -52,8 +52,10 @@ class CachePool:
     self._tick = 0
 
   def reset(self) -> None:
-    """Zeroed caches and every row empty (after a failed call that may have consumed the
-    donated caches)."""
+    """Zeroes the caches and empties every row.
+
+    Called after a failed call that may have consumed the donated caches.
+    """
     self.caches = self._init_cache()
     self.length[:] = 0
     self.version[:] = -1
@@ -152,7 +154,12 @@ class CachePool:
       todo = [item for item in todo if item[2] < len(item[1])]
 
   def record(self, row: int, seq: np.ndarray) -> None:
-    """Note that `row` now holds seq[:-1] (after a decode call wrote its new tokens)."""
+    """Notes that `row` now holds seq[:-1] (after a decode call wrote its new tokens).
+
+    Args:
+      row: the cache row.
+      seq: [n] int32, the row's whole sequence; its last token is not yet in the cache.
+    """
     start = self.length[row]
     self.tokens[row, start:len(seq) - 1] = seq[start:-1]
     self.length[row] = len(seq) - 1

@@ -71,7 +71,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperatur
     model: a Transformer.
     prompts: token ids of each prompt (non-empty).
     max_new_tokens: tokens to generate per prompt.
-    temperature, top_k, top_p: sampling settings (see `sample`).
+    temperature: sampling temperature; 0 = greedy (see `sample`).
+    top_k: keep the k most likely tokens; 0 = off.
+    top_p: nucleus mass kept; 1 = off.
     seed: PRNG seed.
     eos_id: cut each row after this token.
 

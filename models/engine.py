@@ -294,9 +294,12 @@ class Engine:
 
   @property
   def counters(self) -> dict[str, int]:
-    """prefill_tokens (real tokens prefilled), prefill_padded_tokens, prefill_calls,
-    decode_calls, decode_steps, decoded_tokens, cache_hits (requests that reused a prefix),
-    reused_tokens, row_copies, evictions, finished, resubmitted, updates."""
+    """A snapshot of the engine's counters.
+
+    prefill_tokens (real tokens prefilled), prefill_padded_tokens, prefill_calls, decode_calls,
+    decode_steps, decoded_tokens, cache_hits (requests that reused a prefix), reused_tokens,
+    row_copies, evictions, finished, resubmitted, updates.
+    """
     with self._lock:
       return dict(self._counters)
 
@@ -386,8 +389,14 @@ class Engine:
     return _Request(ids.astype(np.int32), p, seed)
 
   def step(self) -> bool:
-    """One scheduling round: apply a pending weight update, admit queued requests into free
-    slots (prefill), then one decode call. Returns whether there was anything to do."""
+    """Runs one scheduling round.
+
+    Applies a pending weight update, admits queued requests into free slots (prefill), then runs
+    one decode call.
+
+    Returns:
+      Whether there was anything to do.
+    """
     with self._lock:
       self._queue.extend(self._incoming)
       self._incoming.clear()

@@ -81,7 +81,20 @@ def load(path: str | os.PathLike, dtype: Optional[str] = None, **overrides) -> T
 
 def load_with_stats(path: str | os.PathLike, dtype: Optional[str] = None,
                     **overrides) -> tuple[Transformer, LoadStats]:
-  """`load`, also returning counts of what was read (`LoadStats`)."""
+  """Runs `load`, also returning counts of what was read.
+
+  Args:
+    path: the HF checkpoint directory (see `load`).
+    dtype: compute dtype (`ModelConfig.dtype`); None keeps the default (float32).
+    **overrides: further ModelConfig fields.
+
+  Returns:
+    (the model, its `LoadStats`).
+
+  Raises:
+    CheckpointError: a tensor is missing, misshapen or unexpected for the config.
+    ValueError: the config describes something Arbor does not model.
+  """
   path = os.fspath(path)
   hf_config = read_hf_config(path)
   cfg = config_from_hf(hf_config)
@@ -233,7 +246,22 @@ def config_from_json(d: dict) -> ModelConfig:
 
 
 def import_hf(hf_dir: str, out: str, dtype: Optional[str] = None) -> dict:
-  """HF directory -> `out/state` (orbax) + `out/model_config.json` (+ tokenizer files)."""
+  """Converts an HF directory to an Arbor checkpoint: `out/state` (orbax) + `out/model_config.json`.
+
+  The tokenizer files and the config's token ids go to `out/hf_extra/`, for `export_hf` and the
+  tokenizer loaders.
+
+  Args:
+    hf_dir: the HF checkpoint directory (see `load`).
+    out: the output directory (created; must not hold a state already).
+    dtype: compute dtype recorded in the config; None keeps the default.
+
+  Returns:
+    {"tensors", "scales", "skipped_mtp", "params", "extra_files", "load_s", "total_s"}.
+
+  Raises:
+    CheckpointError: a tensor is missing, misshapen or unexpected for the config.
+  """
   t0 = time.time()
   model, stats = load_with_stats(hf_dir, dtype)
   t_load = time.time() - t0
@@ -268,7 +296,16 @@ def restore(ckpt: str) -> Transformer:
 
 
 def export_hf(ckpt: str, out: str, dtype: str = "float32") -> dict:
-  """`import_hf` output -> HF directory loadable by `transformers.AutoModelForCausalLM`."""
+  """Converts an `import_hf` output to an HF directory loadable by `AutoModelForCausalLM`.
+
+  Args:
+    ckpt: the directory written by `import_hf`; its hf_extra/ files are copied along.
+    out: the output HF directory.
+    dtype: the stored weights' dtype ("float32", "bfloat16", ...).
+
+  Returns:
+    {"tensors", "params", "extra_files", "total_s"}.
+  """
   t0 = time.time()
   model = restore(ckpt)
   extra, copied = {}, []

@@ -124,10 +124,17 @@ def _check_full_attention(hf: dict, arch: str) -> None:
 
 
 def config_from_hf(hf_config: dict) -> ModelConfig:
-  """A ModelConfig from an HF `config.json` dict (see the module docstring for the families).
+  """Builds a ModelConfig from an HF `config.json` dict (see the module docstring for the families).
 
-  Raises ValueError naming the architecture and field for anything Arbor does not model
-  (other architectures, sliding windows, unknown RoPE types, DeepSeek attention bias, ...).
+  Args:
+    hf_config: the parsed config.json.
+
+  Returns:
+    The ModelConfig.
+
+  Raises:
+    ValueError: naming the architecture and field for anything Arbor does not model (other
+      architectures, sliding windows, unknown RoPE types, DeepSeek attention bias, ...).
   """
   hf = hf_config
   family = family_of(hf)
@@ -249,6 +256,15 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
   RoPE is written both ways: `rope_parameters` (transformers 5.x) and `rope_theta` +
   `rope_scaling` (4.x; `None` for default RoPE).
+
+  Args:
+    cfg: the model config.
+
+  Returns:
+    The config.json dict.
+
+  Raises:
+    ValueError: `cfg` has a setting no supported HF family can express.
   """
   family = family_of_config(cfg)
   if cfg.yarn_mscale_all_dim and family != "deepseek_v3":
@@ -313,8 +329,17 @@ def read_hf_config(path: str | os.PathLike) -> dict:
 
 
 def fp8_block_size(hf_config: dict) -> int:
-  """Block size of FP8 `weight_scale_inv` scales (`quantization_config.weight_block_size`,
-  128 when absent); other quantisation methods are rejected."""
+  """Block size of FP8 `weight_scale_inv` scales.
+
+  Args:
+    hf_config: the HF config.json dict (`quantization_config.weight_block_size`).
+
+  Returns:
+    The square block size; 128 when absent (also without a quantization_config).
+
+  Raises:
+    ValueError: a quantisation method other than FP8 with block scales, or non-square blocks.
+  """
   qc = hf_config.get("quantization_config")
   if not qc:
     return 128

@@ -44,7 +44,15 @@ class Entry:
     return tuple(arbor_shape)
 
   def to_arbor(self, w: np.ndarray, arbor_shape: tuple[int, ...]) -> np.ndarray:
-    """The HF tensor `w` in the Arbor layout `arbor_shape`."""
+    """Reshapes the HF tensor `w` into the Arbor layout.
+
+    Args:
+      w: the HF tensor ([out, in] for "linear", transposed here).
+      arbor_shape: the shape of the Arbor slice.
+
+    Returns:
+      `w` as an array of `arbor_shape`.
+    """
     return (w.T if self.kind == "linear" else w).reshape(arbor_shape)
 
   def to_hf(self, a: np.ndarray) -> np.ndarray:
@@ -91,7 +99,15 @@ _EXPERT = (("gate_proj", ("mlp", "gate_proj")), ("up_proj", ("mlp", "up_proj")),
 
 
 def layer_entries(cfg: ModelConfig, layer: int) -> Iterator[Entry]:
-  """The entries of HF decoder layer `layer` for the family of `cfg` (both directions)."""
+  """Lists the entries of one HF decoder layer for the family of `cfg` (both directions).
+
+  Args:
+    cfg: the model config (its family, attention and MoE options pick the tables).
+    layer: the HF layer number; layers >= `num_dense_layers` map into the MoE stack.
+
+  Yields:
+    One `Entry` per tensor, routed experts last (one per expert and projection).
+  """
   moe = layer >= cfg.num_dense_layers
   stack, i = ("moe_layers", layer - cfg.num_dense_layers) if moe else ("dense_layers", layer)
   family = family_of_config(cfg)

@@ -27,6 +27,8 @@ def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array | None,
   """Choose experts for each token.
 
   Args:
+    cfg: the model config (`score_func`, `n_group`, `topk_group`, `experts_per_token`,
+      `norm_topk_prob`, `routed_scaling_factor`).
     logits: [tokens, experts] fp32 router logits.
     bias: [experts] selection bias, or None.
     expert_ids: [tokens, k] given choices (routing replay); None = choose.

@@ -202,19 +202,33 @@ def count_params(cfg: ModelConfig, include_buffers: bool = False) -> int:
       kv_a_layernorm [kv_lora]; kv_b_proj [kv_lora, heads*(nope+v)]; o_proj [heads*v, hidden];
   then the MLP — dense layers 3*hidden*intermediate; MoE layers a router [hidden, experts], each
   routed expert 3*hidden*moe_intermediate and the shared experts 3*hidden*moe_intermediate each.
-  No projection has a bias except the GQA q/k/v biases.
+  No projection has a bias except the GQA q/k/v biases. RoPE tables are not counted.
 
-  The aux-loss-free router bias (`e_score_correction_bias`, [experts] per MoE layer) is state,
-  not a trained parameter: it is counted only with `include_buffers=True`. Checkpoints store it,
-  so checkpoint tensor counts match `include_buffers=True`. RoPE tables are not counted.
+  Args:
+    cfg: the model config.
+    include_buffers: also count the aux-loss-free router bias (`e_score_correction_bias`,
+      [experts] per MoE layer), which is state, not a trained parameter. Checkpoints store it,
+      so checkpoint tensor counts match `include_buffers=True`.
+
+  Returns:
+    The number of scalar parameters.
   """
   return _count(cfg, cfg.num_experts, include_buffers)
 
 
 def count_active_params(cfg: ModelConfig, include_buffers: bool = False) -> int:
-  """Parameters one token passes through: as `count_params`, with `experts_per_token` routed
-  experts per MoE layer instead of all of them. Embedding and lm_head count in full, the
-  convention behind the DeepSeek-V3 and Qwen3 model cards' figures (the Moonlight report leaves
-  embeddings out). Equal to `count_params` for dense models.
+  """Parameters one token passes through.
+
+  As `count_params`, with `experts_per_token` routed experts per MoE layer instead of all of
+  them. Embedding and lm_head count in full, the convention behind the DeepSeek-V3 and Qwen3
+  model cards' figures (the Moonlight report leaves embeddings out). Equal to `count_params` for
+  dense models.
+
+  Args:
+    cfg: the model config.
+    include_buffers: also count the router bias (see `count_params`).
+
+  Returns:
+    The number of scalar parameters.
   """
   return _count(cfg, cfg.experts_per_token if cfg.is_moe else 0, include_buffers)

@@ -82,7 +82,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool) 
 
   Args:
     x: [batch, seq, heads, dim].
-    cos, sin: [batch, seq, dim // 2] from `cos_sin`.
+    cos: [batch, seq, dim // 2] from `cos_sin`.
+    sin: [batch, seq, dim // 2] from `cos_sin`.
     interleaved: False rotates (x[i], x[i + dim/2]) pairs (Qwen / Llama layout); True rotates
       (x[2i], x[2i+1]) pairs (DeepSeek weights).
 

@@ -106,7 +106,16 @@ def prefill(graphdef, state, pool: dict, rows: jax.Array, tokens: jax.Array,
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def copy_row(pool: dict, src: jax.Array, dst: jax.Array) -> dict:
-  """The pool (donated) with row `src` copied to row `dst`."""
+  """Copies cache row `src` to row `dst` (prefix reuse) in the donated pool.
+
+  Args:
+    pool: decode caches [pool_rows, ...] (donated).
+    src: int32 [] the row copied.
+    dst: int32 [] the row overwritten.
+
+  Returns:
+    The new pool.
+  """
   TRACES["copy"] += 1
   return jax.tree.map(lambda a: a.at[dst].set(a[src]), pool)
 
@@ -133,7 +142,9 @@ def decode(graphdef, k: int, top_n: int, experts: bool, state, pool, rows, token
     active: whether the slot decodes.
     counts: tokens generated so far.
     limits: tokens to generate at most.
-    temperature, top_k, top_p: sampling settings (see `sample`).
+    temperature: sampling temperature; 0 = greedy (see `sample`).
+    top_k: keep the k most likely tokens; 0 = off.
+    top_p: nucleus mass kept; 1 = off.
     seeds: uint32 per-request seeds.
     stop_ids: [slots, max_stop_token_ids] stop token ids (-1 = none).
     max_steps: steps to run at most (<= k).

@@ -55,7 +55,12 @@ class LayerInputs(NamedTuple):
 
 
 class Block(nnx.Module):
-  """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)) (dense or MoE)."""
+  """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)) (dense or MoE).
+
+  Args:
+    cfg: the model config (`attention` picks MLA or GQA).
+    moe: a MoE block (else a dense SwiGLU MLP of `intermediate_size`).
+  """
 
   def __init__(self, cfg: ModelConfig, moe: bool):
     self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -106,6 +111,10 @@ class Transformer(nnx.Module):
   `stacked=False` keeps each layer as its own Block in an `nnx.List`, applied by a Python loop
   (made with `unstack`, for decoding: a scanned stack copies every layer's weights and cache
   slice on each step on CPU; compile time then grows with depth, and `remat` is not applied).
+
+  Args:
+    cfg: the model config.
+    stacked: hold each stack's layers as one Block with a leading `layers` axis (scanned).
   """
 
   def __init__(self, cfg: ModelConfig, stacked: bool = True):

@@ -93,9 +93,16 @@ def _valid(valid, shape) -> Array:
 
 
 def same_group(group: Array, valid: Array) -> Array:
-  """[S, S] bool: same[i, j] = sequences i and j share a group and j is valid.
+  """Same-group matrix [S, S] bool: sequences i and j share a group and j is valid.
 
   Row i selects the members that define i's group statistics (i itself only if valid).
+
+  Args:
+    group: [S] int group ids.
+    valid: [S] bool.
+
+  Returns:
+    [S, S] bool.
   """
   return (group[:, None] == group[None, :]) & valid[None, :]
 
@@ -123,7 +130,19 @@ def _group_stats(rewards: Array, same: Array):
 
 
 def group_mean(values, group, valid=None) -> Array:
-  """[S]: mean of `values` [S] over the valid members of each sequence's group (0 if none)."""
+  """Mean of `values` over the valid members of each sequence's group.
+
+  Args:
+    values: [S] float.
+    group: [S] int group ids.
+    valid: [S] bool, or None (all valid).
+
+  Returns:
+    [S] f32, 0 for a sequence whose group has no valid member.
+
+  Raises:
+    ValueError: for mismatched shapes or non-integer group ids.
+  """
   return _group_mean(*_seq_inputs(values, group, valid))
 
 
@@ -137,11 +156,26 @@ def _group_mean(values, group, valid):
 
 
 def grpo(rewards, group, valid=None, eps: float = 1e-6) -> Array:
-  """GRPO: A_i = (R_i - mean_g) / (std_g + eps), population std over the group's valid members.
+  """GRPO advantage: A_i = (R_i - mean_g) / (std_g + eps).
 
-  rewards [S] float, group [S] int, valid [S] bool or None -> [S] f32.
+  mean_g and the population std_g are over the valid members of i's group.
   Decision: a group with std 0 (all rewards equal, or a single member) gets A = 0 exactly,
   not (R - mean)/eps, which would amplify float rounding of the mean to O(1e-2).
+
+  Args:
+    rewards: [S] float.
+    group: [S] int group ids.
+    valid: [S] bool, or None (all valid); invalid sequences get 0.
+    eps: >= 0, added to the std.
+
+  Returns:
+    [S] f32 advantages.
+
+  Raises:
+    ValueError: for mismatched shapes, non-integer group ids or eps < 0.
+
+  References:
+    DeepSeekMath (GRPO).
   """
   _check_number("eps", eps, low=0.0)
   return _grpo(*_seq_inputs(rewards, group, valid), eps)
@@ -155,9 +189,23 @@ def _grpo(rewards, group, valid, eps):
 
 
 def dr_grpo(rewards, group, valid=None) -> Array:
-  """Dr. GRPO (mean-only baseline): A_i = R_i - mean_g. [S] -> [S] f32.
+  """Dr. GRPO advantage (mean-only baseline): A_i = R_i - mean_g.
 
   No std division (it up-weights near-constant groups). Constant groups give exactly 0.
+
+  Args:
+    rewards: [S] float.
+    group: [S] int group ids.
+    valid: [S] bool, or None (all valid); invalid sequences get 0.
+
+  Returns:
+    [S] f32 advantages.
+
+  Raises:
+    ValueError: for mismatched shapes or non-integer group ids.
+
+  References:
+    Dr. GRPO.
   """
   return _dr_grpo(*_seq_inputs(rewards, group, valid))
 
@@ -169,9 +217,20 @@ def _dr_grpo(rewards, group, valid):
 
 
 def rloo(rewards, group, valid=None) -> Array:
-  """RLOO: A_i = R_i - (1/(n-1)) sum_{j != i} R_j over the group's valid members. [S] -> [S] f32.
+  """RLOO advantage: A_i = R_i - (1/(n-1)) sum_{j != i} R_j over the group's valid members.
 
   A group of one has no "others": A = 0 (as for constant groups).
+
+  Args:
+    rewards: [S] float.
+    group: [S] int group ids.
+    valid: [S] bool, or None (all valid); invalid sequences get 0.
+
+  Returns:
+    [S] f32 advantages.
+
+  Raises:
+    ValueError: for mismatched shapes or non-integer group ids.
   """
   return _rloo(*_seq_inputs(rewards, group, valid))
 
@@ -188,12 +247,24 @@ def reinforce_pp_baseline(rewards, group, valid=None, eps: float = 1e-6,
                           weights=None) -> Array:
   """REINFORCE++-baseline: group-centre the rewards, then whiten over the whole batch.
 
-  c_i = R_i - mean_g;  A_i = (c_i - m) / (s + eps), with m, s the mean and population std of c
-  over all valid sequences of the batch (each weighted by `weights` [S], default 1; pass token
-  counts to reproduce OpenRLHF, which whitens over tokens, i.e. length-weighted).
-  rewards [S], group [S], valid [S] or None -> [S] f32.
+  c_i = R_i - mean_g;  A_i = (c_i - m) / (s + eps), with m, s the (weighted) mean and
+  population std of c over all valid sequences of the batch.
   Decision: sequences of constant groups keep A = 0 (with unit weights m = 0, so this only
   removes rounding; with other weights it keeps "no signal from a zero-variance group").
+
+  Args:
+    rewards: [S] float.
+    group: [S] int group ids.
+    valid: [S] bool, or None (all valid); invalid sequences get 0.
+    eps: >= 0, added to s.
+    weights: [S] weight of each sequence in m and s, or None (1 each); pass token counts to
+      reproduce OpenRLHF, which whitens over tokens, i.e. length-weighted.
+
+  Returns:
+    [S] f32 advantages.
+
+  Raises:
+    ValueError: for mismatched shapes, non-integer group ids or eps < 0.
   """
   _check_number("eps", eps, low=0.0)
   rewards, group, valid = _seq_inputs(rewards, group, valid)
@@ -225,9 +296,20 @@ ADVANTAGES: dict[str, Callable[..., Array]] = {
 
 
 def compute(name: str, rewards, group, valid=None, **kwargs) -> Array:
-  """The `name` estimator of ADVANTAGES on (rewards [S], group [S], valid [S]) -> [S] f32.
+  """The `name` estimator of `ADVANTAGES` on per-sequence rewards.
 
-  kwargs go to the estimator (e.g. eps for grpo).
+  Args:
+    name: a key of `ADVANTAGES`.
+    rewards: [S] float.
+    group: [S] int group ids.
+    valid: [S] bool, or None (all valid); invalid sequences get 0.
+    **kwargs: the estimator's options (e.g. eps for grpo).
+
+  Returns:
+    [S] f32 advantages.
+
+  Raises:
+    ValueError: for an unknown name, or the estimator's own input checks.
   """
   if name not in ADVANTAGES:
     raise ValueError(f"unknown advantage estimator name={name!r}; valid names: "
@@ -249,11 +331,25 @@ def kat_rescale(advantages, group, entropy, *, difficulty_coef: float, entropy_c
   mean_j the mean over its group (more exploratory trajectories weigh more). Both factors are
   clamped at 0 so a large coefficient can never flip an advantage's sign.
 
-  advantages [S] f32 (e.g. from `grpo`), group [S] int, entropy [S] f32; success is either
-  `success` [S] (bool or 0/1) or `rewards` [S] > threshold (exactly one of the two).
-  difficulty_coef = λ >= 0, entropy_coef = μ >= 0 (the report gives no values: choose them).
-  valid [S] bool or None: invalid sequences are excluded from all means and get 0.
-  Returns [S] f32.
+  Args:
+    advantages: [S] f32, e.g. from `grpo`.
+    group: [S] int group ids.
+    entropy: [S] f32, each trajectory's mean token entropy H_ij.
+    difficulty_coef: λ >= 0 (the report gives no values: choose them).
+    entropy_coef: μ >= 0.
+    rewards: [S] float; success is rewards > threshold. Pass exactly one of rewards and
+      success.
+    success: [S] bool or 0/1.
+    threshold: the success threshold on `rewards`.
+    valid: [S] bool, or None (all valid); invalid sequences are excluded from all means and
+      get 0.
+
+  Returns:
+    [S] f32 rescaled advantages.
+
+  Raises:
+    ValueError: for a negative coefficient, mismatched shapes, or not exactly one of rewards
+      and success.
   """
   _check_number("difficulty_coef", difficulty_coef, low=0.0)
   _check_number("entropy_coef", entropy_coef, low=0.0)
@@ -297,9 +393,18 @@ def resum_broadcast(traj_values, segment_traj, traj_ids=None) -> Array:
   With context summarisation one trajectory is trained as several segments (sequences). Compute
   rewards/advantages once per *trajectory* (so a trajectory with more segments does not weigh
   more in its group's statistics), then broadcast them here.
-  traj_values [N] f32; segment_traj [S] int trajectory id of each segment; traj_ids [N] int the
-  ids of traj_values (default: positions 0..N-1; ids should be unique, else the first matches).
-  Returns [S] f32; a segment whose id matches no trajectory gets 0.
+
+  Args:
+    traj_values: [N] f32, one value per trajectory.
+    segment_traj: [S] int trajectory id of each segment.
+    traj_ids: [N] int ids of traj_values, or None (positions 0..N-1); ids should be unique,
+      else the first match wins.
+
+  Returns:
+    [S] f32; 0 for a segment whose id matches no trajectory.
+
+  Raises:
+    ValueError: for inputs that are not 1-D, or traj_ids of another shape than traj_values.
   """
   traj_values = _as(traj_values, f32)
   segment_traj = _as(segment_traj)
@@ -328,9 +433,18 @@ def _resum_broadcast(traj_values, segment_traj, traj_ids):
 def returns_to_go(turn_rewards, gamma: float = 1.0, turn_valid=None) -> Array:
   """Discounted return-to-go per turn: G_k = sum_{k' >= k} γ^(k'-k) r_k'.
 
-  turn_rewards [S, K] f32 (per-turn or per-step rewards; put a terminal reward on the last real
-  turn), turn_valid [S, K] bool or None (padding turns: reward ignored, return 0).
-  Returns [S, K] f32. gamma in [0, 1].
+  Args:
+    turn_rewards: [S, K] f32 per-turn (or per-step) rewards; put a terminal reward on the last
+      real turn.
+    gamma: the discount γ in [0, 1].
+    turn_valid: [S, K] bool, or None (all valid); padding turns: reward ignored, return 0.
+
+  Returns:
+    [S, K] f32 returns.
+
+  Raises:
+    ValueError: for gamma outside [0, 1], turn_rewards not [S, K], or turn_valid of another
+      shape.
   """
   _check_number("gamma", gamma, low=0.0, high=1.0)
   turn_rewards = _as(turn_rewards, f32)
@@ -354,9 +468,16 @@ def _returns_to_go(turn_rewards, gamma, turn_valid):
 def turn_broadcast(turn_values, turn_id, mask=None) -> Array:
   """Per-token values from per-turn values: out[s, t] = turn_values[s, turn_id[s, t]].
 
-  turn_values [S, K] f32; turn_id [S, T] int (or float, as `SeqBatch.turn`) = the call that
-  produced each token; mask [S, T] (nonzero = real token) or None.
-  Returns [S, T] f32; 0 where masked or where turn_id is outside [0, K).
+  Args:
+    turn_values: [S, K] f32.
+    turn_id: [S, T] int (or float, as `SeqBatch.turn`), the call that produced each token.
+    mask: [S, T], nonzero = real token, or None (all real).
+
+  Returns:
+    [S, T] f32; 0 where masked or where turn_id is outside [0, K).
+
+  Raises:
+    ValueError: for turn_values not [S, K], or turn_id or mask not [S, T].
   """
   turn_values = _as(turn_values, f32)
   turn_id = _as(turn_id)
@@ -382,15 +503,38 @@ def per_turn_advantages(turn_rewards, turn_id, gamma: float = 1.0, mask=None,
                         turn_valid=None) -> Array:
   """Per-token advantage = return-to-go of the token's turn (no baseline subtracted).
 
-  turn_rewards [S, K], turn_id [S, T], mask [S, T] or None, turn_valid [S, K] or None
-  -> [S, T] f32. See `returns_to_go` and `turn_broadcast`; subtract a baseline (e.g. a group
-  mean of the per-turn returns) before calling if one is wanted.
+  See `returns_to_go` and `turn_broadcast`; subtract a baseline (e.g. a group mean of the
+  per-turn returns) before calling if one is wanted.
+
+  Args:
+    turn_rewards: [S, K] f32 per-turn rewards.
+    turn_id: [S, T] int, the turn of each token.
+    gamma: the discount in [0, 1].
+    mask: [S, T], nonzero = real token, or None.
+    turn_valid: [S, K] bool, or None (all turns real).
+
+  Returns:
+    [S, T] f32 advantages.
+
+  Raises:
+    ValueError: as `returns_to_go` and `turn_broadcast`.
   """
   return turn_broadcast(returns_to_go(turn_rewards, gamma, turn_valid), turn_id, mask)
 
 
 def broadcast(seq_values, mask) -> Array:
-  """[S] per-sequence values -> [S, T] per-token: seq_values[s] where mask[s, t] != 0, else 0."""
+  """Per-token values from per-sequence values: seq_values[s] where mask[s, t] != 0, else 0.
+
+  Args:
+    seq_values: [S] f32.
+    mask: [S, T].
+
+  Returns:
+    [S, T] f32.
+
+  Raises:
+    ValueError: unless seq_values is [S] and mask [S, T].
+  """
   seq_values = _as(seq_values, f32)
   mask = _as(mask)
   if seq_values.ndim != 1 or mask.ndim != 2 or mask.shape[0] != seq_values.shape[0]:
@@ -413,7 +557,20 @@ def overlong_penalty(lengths, max_len: int = 20480, cache_len: int = 4096) -> Ar
 
   R_len = 0 if L <= L_max - L_c;  ((L_max - L_c) - L) / L_c if L_max - L_c < L <= L_max;
   -1 if L > L_max. Linear from 0 to -1 across the cache zone. Paper: L_max 20480, L_c 4096.
-  lengths [S] int (response tokens) -> [S] f32. Requires 0 < cache_len <= max_len.
+
+  Args:
+    lengths: [S] int response lengths L in tokens.
+    max_len: L_max > 0.
+    cache_len: L_c, 0 < L_c <= max_len.
+
+  Returns:
+    [S] f32 penalties in [-1, 0].
+
+  Raises:
+    ValueError: for max_len <= 0 or cache_len outside (0, max_len].
+
+  References:
+    DAPO.
   """
   _check_number("max_len", max_len, low=0.0, low_open=True)
   _check_number("cache_len", cache_len, low=0.0, high=max_len if isinstance(
@@ -431,9 +588,20 @@ def _overlong_penalty(length, max_len, cache_len):
 def cap_step_rewards(step_rewards, cap, step_valid=None) -> Array:
   """Rescale each trajectory's step rewards so that |sum over steps| <= cap.
 
-  step_rewards [S, K] f32; cap scalar or [S] (>= 0); step_valid [S, K] or None (padding -> 0).
   A trajectory within the cap is unchanged; one above it is multiplied by cap / |sum|, which
-  keeps the relative shape of its dense signal. Returns [S, K] f32.
+  keeps the relative shape of its dense signal.
+
+  Args:
+    step_rewards: [S, K] f32.
+    cap: scalar or [S], >= 0.
+    step_valid: [S, K] bool, or None (all valid); padding steps become 0.
+
+  Returns:
+    [S, K] f32.
+
+  Raises:
+    ValueError: for step_rewards not [S, K], a negative scalar cap, or step_valid of another
+      shape.
   """
   step_rewards = _as(step_rewards, f32)
   if step_rewards.ndim != 2:
@@ -459,9 +627,20 @@ def dense_step_rewards(terminal_rewards, step_rewards, terminal_scale, fraction:
   R_i = terminal_i + sum_k step'_ik, where step' = `cap_step_rewards(step, fraction *
   terminal_scale)`: the shaping can never outweigh the verifiable outcome (with fraction 0.5 a
   failed run cannot out-score a passing one by shaping alone).
-  terminal_rewards [S] f32; step_rewards [S, K] f32; terminal_scale scalar >= 0, the scale of
-  the verifiable reward (e.g. max |terminal reward|, 1 for 0/1 rewards); fraction in [0, 1];
-  step_valid [S, K] or None. Returns [S] f32.
+
+  Args:
+    terminal_rewards: [S] f32 verifiable rewards.
+    step_rewards: [S, K] f32 dense step rewards.
+    terminal_scale: scalar >= 0, the scale of the verifiable reward (e.g. max |terminal
+      reward|, 1 for 0/1 rewards).
+    fraction: in [0, 1], the step rewards' cap as a fraction of terminal_scale.
+    step_valid: [S, K] bool, or None (all valid).
+
+  Returns:
+    [S] f32 shaped rewards.
+
+  Raises:
+    ValueError: for fraction or terminal_scale out of range, or mismatched shapes.
   """
   _check_number("fraction", fraction, low=0.0, high=1.0)
   _check_number("terminal_scale", terminal_scale, low=0.0)

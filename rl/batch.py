@@ -29,8 +29,10 @@ Array = jax.Array
 class Counts:
   """Global counts of the whole batch (all micro-batches, all data-parallel shards).
 
-  num_tokens: loss tokens (sum of `mask`); num_seqs: sequences with at least one loss token;
-  num_groups: groups with at least one such sequence. Scalars (0-d float32).
+  Attributes:
+    num_tokens: loss tokens (the sum of `mask`), a 0-d f32.
+    num_seqs: sequences with at least one loss token, a 0-d f32.
+    num_groups: groups with at least one such sequence, a 0-d f32.
   """
 
   num_tokens: Array
@@ -46,24 +48,26 @@ class Counts:
     meta_fields=[])
 @dataclasses.dataclass
 class SeqBatch:
-  """One (micro-)batch of sequences. Shapes: [S, T] per token, [S] per sequence.
+  """One (micro-)batch of sequences: [S, T] per token, [S] per sequence.
 
-  logprobs          [S, T] f32  log π_θ(token) under the policy being trained (differentiated)
-  mask              [S, T] f32  1 = token in the loss (valid entry and loss mask), else 0
-  advantages        [S, T] f32  per-token advantage (a sequence advantage broadcast over T)
-  old_logprobs      [S, T] f32  log π_old, the trust-region policy (None: on-policy, sg(logprobs))
-  sampler_logprobs  [S, T] f32  log μ from the sampler (behaviour policy), or None
-  ref_logprobs      [S, T] f32  log π_ref for KL terms, or None
-  teacher_logprobs  [S, T] f32  teacher log-probs for on-policy distillation, or None
-  entropy           [S, T] f32  policy entropy at each token (entropy bonus), or None
-  weights           [S, T] f32  per-token correction weight/mask from rl.corrections
-                                (IS truncation, IcePop, ...); treated as a constant; None = 1
-  turn              [S, T] i32  index of the LLM call (turn) that sampled the token, or None
-  failed            [S, T] f32  1 where the token's turn made a failed tool call (error-masked
-                                SFT), or None
-  reward            [S]    f32  trajectory reward (None if unused)
-  group             [S]    i32  group id (the task's G samples; both sides of a DPO pair)
-  counts            Counts      global counts (see `global_counts`)
+  Attributes:
+    logprobs: [S, T] f32 log π_θ(token) under the policy being trained (differentiated).
+    mask: [S, T] f32, 1 = token in the loss (valid entry and loss mask), else 0.
+    advantages: [S, T] f32 per-token advantage (a sequence advantage broadcast over T).
+    old_logprobs: [S, T] f32 log π_old, the trust-region policy (None: on-policy,
+      sg(logprobs)).
+    sampler_logprobs: [S, T] f32 log μ from the sampler (behaviour policy), or None.
+    ref_logprobs: [S, T] f32 log π_ref for KL terms, or None.
+    teacher_logprobs: [S, T] f32 teacher log-probs for on-policy distillation, or None.
+    entropy: [S, T] f32 policy entropy at each token (entropy bonus), or None.
+    weights: [S, T] f32 per-token correction weight/mask from rl.corrections (IS truncation,
+      IcePop, ...); treated as a constant; None = 1.
+    turn: [S, T] i32 index of the LLM call (turn) that sampled the token, or None.
+    failed: [S, T] f32, 1 where the token's turn made a failed tool call (error-masked SFT),
+      or None.
+    reward: [S] f32 trajectory reward (None if unused).
+    group: [S] i32 group id (the task's G samples; both sides of a DPO pair).
+    counts: global counts (see `global_counts`).
   """
 
   logprobs: Array
@@ -82,13 +86,21 @@ class SeqBatch:
   counts: Optional[Counts] = None
 
   def replace(self, **kw) -> "SeqBatch":
+    """A copy with the given fields replaced (`dataclasses.replace`)."""
     return dataclasses.replace(self, **kw)
 
 
 def global_counts(mask, group) -> Counts:
-  """Counts of a whole batch from its mask [S, T] and group ids [S] (jit-compatible).
+  """Counts of a whole batch from its mask and group ids (jit-compatible).
 
   Call it on the whole batch, before splitting it into micro-batches or shards.
+
+  Args:
+    mask: [S, T] 0/1 loss mask.
+    group: [S] int group ids.
+
+  Returns:
+    `Counts` of 0-d f32 scalars.
   """
   mask = jnp.asarray(mask, jnp.float32)
   group = jnp.asarray(group)
@@ -102,14 +114,26 @@ def global_counts(mask, group) -> Counts:
 def from_tree_batch(batch, logprobs: Array, entropy: Optional[Array] = None, *,
                     counts: Optional[Counts] = None, advantage: str = "advantage",
                     sampler: str = "logprobs") -> SeqBatch:
-  """A `SeqBatch` from a `rl.packing.TreeBatch` and the per-sequence log-probs of its sampled
-  tokens ([S, T], e.g. `models.logprobs.sequence_logprobs` or `gather(flat, batch.seq_index)`).
+  """A `SeqBatch` from a `rl.packing.TreeBatch` and the log-probs of its sampled tokens.
 
   Fields are read from the batch: `mask` = seq_valid * loss_mask; advantages from the scalar
   `advantage` (broadcast) or the per-token field of that name; sampler log-probs from the field
   `sampler`; "old_logprobs", "ref_logprobs", "teacher_logprobs", "failed" fields when present;
-  `turn` from the "turn" field; reward/group from the scalars. `counts` defaults to this batch's
-  own counts (correct only when it is the whole batch).
+  `turn` from the "turn" field; reward/group from the scalars.
+
+  Args:
+    batch: a `rl.packing.TreeBatch`.
+    logprobs: [S, T] f32 per-sequence log-probs of the sampled tokens, e.g.
+      `models.logprobs.sequence_logprobs` or `gather(flat, batch.seq_index)`.
+    entropy: [S, T] f32 policy entropy, or None.
+    counts: the whole batch's `Counts`; None: this batch's own counts (correct only when it
+      is the whole batch).
+    advantage: the name of the per-token field, or else per-sequence scalar, holding the
+      advantages (neither: advantages None).
+    sampler: the name of the per-token field holding the sampler's log-probs.
+
+  Returns:
+    The `SeqBatch` (`weights` None).
   """
   f, s = batch.fields, batch.scalars
   mask = jnp.asarray(batch.seq_valid, jnp.float32) * jnp.asarray(f["loss_mask"])
@@ -131,6 +155,15 @@ def from_tree_batch(batch, logprobs: Array, entropy: Optional[Array] = None, *,
 
 
 def gather(flat: Array, seq_index: Array) -> Array:
-  """Per-sequence values [S, T] from per-position values of a TreeBatch ([rows, row_len] or
-  flat); the backward pass scatter-adds, summing shared positions over sequences."""
+  """Per-sequence values [S, T] from per-position values of a TreeBatch.
+
+  The backward pass scatter-adds, summing shared positions over sequences.
+
+  Args:
+    flat: per-position values, [rows, row_len] or flat.
+    seq_index: [S, T] int flat indices (`TreeBatch.seq_index`).
+
+  Returns:
+    [S, T] values of `flat`'s dtype.
+  """
   return jnp.take(flat.reshape(-1), seq_index)

@@ -81,9 +81,20 @@ def _check_shapes(train_logprobs, sampler_logprobs, mask) -> None:
 
 
 def log_ratio(train_logprobs: Array, sampler_logprobs: Array, mask: Array) -> Array:
-  """log k = log π_train − log μ on loss tokens, 0 where mask == 0. [S, T] float32, no gradient.
+  """log k = log π_train − log μ on loss tokens, 0 where mask == 0; no gradient.
 
   `jnp.where` (not a product) keeps garbage at masked positions (-inf, NaN) out of the result.
+
+  Args:
+    train_logprobs: [S, T] log π_train of the sampled tokens (see the module docstring).
+    sampler_logprobs: [S, T] log μ from the sampler.
+    mask: [S, T] float, 1 = loss token (log-probs elsewhere may hold anything).
+
+  Returns:
+    [S, T] f32, gradient-stopped.
+
+  Raises:
+    ValueError: unless the three inputs are [S, T] of one shape.
   """
   _check_shapes(train_logprobs, sampler_logprobs, mask)
   train = jax.lax.stop_gradient(jnp.asarray(train_logprobs, jnp.float32))
@@ -115,7 +126,22 @@ def tis_token(train_logprobs: Array, sampler_logprobs: Array, mask: Array,
               cap: float = 2.0) -> Array:
   """Token-level truncated importance sampling (Yao et al.; verl/slime/SkyRL default C = 2).
 
-  w_{i,t} = min(k_{i,t}, cap),  k = exp(train − sampler).   -> [S, T], gradient-stopped.
+  w_{i,t} = min(k_{i,t}, cap),  k = exp(train − sampler).
+
+  Args:
+    train_logprobs: [S, T] log π_train of the sampled tokens (see the module docstring).
+    sampler_logprobs: [S, T] log μ from the sampler.
+    mask: [S, T] float, 1 = loss token (log-probs elsewhere may hold anything).
+    cap: C, a finite number > 0.
+
+  Returns:
+    [S, T] f32 weights, gradient-stopped, 1.0 where mask = 0.
+
+  Raises:
+    ValueError: for a bad cap or mismatched shapes.
+
+  References:
+    Yao et al. (truncated importance sampling).
   """
   _check_positive("cap", cap)
   lk = log_ratio(train_logprobs, sampler_logprobs, mask)
@@ -128,7 +154,19 @@ def tis_sequence(train_logprobs: Array, sampler_logprobs: Array, mask: Array,
   """Sequence-level truncated IS (SkyRL sequence default C = 5).
 
   w_i = min(exp(Σ_t mask_{i,t} · log k_{i,t}), cap), broadcast over the sequence's tokens.
-  -> [S, T], gradient-stopped. A sequence without loss tokens gets weight 1.
+  A sequence without loss tokens gets weight 1.
+
+  Args:
+    train_logprobs: [S, T] log π_train of the sampled tokens (see the module docstring).
+    sampler_logprobs: [S, T] log μ from the sampler.
+    mask: [S, T] float, 1 = loss token (log-probs elsewhere may hold anything).
+    cap: C, a finite number > 0.
+
+  Returns:
+    [S, T] f32 weights, gradient-stopped, 1.0 where mask = 0.
+
+  Raises:
+    ValueError: for a bad cap or mismatched shapes.
   """
   _check_positive("cap", cap)
   lk = log_ratio(train_logprobs, sampler_logprobs, mask)
@@ -142,7 +180,24 @@ def icepop(train_logprobs: Array, sampler_logprobs: Array, mask: Array, alpha: f
 
   M(k) = k if alpha <= k <= beta else 0 (bounds inclusive); `weighted=False` gives the plain
   0/1 mask 1[alpha <= k <= beta]. Defaults alpha = 0.5, beta = 5 (TRL tests, OpenRLHF docs).
-  -> [S, T], gradient-stopped: tokens outside the band get no gradient.
+  Tokens outside the band get no gradient.
+
+  Args:
+    train_logprobs: [S, T] log π_train of the sampled tokens (see the module docstring).
+    sampler_logprobs: [S, T] log μ from the sampler.
+    mask: [S, T] float, 1 = loss token (log-probs elsewhere may hold anything).
+    alpha: lower bound of the band, finite, >= 0.
+    beta: upper bound of the band, finite, > 0 and >= alpha.
+    weighted: weight k inside the band (True) or 1 (False).
+
+  Returns:
+    [S, T] f32 weights, gradient-stopped, 1.0 where mask = 0.
+
+  Raises:
+    ValueError: for a bad or empty band, or mismatched shapes.
+
+  References:
+    Ring-1T, arXiv 2510.18855.
   """
   _check_band("alpha", alpha, "beta", beta)
   k = jnp.exp(log_ratio(train_logprobs, sampler_logprobs, mask))
@@ -159,7 +214,19 @@ def geo_mask(train_logprobs: Array, sampler_logprobs: Array, mask: Array, lower:
   sequence's loss tokens); keep sequence i (weight 1) iff lower <= g_i <= upper, else 0 on all
   its tokens. Default band [0.99, 1.01] = SkyRL's geo_mask default: a mean |log k| drift of about
   1% per token drops the sequence. A sequence without loss tokens has g = 1 (kept).
-  -> [S, T], gradient-stopped.
+
+  Args:
+    train_logprobs: [S, T] log π_train of the sampled tokens (see the module docstring).
+    sampler_logprobs: [S, T] log μ from the sampler.
+    mask: [S, T] float, 1 = loss token (log-probs elsewhere may hold anything).
+    lower: lower bound of g, finite, >= 0.
+    upper: upper bound of g, finite, > 0 and >= lower.
+
+  Returns:
+    [S, T] f32 weights, gradient-stopped, 1.0 where mask = 0.
+
+  Raises:
+    ValueError: for a bad or empty band, or mismatched shapes.
   """
   _check_band("lower", lower, "upper", upper)
   lk = log_ratio(train_logprobs, sampler_logprobs, mask)
@@ -180,10 +247,25 @@ def opsm(train_logprobs: Array, sampler_logprobs: Array, mask: Array, advantages
   so the statistic D_i = mean_t (sampler − train) = −mean_t log k is the k1 estimate of
   KL(μ ‖ π_train) on the sequence's loss tokens, and
     w_{i,t} = 0 if A_{i,t} < 0 and D_i > delta else 1.
-  `advantages` is [S] (A_i) or [S, T] (per token, as in SeqBatch: a sequence advantage broadcast
-  over T gives exactly the paper's rule; per-token advantages are tested token by token, as
-  slime does). Default delta = 1e-4 (slime `--opsm-delta`; the paper does not publish one).
-  -> [S, T], gradient-stopped.
+
+  Args:
+    train_logprobs: [S, T] log π_train of the sampled tokens (see the module docstring).
+    sampler_logprobs: [S, T] log μ from the sampler.
+    mask: [S, T] float, 1 = loss token (log-probs elsewhere may hold anything).
+    advantages: [S] (A_i) or [S, T] (per token, as in SeqBatch: a sequence advantage broadcast
+      over T gives exactly the paper's rule; per-token advantages are tested token by token, as
+      slime does).
+    delta: δ, a finite number >= 0. Default 1e-4 (slime `--opsm-delta`; the paper does not
+      publish one).
+
+  Returns:
+    [S, T] f32 weights, gradient-stopped, 1.0 where mask = 0.
+
+  Raises:
+    ValueError: for a bad delta, advantages not [S] or [S, T], or mismatched shapes.
+
+  References:
+    DeepSeek-V3.2, arXiv 2512.02556.
   """
   if _is_number(delta) and not (delta >= 0 and math.isfinite(delta)):
     raise ValueError(f"delta={delta!r}: must be a finite number >= 0")
@@ -202,15 +284,27 @@ def opsm(train_logprobs: Array, sampler_logprobs: Array, mask: Array, advantages
 def mcla_average(pass_logprobs: Array, mode: str = "logprob") -> Array:
   """MCLA (KAT-Coder-V2, arXiv 2603.27703): combine K trainer forward passes into one stream.
 
-  The trainer supplies the passes: `pass_logprobs` [K, S, T] holds the trainer log-probs of the
-  same tokens from K forward passes (which differ through nondeterministic kernels and reduction
-  order, MoE routing near ties); averaging reduces the noise in π_train before it meets μ.
+  The passes differ through nondeterministic kernels and reduction order, and MoE routing near
+  ties; averaging reduces the noise in π_train before it meets μ.
     mode="logprob" (default):  (1/K) Σ_k log π_k       (log of the geometric mean of the probs)
     mode="prob":               log( (1/K) Σ_k π_k )    = logsumexp_k(log π_k) − log K
   By Jensen "prob" >= "logprob" elementwise; they agree when the passes agree. The default is the
   mean of log-probs; which of the two the report uses was not verified from its text.
-  -> [S, T] float32. Differentiable (the mean of the passes' gradients for "logprob"); wrap in
-  `jax.lax.stop_gradient` when the result is used as π_old.
+
+  Args:
+    pass_logprobs: [K, S, T], the trainer log-probs of the same tokens from K forward passes
+      (the trainer supplies them).
+    mode: "logprob" or "prob" (`MCLA_MODES`).
+
+  Returns:
+    [S, T] f32. Differentiable (the mean of the passes' gradients for "logprob"); wrap in
+    `jax.lax.stop_gradient` when the result is used as π_old.
+
+  Raises:
+    ValueError: for pass_logprobs not [K, S, T] or an unknown mode.
+
+  References:
+    KAT-Coder-V2, arXiv 2603.27703.
   """
   x = jnp.asarray(pass_logprobs, jnp.float32)
   if x.ndim != 3:
@@ -240,13 +334,24 @@ def mismatch_metrics(train_logprobs: Array, sampler_logprobs: Array, mask: Array
     mismatch_kl_k1         mean(−log k): the k1 estimate of the same KL (can be negative)
     mismatch_abs_log_ratio mean |log k|
     mismatch_max_ratio     max k over loss tokens (0 if there are none)
-  and, when `weights` [S, T] is given:
+  and, when `weights` is given:
     masked_token_frac      fraction of loss tokens with weight 0
     masked_seq_frac        fraction of live sequences (>= 1 loss token) whose every loss token
                            has weight 0
     mean_weight            mean weight over loss tokens
-  Means are over this batch only (a micro-batch gives its own means). Values are 0-d float32,
-  gradient-stopped.
+  Means are over this batch only (a micro-batch gives its own means).
+
+  Args:
+    train_logprobs: [S, T] log π_train of the sampled tokens (see the module docstring).
+    sampler_logprobs: [S, T] log μ from the sampler.
+    mask: [S, T] float, 1 = loss token (log-probs elsewhere may hold anything).
+    weights: [S, T] correction weights (e.g. from `apply`), or None.
+
+  Returns:
+    Metric name -> 0-d f32 value, gradient-stopped.
+
+  Raises:
+    ValueError: for mismatched shapes.
   """
   lk = log_ratio(train_logprobs, sampler_logprobs, mask)
   live = _live(mask)
@@ -317,11 +422,24 @@ def apply(cfg: CorrectionConfig, train_logprobs: Array, sampler_logprobs: Option
           mask: Array, advantages: Optional[Array] = None) -> tuple[Array, dict]:
   """Per-token weights [S, T] for `SeqBatch.weights` and metrics, for the correction `cfg.kind`.
 
-  Inputs as in the module docstring (`advantages` [S] or [S, T], needed by "opsm" only). Weights
-  are float32, gradient-stopped, 1.0 where nothing is corrected (kind "none", non-loss
-  positions) and 0.0 on masked tokens/sequences. Metrics: `mismatch_metrics` with the weights
-  (empty when kind == "none" and there are no sampler log-probs). Jittable with `cfg` static
-  (it is frozen and hashable), e.g. `jax.jit(apply, static_argnums=0)`.
+  Weights are float32, gradient-stopped, 1.0 where nothing is corrected (kind "none", non-loss
+  positions) and 0.0 on masked tokens/sequences. Jittable with `cfg` static (it is frozen and
+  hashable), e.g. `jax.jit(apply, static_argnums=0)`.
+
+  Args:
+    cfg: the correction and its parameters.
+    train_logprobs: [S, T] log π_train of the sampled tokens (see the module docstring).
+    sampler_logprobs: [S, T] log μ from the sampler, or None (allowed with kind "none" only).
+    mask: [S, T] float, 1 = loss token (log-probs elsewhere may hold anything).
+    advantages: [S] or [S, T], needed by "opsm" only.
+
+  Returns:
+    (weights, metrics): [S, T] f32 weights, and `mismatch_metrics` with the weights (empty when
+    kind == "none" and there are no sampler log-probs).
+
+  Raises:
+    ValueError: for a cfg that is not a CorrectionConfig, missing sampler_logprobs or (opsm)
+      advantages, or mismatched shapes.
   """
   if not isinstance(cfg, CorrectionConfig):
     raise ValueError(f"cfg must be a CorrectionConfig; got {type(cfg).__name__}")

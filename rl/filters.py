@@ -48,8 +48,19 @@ def _seq_arrays(rewards, group) -> tuple[np.ndarray, np.ndarray]:
 def drop_constant_groups(rewards, group, atol: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
   """DAPO dynamic sampling: drop groups whose rewards are all equal (zero advantage, no signal).
 
-  rewards [S] float, group [S] int; a group is constant if max - min <= atol (a group of one
-  is constant). Returns (keep [S] bool, dropped group ids [D] sorted ascending).
+  Args:
+    rewards: [S] float, no NaN.
+    group: [S] int group ids.
+    atol: >= 0; a group is constant if max - min <= atol (a group of one is constant).
+
+  Returns:
+    (keep, dropped): keep [S] bool, and the dropped group ids [D], sorted ascending.
+
+  Raises:
+    ValueError: for atol < 0, mismatched shapes, non-integer group ids or a NaN reward.
+
+  References:
+    DAPO (dynamic sampling).
   """
   if atol < 0:
     raise ValueError(f"atol must be >= 0, got {atol!r}")
@@ -67,8 +78,19 @@ def groups_needed(num_kept_groups: int, target_groups: int,
                   keep_rate: Optional[float] = None) -> int:
   """How many more groups to sample to fill a batch of target_groups (>= 0).
 
-  Without keep_rate: target - kept (0 if the batch is full). With keep_rate in (0, 1], the
-  observed fraction of groups that survive filtering, over-sample: ceil(missing / keep_rate).
+  Without keep_rate: target - kept (0 if the batch is full). With keep_rate, over-sample:
+  ceil(missing / keep_rate).
+
+  Args:
+    num_kept_groups: integer >= 0, groups already kept.
+    target_groups: integer >= 0, groups wanted in the batch.
+    keep_rate: in (0, 1], the observed fraction of groups that survive filtering, or None.
+
+  Returns:
+    The number of groups to sample, >= 0.
+
+  Raises:
+    ValueError: for a count that is not an integer >= 0, or keep_rate outside (0, 1].
   """
   if int(num_kept_groups) != num_kept_groups or num_kept_groups < 0:
     raise ValueError(f"num_kept_groups must be an integer >= 0, got {num_kept_groups!r}")
@@ -85,8 +107,15 @@ def groups_needed(num_kept_groups: int, target_groups: int,
 def group_pass_rates(success, group) -> tuple[np.ndarray, np.ndarray]:
   """Per-group pass rate from per-sequence success.
 
-  success [S] bool or numbers in [0, 1]; group [S] int.
-  Returns (group ids [G] sorted ascending, mean success per group [G] float64).
+  Args:
+    success: [S] bool or numbers in [0, 1].
+    group: [S] int group ids.
+
+  Returns:
+    (ids, rates): group ids [G] sorted ascending, and the mean success per group [G] float64.
+
+  Raises:
+    ValueError: for success outside [0, 1] or NaN, mismatched shapes or non-integer group ids.
   """
   success, group = _seq_arrays(np.asarray(success, dtype=np.float64), group)
   if np.any((success < 0) | (success > 1)):
@@ -102,15 +131,27 @@ def pass_rate_band(rates, low: float = 0.0, high: float = 1.0, *, low_inclusive:
   """Keep groups whose pass rate lies in the band (low, high); flags make either end inclusive.
 
   The default keeps 0 < rate < 1: groups with at least one success and one failure.
-  Two modes:
-    group is None: rates [G] are per-group pass rates -> keep [G] bool.
-    group [S] int:  rates [S] are per-sequence success -> keep [S] bool (each sequence gets
-                    its group's verdict; rates are computed with `group_pass_rates`).
   Curricula are bands on precomputed pass rates, combined with &. GLM's second stage trains on
   extremely hard tasks, unsolved at pass@8 but solvable at pass@512:
     hard = (pass_rate_band(pass8, 0.0, 0.0, low_inclusive=True, high_inclusive=True)
             & pass_rate_band(pass512, 0.0, 1.0, high_inclusive=True))
   i.e. pass@8 == 0 and pass@512 > 0 (rates [G] estimated offline, e.g. with a reference model).
+
+  Args:
+    rates: [G] per-group pass rates when group is None; else [S] per-sequence success (the
+      rates are computed with `group_pass_rates`).
+    low: lower end of the band, 0 <= low <= high.
+    high: upper end of the band, <= 1.
+    low_inclusive: keep rate == low.
+    high_inclusive: keep rate == high.
+    group: [S] int group ids, or None.
+
+  Returns:
+    keep [G] bool when group is None; else keep [S] bool, each sequence with its group's
+    verdict.
+
+  Raises:
+    ValueError: for a bad band, or rates that are not 1-D or outside [0, 1].
   """
   if not 0.0 <= low <= high <= 1.0:
     raise ValueError(f"need 0 <= low <= high <= 1, got low={low!r}, high={high!r}")
@@ -134,12 +175,21 @@ def termination_filter(terminations,
                        ) -> tuple[np.ndarray, np.ndarray]:
   """Apply a per-termination policy: "keep", "drop" or "mask".
 
-  terminations [S] strings from TERMINATIONS. policy maps termination -> action and overrides
-  DEFAULT_TERMINATION_POLICY entry by entry (see its comment for why the defaults).
     keep: in the batch, in the loss;
     mask: in the batch (it still counts in its group's reward statistics) with loss weight 0;
     drop: removed from the batch.
-  Returns (keep [S] bool = not dropped, loss_weight [S] float32 = 1 keep, 0 mask or drop).
+
+  Args:
+    terminations: [S] strings from TERMINATIONS.
+    policy: termination -> action; overrides DEFAULT_TERMINATION_POLICY entry by entry (see
+      its comment for why the defaults), or None.
+
+  Returns:
+    (keep, loss_weight): keep [S] bool = not dropped, and loss_weight [S] float32 = 1 for
+    keep, 0 for mask or drop.
+
+  Raises:
+    ValueError: for an unknown termination or action.
   """
   full = dict(DEFAULT_TERMINATION_POLICY)
   for name, action in (policy or {}).items():

@@ -54,7 +54,10 @@ TURN_RATIOS = ("product", "geometric_mean")
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-  """Loss hyper-parameters. None means "the selected loss's paper default" (`DEFAULTS`)."""
+  """Loss hyper-parameters, one field per knob (each explained beside it).
+
+  A field left None takes the selected loss's paper default (`DEFAULTS`); read it with `get`.
+  """
 
   name: str = "grpo"                    # a key of LOSSES
   aggregation: Optional[str] = None     # one of AGGREGATIONS (SEQ_AGGREGATIONS: sequence losses)
@@ -81,8 +84,16 @@ class LossConfig:
 
 
 def check_config(cfg: LossConfig) -> None:
-  """Raise ValueError naming the LossConfig field for an unknown name or a bad value. Called by
-  every loss at trace time (plain Python: free under jit)."""
+  """Check a LossConfig; every loss calls it at trace time (plain Python: free under jit).
+
+  Args:
+    cfg: the config; `cfg.name` must be a key of `LOSSES`.
+
+  Raises:
+    ValueError: naming the LossConfig field: an unknown loss name, aggregation, KL estimator
+      or turn ratio; max_len <= 0 with seq_mean_token_sum_norm; a negative eps or
+      coefficient; dual_clip <= 1; behaviour_cap, tau or dpo_beta <= 0.
+  """
   get_loss(cfg.name)
   agg = cfg.get("aggregation")
   allowed = SEQ_AGGREGATIONS + ("seq_mean_token_mean",) if cfg.name in SEQUENCE_LOSSES \
@@ -126,6 +137,18 @@ def token_scale(batch: SeqBatch, mode: str, max_len: int = 0) -> Array:
   seq_mean_token_sum_norm  Σ l / (B · max_len)       (Dr.GRPO)
   prompt_mean              (1/G) Σ_g (1/N_g) Σ_{i∈g,t} l  (G = global groups, N_g its tokens)
   |y_i| and N_g are local: a sequence, and a group, never straddles two micro-batches.
+
+  Args:
+    batch: reads `mask` and `counts` (global N, B, G), and `group` for prompt_mean.
+    mode: one of `AGGREGATIONS`.
+    max_len: Dr.GRPO's constant normaliser L > 0 (read by seq_mean_token_sum_norm only).
+
+  Returns:
+    [S, T] f32 scale, 0 where mask = 0.
+
+  Raises:
+    ValueError: for an unknown mode, max_len <= 0 with seq_mean_token_sum_norm, or
+      prompt_mean on a batch without `group`.
   """
   mask, c = batch.mask, batch.counts
   if mode == "token_mean":
@@ -153,6 +176,16 @@ def seq_scale(batch: SeqBatch, mode: str) -> Array:
   prompt_mean  1/(K_g · G): the mean over the K_g live samples of a prompt, then over prompts
   token_mean   |y_i| / N: sequences weighted by their loss tokens
   A sequence is live when it has at least one loss token; dead sequences get scale 0.
+
+  Args:
+    batch: reads `mask` and `counts`, and `group` for prompt_mean.
+    mode: one of `SEQ_AGGREGATIONS` (or the alias above).
+
+  Returns:
+    [S] f32 scale.
+
+  Raises:
+    ValueError: for an unknown mode, or prompt_mean on a batch without `group`.
   """
   c = batch.counts
   live = (batch.mask.sum(-1) > 0).astype(jnp.float32)
@@ -168,7 +201,11 @@ def seq_scale(batch: SeqBatch, mode: str) -> Array:
 
 
 def same_group(batch: SeqBatch) -> Array:
-  """[S, S] float: 1 where two sequences share a group id."""
+  """Same-group matrix [S, S] f32: 1 where two sequences share a group id.
+
+  Raises:
+    ValueError: if `batch.group` is None.
+  """
   if batch.group is None:
     raise ValueError("this loss/aggregation needs SeqBatch.group (group ids)")
   return (batch.group[:, None] == batch.group[None, :]).astype(jnp.float32)
@@ -184,9 +221,24 @@ def log_ratio(batch: SeqBatch) -> Array:
 
 
 def kl_penalty(batch: SeqBatch, estimator: str) -> Array:
-  """Per-token KL(π_θ ‖ π_ref) estimate [S, T] (Schulman 2020) with ρ = π_ref/π_θ:
-  k1 = -log ρ, k2 = ½(log ρ)², k3 = ρ - 1 - log ρ, k3_is = sg(π_θ/π_old) · k3 (off-policy
-  samples; DeepSeek-V3.2). π_ref is a constant; the gradient flows through π_θ only."""
+  """Per-token estimate [S, T] of KL(π_θ ‖ π_ref) (Schulman 2020).
+
+  With ρ = π_ref/π_θ: k1 = -log ρ, k2 = ½(log ρ)², k3 = ρ - 1 - log ρ, k3_is = sg(π_θ/π_old)·k3
+  (off-policy samples; DeepSeek-V3.2). π_ref is a constant; the gradient flows through π_θ only.
+
+  Args:
+    batch: needs `ref_logprobs`; k3_is also reads `old_logprobs` (None: on-policy, weight 1).
+    estimator: one of `KL_ESTIMATORS`.
+
+  Returns:
+    [S, T] f32 estimates, not masked (a loss masks them when it aggregates).
+
+  Raises:
+    ValueError: for an unknown estimator, or a batch without `ref_logprobs`.
+
+  References:
+    Schulman 2020, "Approximating KL Divergence" (k1, k2, k3); DeepSeek-V3.2 (k3_is).
+  """
   if estimator not in KL_ESTIMATORS:
     raise ValueError(f"LossConfig.kl_estimator={estimator!r}: expected one of {KL_ESTIMATORS}")
   if batch.ref_logprobs is None:
@@ -291,8 +343,24 @@ def _prepare(batch: SeqBatch, cfg: LossConfig, name: str) -> tuple[SeqBatch, Los
 
 def clipped_surrogate(ratio: Array, adv: Array, eps_low: float, eps_high: float,
                       dual_clip: Optional[float] = None) -> tuple[Array, Array]:
-  """PPO per-element loss -min(r·A, clip(r, 1-eps_low, 1+eps_high)·A) (optionally dual-clipped:
-  for A < 0 the loss is capped at -c·A), and a float mask of elements clipped (no gradient)."""
+  """PPO clipped surrogate per element, and which elements the clip changed.
+
+  ℓ = -min(r·A, clip(r, 1-eps_low, 1+eps_high)·A); with dual clip c, ℓ = min(ℓ, -c·A) for A < 0.
+
+  Args:
+    ratio: importance ratio r, any shape ([S, T] per token, [S] per sequence, [S, T] per turn).
+    adv: advantage A, broadcastable against `ratio`.
+    eps_low: lower clip: r >= 1 - eps_low.
+    eps_high: upper clip: r <= 1 + eps_high.
+    dual_clip: c > 1, or None for no dual clip.
+
+  Returns:
+    (loss, clipped): the per-element loss, and an f32 mask (no gradient), 1 where the loss
+    differs from the unclipped -r·A.
+
+  References:
+    Schulman et al. 2017, "Proximal Policy Optimization Algorithms".
+  """
   unclipped = -ratio * adv
   clipped = -jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
   loss = jnp.maximum(unclipped, clipped)
@@ -310,7 +378,18 @@ def sft(batch: SeqBatch, cfg: LossConfig):
   With `mask_failed_turns` (error-masked SFT, KAT-Coder) tokens whose turn's tool call failed
   (`failed` = 1) leave the loss but stay in the context. The sequence-local normalisers use the
   reduced mask; the global `Counts` are the caller's: to normalise by the tokens actually
-  trained, build them with `global_counts(mask * (1 - failed), group)`.
+  trained, build them with `global_counts(mask * (1 - failed), group)`. kl_coef, entropy_coef
+  and opd_coef are not applied.
+
+  Args:
+    batch: the sequences; needs `failed` with `mask_failed_turns`.
+    cfg: reads aggregation, max_len and mask_failed_turns; its `name` is ignored.
+
+  Returns:
+    (loss, metrics): the scalar loss and {"nll": local mean NLL over the trained tokens}.
+
+  Raises:
+    ValueError: for a bad config (`check_config`), or `mask_failed_turns` without `failed`.
   """
   batch, cfg = _prepare(batch, cfg, "sft")
   mask = batch.mask
@@ -347,34 +426,98 @@ def _ppo_family(batch: SeqBatch, cfg: LossConfig, name: str):
 
 
 def ppo(batch: SeqBatch, cfg: LossConfig):
-  """PPO clip (Schulman 2017), per token: ℓ = w·max(-r·A, -clip(r, 1-ε_l, 1+ε_h)·A)
-  [+ kl_coef·KL - entropy_coef·H], aggregated with `aggregation` (default token_mean).
+  """PPO clip loss per token (Schulman 2017).
+
+  ℓ = w·max(-r·A, -clip(r, 1-ε_l, 1+ε_h)·A) [+ kl_coef·KL - entropy_coef·H], aggregated with
+  `aggregation` (default token_mean).
 
   dual_clip c: for A < 0, ℓ = min(ℓ, -c·A). With `decoupled` (AReaL's decoupled PPO for
   asynchronous training) the clipped term is multiplied by sg(min(π_old/μ, behaviour_cap)),
   the proximal policy over the behaviour policy. Metrics: clip_fraction, ratio,
-  behaviour_weight, kl, entropy."""
+  behaviour_weight, kl, entropy.
+
+  Args:
+    batch: the sequences; needs `advantages`; with `decoupled` also `old_logprobs` and
+      `sampler_logprobs`.
+    cfg: the hyper-parameters; its `name` is ignored (ppo's `DEFAULTS` apply).
+
+  Returns:
+    (loss, metrics): the scalar loss and a dict of scalar metrics.
+
+  Raises:
+    ValueError: for a bad config (`check_config`) or a batch lacking a field the config needs.
+
+  References:
+    Schulman et al. 2017, "Proximal Policy Optimization Algorithms"; AReaL (decoupled PPO).
+  """
   return _ppo_family(batch, cfg, "ppo")
 
 
 def grpo(batch: SeqBatch, cfg: LossConfig):
-  """GRPO (DeepSeekMath): the PPO clip surrogate (ε = 0.2) averaged per sequence then over
-  sequences (seq_mean_token_mean), plus kl_coef·k3 KL to π_ref when kl_coef > 0:
-  J = (1/B) Σ_i (1/|y_i|) Σ_t [min(r A, clip(r) A) - β KL_t]. The group-normalised advantage
-  comes from rl.advantages. Same options as `ppo`."""
+  """GRPO (DeepSeekMath): the PPO clip surrogate averaged per sequence, then over sequences.
+
+  J = (1/B) Σ_i (1/|y_i|) Σ_t [min(r A, clip(r) A) - β KL_t] with ε = 0.2 and aggregation
+  seq_mean_token_mean, the k3 KL to π_ref added when kl_coef = β > 0. The group-normalised
+  advantage comes from rl.advantages. Same options as `ppo`.
+
+  Args:
+    batch: the sequences; needs `advantages`.
+    cfg: the hyper-parameters; its `name` is ignored (grpo's `DEFAULTS` apply).
+
+  Returns:
+    (loss, metrics): the scalar loss and a dict of scalar metrics.
+
+  Raises:
+    ValueError: for a bad config (`check_config`) or a batch lacking a field the config needs.
+
+  References:
+    DeepSeekMath (GRPO).
+  """
   return _ppo_family(batch, cfg, "grpo")
 
 
 def dr_grpo(batch: SeqBatch, cfg: LossConfig):
-  """Dr. GRPO: the PPO clip surrogate (ε = 0.2) with the constant normaliser
-  J = (1/(B·L)) Σ_i Σ_t min(r A, clip(r) A), L = `max_len` (must be set)."""
+  """Dr. GRPO: the PPO clip surrogate (ε = 0.2) with a constant normaliser.
+
+  J = (1/(B·L)) Σ_i Σ_t min(r A, clip(r) A), L = `max_len` (must be set). Same options as
+  `ppo`.
+
+  Args:
+    batch: the sequences; needs `advantages`.
+    cfg: the hyper-parameters; its `name` is ignored (dr_grpo's `DEFAULTS` apply);
+      `max_len` = L must be > 0.
+
+  Returns:
+    (loss, metrics): the scalar loss and a dict of scalar metrics.
+
+  Raises:
+    ValueError: for a bad config (`check_config`) or a batch lacking a field the config needs.
+
+  References:
+    Dr. GRPO.
+  """
   return _ppo_family(batch, cfg, "dr_grpo")
 
 
 def dapo(batch: SeqBatch, cfg: LossConfig):
-  """DAPO: clip-higher (ε_low 0.2, ε_high 0.28) and a global token mean
+  """DAPO: clip-higher (ε_low 0.2, ε_high 0.28) and a global token mean.
+
   J = (1/Σ_i |y_i|) Σ_{i,t} min(r A, clip(r, 1-ε_l, 1+ε_h) A). No KL by default; overlong
-  shaping and dynamic sampling live outside the loss."""
+  shaping and dynamic sampling live outside the loss. Same options as `ppo`.
+
+  Args:
+    batch: the sequences; needs `advantages`.
+    cfg: the hyper-parameters; its `name` is ignored (dapo's `DEFAULTS` apply).
+
+  Returns:
+    (loss, metrics): the scalar loss and a dict of scalar metrics.
+
+  Raises:
+    ValueError: for a bad config (`check_config`) or a batch lacking a field the config needs.
+
+  References:
+    DAPO.
+  """
   return _ppo_family(batch, cfg, "dapo")
 
 
@@ -385,7 +528,21 @@ def gspo(batch: SeqBatch, cfg: LossConfig):
   A_i = masked mean of the per-token advantages (= A_i when broadcast), w_i = masked mean of the
   correction weights, ℓ_i = w_i·max(-s_i A_i, -clip(s_i, 1-ε_l, 1+ε_h) A_i) (ε 3e-4/4e-4),
   loss = Σ_i seq_scale_i·ℓ_i (default seq_mean: (1/B) Σ_i ℓ_i) [+ KL/entropy/OPD token terms].
-  Metrics: clip_fraction (of sequences), seq_ratio."""
+  Metrics: clip_fraction (of sequences), seq_ratio.
+
+  Args:
+    batch: the sequences; needs `advantages`.
+    cfg: the hyper-parameters; its `name` is ignored (gspo's `DEFAULTS` apply).
+
+  Returns:
+    (loss, metrics): the scalar loss and a dict of scalar metrics.
+
+  Raises:
+    ValueError: for a bad config (`check_config`) or a batch lacking a field the config needs.
+
+  References:
+    GSPO, arXiv 2507.18071.
+  """
   batch, cfg = _prepare(batch, cfg, "gspo")
   mask = batch.mask
   live = (mask.sum(-1) > 0).astype(jnp.float32)
@@ -399,11 +556,26 @@ def gspo(batch: SeqBatch, cfg: LossConfig):
 
 
 def gspo_token(batch: SeqBatch, cfg: LossConfig):
-  """GSPO-token (arXiv 2507.18071 §4.3): s_{i,t} = sg(s_i)·π_θ(y_t)/sg(π_θ(y_t)) (value s_i,
-  gradient s_i·∇log π_θ(y_t)), per-token advantages A_{i,t}, per-token
-  ℓ = w·max(-s_{i,t} A_{i,t}, -clip(s_{i,t}, 1-ε_l, 1+ε_h) A_{i,t}) (ε 3e-4/4e-4), aggregated
-  with `aggregation` (default seq_mean_token_mean); equals gspo when A is a sequence advantage
-  broadcast. Metrics: clip_fraction (of tokens), seq_ratio."""
+  """GSPO-token (arXiv 2507.18071 §4.3): the sequence ratio with a per-token gradient.
+
+  s_{i,t} = sg(s_i)·π_θ(y_t)/sg(π_θ(y_t)) (value s_i, gradient s_i·∇log π_θ(y_t)), per-token
+  advantages A_{i,t}, per-token ℓ = w·max(-s_{i,t} A_{i,t}, -clip(s_{i,t}, 1-ε_l, 1+ε_h) A_{i,t})
+  (ε 3e-4/4e-4), aggregated with `aggregation` (default seq_mean_token_mean); equals gspo when A
+  is a sequence advantage broadcast. Metrics: clip_fraction (of tokens), seq_ratio.
+
+  Args:
+    batch: the sequences; needs `advantages`.
+    cfg: the hyper-parameters; its `name` is ignored (gspo_token's `DEFAULTS` apply).
+
+  Returns:
+    (loss, metrics): the scalar loss and a dict of scalar metrics.
+
+  Raises:
+    ValueError: for a bad config (`check_config`) or a batch lacking a field the config needs.
+
+  References:
+    GSPO, arXiv 2507.18071, §4.3.
+  """
   batch, cfg = _prepare(batch, cfg, "gspo_token")
   mask = batch.mask
   s_seq = jax.lax.stop_gradient(jnp.exp(_seq_mean(log_ratio(batch), mask)))
@@ -419,13 +591,17 @@ def gspo_token(batch: SeqBatch, cfg: LossConfig):
 
 
 def turn_segments(batch: SeqBatch) -> Array:
-  """Segment id [S, T] int32 = s·T + k of each token, k the ordinal (0, 1, ...) of its turn
-  among the sequence's turns that have loss tokens.
+  """Segment id [S, T] int32 of each token's turn: s·T + k, k the turn's ordinal in sequence s.
 
-  A turn is a maximal run of loss tokens with the same `turn` id (ids are LLM-call indices,
-  unbounded, so they are remapped): a new turn starts at a loss token whose id differs from the
-  previous loss token's. Tokens with mask 0 (which never contribute) get a valid id too.
-  No [T, T] array: a running max of the last loss-token index and a cumsum of turn starts."""
+  k counts (0, 1, ...) only the sequence's turns that have loss tokens. A turn is a maximal run
+  of loss tokens with the same `turn` id (ids are LLM-call indices, unbounded, so they are
+  remapped): a new turn starts at a loss token whose id differs from the previous loss token's.
+  Tokens with mask 0 (which never contribute) get a valid id too. No [T, T] array: a running
+  max of the last loss-token index and a cumsum of turn starts.
+
+  Raises:
+    ValueError: if `batch.turn` is None.
+  """
   if batch.turn is None:
     raise ValueError("LossConfig.name='turn_gspo' needs SeqBatch.turn (turn/LLM-call ids)")
   S, T = batch.mask.shape
@@ -452,7 +628,21 @@ def turn_gspo(batch: SeqBatch, cfg: LossConfig):
   Shapes: turn sums are segment sums over S·T segments (s·T + turn ordinal), kept as [S, T].
   Note: the product ratio of a long turn can overflow fp32 (exp of a large log-ratio sum); use
   geometric_mean or dual_clip for long turns. Metrics: clip_fraction (of turns), turn_ratio,
-  turns (mean per live sequence)."""
+  turns (mean per live sequence).
+
+  Args:
+    batch: the sequences; needs `advantages` and `turn`.
+    cfg: the hyper-parameters; its `name` is ignored (turn_gspo's `DEFAULTS` apply).
+
+  Returns:
+    (loss, metrics): the scalar loss and a dict of scalar metrics.
+
+  Raises:
+    ValueError: for a bad config (`check_config`) or a batch lacking a field the config needs.
+
+  References:
+    KAT-Coder-V2 (arXiv 2603.27703), eqs. 6-7.
+  """
   batch, cfg = _prepare(batch, cfg, "turn_gspo")
   mask = batch.mask
   S, T = mask.shape
@@ -478,11 +668,26 @@ def turn_gspo(batch: SeqBatch, cfg: LossConfig):
 
 
 def cispo(batch: SeqBatch, cfg: LossConfig):
-  """CISPO (MiniMax-M1, arXiv 2506.13585), per token:
+  """CISPO (MiniMax-M1, arXiv 2506.13585): a clipped, constant IS weight on each token's log-prob.
+
   ℓ = -w·M·sg(clip(r, 1-ε_l, 1+ε_h))·A·log π_θ   (ε 1.0/4.0: weight in [0, 5]), token_mean.
   The clipped IS weight is a constant, so every token keeps the gradient -w·M·r̂·A·∇log π_θ.
   M = 1, or with `cispo_masked` (M1's unified form) M = 0 where (A > 0 and r > 1+ε_h) or
-  (A < 0 and r < 1-ε_l). Metrics: clip_fraction (weight clipped), ratio, masked_fraction."""
+  (A < 0 and r < 1-ε_l). Metrics: clip_fraction (weight clipped), ratio, masked_fraction.
+
+  Args:
+    batch: the sequences; needs `advantages`.
+    cfg: the hyper-parameters; its `name` is ignored (cispo's `DEFAULTS` apply).
+
+  Returns:
+    (loss, metrics): the scalar loss and a dict of scalar metrics.
+
+  Raises:
+    ValueError: for a bad config (`check_config`) or a batch lacking a field the config needs.
+
+  References:
+    MiniMax-M1, arXiv 2506.13585.
+  """
   batch, cfg = _prepare(batch, cfg, "cispo")
   eps_low, eps_high = cfg.get("eps_low"), cfg.get("eps_high")
   adv = _advantages(batch, "cispo")
@@ -501,7 +706,7 @@ def cispo(batch: SeqBatch, cfg: LossConfig):
 
 
 def kimi_pmd(batch: SeqBatch, cfg: LossConfig):
-  """Kimi k1.5/K2 policy mirror descent (arXiv 2501.12599 §2.3.2), per trajectory:
+  """Kimi k1.5/K2 policy mirror descent (arXiv 2501.12599 §2.3.2), a squared loss per trajectory.
 
     ℓ_i = w_i·(R_i - R̄_i - τ·Σ_t log(π_θ(y_{i,t})/π_old(y_{i,t})))²   (sum over loss tokens)
 
@@ -510,7 +715,21 @@ def kimi_pmd(batch: SeqBatch, cfg: LossConfig):
   live sequences (≥ 1 loss token) of i's group, computed in-loss with the [S, S] same-group
   matrix (a group never straddles micro-batches); w_i = masked mean correction weight.
   loss = Σ_i seq_scale_i·ℓ_i, default prompt_mean = (1/G) Σ_g (1/K_g) Σ_{i∈g} ℓ_i
-  [+ KL/entropy/OPD token terms]. Metrics: residual (mean of the bracket), seq_log_ratio."""
+  [+ KL/entropy/OPD token terms]. Metrics: residual (mean of the bracket), seq_log_ratio.
+
+  Args:
+    batch: the sequences; needs `reward` [S] and `group` [S].
+    cfg: the hyper-parameters (tau = τ); its `name` is ignored (kimi_pmd's `DEFAULTS` apply).
+
+  Returns:
+    (loss, metrics): the scalar loss and a dict of scalar metrics.
+
+  Raises:
+    ValueError: for a bad config (`check_config`) or a batch lacking a field the config needs.
+
+  References:
+    Kimi k1.5, arXiv 2501.12599, §2.3.2.
+  """
   batch, cfg = _prepare(batch, cfg, "kimi_pmd")
   if batch.reward is None:
     raise ValueError("LossConfig.name='kimi_pmd' needs SeqBatch.reward")
@@ -539,13 +758,28 @@ def _opd_terms(batch: SeqBatch, cfg: LossConfig) -> tuple[Array, dict]:
 
 
 def opd(batch: SeqBatch, cfg: LossConfig):
-  """On-policy distillation (KAT-Coder-V2; Thinking Machines "on-policy distillation"), per
-  token on the student's own samples:
+  """On-policy distillation: the policy gradient of the reverse KL to a teacher, per token.
+
+  On the student's own samples:
     a_t = sg(log π_teacher(y_t) - log π_θ(y_t)),  ℓ_t = -w·a_t·r_t,  r_t = exp(log π_θ - log π_old)
   (r = 1 on-policy, so the gradient is -a_t·∇log π_θ: the policy gradient of the reverse KL
   KL(π_θ ‖ π_teacher) with per-token reward -(log π_θ - log π_teacher)); default token_mean
   [+ KL/entropy]. Added to any RL loss with `opd_coef` (see `_with_opd`).
-  Metric: reverse_kl = mean over loss tokens of log π_θ - log π_teacher."""
+  Metric: reverse_kl = mean over loss tokens of log π_θ - log π_teacher.
+
+  Args:
+    batch: the sequences; needs `teacher_logprobs` (`advantages` is not read).
+    cfg: the hyper-parameters; its `name` is ignored (opd's `DEFAULTS` apply).
+
+  Returns:
+    (loss, metrics): the scalar loss and a dict of scalar metrics.
+
+  Raises:
+    ValueError: for a bad config (`check_config`) or a batch lacking a field the config needs.
+
+  References:
+    KAT-Coder-V2 (arXiv 2603.27703); Thinking Machines, "On-Policy Distillation".
+  """
   batch, cfg = _prepare(batch, cfg, "opd")
   per_token, metrics = _opd_terms(batch, cfg)
   per_token = _regularise(per_token, batch, cfg, metrics)
@@ -565,16 +799,32 @@ def _with_opd(loss: Array, batch: SeqBatch, cfg: LossConfig, metrics: dict):
 
 
 def dpo(batch: SeqBatch, cfg: LossConfig):
-  """DPO (Rafailov et al. 2023). Sequences come in pairs sharing a group id; the one with the
-  higher `reward` is chosen (c), the other rejected (r). With h_i = Σ_t (log π_θ - log π_ref)
-  over the sequence's loss tokens, each pair's loss is
+  """DPO (Rafailov et al. 2023) on pairs of sequences that share a group id.
+
+  In a pair the sequence with the higher `reward` is chosen (c), the other rejected (r). With
+  h_i = Σ_t (log π_θ - log π_ref) over the sequence's loss tokens, each pair's loss is
     ℓ = -log σ(β·(h_c - h_r)) = softplus(-β·(h_c - h_r)),  β = dpo_beta,
   assigned to both sequences of the pair, and loss = Σ_i seq_scale_i·ℓ_i; the default
   prompt_mean is the mean over pairs, (1/G) Σ_pairs ℓ (G = global groups). A group that is not
   exactly two sequences, or a pair with equal rewards (no preference), contributes 0 (metric
   `unpaired`). Correction weights are not applied; kl_coef and opd_coef are rejected (β already
   ties π_θ to π_ref; samples are off-policy). Metrics: accuracy (h_c > h_r), margin
-  (β·(h_c - h_r)), unpaired."""
+  (β·(h_c - h_r)), unpaired.
+
+  Args:
+    batch: the sequences; needs `ref_logprobs`, `reward` [S] and `group` [S].
+    cfg: the hyper-parameters; its `name` is ignored (dpo's `DEFAULTS` apply).
+
+  Returns:
+    (loss, metrics): the scalar loss and a dict of scalar metrics.
+
+  Raises:
+    ValueError: for a bad config (`check_config`), kl_coef or opd_coef > 0, or a batch lacking
+      `ref_logprobs`, `reward` or `group`.
+
+  References:
+    Rafailov et al. 2023, "Direct Preference Optimization".
+  """
   batch, cfg = _prepare(batch, cfg, "dpo")
   if batch.ref_logprobs is None:
     raise ValueError("LossConfig.name='dpo' needs SeqBatch.ref_logprobs (reference log-probs)")
@@ -634,11 +884,27 @@ SEQUENCE_LOSSES = frozenset({"gspo", "turn_gspo", "kimi_pmd", "dpo"})
 
 
 def get_loss(name: str) -> LossFn:
+  """The loss function registered as `name` in `LOSSES`.
+
+  Raises:
+    ValueError: for an unknown name.
+  """
   if name not in LOSSES:
     raise ValueError(f"LossConfig.name={name!r}: expected one of {sorted(LOSSES)}")
   return LOSSES[name]
 
 
 def compute(batch: SeqBatch, cfg: LossConfig):
-  """The configured loss: `LOSSES[cfg.name](batch, cfg)`."""
+  """The configured loss: `LOSSES[cfg.name](batch, cfg)`.
+
+  Args:
+    batch: the sequences (`rl.batch.SeqBatch` with global `counts`).
+    cfg: the hyper-parameters; `cfg.name` selects the loss.
+
+  Returns:
+    (loss, metrics) of the selected loss.
+
+  Raises:
+    ValueError: for an unknown loss name, a bad config or a batch lacking a field it needs.
+  """
   return get_loss(cfg.name)(batch, cfg)

@@ -40,25 +40,32 @@ from rl.tree import CallTokens, TrajectoryTokens, Tree, build_tree
 class TreeBatch:
   """One micro-batch of fixed shapes (numpy; the trainer moves them to devices).
 
-  Per position, [rows, row_len]:
-    tokens     int32  token id (padding 0)
-    positions  int32  depth of the node in its tree (padding 0)
-    end        int32  exclusive end column of the node's subtree in this row; query i attends to
-                      key j iff j <= i < end[j]; padding end = j + 1
-    pred       int32  column (same row) whose logits predict this token; -1 for roots, padding
-    group      int32  index of the tree (group) in pack's input list; -1 for padding
-    node       int32  node index within that tree; -1 for padding
-    owner      bool   real position that is not a context-only copy (each node is an owner once)
-  Per sequence (one per trajectory of every group in the batch), [num_seqs, seq_len]:
-    seq_index  int32  flat index row * row_len + col of each sampled token's owner (padding 0)
-    seq_pred   int32  flat index of its predicting position, in the same row (padding 0)
-    seq_tokens int32  the sampled token id (padding 0)
-    seq_valid  bool   real entries
-    fields     dict name -> float32 [num_seqs, seq_len]: the Seq fields ("loss_mask", "turn",
-               "logprobs", ...), 0 at padding and where a trajectory lacks the field
-    scalars    dict name -> float32 [num_seqs]: the Seq scalars (0 where absent), plus "group"
-    seq_trajectory int32 [num_seqs]: index of the trajectory within its group (tree.seqs)
-  num_real_rows: int, rows holding at least one token (the rest are all padding).
+  Per-position arrays are [rows, row_len]; per-sequence arrays are [num_seqs, seq_len], one
+  sequence per trajectory of every group in the batch.
+
+  Attributes:
+    tokens: [rows, row_len] int32 token id (padding 0).
+    positions: [rows, row_len] int32 depth of the node in its tree (padding 0).
+    end: [rows, row_len] int32 exclusive end column of the node's subtree in this row; query i
+      attends to key j iff j <= i < end[j]; padding end = j + 1.
+    pred: [rows, row_len] int32 column (same row) whose logits predict this token; -1 for
+      roots and padding.
+    group: [rows, row_len] int32 index of the tree (group) in pack's input list; -1 for
+      padding.
+    node: [rows, row_len] int32 node index within that tree; -1 for padding.
+    owner: [rows, row_len] bool, a real position that is not a context-only copy (each node is
+      an owner once).
+    seq_index: [num_seqs, seq_len] int32 flat index row * row_len + col of each sampled
+      token's owner (padding 0).
+    seq_pred: [num_seqs, seq_len] int32 flat index of its predicting position, in the same row
+      (padding 0).
+    seq_tokens: [num_seqs, seq_len] int32 the sampled token id (padding 0).
+    seq_valid: [num_seqs, seq_len] bool, real entries.
+    fields: name -> [num_seqs, seq_len] float32: the Seq fields ("loss_mask", "turn",
+      "logprobs", ...), 0 at padding and where a trajectory lacks the field.
+    scalars: name -> [num_seqs] float32: the Seq scalars (0 where absent), plus "group".
+    seq_trajectory: [num_seqs] int32 index of the trajectory within its group (tree.seqs).
+    num_real_rows: int, the rows holding at least one token (the rest are all padding).
   """
 
   tokens: np.ndarray
@@ -112,7 +119,20 @@ def _siblings(end: np.ndarray, first: int, stop: int) -> list[int]:
 
 
 def partition(tree: Tree, row_len: int, group: int = 0) -> list[_Part]:
-  """Cut `tree` into ancestor-closed parts of <= row_len nodes (module docstring)."""
+  """Cut `tree` into ancestor-closed parts of at most row_len nodes (see the module docstring).
+
+  Args:
+    tree: one group's tree.
+    row_len: the row length in tokens.
+    group: the tree's group index, recorded in each part.
+
+  Returns:
+    The parts (sorted node indices of the tree, and which of them the part owns); one part
+    for a tree that fits a row, none for an empty tree.
+
+  Raises:
+    ValueError: naming the call, if a call (input + output tokens) is longer than a row.
+  """
   n, end, depth = len(tree), tree.end, tree.positions
   if n <= row_len:
     return [_Part(group, np.arange(n), np.ones(n, bool))] if n else []
@@ -164,10 +184,23 @@ def pack(trees: list[Tree], row_len: int, rows_per_batch: int | None = None,
   """Pack trees (one per group) into TreeBatches of [rows, row_len].
 
   Groups are taken largest first; each goes first-fit into the first micro-batch that can hold
-  all its parts (each part first-fit into a row), else into a new one. rows_per_batch=None: one
-  micro-batch with as many rows as needed; else every TreeBatch has exactly rows_per_batch rows
-  (a group needing more raises ValueError). seq_len: padded sequence length (default: the
-  longest sequence in the batch rounded up to a multiple of 8).
+  all its parts (each part first-fit into a row), else into a new one.
+
+  Args:
+    trees: one `Tree` per group; a tree's group index is its position in the list.
+    row_len: the row length, a positive multiple of 128.
+    rows_per_batch: None: one micro-batch with as many rows as needed; else every TreeBatch
+      has exactly rows_per_batch rows (a group needing more raises ValueError).
+    seq_len: padded sequence length; None: the longest sequence of the micro-batch rounded up
+      to a multiple of 8 (at least 8).
+
+  Returns:
+    The micro-batches; each group's sequences are all in one of them.
+
+  Raises:
+    ValueError: for a bad row_len or rows_per_batch, a call longer than a row, a group that
+      needs more than rows_per_batch rows, a seq_len shorter than a sequence, a sampled token
+      at a root, or a trajectory scalar named "group".
   """
   if not isinstance(row_len, (int, np.integer)) or row_len <= 0 or row_len % 128:
     raise ValueError(f"row_len={row_len!r} must be a positive multiple of 128")
@@ -262,9 +295,24 @@ def _batch(trees, rows, groups, row_len, num_rows, seq_len, field_names, scalar_
 def pack_sequences(sequences: Sequence[CallTokens | tuple[Sequence[int], Sequence[int]]],
                    row_len: int, rows_per_batch: int | None = None,
                    seq_len: int | None = None) -> list[TreeBatch]:
-  """Ordinary sequence packing (SFT): each (prompt_ids, response_ids) pair, or a CallTokens with
-  per-token fields such as "loss_mask", becomes its own single-call tree (group i) and is packed
-  with `pack`; each packed sequence has `end` = its own end."""
+  """Ordinary sequence packing (SFT): each sequence becomes its own single-call tree.
+
+  Each (prompt_ids, response_ids) pair, or a CallTokens with per-token fields such as
+  "loss_mask", becomes tree i (group i) and is packed with `pack`; each packed sequence has
+  `end` = its own end.
+
+  Args:
+    sequences: (prompt_ids, response_ids) pairs or `CallTokens`.
+    row_len: as in `pack`.
+    rows_per_batch: as in `pack`.
+    seq_len: as in `pack`.
+
+  Returns:
+    The micro-batches, as `pack`.
+
+  Raises:
+    ValueError: as `pack`, and for a sequence with an empty prompt.
+  """
   calls = [s if isinstance(s, CallTokens) else CallTokens(list(s[0]), list(s[1]))
            for s in sequences]
   return pack([build_tree([TrajectoryTokens([c])]) for c in calls], row_len, rows_per_batch,

@@ -14,7 +14,16 @@ import numpy as np
 def best_of_n(scores) -> int:
   """Index of the highest verifier score; ties -> lowest index.
 
-  scores [N] float, N >= 1. NaN scores (a verifier that failed) never win; all NaN -> ValueError.
+  NaN scores (a verifier that failed) never win.
+
+  Args:
+    scores: [N] float, N >= 1.
+
+  Returns:
+    The index of the selected candidate.
+
+  Raises:
+    ValueError: for scores that are not a non-empty 1-D array, or all NaN.
   """
   scores = np.asarray(scores, dtype=np.float64)
   if scores.ndim != 1 or scores.size == 0:
@@ -28,9 +37,19 @@ def best_of_n(scores) -> int:
 def majority_vote(items: Sequence, key: Optional[Callable[[object], Hashable]] = None) -> int:
   """Index of the first member of the largest equivalence class.
 
-  items [N]: the outputs; key maps an output to a hashable equivalence key (e.g. normalised
-  answer, or test-output signature). With key None, items are precomputed keys. Ties between
-  classes of equal size -> the class whose first member comes first (lowest index).
+  Ties between classes of equal size -> the class whose first member comes first (lowest
+  index).
+
+  Args:
+    items: [N] the outputs, N >= 1.
+    key: maps an output to a hashable equivalence key (e.g. normalised answer, or test-output
+      signature); None: items are precomputed keys.
+
+  Returns:
+    The index of the selected candidate.
+
+  Raises:
+    ValueError: for no items.
   """
   items = list(items)
   if not items:
@@ -48,12 +67,23 @@ def majority_vote(items: Sequence, key: Optional[Callable[[object], Hashable]] =
 def self_play_scores(original_pass, patched_pass) -> np.ndarray:
   """Kimi-Dev self-play score of N patches against M generated tests.
 
-  original_pass [M] bool: test j passes on the original code; patched_pass [N, M] bool: test j
-  passes with patch i applied.
     S_i = sum_j FP(i,j) / sum_j F(j) + sum_j PP(i,j) / sum_j P(j)
   F(j) / P(j): test j fails / passes on the original; FP(i,j): fails on the original and passes
   with patch i (the patch fixes what the test reproduces); PP(i,j): passes on both (the patch
-  breaks nothing). A term whose denominator is 0 is 0. Returns [N] float64 in [0, 2].
+  breaks nothing). A term whose denominator is 0 is 0.
+
+  Args:
+    original_pass: [M] bool, test j passes on the original code.
+    patched_pass: [N, M] bool, test j passes with patch i applied.
+
+  Returns:
+    [N] float64 scores in [0, 2].
+
+  Raises:
+    ValueError: unless original_pass is [M] and patched_pass [N, M].
+
+  References:
+    Kimi-Dev.
   """
   original = np.asarray(original_pass)
   patched = np.asarray(patched_pass)
@@ -74,5 +104,16 @@ def self_play_scores(original_pass, patched_pass) -> np.ndarray:
 
 
 def self_play_select(original_pass, patched_pass) -> int:
-  """Index of the patch with the highest `self_play_scores`; ties -> lowest index."""
+  """Index of the patch with the highest `self_play_scores`; ties -> lowest index.
+
+  Args:
+    original_pass: [M] bool, test j passes on the original code.
+    patched_pass: [N, M] bool, test j passes with patch i applied (N >= 1).
+
+  Returns:
+    The index of the selected patch.
+
+  Raises:
+    ValueError: for bad shapes, or no patch.
+  """
   return best_of_n(self_play_scores(original_pass, patched_pass))

@@ -25,8 +25,14 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class CallTokens:
-  """One LLM call as the engine saw it. `fields` are per output token (e.g. "logprobs",
-  "loss_mask", "teacher_logprobs"), each of len(output_ids)."""
+  """One LLM call as the engine saw it.
+
+  Attributes:
+    input_ids: the context token ids (at least one when the call samples tokens).
+    output_ids: the sampled token ids.
+    fields: per output token values (e.g. "logprobs", "loss_mask", "teacher_logprobs"), each
+      of len(output_ids).
+  """
 
   input_ids: Sequence[int]
   output_ids: Sequence[int]
@@ -45,9 +51,11 @@ class TrajectoryTokens:
 class Seq:
   """A trajectory's sampled tokens inside a tree.
 
-  index [m]: node index of each sampled token, in sampling order. fields: name -> [m] arrays,
-  always including "loss_mask" (1 = trained) and "turn" (index of the call that sampled the
-  token). scalars: the trajectory's scalars.
+  Attributes:
+    index: [m] int32 node index of each sampled token, in sampling order.
+    fields: name -> [m] float32, always including "loss_mask" (1 = trained) and "turn" (index
+      of the call that sampled the token).
+    scalars: the trajectory's scalars.
   """
 
   index: np.ndarray
@@ -126,7 +134,19 @@ def from_trajectory(trajectory: Any, *, scalars: Optional[Mapping[str, float]] =
 
 
 def build_tree(trajectories: Sequence[TrajectoryTokens]) -> Tree:
-  """Insert every call of `trajectories` (typically one group) into a trie and flatten it."""
+  """Insert every call of `trajectories` (typically one group) into a trie and flatten it.
+
+  Args:
+    trajectories: the trajectories; trajectory t becomes `seqs[t]`.
+
+  Returns:
+    The `Tree` in pre-order. Each Seq has the fields "loss_mask" (1 unless a call gives it),
+    "turn" (the call's index) and every field of its calls (0 for calls that lack it).
+
+  Raises:
+    ValueError: for a call that samples tokens with empty input_ids, or a field whose length
+      differs from the call's output_ids.
+  """
   parent: list[int] = []
   token: list[int] = []
   children: list[dict[int, int]] = []

@@ -39,9 +39,10 @@ Array = Union[jax.Array, np.ndarray]
     meta_fields=[])
 @dataclasses.dataclass
 class MicroBatches:
-  """M micro-batches stacked on a leading axis (index one with `jax.tree.map(lambda x: x[i])`:
-  the result is the same class with the leading axis removed, which `rl.batch.from_tree_batch`
-  reads like a `TreeBatch`).
+  """M micro-batches of tree-packed rows stacked on a leading axis.
+
+  Index one with `jax.tree.map(lambda x: x[i])`: the result is the same class with the leading
+  axis removed, which `rl.batch.from_tree_batch` reads like a `TreeBatch`.
 
   Per position, [M, R, L] (R rows of L tokens; docs/design.md §3):
     tokens, positions, end  int32  the TreeBatch arrays; padding: 0, 0, j + 1
@@ -74,13 +75,26 @@ class MicroBatches:
 
   @property
   def num_micro_batches(self) -> int:
+    """M, the length of the leading axis (padding micro-batches included)."""
     return self.tokens.shape[0]
 
   def replace(self, **kw) -> "MicroBatches":
+    """A copy with the given fields replaced (`dataclasses.replace`)."""
     return dataclasses.replace(self, **kw)
 
   def with_fields(self, **arrays: Array) -> "MicroBatches":
-    """Add or replace per-token fields [M, S, T] (e.g. ref_logprobs from `score`)."""
+    """A copy with per-token fields added or replaced.
+
+    Args:
+      **arrays: name -> [M, S, T] f32 per-token values in this batch's sequence layout (e.g.
+        ref_logprobs from `score`).
+
+    Returns:
+      The new MicroBatches (the other fields are shared, not copied).
+
+    Raises:
+      ValueError: an array's shape is not [M, S, T].
+    """
     shape = self.seq_valid.shape
     for name, x in arrays.items():
       if tuple(np.shape(x)) != tuple(shape):
@@ -89,8 +103,19 @@ class MicroBatches:
     return self.replace(fields={**self.fields, **arrays})
 
   def with_scalars(self, **per_trajectory: Array) -> "MicroBatches":
-    """Add or replace per-sequence scalars given per trajectory in input order ([N], e.g.
-    advantages from rl.advantages on the flat reward array); padding sequences get 0."""
+    """A copy with per-sequence scalars added or replaced, given per trajectory.
+
+    Args:
+      **per_trajectory: name -> [N] values, one per trajectory in make_micro_batches' input
+        order (e.g. advantages from rl.advantages on the flat reward array); laid out through
+        `seq_id` as f32 [M, S], padding sequences get 0.
+
+    Returns:
+      The new MicroBatches.
+
+    Raises:
+      ValueError: an array is not 1-D or has fewer values than there are trajectories.
+    """
     seq_id = np.asarray(self.seq_id)
     n = int(seq_id.max()) + 1 if seq_id.size else 0
     new = {}
@@ -109,6 +134,9 @@ class BatchShape:
 
   A field left None is sized from the data and rounded up to a power of two, so varying data
   gives few distinct shapes; set every field for exactly one compile.
+
+  Raises:
+    ValueError: row_len is not a positive multiple of 128, or a count is not an int >= 1.
   """
 
   row_len: int = 1024                  # L: tokens per row, a multiple of 128
@@ -137,12 +165,18 @@ def _bucket(need: int, fixed: Optional[int], name: str, what: str, minimum: int 
 
 
 def call_counts(tree: Tree) -> np.ndarray:
-  """[n] float32: for each node, the number of LLM calls whose sequence (input + output) passes
-  through it: the node's weight in unpacked training, where every call is its own row.
+  """Per tree node, the number of LLM calls whose sequence (input + output) passes through it.
 
-  A call's sequence ends at its last sampled token (the last entry of its turn in the
-  trajectory's Seq), and a node lies on the paths of the calls ending in its subtree
-  [v, end[v]). Calls without output tokens are not counted (they carry no loss either).
+  This is the node's weight in unpacked training, where every call is its own row. A call's
+  sequence ends at its last sampled token (the last entry of its turn in the trajectory's Seq),
+  and a node lies on the paths of the calls ending in its subtree [v, end[v]). Calls without
+  output tokens are not counted (they carry no loss either).
+
+  Args:
+    tree: one group's trie (`rl.tree.build_tree`); its seqs need the "turn" field.
+
+  Returns:
+    [n] f32 call counts, n = len(tree), in the tree's pre-order.
   """
   n = len(tree)
   ends = np.zeros(n, np.float64)
@@ -158,12 +192,22 @@ def call_counts(tree: Tree) -> np.ndarray:
 def make_micro_batches(groups: Sequence[Union[Sequence[TrajectoryTokens], Tree]],
                        shape: BatchShape, *,
                        expert_ids: Optional[Sequence[np.ndarray]] = None) -> MicroBatches:
-  """Trees of `groups` (each a list of TrajectoryTokens, the G samples of one task, or an
-  already built `Tree`) packed into `shape`; host NumPy arrays.
+  """Packs the groups' trees into fixed-shape stacked micro-batches (host NumPy arrays).
 
-  expert_ids: per group, [num_nodes, moe_layers, k] int expert choices of every tree node (in
-  the tree's pre-order, e.g. from the engine's recorded routing), laid out for replay.
-  Errors name the BatchShape field that is too small.
+  Args:
+    groups: per group, a list of TrajectoryTokens (the G samples of one task) or an already
+      built `Tree`; every group lands whole in one micro-batch.
+    shape: the fixed shapes; a None field is sized from the data (next power of two).
+    expert_ids: per group, [num_nodes, moe_layers, k] int expert choices of every tree node (in
+      the tree's pre-order, e.g. from the engine's recorded routing), laid out for replay as
+      `MicroBatches.expert_ids`; None: no routing replay.
+
+  Returns:
+    MicroBatches of shape [M, R, L] per position and [M, S, T] per sequence.
+
+  Raises:
+    ValueError: no groups, a BatchShape field too small for the data (the error names it), or
+      expert_ids not matching the groups' trees.
   """
   trees = [g if isinstance(g, Tree) else build_tree(list(g)) for g in groups]
   if not trees:
@@ -238,8 +282,15 @@ def make_micro_batches(groups: Sequence[Union[Sequence[TrajectoryTokens], Tree]]
 
 
 def describe(mb: MicroBatches) -> Mapping[str, int]:
-  """Host-side counts for logging: real micro-batches, rows, tree tokens, logical tokens
-  (what unpacked training would process), sequences and loss tokens."""
+  """Host-side counts of a batch's real contents, for logging.
+
+  Args:
+    mb: the batch (device or host arrays; read on the host).
+
+  Returns:
+    Counts of real micro-batches, rows, tree tokens, logical tokens (what unpacked training
+    would process), sequences and loss tokens.
+  """
   valid = np.asarray(mb.seq_valid)
   w = np.asarray(mb.token_weights)
   loss = valid * np.asarray(mb.fields["loss_mask"])

@@ -5,7 +5,7 @@
     restored = ckpt.restore_latest(abstract_state)          # None on a fresh workdir
     if restored:
       step, state, extra = restored                         # extra["consumed_ids"]: sorted list
-    guard = PreemptionGuard()                               # SIGTERM, Ctrl-C -> a flag, never an exception
+    guard = PreemptionGuard()                               # SIGTERM, Ctrl-C: a flag, no exception
     for step in range(step + 1, total + 1):
       state = train_step(state, batch)
       stop = guard.should_stop(step)
@@ -94,11 +94,23 @@ def _all_hex(ids: list[str]) -> bool:
 
 
 def encode_ids(ids: Iterable[str]) -> dict[str, np.ndarray]:
-  """Unique ids -> {"count": [n], "hex": uint8[k, 16], "text": uint8[m, width]}.
+  """Packs trajectory ids into compact arrays for a checkpoint's `ids` item.
 
   32-char lowercase hex ids (uuid4().hex) are packed to 16 bytes; any other id is stored as
   zero-padded UTF-8. Empty parts are left out (orbax cannot save zero-size arrays). Rows are
-  in no particular order (sorting a million ids would cost seconds per save)."""
+  in no particular order (sorting a million ids would cost seconds per save).
+
+  Args:
+    ids: str ids; duplicates are dropped.
+
+  Returns:
+    {"count": int64 [1] (the number n of unique ids), "hex": uint8 [k, 16],
+    "text": uint8 [m, width]}, k + m = n.
+
+  Raises:
+    TypeError: an id is not a str.
+    ValueError: an id ends with a NUL byte (the padding of "text" rows).
+  """
   ids = list(set(ids))
   try:
     fast = _all_hex(ids)  # the usual case: one pass, no per-id Python work beyond len()
@@ -126,7 +138,17 @@ def encode_ids(ids: Iterable[str]) -> dict[str, np.ndarray]:
 
 
 def decode_ids(arrays: dict[str, Any]) -> list[str]:
-  """Inverse of `encode_ids`: the sorted list of ids."""
+  """Inverse of `encode_ids`.
+
+  Args:
+    arrays: `encode_ids`' output ("hex" and "text" may be missing).
+
+  Returns:
+    The ids, sorted.
+
+  Raises:
+    ValueError: the number of decoded ids differs from "count".
+  """
   packed = np.asarray(arrays.get("hex", np.zeros((0, 16), np.uint8))).tobytes().hex()
   ids = [packed[k:k + 32] for k in range(0, len(packed), 32)]
   ids += [bytes(row).rstrip(b"\0").decode()
@@ -177,6 +199,9 @@ class Checkpointer:
     best_mode: "max" or "min" for `best_metric`.
     keep_best: how many best steps to keep besides the latest `keep`.
     async_save: write in a background thread (False: `save` returns when committed).
+
+  Raises:
+    ValueError: keep, save_every or keep_best < 1, or best_mode not "max"/"min".
   """
 
   def __init__(self, directory: str | os.PathLike, *, keep: int = 3, save_every: int = 1,
@@ -219,11 +244,27 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, extra: Optional[dict] = None, *,
            metrics: Optional[dict[str, float]] = None, force: bool = False) -> bool:
-    """Starts saving `state` and `extra` as `step`; returns whether a save was started.
+    """Starts saving `state` and `extra` as `step`.
 
-    Skipped (False) when the step is not a multiple of `save_every` (unless `force`) or is
-    already saved (e.g. a preemption save right after a scheduled one). Blocks only while the
-    previous save finishes and the arrays are copied to host memory."""
+    Blocks only while the previous save finishes and the arrays are copied to host memory.
+
+    Args:
+      step: the step number (the checkpoint's directory name).
+      state: the train-state pytree (jax/numpy arrays, typed PRNG keys, `nnx.State`).
+      extra: JSON-serialisable dict; `extra[IDS_KEY]` (an iterable of str) is stored compactly.
+      metrics: name -> value for the `best_metric` preservation policy (required when the
+        Checkpointer has a `best_metric`).
+      force: save even when the step is not a multiple of `save_every`.
+
+    Returns:
+      Whether a save was started: False when the step is not a multiple of `save_every`
+      (unless `force`) or is already saved (e.g. a preemption save right after a scheduled one).
+
+    Raises:
+      ValueError: `best_metric` missing from `metrics`.
+      TypeError: `extra` is not a dict or a value is not JSON-serialisable (named).
+      RuntimeError: an earlier save or `on_saved` callback failed.
+    """
     self._raise_error()
     step = int(step)
     if not force and not self.should_save(step):
@@ -244,8 +285,10 @@ class Checkpointer:
     return True
 
   def should_save(self, step: int) -> bool:
-    """Whether `save(step)` would write (a multiple of `save_every`, later than the latest
-    step): lets the loop skip building an expensive `extra` on other steps."""
+    """Whether `save(step)` would write: a multiple of `save_every`, later than the latest step.
+
+    Lets the loop skip building an expensive `extra` on other steps.
+    """
     return self._mngr.should_save(int(step))
 
   def on_saved(self, fn: Callable[[int, dict], None]) -> None:
@@ -302,9 +345,11 @@ class Checkpointer:
   # ---- restoring ----
 
   def all_steps(self) -> list[int]:
+    """The committed steps, ascending."""
     return sorted(self._mngr.all_steps())
 
   def latest_step(self) -> Optional[int]:
+    """The latest committed step, or None when there is none."""
     return self._mngr.latest_step()
 
   def best_step(self) -> Optional[int]:
@@ -312,10 +357,20 @@ class Checkpointer:
     return self._mngr.best_step()
 
   def restore(self, step: int, abstract_state: Any = None) -> Restored:
-    """Restores `step`. `abstract_state` is a pytree like the saved state whose leaves are
-    `jax.ShapeDtypeStruct`s (with `.sharding`: arrays are placed there, whatever sharding they
-    were saved with) or concrete arrays (their shape/dtype/sharding are used); None restores
-    as saved. `extra[IDS_KEY]` comes back as a sorted list."""
+    """Restores a saved step.
+
+    Args:
+      step: a committed step.
+      abstract_state: a pytree like the saved state whose leaves are `jax.ShapeDtypeStruct`s
+        (with `.sharding`: arrays are placed there, whatever sharding they were saved with) or
+        concrete arrays (their shape/dtype/sharding are used); None restores as saved.
+
+    Returns:
+      Restored(step, state, extra); `extra[IDS_KEY]` comes back as a sorted list.
+
+    Raises:
+      FileNotFoundError: `step` is not saved in the directory.
+    """
     if step not in self._mngr.all_steps():
       raise FileNotFoundError(f"Checkpointer.restore: step {step} is not in {self.directory}; "
                               f"saved steps: {self.all_steps()}")
@@ -328,7 +383,11 @@ class Checkpointer:
     return Restored(int(step), out.state, extra)
 
   def restore_latest(self, abstract_state: Any = None) -> Optional[Restored]:
-    """`restore` of the latest committed step, or None when there is none (a fresh run)."""
+    """`restore` of the latest committed step, or None when there is none (a fresh run).
+
+    Args:
+      abstract_state: as for `restore`.
+    """
     self._mngr.reload()  # another process may have written since construction
     step = self._mngr.latest_step()
     return None if step is None else self.restore(step, abstract_state)
@@ -343,6 +402,9 @@ class PreemptionGuard:
   the same step (a host-local flag would leave the others waiting in a collective). The
   handlers must be installed from the main thread; `close()` restores the previous ones. A
   second Ctrl-C raises KeyboardInterrupt at once (no save).
+
+  Args:
+    signals: the signals to turn into the flag (single process only).
   """
 
   def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT)):
@@ -363,7 +425,11 @@ class PreemptionGuard:
     self._flag.set()
 
   def should_stop(self, step: int) -> bool:
-    """True when the loop should save now and exit. Call once per step on every host."""
+    """True when the loop should save now and exit. Call once per step on every host.
+
+    Args:
+      step: the current step (multi-host: the hosts agree on the step to stop at).
+    """
     if self._multihost:
       try:
         return multihost_utils.reached_preemption_sync_point(step)
@@ -372,6 +438,7 @@ class PreemptionGuard:
     return self._flag.is_set()
 
   def close(self) -> None:
+    """Restores the signal handlers that were in place before the guard."""
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
     self._previous = {}

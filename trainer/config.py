@@ -31,7 +31,7 @@ rl.advantages.ADVANTAGES, envs.sandbox.BACKENDS, ...); this module owns only the
 (MODES, RL_LOOPS, ...). What needs the devices (the mesh's product, rows divisible by the data
 axes) is checked by `trainer.main` right after `jax.distributed.initialize`.
 
-One module (~600 lines): the section validators and the adapters share the field checks and
+One module (~700 lines): the section validators and the adapters share the field checks and
 the error form, and a reader looks for "what does this field accept" in one place.
 """
 
@@ -157,8 +157,17 @@ def _known_keys(config, reference, where: str) -> None:
 
 
 def check_override_keys(config: ml_collections.ConfigDict, keys) -> None:
-  """Every dotted `--config.KEY` names an existing field (ml_collections would fail with an
-  AttributeError traceback instead)."""
+  """Checks that every dotted `--config.KEY` names an existing field.
+
+  ml_collections would fail with an AttributeError traceback instead.
+
+  Args:
+    config: the config file's ConfigDict, before the overrides are applied.
+    keys: the dotted keys of the command line's overrides, e.g. "train.steps".
+
+  Raises:
+    ConfigError: a key names no field; the message lists the fields where it stops.
+  """
   for key in keys:
     node, done = config, []
     for part in key.split("."):
@@ -174,7 +183,17 @@ def check_override_keys(config: ml_collections.ConfigDict, keys) -> None:
 
 
 def init_kind(init: str) -> tuple[str, str]:
-  """"random" -> ("random", ""); "hf:DIR" -> ("hf", DIR); "ckpt:DIR" -> ("ckpt", DIR)."""
+  """Splits config.model.init into its kind and directory.
+
+  Args:
+    init: "random", "hf:DIR" or "ckpt:DIR".
+
+  Returns:
+    ("random", ""), ("hf", DIR) or ("ckpt", DIR).
+
+  Raises:
+    ConfigError: any other value.
+  """
   kind, sep, path = init.partition(":")
   if init == "random":
     return "random", ""
@@ -184,6 +203,7 @@ def init_kind(init: str) -> tuple[str, str]:
 
 
 def is_remote(path: str) -> bool:
+  """Whether `path` is a URL (`gs://...`) rather than a local path."""
   return "://" in path
 
 
@@ -193,10 +213,18 @@ def overrides(config) -> dict:
 
 
 def model_config(config):
-  """The ModelConfig the run trains: the preset (init="random") or the checkpoint's
-  architecture (hf:DIR config.json, ckpt:DIR model_config.json), plus `model.overrides`."""
+  """The ModelConfig the run trains.
 
+  Args:
+    config: the experiment config (smoke configs, which have no model.init, mean "random").
 
+  Returns:
+    The preset (init="random") or the checkpoint's architecture (hf:DIR config.json,
+    ckpt:DIR model_config.json), with `model.overrides` applied.
+
+  Raises:
+    ConfigError: a bad model.init, or ModelConfig rejects the result.
+  """
   init = config.model.get("init", "random")  # smoke configs have no init
   kind, path = init_kind(init)
   over = overrides(config)
@@ -212,8 +240,19 @@ def model_config(config):
 
 
 def data_config(config, *, sources: tuple[str, ...] = (), eval: bool = False):
-  """trainer.data.SFTDataConfig from config.data (held-out data: in order, one pass)."""
+  """The trainer.data.SFTDataConfig of config.data.
 
+  Args:
+    config: the experiment config.
+    sources: the JSONL files to read.
+    eval: held-out data: no shuffling, one epoch.
+
+  Returns:
+    The SFTDataConfig.
+
+  Raises:
+    ConfigError: SFTDataConfig rejects a field (named config.data.FIELD).
+  """
   d = config.data
   kw = dict(sources=tuple(sources), row_len=d.row_len, rows_per_batch=d.rows_per_batch,
             microbatches=d.microbatches, max_seqs=d.max_seqs, seq_len=d.seq_len, seed=d.seed,
@@ -228,8 +267,17 @@ def data_config(config, *, sources: tuple[str, ...] = (), eval: bool = False):
 
 
 def loss_config(config):
-  """rl.losses.LossConfig from config.loss, checked (errors name config.loss.FIELD)."""
+  """The rl.losses.LossConfig of config.loss, checked.
 
+  Args:
+    config: the experiment config.
+
+  Returns:
+    The LossConfig.
+
+  Raises:
+    ConfigError: an unknown field or a bad value (named config.loss.FIELD).
+  """
   fields = {f.name for f in dataclasses.fields(losses.LossConfig)}
   given = config.loss.to_dict()
   unknown = sorted(set(given) - fields)
@@ -246,7 +294,20 @@ def loss_config(config):
 
 
 def tokenizer_source(config, workdir: str) -> str:
-  """Where the tokenizer is: tokenizer.path, the trained demo tokenizer, or the checkpoint's."""
+  """Where the run's tokenizer is.
+
+  Args:
+    config: the experiment config.
+    workdir: the run's workdir (where a demo tokenizer is trained).
+
+  Returns:
+    tokenizer.path when set, else `workdir`/tokenizer when the demo trains one, else the
+    model.init checkpoint's (an HF directory, a `models.hf import` directory's hf_extra/, an
+    Arbor run's tokenizer/ or the tokenizer.path of its config.json).
+
+  Raises:
+    ConfigError: nothing provides a tokenizer.
+  """
   if config.tokenizer.path:
     return config.tokenizer.path
   if config.tokenizer.train_vocab_size > 0:
@@ -273,8 +334,15 @@ def tokenizer_source(config, workdir: str) -> str:
 
 
 def validate(config: ml_collections.ConfigDict, workdir: Optional[str] = None) -> None:
-  """Raise ConfigError for the first bad field (see the module doc). `workdir`: the run's
-  --workdir (None: skip the checks that need it)."""
+  """Checks every field of an experiment config (see the module doc).
+
+  Args:
+    config: the experiment config.
+    workdir: the run's --workdir (None: skip the checks that need it).
+
+  Raises:
+    ConfigError: the first bad field, with its value and the valid choices.
+  """
   if not isinstance(config, ml_collections.ConfigDict):
     raise ConfigError(f"config: expected an ml_collections.ConfigDict, got "
                       f"{type(config).__name__}")
@@ -440,8 +508,19 @@ def _validate_mesh(config) -> None:
 
 
 def mesh_shape(config, num_devices: int) -> tuple[int, ...]:
-  """The mesh's axis sizes on `num_devices` devices; ConfigError when they do not fit."""
+  """The mesh's axis sizes on the devices of the run.
 
+  Args:
+    config: the experiment config (config.mesh, config.data.rows_per_batch).
+    num_devices: the number of devices, all processes together.
+
+  Returns:
+    One size per axis of `MESH_AXES`, the -1 axis resolved.
+
+  Raises:
+    ConfigError: the sizes' product is not `num_devices`, or data.rows_per_batch is not a
+      multiple of data x fsdp.
+  """
   given = {a: config.mesh[a] for a in MESH_AXES}
   try:
     sizes = MeshConfig(**given).shape(num_devices)
@@ -487,6 +566,7 @@ def _validate_data(config, mode: str) -> None:
 
 
 def has_eval_data(config) -> bool:
+  """Whether the config gives held-out data (files or generated demo episodes)."""
   return bool(config.data.eval_sources) or config.data.demo.eval_episodes > 0
 
 

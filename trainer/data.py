@@ -80,7 +80,11 @@ STATS = ("trajectories", "trees", "row_tokens", "loss_tokens", "linear_tokens", 
 
 @dataclasses.dataclass(frozen=True)
 class SFTDataConfig:
-  """What to read and how to batch it (validated at construction; errors name the field)."""
+  """What to read and how to batch it (validated at construction).
+
+  Raises:
+    ValueError: a bad field; the message names it, its value and what is expected.
+  """
 
   sources: tuple[str, ...] = ()     # *.jsonl / *.parquet / *.msgpack files (or records=)
   row_len: int = 2048               # tokens per packed row (multiple of 128)
@@ -139,8 +143,22 @@ Ref = tuple[int, int, str]  # a record: (reader, key, where)
 
 def scan_groups(readers: Sequence[Reader], group_by: str, max_group_size: Optional[int],
                 skip_bad: bool) -> tuple[list[list[Ref]], list[str]]:
-  """Read every record once: check it and find its group. (groups in order of first record,
-  each cut into chunks of max_group_size; messages of the bad records skipped)."""
+  """Reads every record once: checks it and finds its group.
+
+  Args:
+    readers: the record readers (files, in-memory records); a record is (reader, key, where).
+    group_by: one of GROUP_BY (the module doc).
+    max_group_size: records per group at most (None: whole groups).
+    skip_bad: log and skip bad records instead of raising.
+
+  Returns:
+    (groups, errors): the groups as lists of (reader index, key, where) refs, in order of
+    their first record and cut into chunks of max_group_size; the messages of the bad records
+    skipped.
+
+  Raises:
+    RecordError: a bad record, unless skip_bad.
+  """
   groups: dict[Any, list[Ref]] = {}
   errors: list[str] = []
   for r, reader in enumerate(readers):
@@ -356,8 +374,14 @@ class _PackIterator(grain.DatasetIterator):
 
 
 class SFTDataset(grain.IterDataset):
-  """The packed SFT pipeline (`make_sft_dataset`). Attributes: num_groups (trees per epoch in
-  this shard, before packing), load_errors (bad records skipped while scanning)."""
+  """The packed SFT pipeline (`make_sft_dataset`); iterating yields one step per item.
+
+  Attributes:
+    cfg: the SFTDataConfig.
+    fingerprint: identifies the data, grouping and batching settings an iterator state is for.
+    num_groups: trees per epoch in this shard, before packing.
+    load_errors: messages of the bad records skipped while scanning.
+  """
 
   def __init__(self, parent: grain.IterDataset, cfg: SFTDataConfig, fingerprint: str,
                num_groups: int, load_errors: list[str]):
@@ -374,9 +398,24 @@ class SFTDataset(grain.IterDataset):
 
 def make_sft_dataset(cfg: SFTDataConfig, chat: ChatFormat,
                      records: Optional[Sequence[Any]] = None) -> SFTDataset:
-  """The pipeline over `cfg.sources` and/or in-memory `records` (dicts or Trajectory objects).
+  """The packed SFT pipeline over files and/or in-memory records.
+
   Every record is read and checked once here (bad ones raise, or are skipped with skip_bad);
-  rendering happens lazily while iterating."""
+  rendering happens lazily while iterating.
+
+  Args:
+    cfg: what to read (`cfg.sources`) and how to batch it.
+    chat: the chat format (and tokenizer) that renders records into tokens.
+    records: in-memory chat records (dicts) or `envs.trajectory.Trajectory` objects, read
+      after the files; None: files only.
+
+  Returns:
+    The dataset; each step is {"batch": MicroBatches, "stats": dict} (the module doc).
+
+  Raises:
+    ValueError: a source file is missing, there is nothing to read, or no record is usable.
+    RecordError: a bad record, unless cfg.skip_bad.
+  """
   for p in cfg.sources:
     if not os.path.isfile(p):
       raise ValueError(f"SFTDataConfig.sources: {p!r}: no such file")
@@ -417,7 +456,14 @@ def _fingerprint(cfg: SFTDataConfig, chat: ChatFormat, readers, groups) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """`python -m trainer.data train_tokenizer | demo_data ...` (see --help)."""
+  """`python -m trainer.data train_tokenizer | demo_data ...` (see --help).
+
+  Args:
+    argv: the command-line arguments (None: sys.argv[1:]).
+
+  Returns:
+    The exit status.
+  """
   p = argparse.ArgumentParser(prog="python -m trainer.data", description=__doc__.split("\n")[0])
   sub = p.add_subparsers(dest="command", required=True)
   t = sub.add_parser("train_tokenizer", help="train a sentencepiece tokenizer on local text")

@@ -29,8 +29,18 @@ STAGES = ("sft", "rl")
 
 
 def stage_configs(config, seed: int, seed_dir: str) -> tuple:
-  """(SFT config, RL config) of one seed: copies of config.sft / config.rl with the seed, the
-  RL stage starting from the SFT stage's checkpoint and tokenizer."""
+  """The SFT and RL stage configs of one seed.
+
+  Args:
+    config: the demo config (configs/demo.py).
+    seed: the seed (config.seed and config.data.seed of both stages).
+    seed_dir: <workdir>/seed_<seed>; the SFT stage's workdir is its sft/.
+
+  Returns:
+    (SFT config, RL config): copies of config.sft / config.rl with the seed and the
+    optimizer's total_steps set, the RL stage starting from the SFT stage's checkpoint and
+    tokenizer.
+  """
   sft_cfg = ml_collections.ConfigDict(config.sft.to_dict())
   sft_cfg.seed = seed
   sft_cfg.data.seed = seed
@@ -47,7 +57,18 @@ def stage_configs(config, seed: int, seed_dir: str) -> tuple:
 
 
 def held_out_eval(rl_cfg, run_dir: str, out: str, mesh) -> dict:
-  """Greedy pass@1 of the latest checkpoint of `run_dir` on the held-out tasks (cached)."""
+  """Greedy pass@1 of the latest checkpoint of a run on the held-out tasks (cached).
+
+  Args:
+    rl_cfg: the RL stage config (its tokenizer, eval, engine and sandbox settings).
+    run_dir: the workdir of the run whose latest checkpoint is evaluated.
+    out: the result's JSON file; when it exists, it is returned without evaluating.
+    mesh: not used.
+
+  Returns:
+    {"checkpoint", "pass@1" (pass@eval.k; eval.k = 1 and temperature 0 give greedy pass@1),
+    "per_task" (rewards), "terminations", "time_s"}.
+  """
   if os.path.isfile(out):
     with open(out) as f:
       return json.load(f)
@@ -74,9 +95,21 @@ def held_out_eval(rl_cfg, run_dir: str, out: str, mesh) -> dict:
 
 
 def run_seed(config, seed: int, seed_dir: str, mesh) -> dict | None:
-  """One seed's SFT -> eval -> RL -> eval (each stage resumes or is reused); None when a stage
-  was interrupted. The result, with the minutes of the run that completed the seed, is kept in
-  <seed_dir>/result.json, so a rerun of a finished seed reports what was measured."""
+  """One seed's SFT -> eval -> RL -> eval; each stage resumes or is reused.
+
+  The result, with the minutes of the run that completed the seed, is kept in
+  <seed_dir>/result.json, so a rerun of a finished seed reports what was measured.
+
+  Args:
+    config: the demo config.
+    seed: the seed.
+    seed_dir: the seed's directory (<workdir>/seed_<seed>).
+    mesh: the device mesh the stages train on.
+
+  Returns:
+    {"seed", "sft_pass@1", "rl_pass@1", "sft", "rl" (per-task rewards), "minutes"}, or None
+    when a stage was interrupted (its checkpoint is saved).
+  """
   path = os.path.join(seed_dir, "result.json")
   if os.path.isfile(path):
     with open(path) as f:
@@ -109,7 +142,18 @@ def run_seed(config, seed: int, seed_dir: str, mesh) -> dict | None:
 
 
 def run(config, workdir: str, mesh=None) -> dict:
-  """Every seed's pipeline, then the results and the report; the summary dict."""
+  """Every seed's pipeline, then the results (demo_results.json) and the report.
+
+  Args:
+    config: the demo config (config.seeds, config.sft, config.rl).
+    workdir: the demo's directory (layout: the module doc).
+    mesh: the device mesh the stages train on.
+
+  Returns:
+    The summary: per-seed pass@1 values and minutes, their means, the paired bootstrap
+    "improvement" interval (`evaluate.paired_bootstrap_seeds`), the number of tasks and the
+    report's path; {"preempted": True} when a seed was interrupted.
+  """
   os.makedirs(workdir, exist_ok=True)
   per_seed = []
   for seed in config.seeds:
@@ -135,8 +179,19 @@ def run(config, workdir: str, mesh=None) -> dict:
 
 
 def write_report(workdir: str, config, results: dict) -> str:
-  """demo_report.html (+ .png): SFT loss and RL reward curves per seed, the pass@1 table and
-  the interval."""
+  """Writes demo_report.html (+ .png) to `workdir`.
+
+  The report shows the SFT loss and RL reward curves per seed, the pass@1 table and the
+  interval.
+
+  Args:
+    workdir: the demo's directory (the stages' metrics are read from it).
+    config: the demo config (not read).
+    results: the summary `run` builds, before "report" is added.
+
+  Returns:
+    The path of demo_report.html.
+  """
   fig = Figure(figsize=(15, 4))  # the object API: no pyplot state, no display
   axes = fig.subplots(1, 3)
   for s in results["seeds"]:

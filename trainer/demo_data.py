@@ -61,8 +61,17 @@ def _call(name: str, **arguments) -> dict:
 
 
 def buggy_file(task: Task) -> tuple[str, str]:
-  """(path, text) of the file the fix edits (`metadata["fix_edit"]["path"]`), checked to define
-  a function above the fix line."""
+  """The file a taskgen task's fix edits (`metadata["fix_edit"]["path"]`).
+
+  Args:
+    task: an envs.taskgen task.
+
+  Returns:
+    (path, text) of the file.
+
+  Raises:
+    ValueError: the file defines no function above the fix line.
+  """
   fix = task.metadata["fix_edit"]
   text = load_repo_files(task)[fix["path"]].decode()
   if not re.search(r"^\s*def \w+\(", text[:text.index(fix["old"])], flags=re.M):
@@ -71,9 +80,20 @@ def buggy_file(task: Task) -> tuple[str, str]:
 
 
 def minimal_edit(text: str, old: str, new: str) -> tuple[str, str]:
-  """(old_str, new_str) for str_replace: the part of line `old` that differs from `new`,
-  widened a character at a time on both sides until it occurs exactly once in `text`. Short
-  edits keep the demo agent's copying local (a token or two around the bug)."""
+  """The shortest unique str_replace arguments that turn line `old` into `new`.
+
+  The part of `old` that differs from `new` (whole words and operators: `!=` -> `==`, not
+  `!` -> `=`) is widened a character at a time on both sides until it occurs exactly once in
+  `text`. Short edits keep the demo agent's copying local (a token or two around the bug).
+
+  Args:
+    text: the file's text; `old` occurs in it.
+    old: the buggy line.
+    new: the fixed line.
+
+  Returns:
+    (old_str, new_str) for str_replace; the whole lines when no shorter part is unique.
+  """
   at = text.index(old)
   p = 0
   while p < min(len(old), len(new)) and old[p] == new[p]:
@@ -101,12 +121,26 @@ def minimal_edit(text: str, old: str, new: str) -> tuple[str, str]:
 
 def scripted_turns(task: Task, rng: random.Random, error_rate: float = 0.0,
                    early_submit_rate: float = 0.0) -> list[dict]:
-  """The solver's assistant turns for `task` (an envs.taskgen task: metadata["fix_edit"]
-  {"path", "old", "new"}): list the functions with `search("def ")`, read the file the fix is
-  in, str_replace the few characters around the bug (`minimal_edit`), submit. The solver uses
-  only what an agent can see: tool outputs and the statement. With probability `error_rate` a
-  failed str_replace comes first; with probability `early_submit_rate` it submits after the
-  read, without a fix."""
+  """The scripted solver's assistant turns for one task.
+
+  List the functions with `search("def ")`, read the file the fix is in, str_replace the few
+  characters around the bug (`minimal_edit`), submit. The solver uses only what an agent can
+  see: tool outputs and the statement.
+
+  Args:
+    task: an envs.taskgen task (metadata["fix_edit"]: {"path", "old", "new"}).
+    rng: draws the mistakes (no draw for a rate of 0).
+    error_rate: probability of a failed str_replace (a too short old_str or a wrong path)
+      before the fix.
+    early_submit_rate: probability of submitting right after the read, without a fix.
+
+  Returns:
+    The assistant messages, each one tool call.
+
+  Raises:
+    ValueError: the task has no fix_edit (not a taskgen task) or its file defines no function
+      above the fix line.
+  """
   fix = task.metadata.get("fix_edit")
   if not fix:
     raise ValueError(f"task {task.instance_id!r}: metadata has no fix_edit (not an "
@@ -165,9 +199,30 @@ def demo_trajectories(chat: ChatFormat, n: int, *, level: int = 0, seed: int = 0
   """Scripted episodes on the taskgen tasks (level, seed, start..start+n-1), in task order.
 
   Every call's input extends the previous call's input + output (the scaffold never
-  re-tokenizes). metadata: "messages" and "tools" (the transcript as a chat record, see
-  `chat_record`), "fix_edit", "verified". reward: the `tests` verifier's reward when
-  `verify` (a second sandbox runs pytest: ~15x slower), else 0.0 with verified=False.
+  re-tokenizes).
+
+  Args:
+    chat: the chat format (and tokenizer) the episodes are rendered with.
+    n: the number of tasks (one episode each).
+    level: the taskgen difficulty level.
+    seed: the taskgen seed; also seeds each episode's prompt and mistakes.
+    start: the first task's index (with `split`: its position in that split).
+    split: a taskgen split ("train" | "eval"), or None for plain generator indices.
+    error_rate: probability of an episode with a failed (error-masked) tool call.
+    early_submit_rate: probability of an episode that submits without the fix.
+    sandbox: one of SANDBOXES.
+    config: the scaffold's limits (turns, tokens, timeout).
+    verify: reward from the `tests` verifier (a second sandbox runs pytest: ~15x slower).
+    concurrency: episodes run at once.
+
+  Returns:
+    The trajectories. metadata: "messages" and "tools" (the transcript as a chat record, see
+    `chat_record`), "fix_edit", "verified". reward: the verifier's reward when `verify`, else
+    0.0 with verified=False.
+
+  Raises:
+    ValueError: an unknown sandbox or a rate outside [0, 1].
+    RuntimeError: an episode did not end with a submit.
   """
   if sandbox not in SANDBOXES:
     raise ValueError(f"sandbox={sandbox!r}: expected one of {SANDBOXES}")
@@ -189,9 +244,17 @@ def demo_trajectories(chat: ChatFormat, n: int, *, level: int = 0, seed: int = 0
 
 
 def chat_record(trajectory: Trajectory) -> dict:
-  """A demo trajectory as an SFT chat record: {"messages", "tools", "id"}; assistant turns whose
-  call had meta["tool_error"] carry "tool_error": true. Rendering it with the episode's chat
-  format gives the trajectory's tokens exactly."""
+  """A demo trajectory as an SFT chat record.
+
+  Rendering the record with the episode's chat format gives the trajectory's tokens exactly.
+
+  Args:
+    trajectory: a `demo_trajectories` trajectory (metadata "messages" and "tools").
+
+  Returns:
+    {"messages", "tools", "id"}; assistant turns whose call had meta["tool_error"] carry
+    "tool_error": true.
+  """
   messages, k = [], 0
   for m in trajectory.metadata["messages"]:
     m = {key: v for key, v in m.items() if key != "text"}
@@ -204,8 +267,15 @@ def chat_record(trajectory: Trajectory) -> dict:
 
 
 class ByteTokenizer:
-  """UTF-8 bytes as ids 0..255, then named control tokens: a stand-in tokenizer that lets the
-  chat formats render text before a real tokenizer has been trained."""
+  """A stand-in tokenizer: UTF-8 bytes as ids 0..255, then named control tokens.
+
+  It lets the chat formats render text before a real tokenizer has been trained.
+
+  Args:
+    control: the control tokens' names (ids from 258 on, after bos and eos).
+    bos: the name of id 256.
+    eos: the name of id 257.
+  """
 
   def __init__(self, control: Sequence[str], bos: str = "<s>", eos: str = "</s>"):
     self.names = [bos, eos] + [t for t in control if t not in (bos, eos)]
@@ -214,9 +284,11 @@ class ByteTokenizer:
     self.special_ids = frozenset(range(256, self.vocab_size))
 
   def encode(self, text: str) -> list[int]:
+    """The UTF-8 bytes of `text` (control-token names are not matched)."""
     return list(text.encode("utf-8"))
 
   def decode(self, ids: Sequence[int]) -> str:
+    """The text of `ids`, control tokens as their names; invalid UTF-8 is replaced."""
     out, run = [], bytearray()
     for i in ids:
       if i >= 256:
@@ -227,6 +299,7 @@ class ByteTokenizer:
     return "".join(out) + run.decode("utf-8", "replace")
 
   def token_to_id(self, token: str) -> Optional[int]:
+    """The id of a control token or a one-byte string, else None."""
     if token in self.names:
       return 256 + self.names.index(token)
     b = token.encode("utf-8")
@@ -235,11 +308,24 @@ class ByteTokenizer:
 
 def demo_corpus(chat_format: str = "chatml", n: int = 64, *, level: int = 0, seed: int = 12345,
                 control: Sequence[str] = (), split: Optional[str] = "train") -> list[str]:
-  """Tokenizer training text: the texts that `chat_format` puts between control tokens in `n`
-  scripted demo episodes (system prompt, tool schemas, task statements, tool calls, file
-  contents, tool outputs), one string per run of text. Episodes use the "local" sandbox (the
-  solver runs no code) and half of them carry an error turn. The tasks come from taskgen's
-  `split` ("train": no held-out program's text, fixed lines included, shapes the vocabulary)."""
+  """Tokenizer training text from scripted demo episodes.
+
+  Episodes use the "local" sandbox (the solver runs no code) and half of them carry an error
+  turn.
+
+  Args:
+    chat_format: the chat format whose control tokens separate the texts.
+    n: the number of episodes.
+    level: the taskgen difficulty level.
+    seed: the taskgen seed.
+    control: extra control tokens (never part of a text).
+    split: the taskgen split the tasks come from ("train": no held-out program's text, fixed
+      lines included, shapes the vocabulary).
+
+  Returns:
+    The texts that `chat_format` puts between control tokens (system prompt, tool schemas,
+    task statements, tool calls, file contents, tool outputs), one string per run of text.
+  """
   tok = ByteTokenizer(list(chat_symbols(chat_format)[0]) + list(control),
                       *BOS_EOS.get(chat_format, ("<s>", "</s>")))
   chat = make_chat(chat_format, tok)

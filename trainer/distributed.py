@@ -28,10 +28,20 @@ from trainer.config import ConfigError
 
 
 def initialize(environ: Mapping[str, str] = os.environ) -> int:
-  """`jax.distributed.initialize` from the launcher's environment when ARBOR_NUM_PROCESSES > 1;
-  the number of processes. With one process JAX is not touched. Bad values raise
-  `trainer.config.ConfigError` naming the variable. Call it before anything else uses JAX
-  (the backend must not exist yet)."""
+  """`jax.distributed.initialize` from the launcher's environment when ARBOR_NUM_PROCESSES > 1.
+
+  With one process JAX is not touched. Call it before anything else uses JAX (the backend must
+  not exist yet).
+
+  Args:
+    environ: the launcher's variables (the module doc).
+
+  Returns:
+    The number of processes.
+
+  Raises:
+    ConfigError: a missing or bad variable (named).
+  """
   raw = environ.get("ARBOR_NUM_PROCESSES", "1")
   try:
     n = int(raw)
@@ -58,10 +68,19 @@ def initialize(environ: Mapping[str, str] = os.environ) -> int:
 
 
 def global_array(x: Any, sharding) -> Any:
-  """One host value that EVERY process holds in full (NumPy array, scalar, or a fully
-  addressable jax.Array) as a global jax.Array with `sharding`: each process copies to its own
-  devices the slices they own. A jax.Array that already spans other processes is resharded
-  with `jax.device_put` (a no-op when the sharding matches)."""
+  """One host value that EVERY process holds in full, as a global jax.Array.
+
+  Each process copies to its own devices the slices they own, with no communication. A
+  jax.Array that already spans other processes is resharded with `jax.device_put` (a no-op
+  when the sharding matches).
+
+  Args:
+    x: a NumPy array, a scalar, or a jax.Array (fully addressable, or already global).
+    sharding: the result's sharding, possibly over several processes' devices.
+
+  Returns:
+    The global jax.Array.
+  """
   import jax
   import numpy as np
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -71,10 +90,20 @@ def global_array(x: Any, sharding) -> Any:
 
 
 def put(tree: Any, shardings: Any) -> Any:
-  """`jax.device_put(tree, shardings)` that also works across processes: with one process it
-  IS `jax.device_put`; with several, every leaf goes through `global_array` (so every process
-  must hold the whole tree; the values must be the same everywhere: this is not checked).
-  `shardings` is a matching tree of shardings, or one sharding for every leaf."""
+  """`jax.device_put(tree, shardings)` that also works across processes.
+
+  With one process it IS `jax.device_put`; with several, every leaf goes through
+  `global_array`, so every process must hold the whole tree and the values must be the same
+  everywhere (this is not checked).
+
+  Args:
+    tree: a pytree of host values.
+    shardings: one sharding for every leaf, or a tree of shardings matching `tree` (or a prefix
+      of it: one sharding per subtree).
+
+  Returns:
+    The tree of global jax.Arrays.
+  """
   import jax
   if jax.process_count() == 1:
     return jax.device_put(tree, shardings)

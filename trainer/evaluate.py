@@ -61,12 +61,25 @@ log = logging.getLogger(__name__)
 
 
 def pass_at_k(n, c, k) -> np.ndarray:
-  """Unbiased pass@k estimate 1 - C(n-c, k) / C(n, k) (Chen et al. 2021), elementwise.
+  """Unbiased pass@k estimate 1 - C(n-c, k) / C(n, k), elementwise.
 
-  n: samples per task, c: correct samples, k: the budget (arrays broadcast together, e.g. n, c
-  [T] and k a scalar). Numerically stable product form: C(n-c, k)/C(n, k) =
-  prod_{i=n-c+1}^{n} (1 - k/i), summed in log space; 1.0 where n - c < k. Returns float64 with
-  the broadcast shape. ValueError unless 0 <= c <= n and 1 <= k <= n.
+  Numerically stable product form: C(n-c, k)/C(n, k) = prod_{i=n-c+1}^{n} (1 - k/i), summed
+  in log space; 1.0 where n - c < k. The arguments broadcast together (e.g. n, c [T] and k a
+  scalar).
+
+  Args:
+    n: samples per task (integers).
+    c: correct samples per task.
+    k: the budget.
+
+  Returns:
+    f64 pass@k estimates with the broadcast shape.
+
+  Raises:
+    ValueError: n holds non-integers, or not 0 <= c <= n and 1 <= k <= n.
+
+  References:
+    Chen et al. 2021 (the unbiased pass@k estimator).
   """
   n, c, k = np.broadcast_arrays(np.asarray(n), np.asarray(c), np.asarray(k))
   if n.size and not (np.issubdtype(n.dtype, np.integer) or np.all(n == np.round(n))):
@@ -93,24 +106,51 @@ def paired_bootstrap(a, b, *, samples: int = 10_000, seed: int = 0, level: float
                      ) -> dict:
   """Paired bootstrap of mean(b) - mean(a) over per-task scores of the SAME tasks.
 
-  a, b: [T] per-task scores (e.g. pass@1 of the SFT and of the RL checkpoint). Each of
-  `samples` replicates draws T task indices with replacement (`np.random.default_rng(seed)
-  .integers(0, T, size=(samples, T))`, one draw for all replicates) and takes mean(b[idx]) -
-  mean(a[idx]); the interval is the (1-level)/2 and (1+level)/2 percentiles of the replicates
-  (NumPy's default linear interpolation). Returns {mean_a, mean_b, diff = mean_b - mean_a,
-  low, high} (floats).
+  Each of `samples` replicates draws T task indices with replacement
+  (`np.random.default_rng(seed).integers(0, T, size=(samples, T))`, one draw for all
+  replicates) and takes mean(b[idx]) - mean(a[idx]); the interval is the (1-level)/2 and
+  (1+level)/2 percentiles of the replicates (NumPy's default linear interpolation).
+
+  Args:
+    a: [T] per-task scores of the baseline (e.g. pass@1 of the SFT checkpoint).
+    b: [T] per-task scores of the other checkpoint on the same tasks (e.g. the RL one).
+    samples: the number of bootstrap replicates.
+    seed: the NumPy seed of the draws.
+    level: the interval's coverage, in (0, 1).
+
+  Returns:
+    {mean_a, mean_b, diff = mean_b - mean_a, low, high} (floats), plus `paired_bootstrap_seeds`'
+    per_seed [diff] and seeds = 1.
+
+  Raises:
+    ValueError: a and b are not equal-length non-empty 1-D arrays, or a bad samples / level.
   """
   return paired_bootstrap_seeds([a], [b], samples=samples, seed=seed, level=level)
 
 
 def paired_bootstrap_seeds(list_a: Sequence, list_b: Sequence, *, samples: int = 10_000,
                            seed: int = 0, level: float = 0.95) -> dict:
-  """`paired_bootstrap` over several training seeds: the statistic is the mean over seeds of
-  mean(b_s) - mean(a_s); a replicate resamples the tasks within each seed (independently; seed
-  s's indices are drawn after those of seeds < s, `integers(0, T_s, size=(samples, T_s))` from
-  one `default_rng(seed)`) and averages the per-seed differences. Tasks may differ between
-  seeds; a_s and b_s must be paired. Returns {mean_a, mean_b (means over seeds), diff, low,
-  high, per_seed: [diff_s], seeds: S}."""
+  """`paired_bootstrap` over several training seeds.
+
+  The statistic is the mean over seeds of mean(b_s) - mean(a_s); a replicate resamples the
+  tasks within each seed (independently; seed s's indices are drawn after those of seeds < s,
+  `integers(0, T_s, size=(samples, T_s))` from one `default_rng(seed)`) and averages the
+  per-seed differences. Tasks may differ between seeds; a_s and b_s must be paired.
+
+  Args:
+    list_a: per training seed s, [T_s] per-task scores of the baseline.
+    list_b: per training seed s, [T_s] per-task scores of the other checkpoint, same tasks.
+    samples: the number of bootstrap replicates.
+    seed: the NumPy seed of the draws.
+    level: the interval's coverage, in (0, 1).
+
+  Returns:
+    {mean_a, mean_b (means over seeds), diff, low, high, per_seed: [diff_s], seeds: S}.
+
+  Raises:
+    ValueError: the lists differ in length or are empty, a pair is not two equal-length
+      non-empty 1-D arrays, or a bad samples / level.
+  """
   if len(list_a) != len(list_b) or not list_a:
     raise ValueError(f"paired_bootstrap_seeds: {len(list_a)} a-lists and {len(list_b)} "
                      "b-lists; expected the same number, at least one")
@@ -142,7 +182,16 @@ def paired_bootstrap_seeds(list_a: Sequence, list_b: Sequence, *, samples: int =
 
 
 def sample_seed(seed: int, task_index: int, sample_index: int) -> int:
-  """The episode seed of sample j of task i of an eval with `seed`."""
+  """The episode seed of one sample of one task of an eval (a hash: independent of the others).
+
+  Args:
+    seed: the eval's seed.
+    task_index: i, the task's index in the task list.
+    sample_index: j, the sample's index among the task's n samples.
+
+  Returns:
+    A seed in [0, 2**32).
+  """
   digest = hashlib.sha256(f"arbor-eval/{seed}/{task_index}/{sample_index}".encode()).digest()
   return int.from_bytes(digest[:4], "little")
 
@@ -159,21 +208,27 @@ def evaluate(model, model_cfg, chat, tasks: Sequence, *, scaffold: ScaffoldConfi
   """pass@k of `model` on `tasks` (see the module docstring).
 
   Args:
-    model, model_cfg: the policy (unused when `engine` is given).
+    model: the policy (unused when `engine` is given).
+    model_cfg: its ModelConfig.
     chat: the chat format episodes render with.
     tasks: the tasks [T].
     scaffold: the episodes (`trainer.rollouts.scaffold_config`); its temperature is replaced
       by `temperature`.
-    samples, k: n episodes per task, the k of pass@k (1 <= k <= n).
-    selection: trainer.selection.SELECTIONS.
+    samples: n, episodes per task.
+    k: the k of pass@k (1 <= k <= n).
+    temperature: the sampling temperature (0: greedy).
+    selection: one of trainer.selection.SELECTIONS ("none": no test-time selection).
     seed: the eval's seed (episode j of task i samples with `sample_seed(seed, i, j)`).
     engine_cfg: the EngineConfig (`trainer.rollouts.engine_config(config)`; None: a slot per
       concurrent episode and the scaffold's max_context_tokens).
-    sandbox, concurrency, sandbox_url, sandbox_token_file: where episodes run, how many at once.
+    sandbox: the sandbox backend episodes and verifiers run in (envs.sandbox.BACKENDS).
+    concurrency: episodes run at once.
     engine: an already built engine (started and stopped here).
     progress: a bar on a terminal, else a line per ~10% of the episodes.
     name: the label of those lines.
     keep_trajectories: also return the episodes.
+    sandbox_url: the sandbox server's http(s)://host:port (sandbox "remote").
+    sandbox_token_file: the file holding that server's token.
 
   Returns:
     {"pass@k" (also under f"pass@{k}"), "k", "samples", "pass@1" (mean c/n), "per_task" [T]
@@ -182,6 +237,10 @@ def evaluate(model, model_cfg, chat, tasks: Sequence, *, scaffold: ScaffoldConfi
     "reward" [T], ...} and "pass@1/selected"; with keep_trajectories, "trajectories" [T][n]
     (Trajectory or the exception; not JSON; with metadata["submission"] when the selection
     records submissions).
+
+  Raises:
+    ValueError: an unknown selection, not 1 <= k <= samples, no tasks, or a model vocabulary
+      smaller than the tokenizer's.
   """
   if selection not in selection_lib.SELECTIONS:
     raise ValueError(f"selection={selection!r}: expected one of {selection_lib.SELECTIONS}")
@@ -293,13 +352,24 @@ def _copy_config(config):
 
 
 def run(config, workdir: str, mesh=None) -> dict:
-  """Mode "eval": every checkpoint of `config.eval.checkpoints` ("ckpt:<dir>"; () = this
-  workdir's own latest checkpoint) on the held-out tasks (`trainer.tasks.held_out_tasks`, written
-  under <workdir>/eval_tasks), with the RL loop's engine, scaffold limits, sandbox and
-  concurrency and the eval section's k / samples / selection / temperature. Writes
-  <workdir>/eval/results.json and returns {"results": its path, "checkpoints": {ckpt:
-  {"pass@k", "pass@1", "pass@1/selected"?}}}. Weights load unsharded
-  (`trainer.harness.initial_model`); `mesh` is unused."""
+  """Mode "eval": pass@k of checkpoints on the held-out tasks.
+
+  Every checkpoint of `config.eval.checkpoints` is evaluated on the held-out tasks
+  (`trainer.tasks.held_out_tasks`, written under <workdir>/eval_tasks) with the RL loop's
+  engine, scaffold limits, sandbox and concurrency and the eval section's k / samples /
+  selection / temperature. Weights load unsharded (`trainer.harness.initial_model`).
+
+  Args:
+    config: the experiment config (mode "eval"); config.eval.checkpoints holds "ckpt:<dir>"
+      entries, () = this workdir's own latest checkpoint.
+    workdir: the run's workdir; <workdir>/eval/results.json receives every checkpoint's full
+      result (rewritten after each checkpoint).
+    mesh: not used.
+
+  Returns:
+    {"results": the results file's path, "checkpoints": {ckpt: {"pass@k", "pass@1",
+    "pass@1/selected"?}}}.
+  """
   ev, rl_cfg = config.eval, config.rl
   remote = config_lib.is_remote(workdir)
   task_dir = tempfile.mkdtemp(prefix="arbor-eval-tasks-") if remote else os.path.join(

@@ -27,6 +27,9 @@ from trainer import batches as batches_lib
 def episode_stats(groups: list[list]) -> dict:
   """Rollout metrics of a step's groups (before filtering).
 
+  Args:
+    groups: the step's groups, each a list of `envs.trajectory.Trajectory`.
+
   Returns:
     {"episodes", "reward_mean", "reward_std", "pass_rate", "response_tokens" (sampled per
     episode), "response_tokens_max", "episode_tokens" (the last call's context), "turns",
@@ -92,7 +95,15 @@ def select_groups(groups: list[list], *, group_size: int, drop_constant: bool,
 
 
 def advantages_of(groups: list[list], name: str) -> list[np.ndarray]:
-  """Per group, the advantages of its trajectories (`rl.advantages.compute(name, ...)`)."""
+  """Per group, the advantages of its trajectories.
+
+  Args:
+    groups: the groups, each a list of trajectories with a reward.
+    name: a key of `rl.advantages.ADVANTAGES` (`rl.advantages.compute(name, ...)`).
+
+  Returns:
+    Per group, [len(group)] f32 advantages.
+  """
   rewards = np.array([t.reward for g in groups for t in g], np.float32)
   group = np.repeat(np.arange(len(groups)), [len(g) for g in groups]).astype(np.int32)
   adv = np.asarray(advantages.compute(name, rewards, group))
@@ -100,7 +111,15 @@ def advantages_of(groups: list[list], name: str) -> list[np.ndarray]:
 
 
 def split_minibatches(items: list, n: int) -> list[list]:
-  """`items` in n contiguous, nearly equal parts (fewer when there are fewer items)."""
+  """Splits `items` into n contiguous, nearly equal parts.
+
+  Args:
+    items: the items, in order.
+    n: the number of parts; fewer when there are fewer items, at least one.
+
+  Returns:
+    The parts.
+  """
   n = max(1, min(n, len(items)))
   bounds = np.linspace(0, len(items), n + 1).round().astype(int)
   return [items[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
@@ -132,8 +151,15 @@ def micro_batches(groups: list[list], group_advantages: Sequence[np.ndarray],
 
 
 def batch_stats(mbs: list[batches_lib.MicroBatches]) -> dict:
-  """Packing counts summed over a step's micro-batches: tree and logical (unpacked) tokens,
-  and their ratio "tree_token_ratio"."""
+  """Packing counts summed over a step's micro-batches.
+
+  Args:
+    mbs: the step's MicroBatches.
+
+  Returns:
+    The sums of `batches.describe`'s counts (tree and logical (unpacked) tokens, ...) and
+    their ratio "tree_token_ratio" (logical / tree tokens).
+  """
   total = collections.Counter()
   for mb in mbs:
     total.update(batches_lib.describe(mb))
@@ -143,7 +169,14 @@ def batch_stats(mbs: list[batches_lib.MicroBatches]) -> dict:
 
 
 def mean_metrics(items: list[dict]) -> dict:
-  """Train-step metrics averaged over a step's updates ("max" keys: the max)."""
+  """Train-step metrics averaged over a step's updates.
+
+  Args:
+    items: one metrics dict per update; the first one's keys are averaged.
+
+  Returns:
+    name -> mean over the updates holding it (keys containing "max": the max).
+  """
   out = {}
   for k in items[0]:
     vals = [float(np.asarray(m[k])) for m in items if k in m]

@@ -21,7 +21,8 @@ A loop keeps only its own steps; the harness owns the rest:
     "steps", "preempted", "checkpoint" (last saved step), "metrics" (metrics.jsonl), "report".
 
 `initial_model` is where a run's weights come from: random (`state.create` draws them), a
-Hugging Face checkpoint, a `models.hf import` directory, or an Arbor run's workdir.
+Hugging Face checkpoint, a `models.hf import` directory, or an Arbor run's workdir (whose
+latest weights `run_weights` reads, e.g. to compare two runs).
 """
 
 from __future__ import annotations
@@ -69,24 +70,53 @@ def initial_model(config: ml_collections.ConfigDict, model_cfg):
     return hf.load(path, **config_lib.overrides(config))
   if os.path.isdir(os.path.join(path, "state")):  # models.hf import output
     params, rest = state_lib.split_model(hf.restore(path))
-  else:  # an Arbor run: rebuild its state's shapes from its own config, take the weights
-    with open(os.path.join(path, "config.json")) as f:
-      source = ml_collections.ConfigDict(json.load(f))
-    with open(os.path.join(path, "model_config.json")) as f:
-      source_cfg = hf.config_from_json(json.load(f))
-    opt = optim.build(source.optimizer, source_cfg)
-    with checkpoint.Checkpointer(os.path.join(path, "checkpoints")) as ckpt:
-      restored = ckpt.restore_latest(state_lib.abstract(source_cfg, opt))
-    if restored is None:
-      raise config_lib.ConfigError(f"config.model.init={config.model.init!r}: no checkpoint "
-                                   f"in {os.path.join(path, 'checkpoints')}")
-    metrics.say(config.mode, f"starting from the weights of step {restored.step} of {path}")
-    params, rest = restored.state.params, restored.state.model_state
+  else:
+    try:
+      params, rest, step = run_weights(path)
+    except FileNotFoundError as e:
+      raise config_lib.ConfigError(f"config.model.init={config.model.init!r}: {e}") from None
+    metrics.say(config.mode, f"starting from the weights of step {step} of {path}")
   return nnx.merge(state_lib.graphdef(model_cfg), params, rest)
 
 
+def run_weights(workdir: str) -> tuple[Any, Any, int]:
+  """The model weights of the latest checkpoint of an Arbor run.
+
+  The run's state shapes are rebuilt from its own config.json and model_config.json, so no
+  config of the caller is needed (e.g. to compare the weights of two runs in a notebook).
+
+  Args:
+    workdir: the run's workdir (config.json, model_config.json, checkpoints/).
+
+  Returns:
+    (params, model_state, step): the trainable parameters, the rest of the model's state
+    (`state_lib.split_model`'s halves) and the checkpoint's step.
+
+  Raises:
+    FileNotFoundError: the workdir has no checkpoint.
+  """
+  with open(os.path.join(workdir, "config.json")) as f:
+    source = ml_collections.ConfigDict(json.load(f))
+  with open(os.path.join(workdir, "model_config.json")) as f:
+    source_cfg = hf.config_from_json(json.load(f))
+  opt = optim.build(source.optimizer, source_cfg)
+  with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
+    restored = ckpt.restore_latest(state_lib.abstract(source_cfg, opt))
+  if restored is None:
+    raise FileNotFoundError(f"no checkpoint in {os.path.join(workdir, 'checkpoints')}")
+  return restored.state.params, restored.state.model_state, restored.step
+
+
 def write_run_files(config: ml_collections.ConfigDict, model_cfg, workdir: str) -> None:
-  """config.json and model_config.json in `workdir` (primary process only)."""
+  """Writes config.json and model_config.json into `workdir` (primary process only).
+
+  A later run's `ckpt:<workdir>` (`initial_model`, `run_weights`) reads them.
+
+  Args:
+    config: the run's config.
+    model_cfg: the run's ModelConfig.
+    workdir: the run's workdir (local or gs://; created if missing).
+  """
   if jax.process_index() != 0:
     return
   root = epath.Path(workdir)
@@ -116,8 +146,16 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def config_changes(config: ml_collections.ConfigDict, workdir: str) -> list[tuple[str, Any, Any]]:
-  """[(field, value the workdir's run was started with, value now)] of every field outside
-  RESUMABLE_FIELDS that differs from the workdir's config.json ([] without one)."""
+  """The fields outside RESUMABLE_FIELDS that differ from the workdir's config.json.
+
+  Args:
+    config: the config of the run about to resume.
+    workdir: the workdir whose config.json the run was started with.
+
+  Returns:
+    [(dotted field, value the workdir's run was started with, value now)], sorted by field
+    (None for a field only one side has); [] when the workdir has no config.json.
+  """
   path = epath.Path(workdir) / "config.json"
   if not path.exists():
     return []
@@ -129,7 +167,11 @@ def config_changes(config: ml_collections.ConfigDict, workdir: str) -> list[tupl
 
 
 def check_resume_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Refuse to resume a workdir's checkpoint with a config that changes what the run computes.
+  """Refuses to resume a workdir's checkpoint with a config that changes what the run computes.
+
+  Args:
+    config: the config of the run about to resume.
+    workdir: the workdir holding the checkpoint and config.json.
 
   Raises:
     ConfigError: naming each changed field, unless `config.allow_config_change`.
@@ -147,8 +189,21 @@ def check_resume_config(config: ml_collections.ConfigDict, workdir: str) -> None
 class Run:
   """One training run in a workdir: its state, checkpoints, metrics and preemption.
 
+  Constructing it writes the run files and restores the latest checkpoint.
+
+  Args:
+    config: the run's validated config.
+    workdir: the run's workdir (local or gs://).
+    mesh: the device mesh the state is placed on (None: the default device).
+
+  Raises:
+    ConfigError: the workdir holds a checkpoint of a run with another config
+      (`check_resume_config`).
+
   Attributes:
-    config, workdir, mesh: as given.
+    config: as given.
+    workdir: as given.
+    mesh: as given.
     model_cfg: the run's ModelConfig (`config_lib.model_config`).
     optimizer: `optim.build(config.optimizer, model_cfg)`.
     checkpointer: the workdir's `checkpoints/` (keep-N, schedule, async saves).
@@ -190,7 +245,12 @@ class Run:
     metrics.say(self.config.mode, message)
 
   def resume_or(self, initial: Callable[[], Any]) -> state_lib.TrainState:
-    """The restored TrainState, or a fresh one from `initial()` (a model, or None: random)."""
+    """The restored TrainState, or a fresh one.
+
+    Args:
+      initial: called only for a fresh run; returns the starting model, or None for random
+        weights (e.g. `lambda: initial_model(config, run.model_cfg)`).
+    """
     if self.restored is not None:
       self.say(f"resumed from the checkpoint of step {self.start} in {self.workdir}")
       return self.restored.state
@@ -199,8 +259,17 @@ class Run:
 
   @contextlib.contextmanager
   def loop(self, bar_keys: Sequence[str]) -> Iterator["Run"]:
-    """The metrics writer (lines from `start + 1` on), the SIGTERM guard and the phase timer,
-    for the steps of the loop; closes them and the checkpointer (waiting for the last save)."""
+    """Opens what the loop's steps need; on exit closes it and the checkpointer.
+
+    The metrics writer (lines from `start + 1` on), the SIGTERM guard and the phase timer
+    (`self.timer`) are open inside; leaving waits for the last save.
+
+    Args:
+      bar_keys: the metrics shown on the progress bar.
+
+    Yields:
+      The Run itself.
+    """
     try:
       self._writer = metrics.writer_for(self.config, self.logdir, self.start + 1, bar_keys)
       self._guard = checkpoint.PreemptionGuard()
@@ -222,8 +291,15 @@ class Run:
     return step % self.config.train.log_every == 0 or step == self.config.train.steps
 
   def end_step(self, step: int, line: dict, state, extra: Callable[[], dict]) -> bool:
-    """Write `step`'s metrics line, then checkpoint on schedule, at the last step or after
-    SIGTERM (`extra()`: the loop's resume data, called only when saving).
+    """Writes the step's metrics line, then checkpoints on schedule, at the last step or after
+    SIGTERM.
+
+    Args:
+      step: the step just done.
+      line: the step's metrics, name -> value.
+      state: the TrainState after the step.
+      extra: returns the loop's resume data (JSON, see `checkpoint.Checkpointer.save`); called
+        only when saving.
 
     Returns:
       True when the run was preempted: the state is saved and the loop must stop.
@@ -242,12 +318,28 @@ class Run:
     return stop
 
   def save(self, step: int, state, extra: dict) -> None:
-    """Checkpoint `state` at `step` now, with the loop's `extra`."""
+    """Checkpoints the state now, whatever the schedule.
+
+    Args:
+      step: the checkpoint's step.
+      state: the TrainState.
+      extra: the loop's resume data (JSON, see `checkpoint.Checkpointer.save`).
+    """
     if self.checkpointer.save(step, state, extra, force=True):
       self.summary["checkpoint"] = step
 
   def finish(self, report_keys: Sequence[str], title: str) -> dict:
-    """The summary, with the metrics path and the end-of-run report (if drawn)."""
+    """The run's summary, with the metrics path and the end-of-run report (if drawn).
+
+    Args:
+      report_keys: the report's panels: metric names or patterns (those not logged are left
+        out).
+      title: the report's title.
+
+    Returns:
+      The summary: "start_step", "steps", "preempted", "checkpoint" (last saved step),
+      "metrics" (metrics.jsonl) and, when drawn, "report" ({"png", "html"} paths).
+    """
     self.summary["metrics"] = os.path.join(self.logdir, metrics.JSONL)
     drawn = report.end_of_run_report(self.config, self.logdir, report_keys, title)
     if drawn:

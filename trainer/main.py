@@ -43,7 +43,15 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (local path or
 
 
 def smoke(config, workdir: str) -> dict:
-  """Build the model, one forward/backward on random tokens, a short greedy decode."""
+  """Mode "smoke": builds the model, one forward/backward on random tokens, a short greedy decode.
+
+  Args:
+    config: the smoke config (configs/smoke.py: model.preset, batch, seq, decode_tokens).
+    workdir: where smoke.json (the summary) is written.
+
+  Returns:
+    {"preset", "params", "loss", "grad_norm", "decoded" (the new tokens per prompt)}.
+  """
   cfg = config_lib.model_config(config)
   t0 = time.perf_counter()
   model = transformer.init(cfg, seed=config.seed)
@@ -102,7 +110,18 @@ initialize_distributed = distributed.initialize
 
 
 def make_mesh(config):
-  """The device mesh of `config.mesh` over all devices (its product must match them)."""
+  """The device mesh of `config.mesh` over all devices.
+
+  Args:
+    config: the experiment config (mode "demo": its SFT stage's mesh, shared by the stages).
+
+  Returns:
+    The Mesh, one axis per `models.sharding.MESH_AXES`.
+
+  Raises:
+    ConfigError: the axes' product does not match the devices, or data.rows_per_batch is not
+      a multiple of data x fsdp (`trainer.config.mesh_shape`).
+  """
   if config.mode == "demo":  # the stages share one mesh: the SFT stage's
     config = config.sft
   shape = config_lib.mesh_shape(config, jax.device_count())
@@ -110,7 +129,18 @@ def make_mesh(config):
 
 
 def run(config, workdir: str) -> dict:
-  """Validate, initialise JAX (distributed, cache, mesh) and run the mode; its summary."""
+  """Validates the config, initialises JAX (distributed, compile cache, mesh), runs the mode.
+
+  Args:
+    config: the experiment config, overrides applied.
+    workdir: the run's --workdir (local path or gs://).
+
+  Returns:
+    The mode's summary dict.
+
+  Raises:
+    ConfigError: a bad config field, launcher variable or mesh.
+  """
   config_lib.validate(config, workdir)
   if config.mode == "smoke":
     return smoke(config, workdir)
@@ -151,7 +181,14 @@ def _config_spec(argv) -> str | None:
 
 
 def check_config_file(argv) -> None:
-  """--config names an existing file (absl would fail later with an unreadable message)."""
+  """Checks that --config names an existing file (absl would fail later, less readably).
+
+  Args:
+    argv: the command-line arguments, without the program name.
+
+  Raises:
+    ConfigError: the file does not exist.
+  """
   spec = _config_spec(argv)
   if spec and not os.path.isfile(spec.partition(":")[0]):
     raise config_lib.ConfigError(f"--config={spec}: no such file "
@@ -173,8 +210,16 @@ def _load_config_file(argv):
 
 
 def check_overrides(argv) -> None:
-  """--config.KEY=VALUE overrides must name existing fields (checked before absl parses them:
-  ml_collections would raise an AttributeError with a traceback)."""
+  """Checks that the --config.KEY=VALUE overrides name existing fields.
+
+  Runs before absl parses them: ml_collections would raise an AttributeError with a traceback.
+
+  Args:
+    argv: the command-line arguments, without the program name.
+
+  Raises:
+    ConfigError: a key names no field of the config file's config.
+  """
   keys = _override_keys(argv)
   if keys:
     config = _load_config_file(argv)
@@ -183,6 +228,11 @@ def check_overrides(argv) -> None:
 
 
 def main(argv):
+  """The absl main: runs the flags' config; a ConfigError exits with status 2.
+
+  Args:
+    argv: the arguments absl left (not used: everything comes in flags).
+  """
   del argv
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO: keep stderr readable
     logging.set_verbosity(logging.WARNING)
@@ -199,6 +249,7 @@ def main(argv):
 
 
 def entry_point() -> None:
+  """`python -m trainer.main`: the pre-absl checks of the command line, then `main`."""
   try:
     check_config_file(sys.argv[1:])
     check_overrides(sys.argv[1:])

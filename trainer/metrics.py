@@ -64,7 +64,15 @@ DEFAULT_BAR_KEYS = ("loss", "reward/mean", "pass_rate", "kl", "tokens_per_s")
 
 
 def flatten(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-  """{"a": {"b": 1}} -> {"a/b": 1}; values converted to plain Python (see `to_python`)."""
+  """Flattens nested metrics with "/": {"a": {"b": 1}} -> {"a/b": 1}.
+
+  Args:
+    metrics: name -> value or nested mapping.
+    prefix: prepended to every name.
+
+  Returns:
+    The flat dict, values converted to plain Python (`to_python`).
+  """
   out = {}
   for key, value in metrics.items():
     name = f"{prefix}{key}"
@@ -86,6 +94,7 @@ def to_python(value: Any) -> Any:
 
 
 def is_scalar(value: Any) -> bool:
+  """Whether a `to_python` value is a number (what TensorBoard and W&B receive)."""
   return isinstance(value, (int, float))  # bool is an int
 
 
@@ -98,8 +107,16 @@ def _step_of(line: str) -> Optional[int]:
 
 
 def read_jsonl(path: str | os.PathLike) -> dict[int, dict[str, Any]]:
-  """metrics.jsonl -> {step: merged metrics}; later lines of a step update earlier ones.
-  A malformed line (the last one, cut short by a kill) is skipped with a warning."""
+  """Reads a metrics.jsonl file.
+
+  A malformed line (the last one, cut short by a kill) is skipped with a warning.
+
+  Args:
+    path: the metrics.jsonl file.
+
+  Returns:
+    {step: merged metrics} in step order; later lines of a step update earlier ones.
+  """
   steps: dict[int, dict[str, Any]] = collections.defaultdict(dict)
   with open(path) as f:
     for n, line in enumerate(f, 1):
@@ -163,7 +180,13 @@ def tfrecord(data: bytes) -> bytes:
 
 
 class EventFile:
-  """An append-only TensorBoard event file of scalar summaries, flushed after each write."""
+  """An append-only TensorBoard event file of scalar summaries, flushed after each write.
+
+  Args:
+    logdir: the directory the new file is created in.
+    start_step: when set, a SessionLog START at this step makes TensorBoard drop the older
+      events of steps >= start_step.
+  """
 
   def __init__(self, logdir: str | os.PathLike, start_step: Optional[int] = None):
     name = f"events.out.tfevents.{time.time():.6f}.{socket.gethostname()}.{os.getpid()}"
@@ -178,10 +201,18 @@ class EventFile:
     self._file.flush()
 
   def scalars(self, step: int, scalars: Mapping[str, float], wall_time: float) -> None:
+    """Appends one event with the scalars (none: nothing is written).
+
+    Args:
+      step: the step.
+      scalars: tag -> value (stored as float32).
+      wall_time: unix seconds.
+    """
     if scalars:
       self._append(_event(step, wall_time, scalars=scalars))
 
   def close(self) -> None:
+    """Closes the file."""
     self._file.close()
 
 
@@ -195,8 +226,12 @@ class MetricsWriter:
     bar_keys: metrics shown on the progress bar when present.
     tensorboard: write event files.
     progress: show the progress bar.
-    wandb_project: W&B project (None: no W&B); `wandb_config` is logged as the run config.
+    wandb_project: W&B project (None: no W&B).
+    wandb_config: logged as the W&B run's config.
     primary: whether this process writes (default: `jax.process_index() == 0`).
+
+  Raises:
+    ValueError: logdir is not a local path.
   """
 
   def __init__(self, logdir: str | os.PathLike, *, total_steps: Optional[int] = None,
@@ -265,7 +300,13 @@ class MetricsWriter:
     return wandb
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
-    """Records `metrics` for `step` everywhere (see the module doc)."""
+    """Records the step's metrics everywhere (see the module doc).
+
+    Args:
+      step: the step.
+      metrics: name -> value or nested mapping (flattened with "/"); numbers also go to
+        TensorBoard, W&B and the bar, lists and strings to metrics.jsonl only.
+    """
     if not self.primary:
       return
     step = int(step)
@@ -284,6 +325,7 @@ class MetricsWriter:
       self._bar.update(max(0, step - self._bar.n))  # steps count from 1; redraws <= 10/s
 
   def close(self) -> None:
+    """Closes every output (the W&B run finishes); later writes are not allowed."""
     if self._jsonl is not None:
       self._jsonl.close()
     if self._events is not None:
@@ -302,7 +344,18 @@ class MetricsWriter:
 
 
 def writer_for(config, logdir: str, start_step: int, bar_keys: Sequence[str]) -> MetricsWriter:
-  """The MetricsWriter of a trainer run: `config.train.steps` steps, `config.metrics` outputs."""
+  """The MetricsWriter of a trainer run.
+
+  Args:
+    config: the run's config (`config.train.steps` steps, `config.metrics` outputs; the whole
+      config is W&B's run config).
+    logdir: the run's metrics directory.
+    start_step: the first step this run writes (see "Resuming" in the module doc).
+    bar_keys: the metrics shown on the progress bar (shown only on a terminal).
+
+  Returns:
+    The writer (primary process: open; others: no-op).
+  """
   m = config.metrics
   return MetricsWriter(logdir, total_steps=config.train.steps, start_step=start_step,
                        bar_keys=bar_keys, tensorboard=m.tensorboard,
@@ -328,6 +381,12 @@ class Timer:
 
   @contextlib.contextmanager
   def phase(self, name: str, tokens: int = 0) -> Iterator[None]:
+    """Adds the block's wall time, and `tokens`, to phase `name`.
+
+    Args:
+      name: the phase (reported as "time/<name>").
+      tokens: tokens the block processed (0: the phase has no throughput).
+    """
     start = time.perf_counter()
     try:
       yield
@@ -336,6 +395,7 @@ class Timer:
       self._tokens[name] += int(tokens)
 
   def flush(self) -> dict[str, float]:
+    """The step's times and throughputs (the class doc); starts the next step."""
     now = time.perf_counter()
     step_time = now - self._start
     out = {f"time/{name}": s for name, s in self._seconds.items()}
@@ -353,8 +413,14 @@ class Timer:
 
 
 def say(who: str, message: str) -> None:
-  """A progress line `who: message` on stdout, from the primary process only (written around
-  any progress bar on the terminal)."""
+  """Prints a progress line `who: message` on stdout, from the primary process only.
+
+  The line is written around any progress bar on the terminal.
+
+  Args:
+    who: the line's prefix, e.g. the mode.
+    message: the text.
+  """
   if jax.process_index() == 0:
     tqdm.tqdm.write(f"{who}: {message}", file=sys.stdout)
     sys.stdout.flush()

@@ -37,7 +37,17 @@ _MAX_PANELS = 16
 
 def load_runs(runs: str | os.PathLike | Sequence[str] | Mapping[str, str]
               ) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
-  """{label: logdir} (or one logdir, or a list) -> {label: {metric: (steps, values)}}."""
+  """Reads each run's metrics.jsonl into curves.
+
+  Args:
+    runs: a logdir, a list of logdirs (labelled by their base names), or {label: logdir}.
+
+  Returns:
+    {label: {metric: (steps, values)}} for every numeric (non-bool) metric but step and wall_time.
+
+  Raises:
+    FileNotFoundError: a logdir has no metrics.jsonl.
+  """
   if isinstance(runs, (str, os.PathLike)):
     runs = [os.fspath(runs)]
   if not isinstance(runs, Mapping):
@@ -61,8 +71,20 @@ def load_runs(runs: str | os.PathLike | Sequence[str] | Mapping[str, str]
 
 def choose_panels(names: Sequence[str], keys: Optional[Sequence[str]] = None,
                   skip_missing: bool = False) -> list[tuple[str, list[str]]]:
-  """[(panel title, metric names)] for the patterns in `keys` (default: DEFAULT_KEYS); a pattern
-  in `keys` that matches nothing raises, or is left out with `skip_missing`."""
+  """Groups metric names into panels, one per pattern that matches.
+
+  Args:
+    names: the metric names logged by the runs.
+    keys: metric names or fnmatch patterns, one panel each; None: DEFAULT_KEYS (those that match).
+    skip_missing: leave out a pattern of `keys` that matches nothing instead of raising.
+
+  Returns:
+    [(panel title, metric names)], at most 16 panels; one panel per metric when no pattern
+    matches. The title is the metric's name when the pattern matched one, else the pattern.
+
+  Raises:
+    ValueError: a pattern of `keys` matches no metric (without `skip_missing`).
+  """
   names = sorted(names)
   panels = []
   for pattern in keys or DEFAULT_KEYS:
@@ -99,7 +121,16 @@ def _table_cells(rows: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[lis
 def render_png(runs: Mapping[str, Mapping[str, tuple[list[int], list[float]]]],
                panels: Sequence[tuple[str, list[str]]], tables: Mapping[str, Sequence[Mapping]],
                path: str, *, title: str = "", smooth: float = 0.0) -> None:
-  """Draws the panels (3 per row), then one full-width row per table, to `path`."""
+  """Draws the panels (3 per row), then one full-width row per table, to a PNG.
+
+  Args:
+    runs: {label: {metric: (steps, values)}} as `load_runs` returns; runs are overlaid.
+    panels: [(title, metric names)] as `choose_panels` returns.
+    tables: {name: rows}, each row a dict column -> value.
+    path: the PNG file to write.
+    title: the figure's title ("" for none).
+    smooth: EMA factor in [0, 1); > 0 draws the raw curve faint behind the smoothed one.
+  """
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
 
@@ -154,7 +185,16 @@ def render_png(runs: Mapping[str, Mapping[str, tuple[list[int], list[float]]]],
 def render_html(runs: Mapping[str, Mapping[str, tuple[list[int], list[float]]]],
                 panels: Sequence[tuple[str, list[str]]], tables: Mapping[str, Sequence[Mapping]],
                 png_path: str, path: str, *, title: str = "") -> None:
-  """A self-contained page: the PNG (embedded), the tables, and each curve's last value."""
+  """Writes a self-contained page: the PNG (embedded), the tables, and each curve's last value.
+
+  Args:
+    runs: {label: {metric: (steps, values)}} as `load_runs` returns.
+    panels: [(title, metric names)]; the last-value table lists these metrics.
+    tables: {name: rows}, each row a dict column -> value.
+    png_path: the PNG written by `render_png`, embedded as base64.
+    path: the HTML file to write.
+    title: the page's heading ("" for none).
+  """
   def table_html(rows: Sequence[Mapping[str, Any]]) -> str:
     columns, cells = _table_cells(rows)
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
@@ -187,17 +227,24 @@ def report(runs: str | os.PathLike | Sequence[str] | Mapping[str, str],
            tables: Optional[Mapping[str, Sequence[Mapping[str, Any]]]] = None,
            title: str = "Arbor report", smooth: float = 0.0,
            skip_missing: bool = False) -> dict[str, str]:
-  """Writes report.png and report.html to `out_dir` (default: the first run's logdir).
+  """Writes report.png and report.html for one or more runs.
 
   Args:
     runs: a logdir holding metrics.jsonl, a list of them, or {label: logdir} (overlaid).
+    out_dir: where to write; None: the first run's logdir.
     keys: panels, each a metric name or fnmatch pattern (default: DEFAULT_KEYS that exist).
+    tables: {name: rows} shown under the curves, e.g. pass@1 per seed and a bootstrap CI.
+    title: the figure's and the page's title.
+    smooth: EMA factor in [0, 1) for the curves (the raw curve is drawn faint behind).
     skip_missing: leave out the `keys` that match no metric (a loop's optional metrics, e.g.
       "kl" without a KL term) instead of raising.
-    tables: {name: rows} shown under the curves, e.g. pass@1 per seed and a bootstrap CI.
-    smooth: EMA factor in [0, 1) for the curves (the raw curve is drawn faint behind).
+
   Returns:
     {"png": path, "html": path}.
+
+  Raises:
+    ValueError: `smooth` outside [0, 1), no numeric metric, or a key that matches nothing.
+    FileNotFoundError: a logdir has no metrics.jsonl.
   """
   if not 0 <= smooth < 1:
     raise ValueError(f"report: smooth must be in [0, 1), got {smooth}")
@@ -221,10 +268,19 @@ def report(runs: str | os.PathLike | Sequence[str] | Mapping[str, str],
 
 def end_of_run_report(config, logdir: str, keys: Sequence[str], title: str
                       ) -> Optional[dict[str, str]]:
-  """A trainer run's `report` of `keys` (those the run logged).
+  """Draws a trainer run's `report` of `keys` (those the run logged) into its logdir.
 
-  Drawn when `config.metrics.report` and this is process 0; None, with a warning, when it
-  cannot be drawn (no matplotlib, no metrics yet).
+  Drawn when `config.metrics.report` and this is process 0.
+
+  Args:
+    config: the run's config (reads `metrics.report`).
+    logdir: the run's logdir, holding metrics.jsonl.
+    keys: the panels' metric names or patterns; those the run did not log are left out.
+    title: the report's title.
+
+  Returns:
+    {"png": path, "html": path}; None when not drawn, or (with a warning) when it cannot be
+    drawn (no matplotlib, no metrics yet).
   """
   if not (config.metrics.report and jax.process_index() == 0
           and os.path.exists(os.path.join(logdir, JSONL))):

@@ -73,8 +73,18 @@ def loss_config(config: ml_collections.ConfigDict):
 
 
 def reference_model(config: ml_collections.ConfigDict, model_cfg, initial, state):
-  """The KL reference policy (`loss.kl_coef` > 0; None otherwise): the run's initial weights
-  (`rl.reference = "initial"`) or a checkpoint ("ckpt:<dir>")."""
+  """Loads the KL reference policy.
+
+  Args:
+    config: the run's config (reads `loss.kl_coef`, `rl.reference`).
+    model_cfg: the trained model's ModelConfig.
+    initial: the run's initial model, or None when it was not built (a resumed run).
+    state: the TrainState; its model stands in for `initial` when that is None.
+
+  Returns:
+    None when `loss.kl_coef` is 0; else the run's initial weights (`rl.reference = "initial"`)
+    or the model of a checkpoint (`rl.reference = "ckpt:<dir>"`).
+  """
   if not config.loss.kl_coef:
     return None
   if config.rl.reference == "initial":
@@ -118,8 +128,17 @@ class Scorer:
 
 
 def train_epochs(train_step, state, mbs: list, epochs: int) -> tuple[Any, dict]:
-  """`epochs` passes of one optimizer update per micro-batch set; (new state, the updates'
-  metrics averaged)."""
+  """Runs `epochs` passes of one optimizer update per micro-batch set.
+
+  Args:
+    train_step: `(state, mb) -> (state, metrics)`, as trainer.step.make_train_step returns.
+    state: the TrainState to update.
+    mbs: the step's MicroBatches, one optimizer update each.
+    epochs: passes over `mbs`.
+
+  Returns:
+    (new state, the updates' metrics averaged).
+  """
   step_metrics = []
   for _ in range(epochs):
     for mb in mbs:

@@ -33,6 +33,14 @@ class InProcessSource:
   """Groups sampled in this process (trainer.rollouts), `lookahead` steps ahead (async).
 
   Step s's groups are draw s of each of the step's tasks: a rerun samples them alike.
+
+  Args:
+    rollouts: samples the groups.
+    tasks: the run's TaskSource (`for_step`).
+    group_size: G, episodes per task.
+    seed: the run's seed (with the step, it fixes each episode's sampling).
+    lookahead: steps sampled ahead of the one taken (0: the sync loop).
+    last_step: the last step of the run (nothing is sampled beyond it).
   """
 
   def __init__(self, rollouts: Rollouts, tasks: TaskSource, group_size: int, seed: int,
@@ -47,7 +55,15 @@ class InProcessSource:
         [(t, step) for t in tasks], self.group_size, seed=self.seed)))
 
   def take(self, step: int, version: int) -> tuple[list[list], list, dict]:
-    """(groups, their tasks, drop counts) of `step`."""
+    """Returns the groups of `step`, sampling it (and the lookahead) if not yet submitted.
+
+    Args:
+      step: the training step.
+      version: the policy version (unused: the loop filters in-process groups for staleness).
+
+    Returns:
+      (groups, their tasks, drop counts); the counts are always {} here.
+    """
     del version  # in-process groups are filtered for staleness by the loop
     while not self._pending or self._pending[-1][0] < min(step + self.lookahead, self.last_step):
       self._submit(self._pending[-1][0] + 1 if self._pending else step)
@@ -55,18 +71,26 @@ class InProcessSource:
     return future.result(), tasks, {}
 
   def consumed(self, groups: list[list], dropped: list[list]) -> None:
-    """Nothing to acknowledge in-process."""
+    """Does nothing: in-process groups need no acknowledgement.
+
+    Args:
+      groups: the trained groups.
+      dropped: the filtered groups.
+    """
 
   def checkpoint_extra(self) -> dict:
+    """Returns {}: in-process sampling stores nothing with the checkpoint."""
     return {}
 
   def close(self) -> None:
+    """Closes the rollouts: cancels running episodes, stops their loop and the engine."""
     self.rollouts.close()
 
 
 class QueueSource:
-  """Groups from the rollout queue, filled by rollout workers that sample from this trainer's
-  policy server (see the module docstring).
+  """Groups from the rollout queue (see the module docstring).
+
+  The queue is filled by rollout workers that sample from this trainer's policy server.
 
   Args:
     queue: the RolloutQueue.
@@ -89,7 +113,18 @@ class QueueSource:
     self._ready: list[list] = []  # whole groups assembled beyond a step's need
 
   def take(self, step: int, version: int) -> tuple[list[list], list, dict]:
-    """Exactly `prompts` groups (those assembled beyond that wait for the next step)."""
+    """Returns exactly `prompts` groups from the queue (any beyond wait for the next step).
+
+    Blocks until enough whole, fresh groups arrived; logs every 60 s while waiting.
+
+    Args:
+      step: the training step (for the waiting message).
+      version: the trainer's policy version; older groups beyond `max_staleness` are dropped.
+
+    Returns:
+      (groups, [] (tasks are not known here), drop counts: "dropped/duplicates",
+      "dropped/partial_trajectories", "dropped/stale_trajectories").
+    """
     ready, counts, waited = self._ready, collections.Counter(), time.monotonic()
     while len(ready) < self.prompts:
       # take only what this step lacks: the rest stays unread in the queue, where the workers'
@@ -119,17 +154,24 @@ class QueueSource:
     return ready, [], dict(counts)
 
   def consumed(self, groups: list[list], dropped: list[list]) -> None:
-    """The trajectories of trained and filtered groups: acked after the next checkpoint."""
+    """Records the trajectories of trained and filtered groups, acked after the next checkpoint.
+
+    Args:
+      groups: the trained groups.
+      dropped: the groups the loop filtered out.
+    """
     for g in groups + dropped:
       for t in g:
         self.unacked.append(self._entries.pop(t.trajectory_id))
 
   def checkpoint_extra(self) -> dict:
+    """Returns {"unacked_entry_ids": ...} to store with the checkpoint, and starts a new list."""
     extra = {"unacked_entry_ids": self.unacked}
     self.unacked = []
     return extra
 
   def close(self) -> None:
+    """Stops the policy server (if any) and closes the queue."""
     if self.server is not None:
       self.server.stop()
     self.queue.close()
@@ -137,7 +179,7 @@ class QueueSource:
 
 def make_source(config, engine, chat, scaffold, tasks: TaskSource, consumed: set,
                 restored_extra: dict, ckpt):
-  """The rollout source of `config.rl.rollout_workers` (see the module docstring).
+  """Builds the rollout source of `config.rl.rollout_workers` (see the module docstring).
 
   Args:
     config: the run's config.
@@ -148,6 +190,10 @@ def make_source(config, engine, chat, scaffold, tasks: TaskSource, consumed: set
     consumed: ids of the trajectories already trained (shared with the loop).
     restored_extra: the restored checkpoint's extra ({} for a fresh run).
     ckpt: the run's Checkpointer (queue entries are acked when a save commits).
+
+  Returns:
+    An InProcessSource ("inprocess") or a QueueSource ("queue", whose policy server is started
+    in a thread).
   """
   rl = config.rl
   if rl.rollout_workers == "inprocess":

@@ -43,11 +43,22 @@ log = logging.getLogger(__name__)
 
 
 def recording_episode(policy, chat, make_sandbox, scaffold: ScaffoldConfig) -> EpisodeFn:
-  """`envs.episode.make_react_episode`, unchanged, except that the trajectory's
-  metadata["submission"] keeps what the agent submitted: for "swe" tasks its final workspace's
-  changes {path: bytes | None (deleted)} relative to the repository (read from the agent's
-  sandbox when the episode closes it, after the verifier ran in its own), else the submit
-  answer or the last reply's text. None when it could not be read."""
+  """Makes `envs.episode.make_react_episode` episodes that also record the agent's submission.
+
+  The trajectory's metadata["submission"] keeps what the agent submitted: for "swe" tasks its
+  final workspace's changes {path: bytes | None (deleted)} relative to the repository (read from
+  the agent's sandbox when the episode closes it, after the verifier ran in its own), else the
+  submit answer or the last reply's text. None when it could not be read.
+
+  Args:
+    policy: the episodes' policy (e.g. `trainer.serve.EnginePolicy`).
+    chat: the chat format episodes render with.
+    make_sandbox: `async (task) -> sandbox`, as `envs.episode.make_sandbox_factory` returns.
+    scaffold: the episodes' ScaffoldConfig.
+
+  Returns:
+    The EpisodeFn `async (task, index, seed, **ids) -> Trajectory`, otherwise unchanged.
+  """
   originals: dict[str, dict] = {}
 
   async def episode(task: Task, index: int, seed: int, **ids) -> Trajectory:
@@ -96,11 +107,15 @@ class Rollouts:
     scaffold: the episodes' ScaffoldConfig (`scaffold_config`).
     sandbox: the sandbox backend ("local" runs no isolation: only for scripted tests);
       "remote" is a sandbox server (envs.sandbox_server) at `sandbox_url`.
-    concurrency: episodes at once.
+    concurrency: episodes at once (>= 1).
     limits: the sandboxes' resource limits (None: the backend's defaults).
-    sandbox_url, sandbox_token_file: the remote sandbox server and its token.
+    sandbox_url: the remote sandbox server ("" unless `sandbox` is "remote").
+    sandbox_token_file: a file holding the remote sandbox server's token ("": none).
     record_submissions: keep each episode's submission in its metadata
       (`recording_episode`; test-time selection needs it).
+
+  Raises:
+    ValueError: `concurrency` < 1.
   """
 
   def __init__(self, engine, chat, scaffold: ScaffoldConfig, *, sandbox: str = "bwrap",
@@ -132,8 +147,17 @@ class Rollouts:
 
   def groups(self, tasks: Sequence[tuple[Task, int]], group_size: int, seed: int = 0
              ) -> concurrent.futures.Future:
-    """Future of one list of trajectories per (task, draw), `group_size` episodes each (an
-    episode that raised is logged and left out, so a group may come back short)."""
+    """Samples `group_size` episodes of each (task, draw), concurrently.
+
+    Args:
+      tasks: [(task, draw)]; episode i of a group samples with `episode_seed(seed, draw, i)`.
+      group_size: episodes per task.
+      seed: the run's seed.
+
+    Returns:
+      A Future of one list of trajectories per (task, draw), in order (an episode that raised is
+      logged and left out, so a group may come back short).
+    """
     async def run():
       return await asyncio.gather(*(run_task_group(
           task, group_size, self._episode, draw=draw, seed=seed, limiter=self._limiter,
@@ -141,7 +165,14 @@ class Rollouts:
     return self._call(run())
 
   def episodes(self, runs: Sequence[tuple[Task, int]]) -> concurrent.futures.Future:
-    """Future of one trajectory (or the exception it raised) per (task, seed), in order."""
+    """Samples one episode per (task, seed), concurrently.
+
+    Args:
+      runs: [(task, seed)].
+
+    Returns:
+      A Future of one trajectory (or the exception it raised) per (task, seed), in order.
+    """
     async def one(task, seed):
       async with self._limiter:
         return await self._episode(task, 0, seed)
@@ -151,7 +182,7 @@ class Rollouts:
     return self._call(run())
 
   def close(self) -> None:
-    """Cancel running episodes (their sandboxes are closed), stop the loop and the engine."""
+    """Cancels running episodes (their sandboxes are closed), stops the loop and the engine."""
     if self._thread.is_alive():
       async def cancel_all():
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -176,7 +207,10 @@ def scaffold_config(config: ml_collections.ConfigDict,
   Args:
     config: the run's config (`rl.max_turns`, `rl.max_new_tokens`, `rl.max_context_tokens`,
       `rl.episode_timeout_s`, `rl.temperature`, `rl.top_p`, `rl.top_k`).
-    temperature: replaces `rl.temperature` (an eval's `eval.temperature`).
+    temperature: replaces `rl.temperature` (an eval's `eval.temperature`); None keeps it.
+
+  Returns:
+    The ScaffoldConfig.
   """
   rl = config.rl
   return ScaffoldConfig(max_turns=rl.max_turns, max_new_tokens=rl.max_new_tokens,
@@ -186,8 +220,17 @@ def scaffold_config(config: ml_collections.ConfigDict,
 
 
 def engine_config(config: ml_collections.ConfigDict) -> EngineConfig:
-  """The engine of a run's rollouts: a slot per concurrent episode (`rl.concurrency`), as many
-  rows for prefix reuse, rows long enough for `rl.max_context_tokens`."""
+  """The engine of a run's rollouts.
+
+  A slot per concurrent episode (`rl.concurrency`), as many rows for prefix reuse, rows long
+  enough for `rl.max_context_tokens` (rounded up to a multiple of 128).
+
+  Args:
+    config: the run's config (`rl.concurrency`, `rl.max_context_tokens`, `seed`).
+
+  Returns:
+    The EngineConfig.
+  """
   rl = config.rl
   return EngineConfig(slots=rl.concurrency, max_seq_len=-(-rl.max_context_tokens // 128) * 128,
                       prefix_cache_rows=rl.concurrency, prefill_chunk=512, seed=config.seed)

@@ -63,8 +63,15 @@ def mean_logprob(trajectory) -> float:
 
 
 def best_of_n_scores(trajectories: Sequence) -> np.ndarray:
-  """[N] best_of_n scores: mean sampled-token log-prob, NaN (never selected) for an episode
-  that failed or, when at least one episode submitted, for those that did not."""
+  """Scores each sample for best_of_n: its mean sampled-token log-prob.
+
+  Args:
+    trajectories: the task's n episodes (Trajectory, or None / the exception when it failed).
+
+  Returns:
+    [N] f64 scores; NaN (never selected) for an episode that failed or, when at least one
+    episode submitted, for those that did not.
+  """
   ok = [t is not None and not isinstance(t, BaseException) for t in trajectories]
   scores = np.array([mean_logprob(t) if o else np.nan for t, o in zip(trajectories, ok)])
   submitted = np.array([o and t.termination == "submitted" for t, o in zip(trajectories, ok)])
@@ -85,10 +92,19 @@ def _norm_text(data: bytes) -> bytes:
 
 
 def split_changes(task, changes: dict) -> tuple[dict, dict, Optional[str]]:
-  """An swe submission's changes {path: bytes | None (deleted)} relative to the repository, as
-  (code changes, test files, refusal): as the verifier sees them, caches and package metadata
-  are dropped, test paths are not code, and a change to a configuration / start-up file makes
-  the whole submission refused (the verifier gives it 0)."""
+  """Splits an swe submission's changes as the verifier sees them.
+
+  Caches and package metadata are dropped, test paths are not code, and a change to a
+  configuration / start-up file makes the whole submission refused (the verifier gives it 0).
+
+  Args:
+    task: the "swe" task (names its test files).
+    changes: {path: bytes | None (deleted)} relative to the repository.
+
+  Returns:
+    (code changes, test files, refusal): the two dicts like `changes`; the refusal is the
+    first refused change's reason, or None.
+  """
   named = verifiers.task_test_files(task)
   code, tests, refused = {}, {}, None
   for path in sorted(changes):
@@ -105,8 +121,16 @@ def split_changes(task, changes: dict) -> tuple[dict, dict, Optional[str]]:
 
 
 def submission_key(task, submission) -> tuple[str, Hashable]:
-  """(class, key) of a submission for majority voting: class "empty" (no change / no answer),
-  "refused", "failed" (the episode produced none) or "ok"; equal keys = the same submission."""
+  """Classifies a submission and keys it for majority voting (equal keys = the same submission).
+
+  Args:
+    task: the task; its kind picks the comparison ("swe": the hashed code changes, normalised
+      by trailing whitespace; "exact": the normalised answer; "code": the extracted program).
+    submission: metadata["submission"] of the episode, or None (the episode produced none).
+
+  Returns:
+    (class, key): class "empty" (no change / no answer), "refused", "failed" or "ok".
+  """
   if submission is None:
     return "failed", None
   if task.kind == "swe":
@@ -128,8 +152,17 @@ def submission_key(task, submission) -> tuple[str, Hashable]:
 
 
 def select_majority(task, submissions: Sequence) -> int:
-  """Index of the first member of the largest class of identical submissions (see
-  `submission_key`); empty, refused and failed ones vote only when no sample has a real one."""
+  """Index of the first member of the largest class of identical submissions.
+
+  Empty, refused and failed ones (see `submission_key`) vote only when no sample has a real one.
+
+  Args:
+    task: the task the samples solve.
+    submissions: per sample its metadata["submission"] (None: the episode failed).
+
+  Returns:
+    The selected index; 0 when no submission is "ok".
+  """
   keys = [submission_key(task, s) for s in submissions]
   eligible = [i for i, (kind, _) in enumerate(keys) if kind == "ok"]
   if not eligible:
@@ -220,6 +253,9 @@ async def self_play_scores(task, submissions: Sequence, make_sandbox, *,
   Returns:
     {"scores": [N] (NaN: failed or refused, never selected), "tests": M, "visible": the
     visible test arguments, "generated": the samples' test files, "runs": distinct runs}.
+
+  Raises:
+    ValueError: the task's kind is not "swe".
 
   References:
     Kimi-Dev: Agentless training as skill prior for SWE-agents (Moonshot AI, 2025).

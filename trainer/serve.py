@@ -20,6 +20,9 @@ Requests from all clients go to one engine queue and are decoded together. The s
 to loopback by default; any other address needs a bearer token (--token or ARBOR_SERVE_TOKEN),
 which every endpoint but /health then requires. Bodies and session logs are size-bounded; a bad
 request gets a 4xx with a message and the server keeps serving. Nothing is unpickled.
+
+One module (~640 lines, half of them docstrings): the endpoints share the request checks,
+the engine queue and the session log, and read best side by side.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ GENERATE_FIELDS = ("input_ids", "max_tokens", "temperature", "top_p", "top_k", "
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
+  """Address, auth and size limits of a PolicyServer (each field's meaning beside it)."""
   host: str = "127.0.0.1"            # bind address; non-loopback needs `token`
   port: int = 8000                   # 0 = any free port
   token: Optional[str] = None        # bearer token required on every endpoint but /health
@@ -72,6 +76,12 @@ class ServerConfig:
 
 
 class HTTPError(Exception):
+  """A request error answered with an HTTP status and {"error": message}.
+
+  Args:
+    status: the HTTP status code (4xx / 5xx).
+    message: the error's text, sent to the client.
+  """
   def __init__(self, status: int, message: str):
     super().__init__(message)
     self.status = status
@@ -116,7 +126,20 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
 
 
 def sampling_params(body: dict, *, max_tokens: int, stop_token_ids: Sequence[int] = ()):
-  """engine SamplingParams from a request body (HTTP 400 on a bad field)."""
+  """Builds engine SamplingParams from a request body.
+
+  Args:
+    body: the request's JSON object (fields of GENERATE_FIELDS; absent ones take defaults:
+      temperature 1, top_p 1, top_k 0, no stop, no seed).
+    max_tokens: the default (and, from the chat endpoint, the room left) when the body has none.
+    stop_token_ids: stop tokens added to the body's (e.g. the chat format's end of turn).
+
+  Returns:
+    The SamplingParams.
+
+  Raises:
+    HTTPError: 400 on a field of the wrong type, max_tokens < 1 or a bad "stop".
+  """
   mt = _field(body, "max_tokens", int, max_tokens)
   if mt < 1:
     raise HTTPError(400, f"max_tokens={mt}: must be >= 1")
@@ -134,7 +157,13 @@ def sampling_params(body: dict, *, max_tokens: int, stop_token_ids: Sequence[int
 
 
 class SessionLog:
-  """Exact ids and log-probs of each chat call, per session id, bounded in size."""
+  """Exact ids and log-probs of each chat call, per session id, bounded in size.
+
+  Args:
+    max_sessions: sessions kept (the least recently used is dropped first).
+    max_session_tokens: logged input + output tokens per session.
+    max_total_tokens: logged tokens over all sessions (least recently used dropped first).
+  """
 
   def __init__(self, max_sessions: int, max_session_tokens: int, max_total_tokens: int):
     self.max_sessions, self.max_session_tokens = max_sessions, max_session_tokens
@@ -144,7 +173,15 @@ class SessionLog:
     self._lock = threading.Lock()
 
   def reserve_check(self, session: str, tokens: int) -> None:
-    """413 if logging `tokens` more would overflow the session."""
+    """Checks that logging `tokens` more fits the session's limit.
+
+    Args:
+      session: the session id.
+      tokens: the most tokens the coming call may log (n x (input + max_tokens)).
+
+    Raises:
+      HTTPError: 413 when the session's log would exceed `max_session_tokens`.
+    """
     with self._lock:
       used = self._tokens.get(session, 0)
     if used + tokens > self.max_session_tokens:
@@ -152,6 +189,12 @@ class SessionLog:
                            f"add {tokens}, over the limit of {self.max_session_tokens}")
 
   def add(self, session: str, call: dict) -> None:
+    """Appends one call's record to a session, dropping least recently used sessions when full.
+
+    Args:
+      session: the session id.
+      call: the call's record; its "input_ids" and "output_ids" count against the limits.
+    """
     n = len(call["input_ids"]) + len(call["output_ids"])
     with self._lock:
       self._sessions.setdefault(session, []).append(call)
@@ -164,12 +207,14 @@ class SessionLog:
         logger.warning("session log full: dropped session %s", old)
 
   def get(self, session: str) -> list[dict]:
+    """Returns a copy of a session's call records (HTTPError 404 for an unknown session)."""
     with self._lock:
       if session not in self._sessions:
         raise HTTPError(404, f"unknown session {session!r}")
       return list(self._sessions[session])
 
   def delete(self, session: str) -> None:
+    """Frees a session's log (HTTPError 404 for an unknown session)."""
     with self._lock:
       if self._sessions.pop(session, None) is None:
         raise HTTPError(404, f"unknown session {session!r}")
@@ -180,7 +225,17 @@ class SessionLog:
 
 
 class PolicyServer:
-  """HTTP front of an `models.engine.Engine` (see module docstring)."""
+  """HTTP front of an `models.engine.Engine` (see module docstring).
+
+  Args:
+    engine: the generation engine (started by `start`, stopped by `stop`).
+    config: address, token and limits.
+    tokenizer: decodes tokens for chat log-probs (None: no chat endpoint).
+    chat: the envs.chat format of /v1/chat/completions (None: that endpoint answers 501).
+
+  Raises:
+    ValueError: a non-loopback host without a token (envs.net.check_bind).
+  """
 
   def __init__(self, engine, config: ServerConfig = ServerConfig(), tokenizer=None, chat=None):
     check_bind(config.host, config.token)
@@ -194,6 +249,7 @@ class PolicyServer:
 
   # --- lifecycle
   async def start(self) -> None:
+    """Starts the engine and listens on the configured address (sets `port`)."""
     self.engine.start()
     self._server = await asyncio.start_server(self._handle, self.cfg.host, self.cfg.port,
                                               limit=self.cfg.max_header_bytes)
@@ -201,12 +257,20 @@ class PolicyServer:
     logger.info("serving on http://%s:%d", self.cfg.host, self.port)
 
   async def serve_forever(self) -> None:
+    """Starts, then serves until cancelled."""
     await self.start()
     async with self._server:
       await self._server.serve_forever()
 
   def start_in_thread(self) -> str:
-    """Serve from a daemon thread with its own event loop; returns the base URL."""
+    """Serves from a daemon thread with its own event loop.
+
+    Returns:
+      The base URL, "http://host:port".
+
+    Raises:
+      RuntimeError: the server did not start within 60 s.
+    """
     started = threading.Event()
 
     def run():
@@ -222,6 +286,7 @@ class PolicyServer:
     return f"http://{self.cfg.host}:{self.port}"
 
   def stop(self) -> None:
+    """Closes the server (when started in a thread) and stops the engine."""
     if self._loop is not None:
       async def close():
         self._server.close()
@@ -429,13 +494,26 @@ def _json(body: bytes) -> dict:
 
 
 class EnginePolicy:
-  """envs.policy.Policy over an in-process engine (started in its background thread)."""
+  """envs.policy.Policy over an in-process engine (started in its background thread).
+
+  Args:
+    engine: the generation engine; started here.
+  """
 
   def __init__(self, engine):
     self.engine = engine
     engine.start()
 
   async def generate(self, input_ids, params):
+    """Samples one completion from the engine.
+
+    Args:
+      input_ids: the prompt's token ids.
+      params: the envs.policy.SamplingParams.
+
+    Returns:
+      The envs.policy.Generation: output ids, log-probs, finish reason and policy versions.
+    """
     out = await asyncio.wrap_future(self.engine.submit(list(input_ids), params))
     return Generation(output_ids=out.output_ids, logprobs=out.logprobs,
                       finish_reason=out.finish_reason, policy_version=out.policy_version,
@@ -446,11 +524,22 @@ class EnginePolicy:
 
 
 def default_chat_format(model_cfg) -> str:
+  """The chat format of a model family: "deepseek_v3" for MLA models, else "qwen2.5"."""
   return "deepseek_v3" if model_cfg.attention == "mla" else "qwen2.5"
 
 
 def build(args) -> PolicyServer:
-  """Model, tokenizer, engine and server from parsed command-line arguments."""
+  """Builds the model, tokenizer, engine and server from parsed command-line arguments.
+
+  Args:
+    args: the `parse_args` namespace.
+
+  Returns:
+    The PolicyServer, not yet started; without tokenizer files it serves /generate only.
+
+  Raises:
+    ValueError: a non-loopback host without a token.
+  """
   token = args.token or os.environ.get("ARBOR_SERVE_TOKEN") or None
   check_bind(args.host, token)  # before loading anything
   if args.ckpt:
@@ -474,8 +563,21 @@ def build(args) -> PolicyServer:
 
 
 def run(config, workdir: str) -> dict:
-  """trainer.main mode "serve": the config's model (model.init: a preset, hf:DIR or an Arbor
-  run's ckpt:DIR) and tokenizer behind the policy server (config.serve), until interrupted."""
+  """Runs trainer.main mode "serve" until interrupted.
+
+  Serves the config's model (model.init: a preset, hf:DIR or an Arbor run's ckpt:DIR) and
+  tokenizer behind the policy server (config.serve).
+
+  Args:
+    config: a validated mode "serve" config.
+    workdir: the run's directory (where a trained tokenizer is found).
+
+  Returns:
+    {"served": True}.
+
+  Raises:
+    ValueError: a non-loopback host without a token (ARBOR_SERVE_TOKEN).
+  """
   token = os.environ.get("ARBOR_SERVE_TOKEN") or None
   check_bind(config.serve.host, token)
   model_cfg = config_lib.model_config(config)
@@ -500,6 +602,7 @@ def run(config, workdir: str) -> dict:
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+  """Parses the command line of `python -m trainer.serve` (None: sys.argv)."""
   p = argparse.ArgumentParser(prog="python -m trainer.serve", description=__doc__.split("\n")[0])
   src = p.add_mutually_exclusive_group(required=True)
   src.add_argument("--ckpt", help="checkpoint directory written by `python -m models.hf import`")
@@ -522,6 +625,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+  """Serves from the command line until interrupted; returns 2 on a bad argument."""
   logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
   args = parse_args(argv)
   try:

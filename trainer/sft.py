@@ -63,10 +63,16 @@ REPORT_KEYS = ("loss", "eval/loss", "grad_norm", "lr", "tree_token_ratio", "toke
 
 
 def prepare_demo(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """The demo's inputs, made once per workdir (a resumed run reuses them, so its data and its
-  iterator state still match): a sentencepiece tokenizer trained on scripted-episode text
-  (tokenizer.train_vocab_size), then scripted episodes on generated tasks (data.demo) as chat
-  records in <workdir>/data/{train,eval}.jsonl."""
+  """Makes the demo's inputs, once per workdir.
+
+  A resumed run reuses them, so its data and its iterator state still match: a sentencepiece
+  tokenizer trained on scripted-episode text (tokenizer.train_vocab_size), then scripted episodes
+  on generated tasks (data.demo) as chat records in <workdir>/data/{train,eval}.jsonl.
+
+  Args:
+    config: the run's config (reads `tokenizer` and `data.demo`).
+    workdir: the run's directory; files already there are kept.
+  """
   tok = config.tokenizer
   fmt = tok.chat_format
   if tok.train_vocab_size and not os.path.isfile(os.path.join(workdir, "tokenizer",
@@ -97,7 +103,15 @@ def prepare_demo(config: ml_collections.ConfigDict, workdir: str) -> None:
 
 
 def data_sources(config, workdir: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-  """(training files, held-out files): the configured ones plus the generated demo episodes."""
+  """Lists the run's SFT files: the configured ones plus the generated demo episodes.
+
+  Args:
+    config: the run's config (`data.sources`, `data.eval_sources`, `data.demo`).
+    workdir: the run's directory (holding data/ of the demo).
+
+  Returns:
+    (training files, held-out files).
+  """
   train, held_out = tuple(config.data.sources), tuple(config.data.eval_sources)
   if config.data.demo.episodes:
     train += (os.path.join(workdir, "data", TRAIN_FILE),)
@@ -111,8 +125,17 @@ def data_sources(config, workdir: str) -> tuple[tuple[str, ...], tuple[str, ...]
 
 
 def trajectory_ids(mb) -> list[str]:
-  """One id per trained trajectory of a step's MicroBatches, in batch order: the first 16 hex
-  digits of sha256(sampled tokens, loss mask). Identical trajectories share an id."""
+  """One id per trained trajectory of a step's MicroBatches, in batch order.
+
+  An id is the first 16 hex digits of sha256(sampled tokens, loss mask); identical
+  trajectories share an id.
+
+  Args:
+    mb: the step's MicroBatches (`seq_valid`, `seq_tokens`, the "loss_mask" field).
+
+  Returns:
+    The ids.
+  """
   valid = np.asarray(mb.seq_valid)
   tokens = np.asarray(mb.seq_tokens, np.int32)
   mask = np.asarray(mb.fields["loss_mask"], np.float32)
@@ -125,8 +148,18 @@ def trajectory_ids(mb) -> list[str]:
 
 
 def make_evaluate(model_cfg, loss_cfg, batches: list, mesh):
-  """evaluate(state) -> {"eval/loss": token-mean NLL of the trained tokens of `batches`
-  (the SFT loss, without the MoE balance term), "eval/tokens": their count}."""
+  """Builds the held-out evaluation of an SFT run.
+
+  Args:
+    model_cfg: the trained model's ModelConfig.
+    loss_cfg: the run's LossConfig (`mask_failed_turns` drops failed turns as in training).
+    batches: the held-out MicroBatches, scored at every evaluation.
+    mesh: the device mesh (None: one device).
+
+  Returns:
+    evaluate(state) -> {"eval/loss": token-mean NLL of the trained tokens of `batches` (the SFT
+    loss, without the MoE balance term), "eval/tokens": their count}.
+  """
   score = step_lib.make_score_fn(model_cfg, mesh=mesh)
   masks = []
   for b in batches:
@@ -165,6 +198,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
     The harness summary ("start_step", "steps", "preempted", "checkpoint", "metrics",
     "report") plus "loss" (the last step's), "first_loss", "eval_loss" (the last, if any) and
     "data_exhausted".
+
+  Raises:
+    ConfigError: the tokenizer's vocabulary is larger than the model's vocab_size.
   """
   run = harness.Run(config, workdir, mesh)
   model_cfg, train = run.model_cfg, config.train

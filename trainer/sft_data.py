@@ -89,8 +89,18 @@ def _check_messages(messages: Any, where: str) -> None:
 
 
 def check_record(record: Any, where: str = "record") -> str:
-  """Validate a record's structure; its kind, "chat" or "trajectory". RecordError names
-  `where` and the field."""
+  """Validates a record's structure.
+
+  Args:
+    record: a parsed record (chat record or trajectory dict).
+    where: where the record is (file:line, records[i], ...), for the error message.
+
+  Returns:
+    The record's kind: "chat" or "trajectory".
+
+  Raises:
+    RecordError: the record is malformed; the message names `where` and the field.
+  """
   if not isinstance(record, dict):
     raise RecordError(f"{where}: expected a JSON object, got {type(record).__name__}")
   if "calls" in record:
@@ -138,8 +148,15 @@ def check_record(record: Any, where: str = "record") -> str:
 
 
 def failed_turns(messages: Sequence[dict]) -> list[bool]:
-  """Per message: True for an assistant message whose tool call failed ("tool_error": true on
-  it, or "error": true on one of the tool messages right after it)."""
+  """Marks the assistant messages whose tool call failed.
+
+  Args:
+    messages: a checked conversation.
+
+  Returns:
+    Per message: True for an assistant message with "tool_error": true, or "error": true on one
+    of the tool messages right after it; else False.
+  """
   out = [False] * len(messages)
   for i, m in enumerate(messages):
     if m["role"] != "assistant":
@@ -156,9 +173,21 @@ def failed_turns(messages: Sequence[dict]) -> list[bool]:
 def conversation_calls(chat: ChatFormat, messages: Sequence[dict],
                        tools: Optional[Sequence[dict]] = None,
                        mask_tool_errors: bool = True) -> list[CallTokens]:
-  """One CallTokens per assistant message (module docstring): input = the conversation before
-  it with the generation prompt, output = `chat.assistant_ids(message)`; fields "loss_mask"
-  and "failed" per output token."""
+  """Renders a conversation as one CallTokens per assistant message (see the module docstring).
+
+  Input = the conversation before the message with the generation prompt, output =
+  `chat.assistant_ids(message)`.
+
+  Args:
+    chat: the chat format.
+    messages: a checked conversation; messages after the last assistant turn are dropped.
+    tools: the tool schemas rendered with the conversation (None: no tools).
+    mask_tool_errors: a failed turn gets loss_mask 0.
+
+  Returns:
+    The calls, with per output token fields "loss_mask" (1 = trained; 0 for "train": false or a
+    masked failed turn) and "failed" (1 = the turn's tool call failed).
+  """
   messages = list(messages)
   failed = failed_turns(messages)
   turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
@@ -181,8 +210,21 @@ def conversation_calls(chat: ChatFormat, messages: Sequence[dict],
 
 def record_trajectories(record: Any, chat: ChatFormat, mask_tool_errors: bool = True,
                         where: str = "record") -> list[TrajectoryTokens]:
-  """The trajectories of one record: one per conversation (a record with "branches" has one
-  per branch), or the trajectory itself. RecordError names `where` on any problem."""
+  """Renders one record as its trajectories.
+
+  Args:
+    record: a chat record, a trajectory dict, or a Trajectory object.
+    chat: the chat format chat records render with.
+    mask_tool_errors: a failed turn gets loss_mask 0.
+    where: where the record is, for the error message.
+
+  Returns:
+    One TrajectoryTokens per conversation (a record with "branches" has one per branch), or the
+    trajectory itself.
+
+  Raises:
+    RecordError: the record is malformed or cannot be rendered; the message names `where`.
+  """
   record = as_dict(record)
   kind = check_record(record, where)
   try:
@@ -206,7 +248,17 @@ def as_dict(record: Any) -> Any:
 
 
 def group_key(record: dict, group_by: str) -> Optional[str]:
-  """The tree a (checked) record belongs to; None: a tree of its own."""
+  """Names the tree a (checked) record belongs to.
+
+  Args:
+    record: a checked chat record or trajectory dict.
+    group_by: one of GROUP_BY: "field" (its "group" / "group_id"), "prompt" (the conversation
+      before the first assistant message, with the tools), "system" (the leading system
+      messages, with the tools; trajectories: none), "none".
+
+  Returns:
+    The key (records with equal keys share a tree), or None: a tree of its own.
+  """
   if group_by == "none":
     return None
   is_traj = "calls" in record
@@ -241,17 +293,28 @@ def _drop_nones(x: Any) -> Any:
 
 
 class Reader:
-  """Records of one source by key (byte offset, row or index); `scan` yields (key, where,
-  record or RecordError)."""
+  """Records of one source by key (byte offset, row or index)."""
 
   def scan(self) -> Iterator[tuple[int, str, Any]]:
+    """Reads the whole source once.
+
+    Yields:
+      (key, where, record or the RecordError that reading it raised); `read(key)` reads the
+      record again.
+    """
     raise NotImplementedError
 
   def read(self, key: int) -> Any:
+    """Reads the record at `key` (from `scan`) again."""
     raise NotImplementedError
 
 
 class JsonlReader(Reader):
+  """Records of a JSONL file, keyed by byte offset.
+
+  Args:
+    path: the .jsonl file.
+  """
   def __init__(self, path: str):
     self.path = path
 
@@ -262,6 +325,7 @@ class JsonlReader(Reader):
       raise RecordError(f"{where}: not valid JSON: {e}") from None
 
   def scan(self):
+    """Yields (byte offset, "path:line", record or RecordError) per non-blank line."""
     with open(self.path, "rb") as f:
       offset, n = 0, 0
       for line in f:
@@ -275,14 +339,21 @@ class JsonlReader(Reader):
         offset += len(line)
 
   def read(self, key):
+    """Parses the line at byte offset `key`."""
     with open(self.path, "rb") as f:
       f.seek(key)
       return self._parse(f.readline(), f"{self.path}@{key}")
 
 
 class ParquetReader(Reader):
-  """Columns "messages" / "tools" / "branches" may hold nested lists and structs or JSON
-  strings; trajectory tables hold "calls" and the other Trajectory fields."""
+  """Records of a Parquet file, keyed by row (needs pyarrow; the table is loaded on first use).
+
+  Columns "messages" / "tools" / "branches" may hold nested lists and structs or JSON strings;
+  trajectory tables hold "calls" and the other Trajectory fields.
+
+  Args:
+    path: the .parquet file.
+  """
 
   def __init__(self, path: str):
     self.path = path
@@ -309,6 +380,7 @@ class ParquetReader(Reader):
     return d
 
   def scan(self):
+    """Yields (row, "path:row N", record or RecordError) per row."""
     row = 0
     for batch in self._load().to_batches():
       for d in batch.to_pylist():
@@ -320,16 +392,22 @@ class ParquetReader(Reader):
         row += 1
 
   def read(self, key):
+    """Reads row `key`."""
     return self._row(self._load().slice(key, 1).to_pylist()[0], f"{self.path}:row {key}")
 
 
 class MsgpackReader(Reader):
-  """A stream of msgpack maps (e.g. `Trajectory.to_bytes()` written back to back)."""
+  """A stream of msgpack maps (e.g. `Trajectory.to_bytes()` written back to back), keyed by offset.
+
+  Args:
+    path: the .msgpack / .mpk file.
+  """
 
   def __init__(self, path: str):
     self.path = path
 
   def scan(self):
+    """Yields (byte offset, "path:record N", record) per map; a corrupt map ends the scan."""
     import msgpack
 
     with open(self.path, "rb") as f:
@@ -348,6 +426,7 @@ class MsgpackReader(Reader):
         offset, n = unpacker.tell(), n + 1
 
   def read(self, key):
+    """Unpacks the map at byte offset `key`."""
     import msgpack
 
     with open(self.path, "rb") as f:
@@ -356,19 +435,26 @@ class MsgpackReader(Reader):
 
 
 class MemoryReader(Reader):
+  """Records held in memory (dicts or Trajectory objects), keyed by index.
+
+  Args:
+    records: the records.
+  """
   def __init__(self, records: Sequence[Any]):
     self.records = records
 
   def scan(self):
+    """Yields (index, "records[i]", record as a dict) per record."""
     for i, r in enumerate(self.records):
       yield i, f"records[{i}]", as_dict(r)
 
   def read(self, key):
+    """Returns record `key` as a dict."""
     return as_dict(self.records[key])
 
 
 def reader_for(path: str) -> Reader:
-  """The reader of a source file, by its extension."""
+  """The reader of a source file, by its extension (ValueError for an unknown one)."""
   if path.endswith(".jsonl"):
     return JsonlReader(path)
   if path.endswith(".parquet"):
@@ -383,7 +469,12 @@ def reader_for(path: str) -> Reader:
 
 
 def write_jsonl(path: str, records: Sequence[Any]) -> None:
-  """Records (dicts or Trajectory objects) as JSONL, written atomically."""
+  """Writes records as JSONL, atomically (a temporary file renamed over `path`).
+
+  Args:
+    path: the output file.
+    records: dicts or Trajectory objects (anything with `to_dict`).
+  """
   with open(path + ".tmp", "w", encoding="utf-8") as f:
     for r in records:
       f.write(json.dumps(as_dict(r), ensure_ascii=False) + "\n")

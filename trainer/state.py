@@ -30,15 +30,18 @@ from trainer import distributed, optim
     meta_fields=[])
 @dataclasses.dataclass
 class TrainState:
-  """params         pure `nnx.Param` state of the Transformer (fp32)
-  model_state    pure non-Param variables (the MoE `RouterBias`; empty for dense models):
-                 updated by the step outside the gradient, never seen by the optimizer
-  opt_state      `Optimizer.init(params)`
-  step           int32 [], optimizer steps taken
-  rng            uint32 [2], raw key data (`jax.random.wrap_key_data` to use it); the step does
-                 not consume it: loops derive keys with `jax.random.fold_in(key, step)`
-  policy_version int32 [], version of `params`: +1 per optimizer step; the engine stamps
-                 rollouts with it, and staleness is measured in it
+  """Everything one training step reads and writes, as one pytree of arrays.
+
+  Attributes:
+    params: pure `nnx.Param` state of the Transformer (fp32).
+    model_state: pure non-Param variables (the MoE `RouterBias`; empty for dense models):
+      updated by the step outside the gradient, never seen by the optimizer.
+    opt_state: `Optimizer.init(params)`.
+    step: int32 [], optimizer steps taken.
+    rng: uint32 [2], raw key data (`jax.random.wrap_key_data` to use it); the step does not
+      consume it: loops derive keys with `jax.random.fold_in(key, step)`.
+    policy_version: int32 [], version of `params`: +1 per optimizer step; the engine stamps
+      rollouts with it, and staleness is measured in it.
   """
 
   params: Any
@@ -49,6 +52,7 @@ class TrainState:
   policy_version: jax.Array
 
   def replace(self, **kw) -> "TrainState":
+    """A copy with the given fields replaced."""
     return dataclasses.replace(self, **kw)
 
   def model(self, model_cfg: ModelConfig) -> transformer.Transformer:
@@ -56,6 +60,7 @@ class TrainState:
     return nnx.merge(graphdef(model_cfg), self.params, self.model_state)
 
   def key(self) -> jax.Array:
+    """The typed PRNG key of `rng`."""
     return jax.random.wrap_key_data(self.rng)
 
 
@@ -86,14 +91,20 @@ def _scalars(seed: int) -> dict:
 def create(model_cfg: ModelConfig, optimizer: Union[optim.Optimizer, Any], seed: int = 0,
            mesh: Optional[jax.sharding.Mesh] = None,
            model: Optional[transformer.Transformer] = None) -> TrainState:
-  """A fresh train state.
+  """Creates a fresh train state.
 
-  optimizer: a built `trainer.optim.Optimizer`, or its config (built here).
-  mesh: None = default device, parameters drawn on the host (`transformer.init`); a mesh =
-    drawn directly sharded (`transformer.init_sharded`: other numbers for the same seed) and the
-    optimizer state created with `Optimizer.state_shardings`.
-  model: start from these weights (e.g. a Hugging Face import or an SFT checkpoint) instead
-    of a random initialisation; placed on `mesh` when one is given.
+  Args:
+    model_cfg: the model's ModelConfig.
+    optimizer: a built `trainer.optim.Optimizer`, or its config (built here).
+    seed: the initialisation seed (also the state's `rng`).
+    mesh: None = default device, parameters drawn on the host (`transformer.init`); a mesh =
+      drawn directly sharded (`transformer.init_sharded`: other numbers for the same seed) and the
+      optimizer state created with `Optimizer.state_shardings`.
+    model: start from these weights (e.g. a Hugging Face import or an SFT checkpoint) instead
+      of a random initialisation; placed on `mesh` when one is given.
+
+  Returns:
+    The TrainState at step 0, policy version 0.
   """
   opt = _build(optimizer, model_cfg)
   if model is None:
@@ -114,9 +125,19 @@ def create(model_cfg: ModelConfig, optimizer: Union[optim.Optimizer, Any], seed:
 
 def shardings(model_cfg: ModelConfig, optimizer: Union[optim.Optimizer, Any],
               mesh: jax.sharding.Mesh) -> TrainState:
-  """A TrainState of `NamedSharding`s: parameters and router bias by the model's logical axes
-  and sharding rules, optimizer moments like their parameters (`Optimizer.state_shardings`),
-  counters and the key replicated."""
+  """Builds the state's shardings on a mesh.
+
+  Parameters and router bias by the model's logical axes and sharding rules, optimizer moments
+  like their parameters (`Optimizer.state_shardings`), counters and the key replicated.
+
+  Args:
+    model_cfg: the model's ModelConfig.
+    optimizer: a built `trainer.optim.Optimizer`, or its config.
+    mesh: the device mesh.
+
+  Returns:
+    A TrainState of `NamedSharding`s.
+  """
   opt = _build(optimizer, model_cfg)
   _, params, rest = nnx.split(transformer.abstract(model_cfg), nnx.Param, ...)
   param_sh = nnx.as_pure(sharding.state_shardings(params, model_cfg, mesh))
@@ -130,8 +151,16 @@ def shardings(model_cfg: ModelConfig, optimizer: Union[optim.Optimizer, Any],
 
 def abstract(model_cfg: ModelConfig, optimizer: Union[optim.Optimizer, Any],
              mesh: Optional[jax.sharding.Mesh] = None) -> TrainState:
-  """The state's shapes and dtypes (with shardings on a mesh) without allocating anything:
-  the target for restoring a checkpoint."""
+  """The state's shapes and dtypes, allocating nothing: the target for restoring a checkpoint.
+
+  Args:
+    model_cfg: the model's ModelConfig.
+    optimizer: a built `trainer.optim.Optimizer`, or its config.
+    mesh: None: plain shapes; a mesh: each leaf carries its sharding (`shardings`).
+
+  Returns:
+    A TrainState of `jax.ShapeDtypeStruct`s.
+  """
   opt = _build(optimizer, model_cfg)
   params, rest = split_model(transformer.abstract(model_cfg))
   shapes = TrainState(params=params, model_state=rest, opt_state=jax.eval_shape(opt.init, params),

@@ -73,8 +73,16 @@ _NO_ADVANTAGE = ("sft", "opd", "dpo", "kimi_pmd")
 def required_inputs(loss_cfg: losses.LossConfig,
                     correction_cfg: Optional[corrections.CorrectionConfig] = None
                     ) -> list[tuple[str, str, str]]:
-  """(where, name, why) of every micro-batch input the configuration needs: where is "fields"
-  (per token), "scalars" (per sequence) or "either" (advantage: a scalar or a field)."""
+  """Lists every micro-batch input a loss and correction configuration needs.
+
+  Args:
+    loss_cfg: the loss.
+    correction_cfg: the mismatch correction (None or kind "none": no sampler log-probs needed).
+
+  Returns:
+    [(where, name, why)]: where is "fields" (per token), "scalars" (per sequence) or "either"
+    (advantage: a scalar or a field); why is the message for a missing input.
+  """
   need = []
   c = loss_cfg
   if c.name not in _NO_ADVANTAGE:
@@ -103,8 +111,17 @@ def required_inputs(loss_cfg: losses.LossConfig,
 def check_micro_batches(mb: MicroBatches, model_cfg: ModelConfig,
                         loss_cfg: Optional[losses.LossConfig] = None,
                         correction_cfg: Optional[corrections.CorrectionConfig] = None) -> None:
-  """Raise ValueError naming the micro-batch field for a missing input or a shape mismatch
-  (plain Python on static shapes: call it before the jitted step)."""
+  """Checks a MicroBatches' shapes and inputs before the jitted step (plain Python, static shapes).
+
+  Args:
+    mb: the micro-batches: rows [M, R, L], per-sequence arrays [M, S, T], scalars [M, S].
+    model_cfg: the model (checks `expert_ids` [M, moe_layers, R, L, k] for routing replay).
+    loss_cfg: the loss whose inputs must be present (None: shapes only).
+    correction_cfg: the mismatch correction whose inputs must be present.
+
+  Raises:
+    ValueError: naming the micro-batch field for a missing input or a shape mismatch.
+  """
   if not isinstance(mb, MicroBatches):
     raise ValueError(f"micro_batches: expected trainer.batches.MicroBatches, got "
                      f"{type(mb).__name__}")
@@ -160,8 +177,22 @@ def _batch_axes(model_cfg: ModelConfig, mesh) -> tuple[Any, int]:
 
 
 def batch_shardings(model_cfg: ModelConfig, mesh, mb: MicroBatches) -> MicroBatches:
-  """Shardings of a MicroBatches: rows [M, R, L] (and expert_ids' R) over the mesh's batch axes
-  (data, fsdp); per-sequence arrays over them too when S divides, else replicated."""
+  """Builds the shardings of a MicroBatches on a mesh.
+
+  Rows [M, R, L] (and expert_ids' R) go over the mesh's batch axes (data, fsdp); per-sequence
+  arrays over them too when S divides, else replicated.
+
+  Args:
+    model_cfg: the model (its sharding rules name the batch axes).
+    mesh: the device mesh.
+    mb: the micro-batches (read for shapes and field names).
+
+  Returns:
+    A MicroBatches of `NamedSharding`s.
+
+  Raises:
+    ValueError: R is not divisible by the size of the batch axes.
+  """
   spec, size = _batch_axes(model_cfg, mesh)
   rows = mb.tokens.shape[1]
   if rows % size:
@@ -230,14 +261,22 @@ def _placed(mesh, fn: Callable) -> Callable:
 
 
 def make_score_fn(model_cfg: ModelConfig, *, mesh=None, entropy: bool = False) -> Callable:
-  """A jitted forward-only pass: score(source, micro_batches) -> log-probs [M, S, T] fp32 of
-  every sampled token (0 at padding entries), or (log-probs, entropy) with `entropy`.
+  """Builds a jitted forward-only pass over micro-batches.
 
-  source: a TrainState, an nnx Transformer or a (params, model_state) pair; the model must
-  have `model_cfg` (a teacher with another config gets its own score function). Uses: the
-  reference policy's log-probs (KL), π_old recomputed by the trainer (instead of trusting the
-  sampler's), teacher log-probs (distillation), and MCLA (`mcla_logprobs`). The routing replay
-  in `expert_ids`, if any, is used.
+  Uses: the reference policy's log-probs (KL), π_old recomputed by the trainer (instead of
+  trusting the sampler's), teacher log-probs (distillation), and MCLA (`mcla_logprobs`). The
+  routing replay in `expert_ids`, if any, is used.
+
+  Args:
+    model_cfg: the scored model's ModelConfig (a teacher with another config gets its own score
+      function).
+    mesh: shard the pass (rows over the batch axes); None: one device.
+    entropy: also return the policy entropy.
+
+  Returns:
+    score(source, micro_batches) -> log-probs [M, S, T] f32 of every sampled token (0 at padding
+    entries), or (log-probs, entropy [M, S, T]) with `entropy`. source: a TrainState, an nnx
+    Transformer or a (params, model_state) pair with `model_cfg`.
   """
   graphdef = state_lib.graphdef(model_cfg)
 
@@ -269,9 +308,28 @@ def make_score_fn(model_cfg: ModelConfig, *, mesh=None, entropy: bool = False) -
 
 def mcla_logprobs(score: Callable, source, mb: MicroBatches, passes: int,
                   mode: str = "logprob") -> jax.Array:
-  """MCLA (KAT-Coder-V2): `passes` scoring passes combined by `rl.corrections.mcla_average`
-  ([M, S, T]). The passes differ only where the backend is nondeterministic (kernels,
-  reduction order, MoE routing near ties); on a deterministic backend they are identical."""
+  """MCLA: `passes` scoring passes combined by `rl.corrections.mcla_average`.
+
+  The passes differ only where the backend is nondeterministic (kernels, reduction order, MoE
+  routing near ties); on a deterministic backend they are identical.
+
+  Args:
+    score: a score function of `make_score_fn`.
+    source: the scored model (TrainState, nnx Transformer or (params, model_state)).
+    mb: the micro-batches.
+    passes: K >= 1 scoring passes.
+    mode: how `mcla_average` combines the passes: "logprob" (mean of log-probs) or "prob"
+      (log of the mean probability).
+
+  Returns:
+    [M, S, T] f32 combined log-probs.
+
+  Raises:
+    ValueError: `passes` < 1.
+
+  References:
+    KAT-Coder-V2, arXiv 2603.27703 (MCLA).
+  """
   if passes < 1:
     raise ValueError(f"mcla passes={passes!r}: must be >= 1")
   runs = jnp.stack([score(source, mb) for _ in range(passes)])   # [K, M, S, T]
@@ -306,6 +364,18 @@ class TrainStep:
 
   `gradients(state, micro_batches) -> (loss, grads, metrics)` runs the same accumulation
   without the update (tests, debugging, gradient-noise measurements).
+
+  Args:
+    model_cfg: the trained model's ModelConfig.
+    loss_cfg: the loss (checked here).
+    optimizer: a built `trainer.optim.Optimizer` (or its config, built here).
+    correction_cfg: the mismatch correction, or None (see `make_train_step`).
+    mesh: the device mesh, or None for one device.
+    entropy: compute the policy entropy metric.
+    donate: reuse the input state's buffers for the output.
+
+  Raises:
+    ValueError: a bad LossConfig or a correction_cfg that is not a CorrectionConfig.
   """
 
   def __init__(self, model_cfg: ModelConfig, loss_cfg: losses.LossConfig,
@@ -444,7 +514,15 @@ class TrainStep:
 
   def gradients(self, state: TrainState, micro_batches: MicroBatches
                 ) -> tuple[jax.Array, Any, dict]:
-    """(loss, summed gradients, metrics) of the step, without the update."""
+    """Runs the step's accumulation without the update.
+
+    Args:
+      state: the TrainState.
+      micro_batches: the step's MicroBatches (checked first).
+
+    Returns:
+      (loss, gradients summed over micro-batches (a params pytree), metrics).
+    """
     state, mb = self._prepare(state, micro_batches)
     loss, grads, metrics, _, _ = _placed(self.mesh, self._gradients)(state.params,
                                                                      state.model_state, mb)
@@ -452,9 +530,19 @@ class TrainStep:
 
   def apply_gradients(self, state: TrainState, grads, max_logits: jax.Array,
                       load: Optional[jax.Array] = None) -> tuple[TrainState, dict]:
-    """The update half of the step: optimizer on `grads` (summed over micro-batches) with
-    `max_logits` [layers, heads] for QK-Clip, then the router bias step from `load`
-    [moe_layers, experts] (expert shares of the logical tokens)."""
+    """Runs the update half of the step.
+
+    The optimizer on `grads`, then the router bias step from `load`.
+
+    Args:
+      state: the TrainState (donated when the step donates).
+      grads: the gradients summed over micro-batches, as `gradients` returns them.
+      max_logits: [layers, heads] f32 max attention logits, for QK-Clip.
+      load: [moe_layers, experts] expert shares of the logical tokens (None: no router bias step).
+
+    Returns:
+      (new state, optimizer metrics: grad_norm, lr, qk_clipped_heads, param_norm, ...).
+    """
     if self.mesh is not None:
       state = distributed.put(state, self._state_shardings)
       grads = distributed.put(grads, self._state_shardings.params)
@@ -465,15 +553,28 @@ def make_train_step(model_cfg: ModelConfig, loss_cfg: losses.LossConfig,
                     optimizer: Union[optim.Optimizer, Any], *,
                     correction_cfg: Optional[corrections.CorrectionConfig] = None,
                     mesh=None, entropy: bool = False, donate: bool = True) -> TrainStep:
-  """The jitted train step `step(state, micro_batches) -> (new state, metrics)` (module
-  docstring). Compiles on the first call and once per distinct micro-batch shape/field set.
+  """Builds the jitted train step `step(state, micro_batches) -> (new state, metrics)`.
 
-  optimizer: a built `trainer.optim.Optimizer` (or its config); correction_cfg: the
-  mismatch correction whose weights multiply the loss terms (needs the sampler's "logprobs");
-  mesh: shard the step (state by the logical axes, rows over the data axes); entropy: compute
-  the policy entropy metric (the entropy bonus, `entropy_coef`, turns it on anyway); donate:
-  reuse the input state's buffers for the output (the input state is invalid afterwards).
-  Inputs are checked before tracing; errors name the missing or misshapen field.
+  See the module docstring. Compiles on the first call and once per distinct micro-batch
+  shape/field set. Inputs are checked before tracing; errors name the missing or misshapen field.
+
+  Args:
+    model_cfg: the trained model's ModelConfig.
+    loss_cfg: the loss (checked here).
+    optimizer: a built `trainer.optim.Optimizer` (or its config).
+    correction_cfg: the mismatch correction whose weights multiply the loss terms (needs the
+      sampler's "logprobs"); None: none.
+    mesh: shard the step (state by the logical axes, rows over the data axes); None: one device.
+    entropy: compute the policy entropy metric (the entropy bonus, `entropy_coef`, turns it on
+      anyway).
+    donate: reuse the input state's buffers for the output (the input state is invalid
+      afterwards).
+
+  Returns:
+    The TrainStep.
+
+  Raises:
+    ValueError: a bad LossConfig or correction_cfg.
   """
   return TrainStep(model_cfg, loss_cfg, optimizer, correction_cfg=correction_cfg, mesh=mesh,
                    entropy=entropy, donate=donate)

@@ -45,8 +45,11 @@ class Teachers:
                                    "one teacher 'domain=ckpt:<dir>'")
 
   def domain_of(self, task) -> str:
-    """The teacher domain of `task`: its metadata "domain", else its kind; the first teacher's
-    when no teacher has it (or always, with `distill.choose = "single"`)."""
+    """The teacher domain of `task`.
+
+    Its metadata "domain", else its kind; the first teacher's when no teacher has it (or always,
+    with `distill.choose = "single"`).
+    """
     if self.choose == "single":
       return next(iter(self.by_domain))
     meta = getattr(task, "metadata", {}) or {}
@@ -54,11 +57,14 @@ class Teachers:
     return domain if domain in self.by_domain else next(iter(self.by_domain))
 
   def logprobs(self, mb, domain_per_seq: np.ndarray) -> np.ndarray:
-    """Teacher log-probs [M, S, T]: each sequence scored by its domain's teacher.
+    """Teacher log-probs, each sequence scored by its domain's teacher.
 
     Args:
       mb: the MicroBatches.
       domain_per_seq: [M, S] the domain of each sequence ("" for padding).
+
+    Returns:
+      [M, S, T] f32 teacher log-probs (0 where no teacher scored).
     """
     out = np.zeros(np.shape(mb.seq_valid), np.float32)
     for domain, (score, model) in self.by_domain.items():
@@ -69,8 +75,17 @@ class Teachers:
     return out
 
   def logprobs_of_groups(self, mb, groups: list[list], tasks: list) -> np.ndarray:
-    """Teacher log-probs [M, S, T] of `mb`, which packs `groups` in order; a group's domain is
-    that of its task among `tasks` (by task id; unknown: the first teacher's)."""
+    """Teacher log-probs of `mb`, each group scored by its task's teacher.
+
+    Args:
+      mb: the MicroBatches packing `groups`, in order.
+      groups: the packed groups (lists of trajectories of one task each).
+      tasks: the step's tasks; a group's domain is that of its task (matched by task id; an
+        unknown task gets the first teacher's).
+
+    Returns:
+      [M, S, T] f32 teacher log-probs (0 at padding).
+    """
     by_id = {task.instance_id: task for task in tasks}
     flat = [self.domain_of(by_id.get(g[0].task_id)) for g in groups for _ in g]
     sid = np.asarray(mb.seq_id)

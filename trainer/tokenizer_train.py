@@ -43,15 +43,28 @@ MAX_CHUNK = 2000  # characters per training "sentence" (sentencepiece skips very
 
 
 def chat_symbols(chat_format: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-  """(control, user-defined) symbols `chat_format` needs as single tokens."""
+  """The (control, user-defined) symbols `chat_format` needs as single tokens.
+
+  Raises:
+    ValueError: an unknown chat format.
+  """
   if chat_format not in CHAT_SYMBOLS:
     raise ValueError(f"chat_format={chat_format!r}: expected one of {', '.join(FORMATS)}")
   return CHAT_SYMBOLS[chat_format]
 
 
 def chunks(text: str, size: int = MAX_CHUNK) -> list[str]:
-  """`text` cut at line ends into pieces of at most `size` characters (a longer line is cut
-  anywhere); newlines stay inside the pieces, so pieces may learn "\\n" + indentation."""
+  """Cuts `text` at line ends into training sentences.
+
+  Newlines stay inside the pieces, so pieces may learn "\\n" + indentation.
+
+  Args:
+    text: the text.
+    size: the most characters per piece (a longer line is cut anywhere).
+
+  Returns:
+    The pieces, in order; their concatenation is `text`.
+  """
   out, cur = [], ""
   for line in text.splitlines(keepends=True):
     while len(line) > size:
@@ -69,10 +82,26 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str, *,
                     chat_format: str = "chatml", special_tokens: Sequence[str] = (),
                     user_symbols: Sequence[str] = (), model_type: str = "bpe",
                     split_digits: bool = True) -> str:
-  """Train on `texts` (each cut with `chunks`) and write out_dir/tokenizer.model; its path.
+  """Trains a sentencepiece model on `texts` and writes out_dir/tokenizer.model.
 
-  special_tokens / user_symbols: extra control / user-defined symbols beyond the chat
-  format's. Raises ValueError naming vocab_size when the text is too small for it.
+  Also writes out_dir/tokenizer_info.json (the options used).
+
+  Args:
+    texts: the training text; each is cut with `chunks`.
+    vocab_size: the vocabulary size, larger than the reserved and special pieces.
+    out_dir: the output directory (created).
+    chat_format: the envs.chat format whose symbols become single tokens (`chat_symbols`).
+    special_tokens: extra control symbols beyond the chat format's.
+    user_symbols: extra user-defined symbols beyond the chat format's.
+    model_type: the sentencepiece model type ("bpe", "unigram", ...).
+    split_digits: split numbers into single digits.
+
+  Returns:
+    The path of tokenizer.model.
+
+  Raises:
+    ValueError: no text, or a vocab_size too small for the reserved pieces or too large for
+      the text.
   """
   import sentencepiece as spm
 
@@ -114,7 +143,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str, *,
 
 
 def read_texts(paths: Sequence[str]) -> list[str]:
-  """The contents of text files (UTF-8; undecodable bytes replaced)."""
+  """The contents of text files (UTF-8; undecodable bytes replaced).
+
+  Raises:
+    ValueError: a path that is not a file.
+  """
   out = []
   for p in paths:
     if not os.path.isfile(p):

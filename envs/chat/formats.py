@@ -41,12 +41,25 @@ QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assis
 
 @dataclasses.dataclass
 class RenderedChat:
+  """Token ids of a rendered conversation and their loss mask (same length)."""
+
   ids: list[int]
   loss_mask: list[int]  # 1 where the token was written by the assistant (SFT targets), else 0
 
 
 def encode_pieces(tok: Tokenizer, pieces: Sequence[Piece]) -> RenderedChat:
-  """Ids and loss mask of pieces (see the module docstring for where text is cut)."""
+  """Encodes pieces to token ids and their loss mask.
+
+  Adjacent text pieces with the same mark are encoded together; a token id or a change of mark
+  cuts the text (see the module docstring).
+
+  Args:
+    tok: the tokenizer that encodes the text pieces.
+    pieces: (text or token id, trained) pairs, in order.
+
+  Returns:
+    The ids, with loss mask 1 on the tokens of trained pieces.
+  """
   ids: list[int] = []
   mask: list[int] = []
   text, trained = "", False
@@ -73,6 +86,12 @@ def encode_pieces(tok: Tokenizer, pieces: Sequence[Piece]) -> RenderedChat:
 
 
 def check_messages(messages: Sequence[dict]) -> None:
+  """Checks that messages are role/content dicts as the module docstring describes.
+
+  Raises:
+    ValueError: a message is not a dict, has an unknown role, a non-string content (None is
+      allowed for an assistant message), or tool_calls on a non-assistant message.
+  """
   for i, m in enumerate(messages):
     if not isinstance(m, dict) or m.get("role") not in ROLES:
       raise ValueError(f"messages[{i}]={m!r:.200}: expected a dict with role in {ROLES}")
@@ -84,7 +103,14 @@ def check_messages(messages: Sequence[dict]) -> None:
 
 
 class ChatFormat:
-  """Base of the formats; subclasses define the pieces of each part of a conversation."""
+  """Base of the formats; subclasses define the pieces of each part of a conversation.
+
+  Args:
+    tokenizer: encodes the text and holds the format's control tokens.
+
+  Raises:
+    ValueError: the tokenizer lacks a control token the format needs.
+  """
 
   name = "base"
   end_id: int                      # closes an assistant turn
@@ -124,8 +150,16 @@ class ChatFormat:
 
   def parse_assistant(self, output_ids: Sequence[int],
                       tools: Optional[Sequence[Any]] = None) -> ParsedTurn:
-    """Content and tool calls of sampled ids (with or without the stop token). Calls are
-    checked against `tools` (schemas or Tool objects) when given; malformed ones carry .error."""
+    """Reads the content and tool calls back from a sampled assistant turn.
+
+    Args:
+      output_ids: the sampled ids, with or without the stop token.
+      tools: schemas or Tool objects the calls are checked against; None: no check of names
+        and arguments.
+
+    Returns:
+      The parsed turn; malformed calls are kept with `.error` set (never raised).
+    """
     ids = list(output_ids)
     finished = bool(ids) and ids[-1] in self.stop_token_ids
     if finished:
@@ -150,8 +184,20 @@ class ChatFormat:
 
   def render(self, messages: Sequence[dict], tools: Optional[Sequence[Any]] = None,
              add_generation_prompt: bool = True) -> RenderedChat:
-    """Token ids of a conversation, and its loss mask (1 on assistant-written tokens,
-    including each turn's end token; 0 elsewhere and on messages with "train": False)."""
+    """Renders a conversation to token ids and its loss mask.
+
+    Args:
+      messages: the conversation (see the module docstring for the message shape).
+      tools: schemas or Tool objects shown to the model; None: no tools.
+      add_generation_prompt: end with the context that opens an assistant turn.
+
+    Returns:
+      The ids and loss mask: 1 on assistant-written tokens, including each turn's end token; 0
+      elsewhere and on messages with "train": False.
+
+    Raises:
+      ValueError: a malformed message, or one the format cannot place.
+    """
     messages = list(messages)
     check_messages(messages)
     pieces, n = self._start(messages, tool_schemas(tools))
@@ -162,11 +208,23 @@ class ChatFormat:
 
   def continuation(self, messages: Sequence[dict], prev_output_ids: Optional[Sequence[int]] = None,
                    add_generation_prompt: bool = True) -> list[int]:
-    """Ids to append after a sampled assistant turn: its closing context, `messages` (all the
-    observations up to the next assistant turn) and the next generation prompt.
+    """Ids to append after a sampled assistant turn.
 
-    If `prev_output_ids` (the sampled turn) does not end with the end-of-turn token (it was cut
-    by the token limit, or stopped on another stop token), the end token comes first.
+    They are the turn's closing context, `messages` and the next generation prompt, so that
+    prompt + sampled ids + continuation equals `render` of the longer conversation.
+
+    Args:
+      messages: all the observations up to the next assistant turn.
+      prev_output_ids: the sampled turn. If it does not end with the end-of-turn token (it was
+        cut by the token limit, or stopped on another stop token), the end token comes first.
+        None: the turn is known to be closed.
+      add_generation_prompt: end with the context that opens the next assistant turn.
+
+    Returns:
+      The ids to append.
+
+    Raises:
+      ValueError: a malformed message, or one the format cannot place.
     """
     messages = list(messages)
     check_messages(messages)
@@ -180,8 +238,14 @@ class ChatFormat:
     return encode_pieces(self.tokenizer, pieces).ids
 
   def assistant_ids(self, message: Union[dict, str]) -> list[int]:
-    """The ids a sampler emits for an assistant turn (a message, or its raw text) after the
-    generation prompt, end-of-turn token included."""
+    """The ids a sampler emits for an assistant turn after the generation prompt.
+
+    Args:
+      message: an assistant message, or its raw text.
+
+    Returns:
+      The turn's ids, end-of-turn token included.
+    """
     if isinstance(message, str):
       message = {"role": "assistant", "content": message}
     check_messages([message])
@@ -215,10 +279,17 @@ QWEN_TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object w
 
 
 class ChatML(ChatFormat):
-  """`<|im_start|>role\\n...<|im_end|>\\n` turns; tools as in Qwen2.5's template (a "# Tools"
-  system block, calls as `<tool_call>\\n{json}\\n</tool_call>`, consecutive tool results in one
-  user turn of `<tool_response>` blocks). `default_system` is used when the conversation has no
-  system message (Qwen2.5's "You are Qwen..."; None: no system block, as Qwen3)."""
+  """ChatML: `<|im_start|>role\\n...<|im_end|>\\n` turns, tools as in Qwen2.5's template.
+
+  Tools go in a "# Tools" system block, calls are written as
+  `<tool_call>\\n{json}\\n</tool_call>`, and consecutive tool results share one user turn of
+  `<tool_response>` blocks.
+
+  Args:
+    tokenizer: must have `<|im_start|>` and `<|im_end|>`.
+    default_system: the system prompt used when the conversation has none (Qwen2.5's "You are
+      Qwen..."); None: no system block, as Qwen3.
+  """
 
   name = "chatml"
 
@@ -260,7 +331,10 @@ class ChatML(ChatFormat):
 
 
 class DeepSeekV3(ChatFormat):
-  """DeepSeek-V3: `<｜begin▁of▁sentence｜>{system}<｜User｜>...<｜Assistant｜>...<｜end▁of▁sentence｜>`,
+  """DeepSeek-V3's chat format, with its tool-call tokens.
+
+  A conversation is
+  `<｜begin▁of▁sentence｜>{system}<｜User｜>...<｜Assistant｜>...<｜end▁of▁sentence｜>`,
   tool calls as `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\\n```json\\n
   {arguments}\\n```<｜tool▁call▁end｜>` (joined by "\\n") `<｜tool▁calls▁end｜>`, results as
   `<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>...<｜tool▁output▁end｜>` (joined by "\\n")
@@ -274,6 +348,9 @@ class DeepSeekV3(ChatFormat):
   schema per tool). Leading system messages are joined by "\\n\\n" as in the template; later
   ones cannot be placed and raise ValueError. Assistant text is kept whole (the template drops
   history up to `</think>`, which would break prefix extension).
+
+  Args:
+    tokenizer: must have the DeepSeek-V3 control tokens (`TOKENS`).
   """
 
   name = "deepseek_v3"
@@ -329,6 +406,15 @@ class DeepSeekV3(ChatFormat):
     return pieces + ([] if next == "tool" else [(t["outputs_end"], False)])
 
   def parse_assistant(self, output_ids, tools=None):
+    """Reads content and tool-call tokens back from a sampled turn.
+
+    Args:
+      output_ids: the sampled ids, with or without the stop token.
+      tools: schemas or Tool objects the calls are checked against; None: no check.
+
+    Returns:
+      The parsed turn; malformed calls are kept with `.error` set (never raised).
+    """
     t, dec = self.t, self.tokenizer.decode
     ids = list(output_ids)
     finished = bool(ids) and ids[-1] in self.stop_token_ids
@@ -374,10 +460,16 @@ PLAIN_TOOLS_HEAD = ("# Tools\n\nTo call a tool, write\n<tool_call>\n{\"name\": <
 
 
 class Plain(ChatFormat):
-  """Headers and EOS only, for tiny models with small vocabularies:
+  """Headers and EOS only, for tiny models with small vocabularies.
+
+  A conversation is
   `[BOS]### System\\n{system}\\n\\n### User\\n{text}\\n\\n### Assistant\\n{text}[EOS]\\n\\n`,
-  tool results as `### Tool\\n{result}\\n\\n`, calls as Hermes `<tool_call>` JSON in the
-  assistant text. BOS only if the tokenizer has one."""
+  tool results are `### Tool\\n{result}\\n\\n`, calls Hermes `<tool_call>` JSON in the assistant
+  text. BOS only if the tokenizer has one.
+
+  Args:
+    tokenizer: its EOS token ends assistant turns.
+  """
 
   name = "plain"
 
@@ -420,7 +512,18 @@ FORMATS = {
 
 
 def make_chat(name: str, tokenizer: Tokenizer) -> ChatFormat:
-  """The chat format `name` (one of FORMATS) over `tokenizer`."""
+  """Builds a chat format by name.
+
+  Args:
+    name: a key of FORMATS.
+    tokenizer: the tokenizer the format encodes with.
+
+  Returns:
+    The format, with `.name` set to `name`.
+
+  Raises:
+    ValueError: an unknown name, or a tokenizer without the format's control tokens.
+  """
   if name not in FORMATS:
     raise ValueError(f"chat format {name!r}: expected one of {', '.join(FORMATS)}")
   chat = FORMATS[name](tokenizer)

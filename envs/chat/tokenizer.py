@@ -63,7 +63,18 @@ def _require_id(tok: Tokenizer, what: str, token: Optional[str], source: str) ->
 
 
 class HFTokenizer:
-  """A `tokenizers.Tokenizer` (what `tokenizer.json` holds). Never adds BOS/EOS by itself."""
+  """A `tokenizers.Tokenizer` (what `tokenizer.json` holds). Never adds BOS/EOS by itself.
+
+  Args:
+    tok: the `tokenizers.Tokenizer`.
+    eos_token: name of the end-of-sequence token.
+    bos_token: name of the beginning-of-sequence token; None: the tokenizer has none.
+    pad_token: name of the padding token; None: none.
+    source: where the tokenizer came from, for error messages.
+
+  Raises:
+    ValueError: a named token is not a token of the vocabulary.
+  """
 
   def __init__(self, tok, *, eos_token: str, bos_token: Optional[str] = None,
                pad_token: Optional[str] = None, source: str = "tokenizer.json"):
@@ -95,9 +106,19 @@ class HFTokenizer:
 def load_hf_tokenizer(path: str, *, eos_token: Optional[str] = None,
                       bos_token: Optional[str] = None,
                       pad_token: Optional[str] = None) -> HFTokenizer:
-  """Load `tokenizer.json` (a file, or a directory holding it and maybe tokenizer_config.json).
+  """Loads a Hugging Face `tokenizer.json`.
 
-  BOS/EOS/PAD names come from the arguments, else from tokenizer_config.json.
+  Args:
+    path: the file, or a directory holding it and maybe tokenizer_config.json.
+    eos_token: EOS token name; None: tokenizer_config.json's.
+    bos_token: BOS token name; None: tokenizer_config.json's (or no BOS).
+    pad_token: PAD token name; None: tokenizer_config.json's (or no PAD).
+
+  Returns:
+    The tokenizer.
+
+  Raises:
+    ValueError: no EOS name is given or configured, or a named token is not in the vocabulary.
   """
   import tokenizers
 
@@ -119,6 +140,13 @@ class SentencePieceTokenizer:
   `add_dummy_prefix=true` gets a "▁" at the start of every piece; train new models with
   `add_dummy_prefix=false`, `normalization_rule_name=identity`, `remove_extra_whitespaces=false`
   and `byte_fallback=true` so that code (newlines, indentation) survives exactly.
+
+  Args:
+    model_file: path of the `.model` file.
+    model_proto: the serialized model, instead of `model_file`.
+
+  Raises:
+    ValueError: not exactly one of model_file, model_proto is given, or the model has no EOS.
   """
 
   def __init__(self, model_file: Optional[str] = None, *, model_proto: Optional[bytes] = None):
@@ -177,7 +205,18 @@ _LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (_MAX_RUN + 1, _MAX_RUN + 1))
 
 
 class TiktokenTokenizer:
-  """A `tiktoken.Encoding` plus the names of its BOS/EOS/PAD tokens."""
+  """A `tiktoken.Encoding` plus the names of its BOS/EOS/PAD tokens.
+
+  Args:
+    encoding: the `tiktoken.Encoding`.
+    eos_token: name of the end-of-sequence token.
+    bos_token: name of the beginning-of-sequence token; None: the tokenizer has none.
+    pad_token: name of the padding token; None: none.
+    source: where the encoding came from, for error messages.
+
+  Raises:
+    ValueError: a named token is not a token of the encoding.
+  """
 
   def __init__(self, encoding, *, eos_token: str, bos_token: Optional[str] = None,
                pad_token: Optional[str] = None, source: str = "tiktoken"):
@@ -211,7 +250,11 @@ class TiktokenTokenizer:
 
 
 def read_tiktoken_ranks(path: str) -> dict[bytes, int]:
-  """A tiktoken BPE file: one `base64(token) rank` per line."""
+  """Reads a tiktoken BPE file: one `base64(token) rank` per line (blank lines skipped).
+
+  Raises:
+    ValueError: a line is not `base64-token rank`; the message names the file and line.
+  """
   ranks = {}
   with open(path, "rb") as f:
     for n, line in enumerate(f, 1):
@@ -229,11 +272,25 @@ def load_tiktoken(path: str, *, special_tokens: Optional[dict[str, int]] = None,
                   pat_str: str = KIMI_PATTERN, num_reserved_special_tokens: int = 256,
                   eos_token: Optional[str] = None, bos_token: Optional[str] = None,
                   pad_token: Optional[str] = None) -> TiktokenTokenizer:
-  """Load a tiktoken BPE (`tiktoken.model`; a file, or a directory holding it).
+  """Loads a tiktoken BPE (`tiktoken.model`).
 
-  Special tokens, unless given: Kimi's layout, ids [n_base, n_base + reserved + 2) named by
-  tokenizer_config.json's `added_tokens_decoder`, the rest `<|reserved_token_{id}|>`.
-  BOS/EOS/PAD default to tokenizer_config.json's names, then "[BOS]"/"[EOS]" (Kimi's).
+  Args:
+    path: the file, or a directory holding it and maybe tokenizer_config.json.
+    special_tokens: name -> id of the special tokens. None: Kimi's layout, ids
+      [n_base, n_base + reserved + 2) named by tokenizer_config.json's `added_tokens_decoder`,
+      the rest `<|reserved_token_{id}|>`.
+    pat_str: the pre-tokenizer regex (tiktoken syntax); default Kimi K2's.
+    num_reserved_special_tokens: the "reserved" of Kimi's layout (used when special_tokens is
+      None).
+    eos_token: EOS token name; None: tokenizer_config.json's, then "[EOS]" (Kimi's).
+    bos_token: BOS token name; None: tokenizer_config.json's, then "[BOS]" if it exists.
+    pad_token: PAD token name; None: tokenizer_config.json's (or no PAD).
+
+  Returns:
+    The tokenizer.
+
+  Raises:
+    ValueError: a malformed BPE file, or a named token is not in the encoding.
   """
   import tiktoken
 
@@ -256,8 +313,19 @@ def load_tiktoken(path: str, *, special_tokens: Optional[dict[str, int]] = None,
 
 
 def load_tokenizer(path: str, **kw) -> Tokenizer:
-  """Pick the loader from what `path` holds: tokenizer.json, tiktoken.model, or a sentencepiece
-  model (`*.model`, or tokenizer.model in a directory). Keyword arguments go to the loader."""
+  """Loads a tokenizer with the loader that fits what `path` holds.
+
+  Args:
+    path: tokenizer.json, tiktoken.model, or a sentencepiece model (`*.model`), or a directory
+      holding one of them (sentencepiece as tokenizer.model).
+    **kw: keyword arguments of the chosen loader.
+
+  Returns:
+    The tokenizer.
+
+  Raises:
+    ValueError: a directory holds none of the three files, or the loader rejects the file.
+  """
   if os.path.isdir(path):
     for name, loader in (("tokenizer.json", load_hf_tokenizer), ("tiktoken.model", load_tiktoken)):
       if os.path.exists(os.path.join(path, name)):

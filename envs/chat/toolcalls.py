@@ -46,10 +46,12 @@ class ParsedTurn:
 
   @property
   def errors(self) -> list[str]:
+    """Error messages of the malformed calls, in written order."""
     return [c.error for c in self.tool_calls if c.error]
 
   @property
   def valid_calls(self) -> list[ToolCall]:
+    """The well-formed calls, in written order."""
     return [c for c in self.tool_calls if not c.error]
 
   def to_message(self) -> dict:
@@ -65,9 +67,19 @@ class ParsedTurn:
 
 
 def tool_schema(tool: Any) -> dict:
-  """OpenAI function schema {"type": "function", "function": {name, description, parameters}}
-  of a tool given as that dict, as a bare {name, description, parameters} dict, or as an object
-  with a `schema()` method (envs.tools.Tool)."""
+  """The OpenAI function schema of a tool.
+
+  Args:
+    tool: the schema dict itself, a bare {name, description, parameters} dict, or an object
+      with a `schema()` method (envs.tools.Tool).
+
+  Returns:
+    {"type": "function", "function": {name, description, parameters}}.
+
+  Raises:
+    TypeError: `tool` is neither a dict nor has `schema()`.
+    ValueError: the dict has neither a "function" nor a "name" key.
+  """
   if hasattr(tool, "schema") and callable(tool.schema):
     tool = tool.schema()
   if not isinstance(tool, dict):
@@ -80,13 +92,23 @@ def tool_schema(tool: Any) -> dict:
 
 
 def tool_schemas(tools: Optional[Sequence[Any]]) -> list[dict]:
+  """`tool_schema` of each tool (None: no tools)."""
   return [tool_schema(t) for t in tools or ()]
 
 
 def message_tool_calls(message: dict) -> list[tuple[str, Any]]:
-  """(name, arguments) of an assistant message's tool calls, in OpenAI form
-  {"function": {"name", "arguments"}} or flat {"name", "arguments"}; arguments stay as given
-  (a dict, or a JSON string)."""
+  """The (name, arguments) pairs of an assistant message's tool calls.
+
+  Args:
+    message: a message whose "tool_calls" are in OpenAI form {"function": {"name",
+      "arguments"}} or flat {"name", "arguments"}.
+
+  Returns:
+    One pair per call, in order; arguments stay as given (a dict, or a JSON string).
+
+  Raises:
+    ValueError: a call has no name.
+  """
   out = []
   for i, call in enumerate(message.get("tool_calls") or ()):
     fn = call.get("function", call)
@@ -97,8 +119,11 @@ def message_tool_calls(message: dict) -> list[tuple[str, Any]]:
 
 
 def arguments_json(arguments: Any) -> str:
-  """Arguments as the JSON text a model writes: a dict is dumped (", " and ": " separators,
-  non-ASCII kept, as the tojson filter of Hugging Face chat templates); a string is kept."""
+  """Arguments as the JSON text a model writes.
+
+  A dict is dumped (", " and ": " separators, non-ASCII kept, as the tojson filter of Hugging
+  Face chat templates); a string is kept as it is.
+  """
   if isinstance(arguments, str):
     return arguments
   return json.dumps(arguments, ensure_ascii=False)
@@ -109,9 +134,20 @@ def _excerpt(text: str, n: int = 200) -> str:
 
 
 def validate(value: Any, schema: dict, where: str = "arguments") -> Optional[str]:
-  """The first violation of `schema` by `value`, or None. Supports the JSON-schema subset tool
-  schemas use: type (or a list of types), enum, properties, required, additionalProperties
-  (false or a schema), items, minimum, maximum, minLength, maxLength."""
+  """Finds the first violation of a JSON schema by a value.
+
+  Supports the JSON-schema subset tool schemas use: type (or a list of types), enum,
+  properties, required, additionalProperties (false or a schema), items, minimum, maximum,
+  minLength, maxLength; other keywords are ignored.
+
+  Args:
+    value: the decoded JSON value.
+    schema: the JSON schema.
+    where: the value's path, which error messages start with (e.g. "arguments.path").
+
+  Returns:
+    A message naming the first violation, or None when the value conforms.
+  """
   types = schema.get("type")
   if types is not None:
     names = [types] if isinstance(types, str) else list(types)
@@ -154,7 +190,16 @@ def validate(value: Any, schema: dict, where: str = "arguments") -> Optional[str
 
 
 def check_call(name: str, arguments: Any, tools: Optional[Sequence[Any]]) -> Optional[str]:
-  """Why a call of `name` with `arguments` is invalid for `tools` (None: skip tool checks)."""
+  """Says why a tool call is invalid.
+
+  Args:
+    name: the called tool.
+    arguments: the decoded arguments; they must be a dict.
+    tools: schemas or Tool objects; None: only check that the arguments are a dict.
+
+  Returns:
+    An error message, or None when the call is valid.
+  """
   if not isinstance(arguments, dict):
     return (f"tool {name!r}: arguments must be a JSON object, got "
             f"{_excerpt(json.dumps(arguments, ensure_ascii=False), 80)}")
@@ -169,7 +214,18 @@ def check_call(name: str, arguments: Any, tools: Optional[Sequence[Any]]) -> Opt
 
 def make_call(name: str, arguments: Any, index: int, tools: Optional[Sequence[Any]],
               raw: str = "") -> ToolCall:
-  """A checked ToolCall; `arguments` may still be a JSON string (some models double-encode)."""
+  """Builds a ToolCall and checks it against the tools.
+
+  Args:
+    name: the called tool.
+    arguments: a dict, or a JSON string of one (some models double-encode).
+    index: the call's position in the turn (0-based); gives the id `call_{index}`.
+    tools: schemas or Tool objects; None: only check that the arguments are an object.
+    raw: the call's text as written.
+
+  Returns:
+    The call, with `error` set when it is malformed.
+  """
   if isinstance(arguments, str):
     try:
       arguments = json.loads(arguments)
@@ -183,7 +239,16 @@ def make_call(name: str, arguments: Any, index: int, tools: Optional[Sequence[An
 
 
 def call_from_json(raw: str, index: int, tools: Optional[Sequence[Any]]) -> ToolCall:
-  """A ToolCall from the JSON body of one `<tool_call>` block."""
+  """Builds a ToolCall from the JSON body of one `<tool_call>` block.
+
+  Args:
+    raw: the block's text, `{"name": ..., "arguments": {...}}`.
+    index: the call's position in the turn (0-based).
+    tools: schemas or Tool objects; None: no check of names and arguments.
+
+  Returns:
+    The call, with `error` set when the JSON or the call is malformed.
+  """
   try:
     obj = json.loads(raw)
   except json.JSONDecodeError as e:
@@ -201,7 +266,16 @@ _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
 
 def parse_hermes(text: str, tools: Optional[Sequence[Any]]) -> tuple[str, list[ToolCall]]:
-  """(content, calls) of a turn written with `<tool_call>{json}</tool_call>` blocks."""
+  """Splits a turn written with `<tool_call>{json}</tool_call>` blocks.
+
+  Args:
+    text: the decoded assistant turn.
+    tools: schemas or Tool objects; None: no check of names and arguments.
+
+  Returns:
+    (content, calls): the text outside the blocks, stripped, and one call per block in order
+    (an unclosed last block gives a call with `error` set).
+  """
   content, calls, pos = [], [], 0
   while True:
     start = text.find(_OPEN, pos)

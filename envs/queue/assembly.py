@@ -106,6 +106,9 @@ class GroupAssembler:
     counters: where drops are counted (default: the assembler's own).
     clock: the time deadlines are measured by.
     remember: how many closed group ids are remembered to drop late members.
+
+  Raises:
+    ValueError: group_size < 1, min_group_size outside [1, group_size], or deadline < 0.
   """
 
   def __init__(self, group_size: int, *, min_group_size: Optional[int] = None,
@@ -196,6 +199,9 @@ def drop_stale(groups: Iterable[Group], policy_version: int, max_staleness: int,
 
   Returns:
     (fresh groups, dropped deliveries).
+
+  Raises:
+    ValueError: max_staleness < 0.
   """
   if max_staleness < 0:
     raise ValueError(f"max_staleness={max_staleness}: must be >= 0")

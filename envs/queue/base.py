@@ -90,7 +90,13 @@ class Counters:
     self._counts: collections.Counter = collections.Counter()
 
   def count(self, name: str, n: int = 1, why: str = "") -> None:
-    """Adds `n` (nothing when n <= 0) to counter `name`; a drop is logged with `why`."""
+    """Adds to a counter; a drop counter (one of DROPS) is also logged as a warning.
+
+    Args:
+      name: the counter.
+      n: how much to add (nothing when n <= 0).
+      why: the reason, logged with a drop.
+    """
     if n <= 0:
       return
     with self._lock:
@@ -143,6 +149,9 @@ def task_order(num_tasks: int, epoch: int, seed: int = 0) -> np.ndarray:
 
   Returns:
     [T] int array, a permutation of range(T).
+
+  Raises:
+    ValueError: num_tasks < 1.
   """
   if num_tasks <= 0:
     raise ValueError(f"num_tasks={num_tasks}: need at least one task")
@@ -310,6 +319,9 @@ class RolloutQueue(abc.ABC):
 
     Returns:
       The deliveries, in the order they were taken (each stays pending until acked).
+
+    Raises:
+      ValueError: n < 1.
     """
     if n < 1:
       raise ValueError(f"get_batch n={n}: must be >= 1")
@@ -398,6 +410,9 @@ class RolloutQueue(abc.ABC):
 
     Returns:
       The lease, or None when `max_draws` are all out.
+
+    Raises:
+      ValueError: ttl <= 0.
     """
     _check_ttl(ttl)
     lease, dead = self._lease(worker_id, ttl, max_draws)
@@ -420,6 +435,9 @@ class RolloutQueue(abc.ABC):
 
     Returns:
       False if the draw was re-issued to someone else.
+
+    Raises:
+      ValueError: ttl <= 0.
     """
     _check_ttl(ttl)
     return self._renew(lease, ttl)

@@ -41,6 +41,9 @@ class InMemoryQueue(RolloutQueue):
     max_deliveries: deliveries of one entry before it goes to the dead letters.
     task_max_deliveries: issues of one draw before it is given up.
     clock: the time that claims and leases expire by (a fake one in tests).
+
+  Raises:
+    ValueError: claim_timeout <= 0, or a delivery limit < 1.
   """
 
   def __init__(self, *, consumer: str = "trainer", claim_timeout: float = 600.0,

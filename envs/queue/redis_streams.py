@@ -141,6 +141,12 @@ class RedisQueue(RolloutQueue):
     claim_timeout: seconds before a pending entry of a silent consumer is re-claimed.
     max_deliveries: deliveries of one entry before it goes to the dead letters.
     task_max_deliveries: issues of one draw before it is given up.
+
+  Raises:
+    ValueError: the URL is not redis:// or rediss://, claim_timeout <= 0, or a delivery
+      limit < 1.
+    PermissionError: the server refuses the password, or needs one.
+    ConnectionError: the server cannot be reached.
   """
 
   def __init__(self, url: str, *, password: Optional[str] = None, ca_file: Optional[str] = None,

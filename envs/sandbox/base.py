@@ -5,7 +5,8 @@ async so that a rollout worker can drive many sandboxes from one event loop. Pat
 file methods are relative to the workspace root; anything that would leave it (absolute paths,
 `..`, symlinks pointing out) raises `PathError` (see `confine`).
 
-    async with make_sandbox("bwrap", limits=Limits(memory_mb=512)) as sb:
+    sb = await create_sandbox("bwrap", limits=Limits(memory_mb=512))
+    async with sb:
       await sb.write_file("main.py", "print(1)")
       result = await sb.exec("python3 main.py", timeout=10)
 """
@@ -33,8 +34,10 @@ class SandboxFull(SandboxError):
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-  """Resource bounds of one sandbox. Every backend enforces what its platform allows and
-  documents the rest."""
+  """Resource bounds of one sandbox.
+
+  Every backend enforces what its platform allows and documents the rest.
+  """
 
   memory_mb: int = 1024          # memory (+swap) for all processes of the sandbox
   pids: int = 128                # processes/threads of the sandbox
@@ -58,10 +61,12 @@ class ExecResult:
   stderr_truncated: bool = False
 
   def to_dict(self) -> dict:
+    """The fields as a JSON-ready dict."""
     return dataclasses.asdict(self)
 
   @classmethod
   def from_dict(cls, d: Mapping) -> "ExecResult":
+    """The result a `to_dict` dict describes (unknown keys ignored, missing ones default)."""
     return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
@@ -73,15 +78,46 @@ class Sandbox(abc.ABC):
   @abc.abstractmethod
   async def exec(self, cmd: str, timeout: Optional[float] = None, stdin: Optional[str] = None,
                  env: Optional[Mapping[str, str]] = None) -> ExecResult:
-    """Run `cmd` with `/bin/sh -c` in the workspace (the working directory)."""
+    """Runs a shell command in the workspace.
+
+    Args:
+      cmd: the command line, run with `/bin/sh -c` with the workspace as working directory.
+      timeout: seconds before the command is killed; None: `limits.default_timeout`.
+      stdin: the command's standard input; None: empty.
+      env: variables added to the sandbox's small fixed environment (names must be
+        `[A-Za-z_][A-Za-z0-9_]*`).
+
+    Returns:
+      What the command did; a timeout or a non-zero exit is a result, not an exception.
+
+    Raises:
+      ValueError: a malformed cmd, timeout, stdin or env.
+      SandboxError: the sandbox is closed or failed.
+    """
 
   @abc.abstractmethod
   async def write_file(self, path: str, content: str | bytes) -> None:
-    """Create or replace a workspace file (parent directories are created)."""
+    """Creates or replaces a workspace file; parent directories are created.
+
+    Args:
+      path: workspace-relative path.
+      content: the file's content (str is written as UTF-8).
+
+    Raises:
+      PathError: the path leaves the workspace.
+      ValueError: the content is larger than `limits.file_bytes`.
+      SandboxError: the sandbox is closed or failed.
+    """
 
   @abc.abstractmethod
   async def read_file(self, path: str) -> bytes:
-    """The bytes of a workspace file."""
+    """The bytes of a workspace file.
+
+    Raises:
+      PathError: the path leaves the workspace.
+      FileNotFoundError: no such file.
+      ValueError: the file is larger than `limits.file_bytes`.
+    """
 
   @abc.abstractmethod
   async def list_files(self, path: str = ".") -> list[str]:
@@ -89,7 +125,7 @@ class Sandbox(abc.ABC):
 
   @abc.abstractmethod
   async def close(self) -> None:
-    """Kill every process of the sandbox and delete its workspace. Idempotent."""
+    """Kills every process of the sandbox and deletes its workspace. Idempotent."""
 
   async def __aenter__(self) -> "Sandbox":
     return self
@@ -99,10 +135,20 @@ class Sandbox(abc.ABC):
 
 
 def confine(root: str, path: str) -> str:
-  """Host path of workspace-relative `path` under `root`, or PathError if it would leave it.
+  """Maps a workspace-relative path to its host path, refusing any way out of the workspace.
 
   Rejects absolute paths, `..` components and any existing symlink along the path (a symlink
   inside the workspace is written by untrusted code and may point anywhere).
+
+  Args:
+    root: the workspace's host directory.
+    path: the workspace-relative path.
+
+  Returns:
+    The host path under the real path of `root`.
+
+  Raises:
+    PathError: an empty, absolute or NUL-holding path, a `..` component, or a symlink on the way.
   """
   if not isinstance(path, str) or not path or "\x00" in path:
     raise PathError(f"path={path!r}: expected a non-empty workspace-relative path")

@@ -137,7 +137,15 @@ def _sigkill(pid: int) -> None:
 
 
 class UidPool:
-  """Host uids for sandboxes, one per live sandbox, exclusive across processes (flock)."""
+  """Host uids for sandboxes, one per live sandbox, exclusive across processes (flock).
+
+  Args:
+    uids: the pool; unused host uids >= 1000.
+    root_dir: where the sandboxes' host directories are made (created mode 0711).
+
+  Raises:
+    ValueError: an empty pool, or a uid out of [1000, 2**32 - 1).
+  """
 
   def __init__(self, uids: Sequence[int] = DEFAULT_UIDS, root_dir: str = DEFAULT_ROOT):
     if not uids or min(uids) < 1000 or max(uids) >= 2**32 - 1:
@@ -150,7 +158,14 @@ class UidPool:
     os.chmod(root_dir, 0o711)  # sandbox uids must traverse it to bind their mounts
 
   def acquire(self) -> tuple[int, bool]:
-    """(uid, stale): stale when a crashed holder may have left processes/mounts behind."""
+    """Takes a free uid.
+
+    Returns:
+      (uid, stale): stale when a crashed holder may have left processes or mounts behind.
+
+    Raises:
+      SandboxFull: every uid of the pool is held.
+    """
     start = next(self._next)
     for i in range(len(self.uids)):
       uid = self.uids[(start + i) % len(self.uids)]
@@ -169,6 +184,7 @@ class UidPool:
     raise SandboxFull(f"all {len(self.uids)} sandbox uids are in use (uids={self.uids[0]}..)")
 
   def release(self, uid: int) -> None:
+    """Returns a held uid to the pool, marked clean."""
     fd = self._held.pop(uid)
     os.ftruncate(fd, 0)  # clean release: the next holder need not sweep
     os.close(fd)         # drops the flock
@@ -221,9 +237,27 @@ class BwrapSandbox(Sandbox):
                    ro_binds: Sequence[str | tuple[str, str]] = (),
                    uids: Sequence[int] = DEFAULT_UIDS, root_dir: str = DEFAULT_ROOT,
                    cgroups: bool = True) -> "BwrapSandbox":
-    """A started sandbox. `ro_binds`: extra host paths bound read-only (`path`, or
-    `(host_path, sandbox_path)`), e.g. a task's virtualenv. `cgroups=False` forces the rlimit
-    fallback (for tests of it)."""
+    """Starts a sandbox: takes a uid, mounts its tmpfs mounts and makes its cgroups.
+
+    Args:
+      limits: the sandbox's limits.
+      rootfs: a task root filesystem whose top-level entries are bound read-only; None: the
+        host's /usr, /etc and their links.
+      ro_binds: extra host paths bound read-only, each `path` or `(host_path, sandbox_path)`,
+        e.g. a task's virtualenv.
+      uids: the uid pool.
+      root_dir: where the sandbox's host directory is made.
+      cgroups: False forces the rlimit fallback (for tests of it).
+
+    Returns:
+      The started sandbox.
+
+    Raises:
+      SandboxError: not root, bwrap or setpriv missing, or a mount failed.
+      SandboxFull: every uid of the pool is held.
+      ValueError: rootfs is not a directory, or a ro_binds entry is not an existing absolute
+        path.
+    """
     if os.geteuid() != 0:
       raise SandboxError(f"bwrap backend needs root (euid={os.geteuid()}) to mount the quota "
                          "tmpfs, set up cgroups and drop to a dedicated uid")

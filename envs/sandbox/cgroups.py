@@ -49,7 +49,12 @@ def _write(path: str, value: str) -> None:
 
 
 class Cgroup:
-  """One sandbox's cgroup(s). `Cgroup.create(name, limits)` or None when the machine has none."""
+  """One sandbox's cgroup(s). `Cgroup.create(name, limits)` or None when the machine has none.
+
+  Args:
+    dirs: controller -> the group's directory (v2: the same directory for every controller).
+    version: 1 or 2.
+  """
 
   def __init__(self, dirs: dict[str, str], version: int):
     self.dirs = dirs          # controller -> directory (v2: every controller the same dir)
@@ -57,6 +62,7 @@ class Cgroup:
 
   @property
   def missing(self) -> tuple[str, ...]:
+    """The CONTROLLERS this machine does not offer (the caller falls back to rlimits)."""
     return tuple(c for c in CONTROLLERS if c not in self.dirs)
 
   @property
@@ -66,6 +72,16 @@ class Cgroup:
 
   @classmethod
   def create(cls, name: str, limits: Limits, parent: str = "arbor-sandbox") -> Optional["Cgroup"]:
+    """Makes (or takes over and empties) the group `parent/name` and sets its limits.
+
+    Args:
+      name: the group's name, unique per live sandbox (bwrap uses its uid).
+      limits: memory (+swap, no swap beyond it), pids and CPU quota are applied.
+      parent: the group the sandboxes' groups live under.
+
+    Returns:
+      The group, or None when the machine offers none of the controllers.
+    """
     v2, v1 = _mounts()
     if v2 is not None:
       base = os.path.join(v2, parent)
@@ -120,6 +136,7 @@ class Cgroup:
       _write(os.path.join(self.dirs["cpu"], "cpu.cfs_quota_us"), str(quota))
 
   def pids(self) -> set[int]:
+    """Pids of the processes in the group."""
     out = set()
     for f in self.procs_files:
       try:
@@ -129,7 +146,14 @@ class Cgroup:
     return out
 
   def kill(self, deadline: float = 5.0) -> bool:
-    """SIGKILL every process in the group until it is empty; False if it is not by then."""
+    """SIGKILLs every process in the group until it is empty.
+
+    Args:
+      deadline: seconds to keep trying.
+
+    Returns:
+      False if the group is not empty by then.
+    """
     kill_file = os.path.join(next(iter(self.dirs.values()), ""), "cgroup.kill")
     t_end = time.monotonic() + deadline
     while time.monotonic() < t_end:
@@ -148,7 +172,7 @@ class Cgroup:
     return not self.pids()
 
   def remove(self) -> None:
-    """Delete the (empty) group; a busy group is left for the next holder of the name."""
+    """Deletes the (empty) group; a busy group is left for the next holder of the name."""
     for d in set(self.dirs.values()):
       for _ in range(50):
         try:

@@ -34,7 +34,11 @@ _CHECK = ('cd /workspace || exit 2; i=0; for c; do i=$((i+1)); '
 
 
 def docker_client():
-  """A docker-py client from the environment; remote engines only over TLS."""
+  """A docker-py client from the environment; remote engines only over TLS.
+
+  Raises:
+    SandboxError: docker-py is not installed, or DOCKER_HOST names a remote engine without TLS.
+  """
   try:
     import docker
   except ImportError as e:
@@ -51,7 +55,10 @@ def docker_client():
 
 
 class DockerSandbox(Sandbox):
-  """Create with `await DockerSandbox.create(limits, image=..., user=...)`."""
+  """One container per sandbox (see the module docstring).
+
+  Create with `await DockerSandbox.create(limits, image=..., user=...)`.
+  """
 
   def __init__(self, client, container, limits: Limits):
     self._client, self._container, self.limits, self._closed = client, container, limits, False
@@ -59,6 +66,20 @@ class DockerSandbox(Sandbox):
   @classmethod
   async def create(cls, limits: Limits = Limits(), *, image: str = "python:3.11-slim",
                    user: str = "65534:65534") -> "DockerSandbox":
+    """Starts a container.
+
+    Args:
+      limits: the sandbox's limits.
+      image: the image; it needs `sh` and coreutils' `timeout`.
+      user: "uid[:gid]" the commands run as; never root.
+
+    Returns:
+      The started sandbox.
+
+    Raises:
+      ValueError: user is root.
+      SandboxError: no usable Docker engine, or the container could not start.
+    """
     if user.split(":")[0] in ("0", "root"):
       raise ValueError(f"user={user!r}: the sandbox user must not be root")
 

@@ -68,7 +68,20 @@ def _open_file(name: str, flags: int, dir_fd: int, path: str, mode: int = 0o644)
 
 def write_file(root: str, path: str, content: str | bytes, max_bytes: int,
                owner: Optional[tuple[int, int]] = None) -> None:
-  """Create or replace root/path (parents created), chowned to `owner` (uid, gid) if given."""
+  """Creates or replaces root/path; missing parent directories are created.
+
+  Args:
+    root: the workspace's host directory.
+    path: workspace-relative path of the file.
+    content: the file's content (str is written as UTF-8).
+    max_bytes: the largest content accepted.
+    owner: (uid, gid) the file and new directories are chowned to; None: left as created.
+
+  Raises:
+    PathError: the path leaves the workspace, names it, or goes through a symlink or a
+      special file.
+    ValueError: content is not str/bytes, or is larger than max_bytes.
+  """
   data = content.encode() if isinstance(content, str) else content
   if not isinstance(data, bytes):
     raise ValueError(f"content: expected str or bytes, got {type(content).__name__}")
@@ -90,7 +103,22 @@ def write_file(root: str, path: str, content: str | bytes, max_bytes: int,
 
 
 def read_file(root: str, path: str, max_bytes: int) -> bytes:
-  """The bytes of root/path; ValueError if larger than max_bytes."""
+  """Reads root/path.
+
+  Args:
+    root: the workspace's host directory.
+    path: workspace-relative path of the file.
+    max_bytes: the largest file accepted.
+
+  Returns:
+    The file's bytes.
+
+  Raises:
+    PathError: the path leaves the workspace, names it, or goes through a symlink or a
+      special file.
+    FileNotFoundError: no such file.
+    ValueError: the file is larger than max_bytes (also if it grows while read).
+  """
   parts = _parts(root, path)
   if not parts:
     raise PathError(f"path={path!r}: names the workspace itself, not a file")
@@ -112,7 +140,19 @@ def read_file(root: str, path: str, max_bytes: int) -> bytes:
 
 
 def list_files(root: str, path: str = ".") -> list[str]:
-  """Sorted workspace-relative paths of the regular files under root/path (symlinks skipped)."""
+  """Lists the regular files under root/path; symlinks and special files are skipped.
+
+  Args:
+    root: the workspace's host directory.
+    path: workspace-relative file or directory ("." is the whole workspace).
+
+  Returns:
+    The files' workspace-relative paths, sorted (just `path` when it is a regular file).
+
+  Raises:
+    PathError: the path leaves the workspace, or is a symlink or a special file.
+    FileNotFoundError: no such file or directory.
+  """
   parts = _parts(root, path)
   prefix = "/".join(parts)
   with _walk(root, path, parts[:-1]) as dfd:

@@ -23,7 +23,18 @@ BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL":
 
 
 class LocalSandbox(Sandbox):
-  """Unsafe subprocess backend. `async with LocalSandbox(allow_unsafe=True) as sb: ...`"""
+  """Unsafe subprocess backend.
+
+  `async with LocalSandbox(allow_unsafe=True) as sb: ...`
+
+  Args:
+    limits: the limits it can enforce (timeout, output and file sizes; see the module docstring).
+    allow_unsafe: must be True: the command runs with no isolation.
+    parent_dir: where the temporary workspace is made; None: the system's temp directory.
+
+  Raises:
+    SandboxError: allow_unsafe is not True.
+  """
 
   def __init__(self, limits: Limits = Limits(), *, allow_unsafe: bool = False,
                parent_dir: Optional[str] = None):

@@ -20,7 +20,11 @@ _CHUNK = 1 << 16
 
 
 def check_env(env: Optional[Mapping[str, str]]) -> dict[str, str]:
-  """Validated copy of a caller-given environment (names are shell-safe identifiers)."""
+  """Validated copy of a caller-given environment (None: empty).
+
+  Raises:
+    ValueError: a name is not `[A-Za-z_][A-Za-z0-9_]*`, or a value is not a NUL-free string.
+  """
   out = {}
   for k, v in (env or {}).items():
     if not isinstance(k, str) or not k or not (k[0].isalpha() or k[0] == "_") or not all(
@@ -33,7 +37,20 @@ def check_env(env: Optional[Mapping[str, str]]) -> dict[str, str]:
 
 
 def check_exec_args(cmd, timeout, stdin, default_timeout: float) -> float:
-  """Validate exec() arguments; returns the timeout in seconds."""
+  """Validates the arguments of `Sandbox.exec`.
+
+  Args:
+    cmd: the command line; a non-empty string without NUL.
+    timeout: seconds, or None for `default_timeout`.
+    stdin: str, bytes or None.
+    default_timeout: seconds used when timeout is None.
+
+  Returns:
+    The timeout in seconds, in (0, 1e6).
+
+  Raises:
+    ValueError: naming the bad argument.
+  """
   if not isinstance(cmd, str) or not cmd or "\x00" in cmd:
     raise ValueError(f"cmd={cmd!r}: expected a non-empty string without NUL")
   if stdin is not None and not isinstance(stdin, (str, bytes)):
@@ -86,12 +103,25 @@ async def run(argv: Sequence[str], *, timeout: float, output_bytes: int,
               cwd: Optional[str] = None, kill: Optional[Callable[[int], None]] = None,
               after_exit: Optional[Callable[[int], None]] = None,
               on_start: Optional[Callable[[int], None]] = None) -> ExecResult:
-  """Run argv (no shell, no inherited fds, new session) and return its ExecResult.
+  """Runs argv with no shell, no inherited fds, in a new session, and waits for it.
 
-  Callbacks get the child's pid. `kill` is called on timeout or cancellation and must end the
-  process and everything it started (default: SIGKILL its process group); `after_exit` runs
-  once the process exited by itself, to clean up what it left behind; `on_start` lets the
-  caller track the process (e.g. to kill it on close()).
+  Args:
+    argv: the program and its arguments.
+    timeout: seconds before `kill` is called.
+    output_bytes: how much of stdout and of stderr is kept (each).
+    stdin: the child's standard input; None: empty.
+    env: the child's whole environment; None: empty.
+    cwd: the child's working directory; None: this process's.
+    kill: called with the child's pid on timeout or cancellation; must end the process and
+      everything it started. None: SIGKILL its process group.
+    after_exit: called with the pid once the process exited by itself, to clean up what it
+      left behind.
+    on_start: called with the pid once started, so the caller can track the process (e.g. to
+      kill it on close()).
+
+  Returns:
+    The result; exit code -1 on timeout, and truncation flags set also when the pipes stayed
+    open 5 s after the exit (a child escaped `kill`).
   """
   t0 = time.monotonic()
   data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
@@ -138,7 +168,7 @@ async def run(argv: Sequence[str], *, timeout: float, output_bytes: int,
 
 
 def kill_group(pgid: int) -> None:
-  """SIGKILL a process group; a group that is already gone is fine."""
+  """SIGKILLs a process group; a group that is already gone is fine."""
   try:
     os.killpg(pgid, 9)
   except (ProcessLookupError, PermissionError):

@@ -91,7 +91,12 @@ class RemoteSandbox(Sandbox):
       timeout: seconds for the request.
 
     Returns:
-      The sandbox.
+      The sandbox, with the limits the server granted.
+
+    Raises:
+      ValueError: url is not http(s)://, or no token is given.
+      SandboxFull: the server has no capacity (429).
+      SandboxError: the server is unreachable or refuses.
     """
     if token is None and token_file is not None:
       token = read_secret(token_file)

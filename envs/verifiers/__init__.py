@@ -53,6 +53,10 @@ async def verify(task: Task, submission, *, make_sandbox: Optional[SandboxFactor
 
   Returns:
     The verdict.
+
+  Raises:
+    ValueError: a swe or code task without make_sandbox, or a judge task without policy,
+      render and decode.
   """
   if task.kind in ("swe", "code") and make_sandbox is None:
     raise ValueError(f"verify: task kind {task.kind!r} needs make_sandbox")

@@ -27,6 +27,14 @@ class Verdict:
 
 
 async def start_sandbox(make_sandbox: SandboxFactory, task: Task) -> Sandbox:
-  """The fresh sandbox that `make_sandbox` gives for `task` (awaited if it is awaitable)."""
+  """Starts the fresh sandbox a verifier runs in.
+
+  Args:
+    make_sandbox: the factory; it may return a sandbox or an awaitable of one.
+    task: the task the sandbox is for.
+
+  Returns:
+    The started sandbox.
+  """
   sb = make_sandbox(task)
   return await sb if inspect.isawaitable(sb) else sb

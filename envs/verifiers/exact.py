@@ -12,8 +12,10 @@ from envs.verifiers.base import Verdict
 
 
 def extract_answer(response: str) -> str:
-  """The final answer in a response: the last \\boxed{...}, else the last "answer: X" line, else
-  the whole (stripped) response.
+  """The final answer in a response.
+
+  It is the last \\boxed{...}, else the last "answer: X" line, else the whole (stripped)
+  response.
 
   Args:
     response: the agent's text.
@@ -36,8 +38,10 @@ def extract_answer(response: str) -> str:
 
 
 def normalize_answer(text: str) -> str:
-  """An answer as compared: lower-case, single spaces, no surrounding $ / quotes / final period,
-  no \\text{}, no 1,000 separators.
+  """An answer as compared.
+
+  Lower-case, single spaces, no surrounding $ / quotes / final period, no \\text{}, no 1,000
+  separators.
 
   Args:
     text: an answer.
@@ -70,6 +74,9 @@ def verify_exact(task: Task, response: str) -> Verdict:
   Returns:
     Reward 1 iff the response's final answer equals one of `task.answers` after normalisation
     (numbers compare by value: "0.50" == "1/2"), else 0.
+
+  Raises:
+    ValueError: the task is not an "exact" task.
   """
   if task.kind != "exact":
     raise ValueError(f"verify_exact: task {task.instance_id!r} has kind={task.kind!r}, "

@@ -116,7 +116,7 @@ async def verify_judge(task: Task, response: str, policy: Policy,
                        decode: Callable[[Sequence[int]], str], *,
                        params: SamplingParams = SamplingParams(max_tokens=256, temperature=0.0),
                        samples: int = 1) -> Verdict:
-  """A policy grades `response` on `task.rubric`.
+  """Has a policy grade a response on the task's rubric.
 
   A reply that names no dimension scores 0 for it (listed under details["missing"]).
 
@@ -132,6 +132,9 @@ async def verify_judge(task: Task, response: str, policy: Policy,
   Returns:
     Reward = mean over the replies of the weighted, normalised rubric score; details hold each
     reply's scores.
+
+  Raises:
+    ValueError: the task is not a "judge" task, or samples < 1.
   """
   if task.kind != "judge":
     raise ValueError(f"verify_judge: task {task.instance_id!r} has kind={task.kind!r}, "

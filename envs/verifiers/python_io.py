@@ -14,7 +14,9 @@ from envs.verifiers.base import SandboxFactory, Verdict, start_sandbox
 
 
 def extract_code(text: str) -> str:
-  """The program in a response: its last ```python (or plain ```) fenced block, or the whole text.
+  """The program in a response.
+
+  It is the response's last ```python (or plain ```) fenced block, or the whole text.
 
   Args:
     text: the response.
@@ -63,8 +65,9 @@ os._exit(0)
 
 
 def values_equal(got: Any, want: Any, rel_tol: float = 1e-6) -> bool:
-  """Whether two JSON values are equal: exact types (bool is not int), numbers within rel_tol,
-  tuples equal to lists.
+  """Whether two JSON values are equal.
+
+  Types must match exactly (bool is not int), numbers within rel_tol, tuples equal lists.
 
   Args:
     got: the program's value.
@@ -86,7 +89,7 @@ def values_equal(got: Any, want: Any, rel_tol: float = 1e-6) -> bool:
 
 
 def normalize_output(text: str) -> str:
-  """stdout as compared: CRLF -> LF, trailing spaces per line and trailing blank lines dropped.
+  """Output as compared: CRLF -> LF, trailing spaces per line and trailing blank lines dropped.
 
   Args:
     text: a program's output.
@@ -102,7 +105,7 @@ def normalize_output(text: str) -> str:
 
 async def verify_python_io(task: Task, program: str, make_sandbox: SandboxFactory, *,
                            partial: bool = False) -> Verdict:
-  """Reward of a program for a "code" task: run its tests in a fresh sandbox.
+  """Reward of a program for a "code" task, its tests run in a fresh sandbox.
 
   Function tests ({"args", "expected"}) call `task.entry_point` in one process; stdin/stdout
   tests ({"input", "output"}) run `python3 solution.py` once each; `task.timeout` bounds each
@@ -116,6 +119,9 @@ async def verify_python_io(task: Task, program: str, make_sandbox: SandboxFactor
 
   Returns:
     The verdict; details hold per-test results.
+
+  Raises:
+    ValueError: the task is not a "code" task.
   """
   if task.kind != "code":
     raise ValueError(f"verify_python_io: task {task.instance_id!r} has kind={task.kind!r}, "

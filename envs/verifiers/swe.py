@@ -130,9 +130,10 @@ def refused_reason(path: str) -> Optional[str]:
 
 
 def is_ignored_path(path: str) -> bool:
-  """Whether `path` is dropped from a submission, never applied: byte-code caches (an
-  unchecked-hash .pyc replaces its source) and package metadata (an entry point can name a
-  pytest plugin).
+  """Whether `path` is dropped from a submission, never applied.
+
+  Dropped are byte-code caches (an unchecked-hash .pyc replaces its source) and package
+  metadata (an entry point can name a pytest plugin).
 
   Args:
     path: a workspace-relative path.
@@ -173,6 +174,7 @@ def merge_submission(task: Task, original: Mapping[str, bytes],
   Raises:
     Refused: with the reason (a config file changed, an unsafe path, a patch that does not
       apply).
+    ValueError: the task's own test patch does not apply.
   """
   if isinstance(submission, str):
     try:
@@ -366,6 +368,7 @@ async def verify_tests(task: Task, submission: Union[Mapping[str, Union[bytes, s
     The verdict; its details name the per-test outcomes, or the reason for reward 0.
 
   Raises:
+    ValueError: the task is not a "swe" task.
     SandboxError: the sandbox itself failed (infrastructure, not the agent's doing).
   """
   if task.kind != "swe":

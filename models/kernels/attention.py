@@ -53,6 +53,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array, *, scale
     out: [batch, q_len, heads, v_dim] in q's dtype.
     max_logits: [heads] fp32, the largest scaled logit over allowed pairs of the whole batch
       (what QK-Clip needs).
+
+  Raises:
+    ValueError: an unknown `impl`, or heads not a multiple of kv_heads.
   """
   if impl == "auto":
     fallback = "xla_flash" if k.shape[1] >= FLASH_MIN_LENGTH else "xla"

@@ -412,8 +412,25 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array, *, 
                    num_stages: int = 2):
   """Flash attention under the tree rule `j <= i < end[j]` (see the module docstring).
 
-  Returns (out, max_logits), plus the [batch, num_q_blocks, num_k_blocks] int32 bitmap of
-  computed tiles when debug_blocks=True.
+  Args:
+    q: [batch, L, heads, qk_dim] fp32 or bf16 queries.
+    k: [batch, L, kv_heads, qk_dim] keys; `heads` is a multiple of `kv_heads` (GQA).
+    v: [batch, L, kv_heads, v_dim] values (v_dim may differ from qk_dim: MLA).
+    end: [batch, L] int, exclusive subtree end of each key; precondition end[j] > j.
+    scale: the softmax scale applied to q·k.
+    block_q: query rows per tile, a power of two >= 16.
+    block_k: key rows per tile, a power of two >= 16.
+    interpret: run the kernels in the Pallas interpreter (any backend; slow, for tests).
+    debug_blocks: also return the bitmap of computed tiles.
+    num_warps: Triton warps per kernel; None: 4.
+    num_stages: Triton software-pipelining stages.
+
+  Returns:
+    (out [batch, L, heads, v_dim] in q.dtype, max_logits [heads] fp32 stop-gradient), plus the
+    [batch, num_q_blocks, num_k_blocks] int32 bitmap of computed tiles when debug_blocks=True.
+
+  Raises:
+    ValueError: mismatched shapes, heads not a multiple of kv_heads, or a bad block size.
   """
   b, seq_len, h, dqk = q.shape
   if k.shape[:2] != (b, seq_len) or v.shape[:3] != k.shape[:3] or k.shape[-1] != dqk:

@@ -480,8 +480,17 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def block_metadata(end: jax.Array, block_k: int, levels: int):
-  """Per batch row and k block: min(end) [B, nk] and the suffix-max table of max(end)
-  [B, levels, nk] (level l: max over blocks kb .. kb + 2**l - 1, clipped to the row)."""
+  """Computes the block-skipping metadata of the wrapper (see "Block skipping" above).
+
+  Args:
+    end: [B, Lp] int32 padded tree ends; Lp a multiple of `block_k`.
+    block_k: key rows per block.
+    levels: levels of the suffix-max table (ceil(log2 nk), at least 1).
+
+  Returns:
+    (kmin [B, nk]: min(end) per k block, table [B, levels, nk]: level l holds the max of max(end)
+    over blocks kb .. kb + 2**l - 1, clipped to the row).
+  """
   bsz, lp = end.shape
   nk = lp // block_k
   blocks = end.reshape(bsz, nk, block_k)
@@ -501,9 +510,24 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array, *, 
                    debug_blocks: bool = False):
   """Flash attention under the tree rule j <= i < end[j] (see the module docstring).
 
-  Returns (out [B, L, H, Dv] in q.dtype, max_logits [H] fp32) and, with debug_blocks=True, a
-  third output: bool [B, num_q_blocks, num_k_blocks], the block pairs the forward computed.
-  `interpret`: False (compile for TPU), True (Pallas interpreter) or a pltpu.InterpretParams.
+  Args:
+    q: [B, L, H, Dqk] fp32 or bf16 queries.
+    k: [B, L, KV, Dqk] keys; H is a multiple of KV (GQA).
+    v: [B, L, KV, Dv] values (Dv may differ from Dqk: MLA).
+    end: [B, L] int, exclusive subtree end of each key (clipped to [j + 1, L]).
+    scale: the softmax scale applied to q·k.
+    block_q: query rows per block, a positive multiple of 128 (of 8 in interpret mode).
+    block_k: key rows per block, likewise.
+    interpret: False (compile for TPU), True (Pallas interpreter) or a pltpu.InterpretParams.
+    debug_blocks: also return the bitmap of computed block pairs.
+
+  Returns:
+    (out [B, L, H, Dv] in q.dtype, max_logits [H] fp32 stop-gradient) and, with
+    debug_blocks=True, a third output: bool [B, num_q_blocks, num_k_blocks], the block pairs the
+    forward computed.
+
+  Raises:
+    ValueError: mismatched shapes, H not a multiple of KV, or a bad block size.
   """
   bsz, seq_len, heads, dqk = q.shape
   kv_heads = k.shape[2]

@@ -36,7 +36,26 @@ from models.kernels.mask import MASK_VALUE
 
 def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array, *, scale: float,
                    block_q: int = 256, block_k: int = 256, debug_blocks: bool = False):
-  """Blocked tree attention; see the module docstring for shapes and the block rule."""
+  """Blocked tree attention under the rule j <= i < end[j] (see the module docstring).
+
+  Args:
+    q: [batch, L, heads, qk_dim] queries.
+    k: [batch, L, kv_heads, qk_dim] keys; heads is a multiple of kv_heads (GQA).
+    v: [batch, L, kv_heads, v_dim] values.
+    end: [batch, L] int, exclusive subtree end of each key (clipped to [j + 1, L]).
+    scale: the softmax scale applied to q·k.
+    block_q: query rows per block (> 0).
+    block_k: key rows per block (> 0).
+    debug_blocks: also return the bitmap of computed block pairs.
+
+  Returns:
+    (out [batch, L, heads, v_dim] in q.dtype, max_logits [heads] fp32 stop-gradient), plus a
+    bool [batch, q blocks, k blocks] bitmap of the block pairs the forward computed with
+    debug_blocks=True.
+
+  Raises:
+    ValueError: heads not a multiple of kv_heads, or a block size <= 0.
+  """
   b, length, heads, _ = q.shape
   kv_heads = k.shape[2]
   if heads % kv_heads:

@@ -20,8 +20,11 @@ SCALE_RULES = ("moonlight", "keller")
 
 @dataclasses.dataclass(frozen=True)
 class MuonConfig:
-  """The Muon branch (`config.optimizer.muon`): momentum, Newton–Schulz steps, update scale,
-  and the AdamW branch that takes the parameters Muon does not."""
+  """The Muon branch (`config.optimizer.muon`) and the AdamW branch beside it.
+
+  Momentum, Newton–Schulz steps, update scale, and the AdamW branch that takes the parameters
+  Muon does not. The fields' meanings are commented in configs/base.py.
+  """
 
   beta: float = 0.95
   nesterov: bool = True

@@ -67,7 +67,20 @@ class Optimizer:
     return self.tx.update(nnx.as_pure(grads), state, nnx.as_pure(params), **extra)
 
   def apply(self, grads, state, params, max_logits=None):
-    """`update`, then the updates applied: returns (new params, new state)."""
+    """Runs `update`, then applies the updates.
+
+    Args:
+      grads: the gradient, summed over micro-batches.
+      state: the optimizer state.
+      params: the current parameters (nnx.State or pure tree).
+      max_logits: [layers, heads] this step's max attention logits; required with QK-Clip.
+
+    Returns:
+      (new params, new state).
+
+    Raises:
+      ValueError: QK-Clip is enabled and `max_logits` is None.
+    """
     params = nnx.as_pure(params)
     updates, state = self.update(grads, state, params, max_logits)
     return optax.apply_updates(params, updates), state
@@ -103,7 +116,15 @@ class Optimizer:
     return jax.tree_util.tree_map_with_path(one, abstract_state)
 
   def init_sharded(self, params, param_shardings):
-    """The initial state, created directly with `state_shardings`."""
+    """Creates the initial state directly with `state_shardings` (no unsharded copy).
+
+    Args:
+      params: the parameters, already sharded.
+      param_shardings: their tree of `jax.sharding.Sharding`.
+
+    Returns:
+      The optimizer state, each leaf placed by `state_shardings`.
+    """
     params = nnx.as_pure(params)
     shardings = self.state_shardings(params, param_shardings)
     return jax.jit(self.tx.init, out_shardings=shardings)(params)

@@ -14,6 +14,8 @@ from trainer.optim.routing import path_names
 
 
 class QKClipState(NamedTuple):
+  """The state of `qk_clip`: what the last update did (logged by `trainer.optim.metrics`)."""
+
   clipped_heads: jax.Array  # number of (layer, head) pairs clipped by the last update
   max_logit: jax.Array  # largest max logit seen by the last update
 

@@ -13,6 +13,8 @@ from trainer.optim.routing import param_suffix, path_names
 
 
 class ClipState(NamedTuple):
+  """The state of `clip_by_global_norm_with_stats`: the last pre-clip norm (logged as grad_norm)."""
+
   grad_norm: jax.Array  # global norm of the last gradient, before clipping
 
 
