@@ -17,7 +17,7 @@ carries no learning signal: its advantage is exactly 0 in every estimator here. 
 exact (group max == group min) rather than `std == 0`, because the float mean of equal values
 can be off by an ulp, and an ulp divided by `std + eps` is not small.
 
-All functions return float32.
+The estimators return float32 advantages (`same_group` a bool matrix).
 """
 
 from __future__ import annotations

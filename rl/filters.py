@@ -1,8 +1,9 @@
 """Host-side group and trajectory filters, applied to a batch before advantages and packing.
 
 Plain NumPy on per-sequence arrays (lists are accepted): `rewards` [S], `group` [S] integer
-group ids (not necessarily contiguous or sorted), `terminations` [S] strings. Each filter returns
-masks; the trainer decides what to drop, what to re-sample and what to keep for statistics only.
+group ids (not necessarily contiguous or sorted), `terminations` [S] strings. The filters return
+masks (`groups_needed` a count, `group_pass_rates` per-group rates); the trainer decides what
+to drop, what to re-sample and what to keep for statistics only.
 """
 
 from __future__ import annotations

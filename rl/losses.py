@@ -27,7 +27,8 @@ defaults (eps, aggregation) follow the papers and are in `DEFAULTS`.
 
 Token-level aggregations are `AGGREGATIONS`; sequence-level losses (gspo, turn_gspo, kimi_pmd,
 dpo) take `SEQ_AGGREGATIONS`. Every RL loss adds the KL penalty / entropy bonus (`_regularise`,
-per token, not multiplied by the correction weights) and `opd_coef`·OPD (`_with_opd`); for a
+per token, not multiplied by the correction weights) and, except opd itself, `opd_coef`·OPD
+(`_with_opd`); dpo takes the entropy bonus only (it rejects `kl_coef` and `opd_coef`). For a
 sequence-level loss these token terms are aggregated with the token counterpart of its
 aggregation (`_token_aggregation`: seq_mean -> seq_mean_token_mean).
 
