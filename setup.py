@@ -56,6 +56,8 @@ setup(
             # The quickstart notebook runs under a real Jupyter kernel, as on Colab.
             "nbclient>=0.11,<0.12",
             "ipykernel>=7.4,<8",
+            # libtpu: the XLA TPU compiler, for ahead-of-time compiles without a TPU.
+            JAX.replace("jax", "jax[tpu]", 1),
         ],
         # gcsfs lets orbax/etils read and write gs:// workdirs.
         "tpu": [JAX.replace("jax", "jax[tpu]", 1), "gcsfs>=2026.9.0"],

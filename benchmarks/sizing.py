@@ -23,32 +23,17 @@ import sys
 from typing import Optional
 
 from models.config import ModelConfig
+from models.hardware import CHIPS, GB, Chip
 from models.presets import count_active_params, count_params, get_preset
 
-GB = 1e9  # TPU documentation states HBM in GB; all memory here is in GB (1e9 bytes)
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
                    "scaling.md")
 START, END = "<!-- sizing:start -->", "<!-- sizing:end -->"
 
 
 # ---------------------------------------------------------------------------------------------
-# Hardware (sources in docs/scaling.md: cloud.google.com/tpu/docs/v5p and /v6e, checked 2026-11)
+# Hardware: models/hardware.py (sources in docs/scaling.md)
 
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-  name: str
-  peak_flops: float  # bf16 FLOP/s per chip
-  hbm_bytes: float  # HBM capacity per chip
-  hbm_bw: float  # HBM bytes/s per chip
-  ici_bw: float  # inter-chip interconnect bytes/s per chip (documented Gbps / 8)
-  cores_per_chip: int  # accelerator type vN-K counts K = chips * this
-
-
-CHIPS = {
-    "v5p": Chip("v5p", 459e12, 95 * GB, 2765 * GB, 4800e9 / 8, 2),
-    "v6e": Chip("v6e", 918e12, 32 * GB, 1640 * GB, 3584e9 / 8, 1),
-}
 HBM_USABLE = 0.9  # fraction of HBM a plan may fill (XLA scratch, fragmentation)
 
 # e2-standard-8: 8 vCPUs, 32 GB (cloud.google.com/compute/docs/general-purpose-machines).
@@ -200,7 +185,7 @@ class Mesh:
   @property
   def batch_shards(self) -> int:
     """Rows in flight per micro-batch: one row per (data x fsdp x expert) shard. For MoE this
-    assumes the batch is also sharded over `expert` (see docs/scaling.md: not yet the rule)."""
+    shards the batch over `expert` as well (the `batch` rule: data, fsdp, expert)."""
     return self.fsdp * self.expert
 
   def __str__(self) -> str:

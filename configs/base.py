@@ -94,6 +94,7 @@ def _model() -> ml_collections.ConfigDict:
   s.overrides.remat = placeholder(str)  # "none" | "full" | "save_dots" | "offload"
   s.overrides.attention_impl = placeholder(str)  # "xla" | "xla_flash" | "pallas_*" | "auto"
   s.overrides.moe_impl = placeholder(str)  # "ragged" | "dense"
+  s.overrides.moe_dispatch = placeholder(str)  # "auto" | "global" | "all_to_all" (experts)
   s.overrides.logits_chunk = placeholder(int)  # tokens per vocabulary-projection chunk
   return s
 
@@ -184,7 +185,7 @@ def _data() -> ml_collections.ConfigDict:
   s.sources = ()  # training files: *.jsonl / *.parquet / *.msgpack, e.g. "('a.jsonl',)"
   s.eval_sources = ()  # held-out files for the eval loss (same formats)
   s.row_len = 2048  # L: tokens per packed row (multiple of 128; longest LLM call fits)
-  s.rows_per_batch = 2  # R: rows per micro-batch (a multiple of mesh data x fsdp)
+  s.rows_per_batch = 2  # R: rows per micro-batch (a multiple of mesh data x fsdp x expert)
   s.microbatches = 1  # M: micro-batches per step, summed into one update
   s.max_seqs = 8  # S: trajectories per micro-batch at most
   s.seq_len = 512  # T: trained tokens per trajectory at most

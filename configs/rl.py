@@ -85,7 +85,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.tasks = "/path/to/train_tasks.jsonl"  # task JSONL, envs.tasks format (placeholder)
 
   c.data.row_len = 32768  # tokens per packed row: the longest LLM call must fit
-  c.data.rows_per_batch = 8  # rows per micro-batch (a multiple of mesh data x fsdp)
+  c.data.rows_per_batch = 8  # rows per micro-batch (a multiple of mesh data x fsdp x expert)
   c.train.steps = 500  # RL steps
   c.train.checkpoint_every = 10  # checkpoint interval (and on SIGTERM: TPU preemption)
   c.train.log_every = 1  # a log line per step

@@ -16,7 +16,7 @@ chat records {"messages", "tools"?, "group"?, "branches"?} or recorded trajector
 (trainer/sft_data.py); a failed tool call stays in context out of the loss (error-masked SFT).
 The paths below are placeholders: the run refuses to start until they point at real files.
 Sizes are for a TPU slice (bf16 compute, full remat); on a small machine lower data.row_len and
-data.rows_per_batch (a multiple of mesh data x fsdp).
+data.rows_per_batch (a multiple of mesh data x fsdp x expert).
 """
 
 import ml_collections
@@ -36,7 +36,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.sources = ("/path/to/train.jsonl",)  # training files (placeholder)
   c.data.eval_sources = ("/path/to/heldout.jsonl",)  # held-out files (placeholder)
   c.data.row_len = 16384  # tokens per packed row: the longest LLM call must fit
-  c.data.rows_per_batch = 8  # rows per micro-batch (a multiple of mesh data x fsdp)
+  c.data.rows_per_batch = 8  # rows per micro-batch (a multiple of mesh data x fsdp x expert)
   c.data.microbatches = 4  # micro-batches summed per step: 4 x 8 x 16k tokens per update
   c.data.max_seqs = 64  # trajectories per micro-batch at most
   c.data.seq_len = 8192  # trained tokens per trajectory at most

@@ -18,7 +18,7 @@ Only the fields the config's mode reads are checked (`INPUTS`), so the placehold
 template's unused sections do not stand in the way. `trainer.config.validate` checks every
 other value when the run starts; of its rules this module repeats only those that a slice
 would meet first, once it is up: the mesh against the devices, data.rows_per_batch against
-data x fsdp, and a local metrics.dir beside the gs:// workdir. Like all of launch, it never
+data x fsdp x expert, and a local metrics.dir beside the gs:// workdir. Like all of launch, it never
 imports JAX.
 """
 
@@ -274,7 +274,7 @@ def _replace(cfg: ml_collections.ConfigDict, overrides: Sequence[str],
 
 
 def check_mesh(cfg: ml_collections.ConfigDict, chips: int, tpu_flag: str) -> None:
-  """Checks that each run's mesh fits `chips` devices and its rows split over data x fsdp.
+  """Checks that each run's mesh fits `chips` devices and its rows split over the batch axes.
 
   `mesh` holds one size per axis (data, fsdp, tensor, expert), -1 for the remaining devices:
   the product of the fixed sizes must divide the devices (equal them without a -1).
@@ -286,7 +286,7 @@ def check_mesh(cfg: ml_collections.ConfigDict, chips: int, tpu_flag: str) -> Non
 
   Raises:
     LaunchError: a mesh that does not fit, or `data.rows_per_batch` not a multiple of data x
-      fsdp; the message names the field, its values and the slice.
+      fsdp x expert (the batch axes); the message names the field, its values and the slice.
   """
   for prefix, stage in _stages(cfg):
     mesh = stage.get("mesh")
@@ -304,11 +304,12 @@ def check_mesh(cfg: ml_collections.ConfigDict, chips: int, tpu_flag: str) -> Non
       rule = "does not divide" if rest else "differs from"
       raise LaunchError(f"{where}: the product of the fixed axes, {fixed}, {rule} the "
                         f"{chips} chips of {tpu_flag} (-1 = the remaining devices)")
-    data = [chips // fixed if sizes.get(a) == -1 else sizes.get(a, 1) for a in ("data", "fsdp")]
+    data = [chips // fixed if sizes.get(a) == -1 else sizes.get(a, 1)
+            for a in ("data", "fsdp", "expert")]
     rows = _get(stage, "data.rows_per_batch")
     if isinstance(rows, int) and rows % math.prod(data):
       raise LaunchError(f"config.{prefix}data.rows_per_batch={rows}: expected a multiple of "
-                        f"mesh data x fsdp = {math.prod(data)} on the {chips} chips of "
+                        f"mesh data x fsdp x expert = {math.prod(data)} on the {chips} chips of "
                         f"{tpu_flag}")
 
 

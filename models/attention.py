@@ -16,7 +16,7 @@ from models.config import ModelConfig
 from models.kernels.attention import attention
 from models.layers import Dense, RMSNorm, dtype_of
 from models.rope import apply_rope
-from models.sharding import constrain
+from models.sharding import constrain, logical_to_spec
 
 # DeepSeek's reference code and transformers build the MLA latent norms (q_a_layernorm,
 # kv_a_layernorm) with eps 1e-6 whatever rms_norm_eps says.
@@ -66,6 +66,15 @@ def cache_view(index: jax.Array, s: int, capacity: int) -> tuple[jax.Array, jax.
   end = jnp.full((index.shape[0], capacity), capacity, jnp.int32)
   return q_index, end
 
+
+
+def _partition(cfg: ModelConfig):
+  """(batch, head) mesh axes of the attention activations under the current mesh, or None."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return None
+  spec = logical_to_spec(("batch", "act_heads"), cfg.sharding_rules, mesh)
+  return spec[0], spec[1]
 
 class GQA(nnx.Module):
   """Grouped-query attention with optional q/k/v bias (Qwen2) and q/k RMSNorm (Qwen3).
@@ -136,7 +145,7 @@ class GQA(nnx.Module):
       k, v = jnp.swapaxes(cache["k"], 1, 2), jnp.transpose(cache["v"], (0, 3, 1, 2))
       q_index, end = cache_view(index, x.shape[1], k.shape[1])
     out, max_logits = attention(q, k, v, end, scale=cfg.softmax_scale, q_index=q_index,
-                                impl=cfg.attention_impl)
+                                impl=cfg.attention_impl, partition=_partition(cfg))
     return self.o_proj(out), max_logits, cache
 
 
@@ -219,7 +228,8 @@ class MLA(nnx.Module):
     k_rope = jnp.broadcast_to(k_rope[:, :, None], k_nope.shape[:-1] + k_rope.shape[-1:])
     q = constrain(jnp.concatenate([q_nope, q_rope], -1), ("batch", "seq", "act_heads", None), cfg)
     k = jnp.concatenate([k_nope, k_rope], -1)
-    out, max_logits = attention(q, k, v, end, scale=cfg.softmax_scale, impl=cfg.attention_impl)
+    out, max_logits = attention(q, k, v, end, scale=cfg.softmax_scale, impl=cfg.attention_impl,
+                                partition=_partition(cfg))
     return self.o_proj(out), max_logits, None
 
   def _absorbed(self, q_nope, q_rope, c_kv, k_rope, cache, index):

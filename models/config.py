@@ -14,6 +14,7 @@ ATTENTION_TYPES = ("gqa", "mla")
 ROPE_TYPES = ("default", "linear", "yarn")
 SCORE_FUNCS = ("softmax", "sigmoid")
 MOE_IMPLS = ("ragged", "dense")
+MOE_DISPATCHES = ("auto", "global", "all_to_all")
 REMAT_POLICIES = ("none", "full", "save_dots", "offload")
 ATTENTION_IMPLS = ("xla", "xla_flash", "pallas_tpu", "pallas_gpu", "auto")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -21,7 +22,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # Logical axis name -> mesh axes. Parameters and activations are annotated with logical names
 # (models/sharding.py resolves them). `None` means replicated.
 DEFAULT_SHARDING_RULES: tuple[tuple[str, Optional[tuple[str, ...]]], ...] = (
-    ("batch", ("data", "fsdp")),   # activation batch dimension
+    ("batch", ("data", "fsdp", "expert")),  # activation batch dimension (tokens)
     ("seq", None),                 # activation sequence dimension
     ("act_embed", None),           # activation hidden dimension
     ("act_heads", ("tensor",)),    # activation head dimension
@@ -104,6 +105,9 @@ class ModelConfig:
   seq_balance_coef: float = 0.0  # sequence-wise balance loss coefficient (DeepSeek-V3: 1e-4)
   # "ragged" (dropless, sorted + ragged_dot) | "dense" (reference, all experts)
   moe_impl: str = "ragged"
+  # tokens to experts: "all_to_all" (expert parallelism) | "global" (one sort of all tokens,
+  # partitioned by XLA) | "auto" (all_to_all when the mesh's expert axis is > 1)
+  moe_dispatch: str = "auto"
   # --- numerics and memory
   dtype: str = "float32"  # compute dtype; params stay fp32, logits and losses fp32
   remat: str = "none"  # "none" | "full" | "save_dots" | "offload" rematerialisation per block
@@ -125,6 +129,7 @@ class ModelConfig:
         fail(field, getattr(self, field), "must be positive")
     for field, choices in (("attention", ATTENTION_TYPES), ("rope_type", ROPE_TYPES),
                            ("score_func", SCORE_FUNCS), ("moe_impl", MOE_IMPLS),
+                           ("moe_dispatch", MOE_DISPATCHES),
                            ("remat", REMAT_POLICIES), ("dtype", DTYPES),
                            ("attention_impl", ATTENTION_IMPLS)):
       if getattr(self, field) not in choices:
@@ -165,6 +170,8 @@ class ModelConfig:
              f"must be in [0, num_layers={self.num_layers}]")
       if self.moe_intermediate_size <= 0:
         fail("moe_intermediate_size", self.moe_intermediate_size, "must be positive")
+      if self.moe_impl == "dense" and self.moe_dispatch == "all_to_all":
+        fail("moe_dispatch", self.moe_dispatch, "needs moe_impl='ragged'")
     for name, _ in self.sharding_rules:
       if not isinstance(name, str):
         fail("sharding_rules", name, "logical axis names must be strings")

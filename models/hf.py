@@ -2,7 +2,8 @@
 
 Python:
     model = load(hf_dir)  # config.json + safetensors (sharded; fp32, bf16 or FP8) -> Transformer
-    save(model, out_dir, dtype="bfloat16")  # -> config.json + safetensors for transformers
+    model = load(hf_dir, mesh=mesh)  # each host reads only the slices its devices hold
+    save(model, out_dir, dtype="bfloat16")  # -> config.json + safetensors, tensor by tensor
 
 CLI:
     python -m models.hf import --hf_dir IN --out OUT   # HF dir -> orbax state + model_config.json
@@ -16,26 +17,33 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import itertools
 import json
 import logging
+import math
 import os
 import re
 import shutil
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from models.config import ModelConfig
 from models.hf_config import (FAMILY_ARCHITECTURES, config_from_hf, config_to_hf, family_of,
                               fp8_block_size, read_hf_config)
-from models.hf_names import entries
-from models.safetensors_io import SafetensorsDir, is_scale_name, save_dir
+from models.hf_names import Entry, entries
+from models.safetensors_io import (SafetensorsDir, TensorSpec, is_scale_name, slice_bounds,
+                                   write_dir)
+from models.sharding import state_shardings
 from models.transformer import Transformer, abstract
 
 logger = logging.getLogger(__name__)
@@ -43,6 +51,10 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # Tensors HF checkpoints may carry that are not weights (older transformers saved rotary buffers).
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+_COMPARE_ROWS = 4096  # rows of lm_head and the embedding compared at a time (tied embeddings)
+
+_Bounds = tuple[tuple[int, int], ...]  # (start, stop) per dimension of a block of an array
+_Sources = dict[tuple[int, ...], Entry]  # leading (layer, expert) index -> the HF tensor there
 
 
 class CheckpointError(ValueError):
@@ -57,35 +69,45 @@ class LoadStats:
   scales: int = 0  # FP8 block scales consumed
   skipped: int = 0  # multi-token-prediction tensors skipped
   params: int = 0  # scalar parameters of the model
+  bytes_read: int = 0  # stored bytes read from the safetensors files by this process
 
 
-def load(path: str | os.PathLike, dtype: Optional[str] = None, **overrides) -> Transformer:
+def load(path: str | os.PathLike, dtype: Optional[str] = None, *,
+         mesh: Optional[jax.sharding.Mesh] = None, **overrides) -> Transformer:
   """The Transformer of an HF checkpoint directory (config.json + safetensors).
+
+  Variables are built one at a time from memory-mapped reads, so the host holds at most one
+  variable (or, on a mesh, one device's block of one) beside what the devices hold.
 
   Args:
     path: a directory with `config.json` and `model.safetensors` or sharded files with
       `model.safetensors.index.json`. Weights may be fp32, bf16, fp16 or FP8 e4m3 with
       128x128 `weight_scale_inv` block scales; parameters are always fp32.
     dtype: compute dtype (`ModelConfig.dtype`); None keeps the default (float32).
+    mesh: a `jax.sharding.Mesh`: every variable is placed directly in its sharding by the
+      config's rules (`sharding.state_shardings`), each process reading only the blocks of the
+      HF tensors its own devices hold (a replicated block once). None: the default device.
     **overrides: further ModelConfig fields (e.g. `moe_impl="dense"`, `remat="full"`).
 
   Returns:
-    The model on the default device.
+    The model, on `mesh` or on the default device; the values are the same either way.
 
   Raises:
     CheckpointError: a tensor is missing, misshapen or unexpected for the config.
     ValueError: the config describes something Arbor does not model.
   """
-  return load_with_stats(path, dtype, **overrides)[0]
+  return load_with_stats(path, dtype, mesh=mesh, **overrides)[0]
 
 
-def load_with_stats(path: str | os.PathLike, dtype: Optional[str] = None,
+def load_with_stats(path: str | os.PathLike, dtype: Optional[str] = None, *,
+                    mesh: Optional[jax.sharding.Mesh] = None,
                     **overrides) -> tuple[Transformer, LoadStats]:
   """Runs `load`, also returning counts of what was read.
 
   Args:
     path: the HF checkpoint directory (see `load`).
     dtype: compute dtype (`ModelConfig.dtype`); None keeps the default (float32).
+    mesh: the device mesh to shard onto (see `load`); None: the default device.
     **overrides: further ModelConfig fields.
 
   Returns:
@@ -106,40 +128,57 @@ def load_with_stats(path: str | os.PathLike, dtype: Optional[str] = None,
   ckpt = SafetensorsDir(path)
   graphdef, state = nnx.split(abstract(cfg))
   variables = dict(nnx.to_flat_state(state))
-  arrays = {p: np.zeros(v.shape, np.float32) for p, v in variables.items()}
-  filled: dict[tuple[str, ...], np.ndarray] = {}  # which slices of each variable were read
-  stats = LoadStats()
-  consumed: set[str] = set()
+  sources = _sources(cfg, ckpt, variables, arch)
+  stats = _check_other_tensors(cfg, ckpt, sources, block, arch)
+  shardings = {}
+  if mesh is not None:
+    shardings = {p: v.get_value()
+                 for p, v in nnx.to_flat_state(state_shardings(state, cfg, mesh))}
+  new_state = []
+  for p, var in variables.items():
+    value = _read_variable(ckpt, sources[p], var.shape, shardings.get(p), block)
+    new_state.append((p, var.replace(value)))
+  stats.params = sum(int(np.prod(v.shape)) for _, v in new_state if isinstance(v, nnx.Param))
+  stats.bytes_read = ckpt.bytes_read
+  return nnx.merge(graphdef, nnx.from_flat_state(new_state)), stats
+
+
+def _sources(cfg: ModelConfig, ckpt: SafetensorsDir, variables: dict, arch: str
+             ) -> dict[tuple[str, ...], _Sources]:
+  """The HF tensor of every slice of every variable, checked against the headers only."""
+  sources: dict[tuple[str, ...], _Sources] = {p: {} for p in variables}
   for entry in entries(cfg):
-    target = arrays[entry.path][entry.index] if entry.index else arrays[entry.path]
-    want = entry.hf_shape(target.shape)
+    want = entry.hf_shape(variables[entry.path].shape[len(entry.index):])
     if entry.hf not in ckpt:
-      raise CheckpointError(f"tensor {entry.hf!r} is missing from the checkpoint in {path} "
-                            f"(expected shape {list(want)} for {arch})")
+      raise CheckpointError(f"tensor {entry.hf!r} is missing from the checkpoint in "
+                            f"{ckpt.directory} (expected shape {list(want)} for {arch})")
     found = ckpt.shape(entry.hf)
     if tuple(found) != want:
-      raise CheckpointError(f"tensor {entry.hf!r} in {path} has shape {list(found)}; expected "
-                            f"{list(want)} (from config.json)")
-    target[...] = entry.to_arbor(ckpt.get_dequantized(entry.hf, np.float32, block),
-                                 target.shape)
-    mask = filled.setdefault(entry.path, np.zeros(variables[entry.path].shape[:len(entry.index)],
-                                                  bool))
-    if mask[entry.index]:
+      raise CheckpointError(f"tensor {entry.hf!r} in {ckpt.directory} has shape {list(found)}; "
+                            f"expected {list(want)} (from config.json)")
+    if entry.index in sources[entry.path]:
       raise RuntimeError(f"internal: {entry.hf} maps to a slice already read (name table)")
-    mask[entry.index] = True
-    consumed.add(entry.hf)
-  for p in variables:  # the tables must cover every variable exactly once
-    if p not in filled or not filled[p].all():
+    sources[entry.path][entry.index] = entry
+  for p, var in variables.items():  # the tables must cover every variable exactly once
+    stack = var.shape[:len(next(iter(sources[p]), ()))]
+    if not sources[p] or len(sources[p]) != math.prod(stack) or not all(
+        0 <= i < n for index in sources[p] for i, n in zip(index, stack)):
       raise RuntimeError(f"internal: no HF tensor maps to {'/'.join(p)} (name table incomplete)")
-  stats.tensors = len(consumed)
+  return sources
 
+
+def _check_other_tensors(cfg: ModelConfig, ckpt: SafetensorsDir,
+                         sources: dict[tuple[str, ...], _Sources], block: int,
+                         arch: str) -> LoadStats:
+  """Accounts for the tensors no variable reads: a tied lm_head (must equal the embedding),
+  FP8 scales, multi-token-prediction layers (skipped); anything else is an error."""
+  consumed = {entry.hf for source in sources.values() for entry in source.values()}
+  stats = LoadStats(tensors=len(consumed))
   if cfg.tie_embeddings and "lm_head.weight" in ckpt:
-    head = ckpt.get_dequantized("lm_head.weight", np.float32, block)
-    if head.shape != arrays[("embed",)].shape or not np.array_equal(head, arrays[("embed",)]):
-      raise CheckpointError(f"tie_word_embeddings=True but lm_head.weight in {path} differs from "
-                            f"model.embed_tokens.weight")
+    if not _same_values(ckpt, "lm_head.weight", "model.embed_tokens.weight", block):
+      raise CheckpointError(f"tie_word_embeddings=True but lm_head.weight in {ckpt.directory} "
+                            f"differs from model.embed_tokens.weight")
     consumed.add("lm_head.weight")
-
   mtp, unexpected = [], []
   for name in ckpt.names():
     if name in consumed or _IGNORED.match(name):
@@ -153,24 +192,135 @@ def load_with_stats(path: str | os.PathLike, dtype: Optional[str] = None,
       continue
     unexpected.append(name)
   if unexpected:
-    raise CheckpointError(f"{len(unexpected)} unexpected tensor(s) in {path} for "
+    raise CheckpointError(f"{len(unexpected)} unexpected tensor(s) in {ckpt.directory} for "
                           f"{arch} with this config.json, e.g. "
                           f"{unexpected[:5]}")
   if mtp:
     layers = sorted({int(re.match(r"model\.layers\.(\d+)\.", n).group(1)) for n in mtp})
     logger.info("skipped %d tensors of multi-token-prediction layer(s) %s in %s",
-                len(mtp), layers, path)
+                len(mtp), layers, ckpt.directory)
   stats.skipped = len(mtp)
+  return stats
 
-  new_state = []
-  for p, var in variables.items():
-    new_state.append((p, var.replace(jnp.asarray(arrays.pop(p)))))
-  stats.params = sum(int(np.prod(v.shape)) for _, v in new_state if isinstance(v, nnx.Param))
-  return nnx.merge(graphdef, nnx.from_flat_state(new_state)), stats
+
+def _same_values(ckpt: SafetensorsDir, a: str, b: str, block: int) -> bool:
+  """Whether two 2-D tensors hold the same (dequantised) values, compared a few rows at a time."""
+  if ckpt.shape(a) != ckpt.shape(b):
+    return False
+  rows = ckpt.shape(a)[0]
+  return all(np.array_equal(ckpt.get_dequantized(a, np.float32, block, (part,)),
+                            ckpt.get_dequantized(b, np.float32, block, (part,)))
+             for part in (slice(i, i + _COMPARE_ROWS) for i in range(0, rows, _COMPARE_ROWS)))
+
+
+def _read_variable(ckpt: SafetensorsDir, source: _Sources, shape: tuple[int, ...],
+                   sharding: Optional[NamedSharding], block: int) -> jax.Array:
+  """One variable: whole on the default device (no sharding), else this process's shards.
+
+  Each distinct block is read once, copied to the devices that hold it and dropped before the
+  next is read; the copies are waited for, since a transfer holds its host block until it is
+  done (a CPU device may keep the block itself as its buffer).
+  """
+  if sharding is None:
+    return jnp.asarray(_read_block(ckpt, source, shape, slice_bounds(None, shape), block))
+  devices_of: dict[_Bounds, list[jax.Device]] = {}
+  for device, index in sharding.addressable_devices_indices_map(shape).items():
+    devices_of.setdefault(slice_bounds(index, shape), []).append(device)
+  shards = []
+  for bounds, devices in devices_of.items():
+    host = _read_block(ckpt, source, shape, bounds, block)
+    shards += jax.block_until_ready([jax.device_put(host, device) for device in devices])
+    del host  # before the next block is read
+  return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+
+def _read_block(ckpt: SafetensorsDir, source: _Sources, shape: tuple[int, ...], bounds: _Bounds,
+                block: int) -> np.ndarray:
+  """The block `bounds` of a variable, fp32, assembled from the HF tensors it overlaps.
+
+  The leading dimensions of a stacked variable (layer, then expert) pick HF tensors, each of
+  which gives the part of it inside the remaining bounds.
+  """
+  stack = len(next(iter(source)))
+  out = np.empty([stop - start for start, stop in bounds], np.float32)
+  for index in itertools.product(*(range(start, stop) for start, stop in bounds[:stack])):
+    local = tuple(i - start for i, (start, _) in zip(index, bounds))
+    out[local] = _read_part(ckpt, source[index], shape[stack:], bounds[stack:], block)
+  return out
+
+
+def _read_part(ckpt: SafetensorsDir, entry: Entry, shape: tuple[int, ...], bounds: _Bounds,
+               block: int) -> np.ndarray:
+  """The block `bounds` of the Arbor slice [`shape`] that HF tensor `entry.hf` fills.
+
+  An HF dimension merges a run of Arbor dimensions in C order ("linear": the output ones, then
+  the input ones; "flat": all; "same": one each). The HF range read for a run covers the block's
+  range of its first dimension and all of the others, so it is contiguous; the block's part of
+  the others is cut out after reshaping (a no-op unless a rule shards a non-leading dimension
+  of a run, e.g. `kv` in q_proj [embed, heads, kv]).
+  """
+  n = len(shape)
+  if entry.kind == "linear":
+    runs = [range(entry.n_in, n), range(entry.n_in)]
+  elif entry.kind == "flat":
+    runs = [range(n)]
+  else:
+    runs = [range(d, d + 1) for d in range(n)]
+  hf_index, covered, crop = [], list(shape), [slice(None)] * n
+  for run in runs:
+    (start, stop), inner = bounds[run[0]], math.prod(shape[d] for d in run[1:])
+    hf_index.append(slice(start * inner, stop * inner))
+    covered[run[0]] = stop - start
+    for d in run[1:]:
+      crop[d] = slice(*bounds[d])
+  w = ckpt.get_dequantized(entry.hf, np.float32, block, tuple(hf_index))
+  return entry.to_arbor(w, tuple(covered))[tuple(crop)]
+
+
+def _export(model: Transformer, dtype: str) -> tuple[dict[str, TensorSpec], Callable]:
+  """The specs of the HF tensors of `model` and a function that fetches one to the host.
+
+  A fetch gathers one tensor's slice of its variable (on a multi-host mesh, a collective every
+  process must join, in the same order).
+  """
+  if dtype not in _DTYPES:
+    raise ValueError(f"dtype={dtype!r}: expected one of {tuple(_DTYPES)}")
+  arrays = {p: v[...] for p, v in nnx.to_flat_state(nnx.state(model))}
+  table = {entry.hf: entry for entry in entries(model.cfg)}
+
+  def stored_dtype(name: str) -> np.dtype:
+    return np.dtype(np.float32 if name.endswith("e_score_correction_bias") else _DTYPES[dtype])
+
+  def fetch(name: str) -> np.ndarray:
+    entry = table[name]
+    a = _host_slice(arrays[entry.path], entry.index)
+    return np.ascontiguousarray(entry.to_hf(a), stored_dtype(name))
+
+  specs = {name: TensorSpec(entry.hf_shape(arrays[entry.path].shape[len(entry.index):]),
+                            stored_dtype(name)) for name, entry in table.items()}
+  return specs, fetch
+
+
+def _host_slice(value: jax.Array, index: tuple[int, ...]) -> np.ndarray:
+  """`value[index]` on this host, fp32, without gathering the rest of `value`.
+
+  An array spanning several processes (a NamedSharding) is sliced and replicated by a jitted
+  program every process runs.
+  """
+  if value.is_fully_addressable:
+    return np.asarray(value[index] if index else value, np.float32)
+  replicated = NamedSharding(value.sharding.mesh, PartitionSpec())
+  part = _replicated_slice(value, jnp.asarray(index, jnp.int32), replicated)
+  return np.asarray(part.addressable_data(0), np.float32)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _replicated_slice(value: jax.Array, index: jax.Array, sharding: NamedSharding) -> jax.Array:
+  return jax.lax.with_sharding_constraint(value[tuple(index)], sharding)
 
 
 def hf_tensors(model: Transformer, dtype: str = "float32") -> dict[str, np.ndarray]:
-  """The HF-named tensors of `model`.
+  """The HF-named tensors of `model` (all in memory at once; `save` writes them one by one).
 
   Args:
     model: the Transformer (stacked).
@@ -179,15 +329,8 @@ def hf_tensors(model: Transformer, dtype: str = "float32") -> dict[str, np.ndarr
   Returns:
     {HF tensor name: array in the HF layout}.
   """
-  if dtype not in _DTYPES:
-    raise ValueError(f"dtype={dtype!r}: expected one of {tuple(_DTYPES)}")
-  arrays = {p: np.asarray(v[...], np.float32) for p, v in nnx.to_flat_state(nnx.state(model))}
-  out = {}
-  for entry in entries(model.cfg):
-    a = arrays[entry.path][entry.index] if entry.index else arrays[entry.path]
-    np_dtype = np.float32 if entry.hf.endswith("e_score_correction_bias") else _DTYPES[dtype]
-    out[entry.hf] = np.ascontiguousarray(entry.to_hf(a)).astype(np_dtype)
-  return out
+  specs, fetch = _export(model, dtype)
+  return {name: fetch(name) for name in specs}
 
 
 def save(model: Transformer, path: str | os.PathLike, dtype: str = "float32",
@@ -195,28 +338,38 @@ def save(model: Transformer, path: str | os.PathLike, dtype: str = "float32",
   """Writes `model` as an HF checkpoint: config.json and safetensors.
 
   Routed experts are written per expert (`mlp.experts.{e}.gate_proj.weight`, ...), the layout of
-  the released checkpoints; transformers 5.x fuses them when loading.
+  the released checkpoints; transformers 5.x fuses them when loading. Tensors are fetched,
+  written and released one at a time, so a sharded model is never gathered whole on a host; on
+  several hosts every process must call `save` (the fetches are collectives) and process 0
+  writes.
 
   Args:
-    model: the Transformer (stacked).
+    model: the Transformer (stacked), on one device or sharded.
     path: output directory (created).
     dtype: dtype of the written weights ("float32", "bfloat16" or "float16").
     extra_config: keys added to config.json (e.g. token ids).
-    max_shard_bytes: safetensors files are split past this size.
+    max_shard_bytes: safetensors files are split past this size (with an index).
 
   Returns:
     The number of tensors written.
+
+  Raises:
+    ValueError: an unknown dtype, or a config no HF family expresses (nothing is written).
   """
   path = os.fspath(path)
-  tensors = hf_tensors(model, dtype)
+  specs, fetch = _export(model, dtype)
   hf = config_to_hf(model.cfg)
   hf.update(extra_config or {})
   hf.update(torch_dtype=dtype, dtype=dtype)
+  if jax.process_index() != 0:
+    for name in specs:  # join the gathers process 0 makes while writing, in its order
+      fetch(name)
+    return len(specs)
   os.makedirs(path, exist_ok=True)
-  save_dir(tensors, path, max_shard_bytes=max_shard_bytes, metadata={"format": "pt"})
+  write_dir(specs, fetch, path, max_shard_bytes=max_shard_bytes, metadata={"format": "pt"})
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(hf, f, indent=2, sort_keys=True)
-  return len(tensors)
+  return len(specs)
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -7,8 +7,13 @@ Routing (per token, fp32):
     `n_group` groups (group score = sum of its top-2 choice scores).
   gate weights = s of the chosen experts, renormalised when `norm_topk_prob`, times
   `routed_scaling_factor`.
-Dispatch "ragged" sorts token copies by expert and runs `jax.lax.ragged_dot` (no capacity, no
-drops); "dense" runs every expert on every token (the test reference).
+Experts (`moe_impl`): "ragged" sorts the token copies by expert and runs `jax.lax.ragged_dot`
+(no capacity, no drops); "dense" runs every expert on every token (the test reference).
+Dispatch (`moe_dispatch`, "ragged" only): "global" sorts all copies at once and leaves the
+partitioning to XLA, which replicates the copies (or the expert stacks) across devices; it is
+the reference. On a mesh whose expert axis is > 1, "all_to_all" sends each copy to the device
+holding its expert and back (models/expert_parallel.py). Routing (on each device's own
+tokens under a mesh), load statistics and shared experts are the same for every path.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import expert_parallel
 from models.config import ModelConfig
 from models.layers import MLP, RouterBias, dtype_of, param
 from models.sharding import constrain
@@ -65,7 +71,7 @@ class MoE(nnx.Module):
 
   Args:
     cfg: the model config (`num_experts`, `moe_intermediate_size`, `num_shared_experts`,
-      routing fields, `moe_impl`).
+      routing fields, `moe_impl`, `moe_dispatch`).
   """
 
   def __init__(self, cfg: ModelConfig):
@@ -100,8 +106,9 @@ class MoE(nnx.Module):
     logits = jnp.dot(xt.astype(jnp.float32), self.router[...])
     bias = None if self.router_bias is None else self.router_bias[...]
     bias = None if bias is None else jax.lax.stop_gradient(bias)
-    ids, gates, scores = route(cfg, logits, bias,
-                               None if expert_ids is None else expert_ids.reshape(b * s, -1))
+    given = None if expert_ids is None else expert_ids.reshape(b * s, -1)
+    ids, gates, scores = expert_parallel.token_local(
+        cfg, lambda logits, given, bias: route(cfg, logits, bias, given), (logits, given), (bias,))
     dt = dtype_of(cfg)
     w_gate, w_up, w_down = (p[...].astype(dt) for p in (self.gate_proj, self.up_proj,
                                                         self.down_proj))
@@ -112,6 +119,9 @@ class MoE(nnx.Module):
       combine = jnp.zeros((b * s, cfg.num_experts), jnp.float32).at[
           jnp.arange(b * s)[:, None], ids].add(gates)
       y = jnp.einsum("te,ted->td", combine.astype(dt), y_all)
+    elif layout := expert_parallel.plan(cfg):
+      y = expert_parallel.all_to_all_experts(layout, xt.astype(dt), ids, gates.astype(dt),
+                                             w_gate, w_up, w_down)
     else:
       y = _ragged_experts(xt.astype(dt), ids, gates.astype(dt), w_gate, w_up, w_down)
     y = y.reshape(b, s, d)
@@ -123,15 +133,14 @@ class MoE(nnx.Module):
 
 
 def _ragged_experts(x, ids, gates, w_gate, w_up, w_down):
-  """Dropless expert FFN: sort the T·k token copies by expert, grouped matmuls, scatter-add."""
+  """Global dispatch: sort all T·k token copies by expert, grouped matmuls, scatter-add."""
   t, k = ids.shape
   flat = ids.reshape(-1)
   order = jnp.argsort(flat, stable=True)
   token = order // k
   sizes = jnp.bincount(flat, length=w_gate.shape[0]).astype(jnp.int32)
-  xs = x[token]
-  h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)
-  ys = jax.lax.ragged_dot(h, w_down, sizes) * gates.reshape(-1)[order][:, None]
+  ys = expert_parallel.grouped_ffn(x[token], sizes, w_gate, w_up, w_down) \
+      * gates.reshape(-1)[order][:, None]
   return jnp.zeros_like(x).at[token].add(ys)
 
 

@@ -1,5 +1,11 @@
 """Shared fixtures: tiny models built once per test session."""
 
+import os
+
+# libtpu (a test dependency: tests compile for TPU topologies ahead of time) would otherwise
+# probe for a TPU at start-up in every process; the tests run on the CPU backend.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 import jax
 import pytest
 

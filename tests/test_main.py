@@ -243,7 +243,7 @@ def test_mesh_shape_against_the_device_count(sft_config):
   assert config_lib.mesh_shape(sft_config, 8) == (1, 4, 2, 1)
   sft_config.data.rows_per_batch = 2
   with pytest.raises(ConfigError, match=r"config.data.rows_per_batch=2: expected a multiple of "
-                                        r"mesh data x fsdp = 4"):
+                                        r"mesh data x fsdp x expert = 4"):
     config_lib.mesh_shape(sft_config, 8)
   sft_config.mesh.fsdp = 3
   with pytest.raises(ConfigError, match=r"config.mesh=.*needs 6 devices, have 8"):

@@ -140,7 +140,7 @@ class BatchShape:
   """
 
   row_len: int = 1024                  # L: tokens per row, a multiple of 128
-  rows: int = 8                        # R: rows per micro-batch (a multiple of data x fsdp)
+  rows: int = 8                        # R: rows per micro-batch (a multiple of the batch axes)
   seqs: Optional[int] = None           # S: sequences (trajectories) per micro-batch
   seq_len: Optional[int] = None        # T: sampled tokens per sequence (longest trajectory)
   micro_batches: Optional[int] = None  # M: micro-batches per step (padding ones are skipped)

@@ -333,12 +333,15 @@ def tokenizer_source(config, workdir: str) -> str:
 # ----------------------------------------------------------------------------- validation
 
 
-def validate(config: ml_collections.ConfigDict, workdir: Optional[str] = None) -> None:
+def validate(config: ml_collections.ConfigDict, workdir: Optional[str] = None, *,
+             files: bool = True) -> None:
   """Checks every field of an experiment config (see the module doc).
 
   Args:
     config: the experiment config.
     workdir: the run's --workdir (None: skip the checks that need it).
+    files: also check that the data, task and tokenizer files exist (False: only what defines
+      the run's programs, as `trainer.aot` compiles them without data).
 
   Raises:
     ConfigError: the first bad field, with its value and the valid choices.
@@ -369,7 +372,7 @@ def validate(config: ml_collections.ConfigDict, workdir: Optional[str] = None) -
   if mode in ("rl", "distill") and loss.name in RL_LOSSES_EXCLUDED:
     rl_losses = tuple(sorted(set(losses.LOSSES) - set(RL_LOSSES_EXCLUDED)))
     _fail("loss.name", loss.name, f"one of {rl_losses} for mode {mode!r}")
-  _validate_data(config, mode)
+  _validate_data(config, mode if files else "")
   _validate_tokenizer(config, mode, workdir)
   _int(config, "checkpoint.keep", 1)
   _bool(config, "checkpoint.async_save")
@@ -378,10 +381,10 @@ def validate(config: ml_collections.ConfigDict, workdir: Optional[str] = None) -
   _validate_distill(config)
   _validate_eval(config)
   _validate_serve(config)
-  if mode in ("rl", "distill", "eval", "serve"):
+  if files and mode in ("rl", "distill", "eval", "serve"):
     tokenizer_source(config, workdir or ".")
   if mode == "rl" or mode == "distill":
-    _validate_rl_mode(config)
+    _validate_rl_mode(config, files)
   if mode == "distill" and not config.distill.teachers:
     raise ConfigError("config.distill.teachers=(): mode 'distill' needs at least one teacher "
                       "'domain=ckpt:<dir>'")
@@ -390,7 +393,7 @@ def validate(config: ml_collections.ConfigDict, workdir: Optional[str] = None) -
           f"{config.eval.selection!r} (it selects one of several samples)")
 
 
-def _validate_rl_mode(config) -> None:
+def _validate_rl_mode(config, files: bool) -> None:
   """What only an active RL loop needs."""
   rl = config.rl
   if rl.loop == "async" and rl.max_staleness < 1:
@@ -405,7 +408,7 @@ def _validate_rl_mode(config) -> None:
   if rl.rollout_workers == "queue" and not rl.queue_url:
     _fail("rl.queue_url", rl.queue_url, "'memory' or a redis:// URL with rl.rollout_workers="
           "'queue'")
-  if rl.tasks and not os.path.isfile(rl.tasks):
+  if files and rl.tasks and not os.path.isfile(rl.tasks):
     _fail("rl.tasks", rl.tasks, "a task JSONL file (envs.tasks) or '' (generated tasks)")
   if rl.max_new_tokens >= rl.max_context_tokens:
     _fail("rl.max_new_tokens", rl.max_new_tokens, f"fewer than rl.max_context_tokens="
@@ -519,7 +522,7 @@ def mesh_shape(config, num_devices: int) -> tuple[int, ...]:
 
   Raises:
     ConfigError: the sizes' product is not `num_devices`, or data.rows_per_batch is not a
-      multiple of data x fsdp.
+      multiple of data x fsdp x expert.
   """
   given = {a: config.mesh[a] for a in MESH_AXES}
   try:
@@ -528,10 +531,10 @@ def mesh_shape(config, num_devices: int) -> tuple[int, ...]:
     raise ConfigError(f"config.mesh={given}: {re.sub(r'^MeshConfig[^:]*: ', '', str(e))} "
                       "(the axes' product must equal the device count; -1 = the rest)") from e
   rows = config.data.rows_per_batch
-  batch = sizes[0] * sizes[1]
+  batch = math.prod(s for a, s in zip(MESH_AXES, sizes) if a in ("data", "fsdp", "expert"))
   if rows % batch:
     raise ConfigError(f"config.data.rows_per_batch={rows}: expected a multiple of mesh data x "
-                      f"fsdp = {batch}")
+                      f"fsdp x expert = {batch} (the batch axes)")
   return tuple(sizes)
 
 

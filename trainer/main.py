@@ -120,7 +120,7 @@ def make_mesh(config):
 
   Raises:
     ConfigError: the axes' product does not match the devices, or data.rows_per_batch is not
-      a multiple of data x fsdp (`trainer.config.mesh_shape`).
+      a multiple of data x fsdp x expert (`trainer.config.mesh_shape`).
   """
   if config.mode == "demo":  # the stages share one mesh: the SFT stage's
     config = config.sft

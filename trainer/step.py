@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from typing import Any, Callable, Optional, Union
 
 import jax
@@ -276,7 +277,8 @@ def make_score_fn(model_cfg: ModelConfig, *, mesh=None, entropy: bool = False) -
   Returns:
     score(source, micro_batches) -> log-probs [M, S, T] f32 of every sampled token (0 at padding
     entries), or (log-probs, entropy [M, S, T]) with `entropy`. source: a TrainState, an nnx
-    Transformer or a (params, model_state) pair with `model_cfg`.
+    Transformer or a (params, model_state) pair with `model_cfg`. `score.lower(source,
+    micro_batches)` lowers the same pass without running it (abstract inputs accepted).
   """
   graphdef = state_lib.graphdef(model_cfg)
 
@@ -303,6 +305,13 @@ def make_score_fn(model_cfg: ModelConfig, *, mesh=None, entropy: bool = False) -
     lp, ent = _placed(mesh, score_all)(params, model_state, mb)
     return (lp, ent) if entropy else lp
 
+  def lower(source, mb: MicroBatches):
+    """The pass lowered without running it, for (possibly abstract) source and micro-batches."""
+    check_micro_batches(mb, model_cfg)
+    params, model_state = _source(source)
+    return _placed(mesh, score_all.lower)(params, model_state, mb)
+
+  score.lower = lower
   return score
 
 
@@ -511,6 +520,38 @@ class TrainStep:
     state, opt_metrics = _placed(self.mesh, self._apply)(state, grads, max_logits, load)
     # QK-Clip's own max_logit equals ours: the max of max_logits over micro-batches
     return state, {**metrics, **opt_metrics}
+
+  def compile(self, state: TrainState, micro_batches: MicroBatches
+              ) -> dict[str, tuple[Any, float]]:
+    """Compiles the step's two programs without running them (ahead-of-time compilation).
+
+    Args:
+      state: the TrainState, or its `jax.ShapeDtypeStruct`s (`state.abstract(..., mesh)`),
+        possibly on the devices of a TPU topology this machine does not have.
+      micro_batches: MicroBatches, or their ShapeDtypeStructs carrying `batch_shardings`.
+
+    Returns:
+      {"gradients": (compiled, seconds), "update": (compiled, seconds)}: the accumulation and
+      the optimizer update as `__call__` runs them (`jax.stages.Compiled`, compile time); the
+      update's gradient inputs take the shardings the compiled accumulation gives them.
+    """
+    check_micro_batches(micro_batches, self.model_cfg, self.loss_cfg, self.correction_cfg)
+    out = {}
+    with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+      t0 = time.perf_counter()
+      grads_fn = self._gradients.lower(state.params, state.model_state, micro_batches).compile()
+      out["gradients"] = (grads_fn, time.perf_counter() - t0)
+      _, grads, _, max_logits, load = jax.eval_shape(
+          self._gradients, state.params, state.model_state, micro_batches)
+      if self.mesh is not None:
+        shardings = grads_fn.output_shardings
+        grads, max_logits, load = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            (grads, max_logits, load), (shardings[1], shardings[3], shardings[4]))
+      t0 = time.perf_counter()
+      update_fn = self._apply.lower(state, grads, max_logits, load).compile()
+      out["update"] = (update_fn, time.perf_counter() - t0)
+    return out
 
   def gradients(self, state: TrainState, micro_batches: MicroBatches
                 ) -> tuple[jax.Array, Any, dict]:

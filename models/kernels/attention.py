@@ -18,10 +18,14 @@ Pallas kernel asked for on another backend runs in interpret mode (slow; for tes
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from models.kernels import tree_attention_gpu, tree_attention_tpu, tree_attention_xla
 from models.kernels.mask import MASK_VALUE, allowed
@@ -36,8 +40,8 @@ _PALLAS = {"pallas_tpu": (tree_attention_tpu.tree_attention, "tpu"),
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array, *, scale: float,
-              q_index: jax.Array | None = None, impl: str = "xla"
-              ) -> tuple[jax.Array, jax.Array]:
+              q_index: jax.Array | None = None, impl: str = "xla",
+              partition: tuple[Any, Any] | None = None) -> tuple[jax.Array, jax.Array]:
   """Multi-head attention with grouped key/value heads under the tree rule.
 
   Args:
@@ -48,6 +52,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array, *, scale
     scale: softmax scale applied to q·k.
     q_index: [batch, q_len] int row index of each query; default `arange(q_len)`.
     impl: "xla" | "xla_flash" | "pallas_tpu" | "pallas_gpu" | "auto" (see module docstring).
+    partition: (batch mesh axes, head mesh axes) of the activations under the current mesh
+      (`jax.set_mesh`); a Pallas kernel then runs on each shard inside `jax.shard_map`, since
+      XLA cannot partition a Mosaic / Triton call. None, or no mesh set: one call.
 
   Returns:
     out: [batch, q_len, heads, v_dim] in q's dtype.
@@ -59,11 +66,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array, *, scale
   """
   if impl == "auto":
     fallback = "xla_flash" if k.shape[1] >= FLASH_MIN_LENGTH else "xla"
-    impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), fallback)
+    impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(target_platform(), fallback)
   if impl not in IMPLS:
     raise ValueError(f"attention impl={impl!r}: expected one of {IMPLS} or 'auto'")
   if impl != "xla" and q_index is None:
-    return _kernel(impl)(q, k, v, end, scale=scale)
+    kernel = functools.partial(_kernel(impl, target_platform()), scale=scale)
+    if impl in _PALLAS and partition is not None and not jax.sharding.get_abstract_mesh().empty:
+      return _per_shard(kernel, q, k, v, end, *partition)
+    return kernel(q, k, v, end)
   b, lq, h, _ = q.shape
   kvh = k.shape[2]
   if h % kvh:
@@ -80,10 +90,57 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array, *, scale
   return out.reshape(b, lq, h, v.shape[-1]).astype(q.dtype), jax.lax.stop_gradient(max_logits)
 
 
+def _per_shard(kernel, q, k, v, end, batch, heads) -> tuple[jax.Array, jax.Array]:
+  """`kernel` on each (batch, head) shard; the max logits are reduced over the batch shards.
+
+  Heads are split only where the mesh axes divide the key/value heads (a GQA group stays on
+  one shard); otherwise every shard holds all heads of its batch rows.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  names = lambda axes: (axes,) if isinstance(axes, str) else tuple(axes or ())
+  if heads is not None and k.shape[2] % math.prod(mesh.shape[a] for a in names(heads)):
+    heads = None
+  rows, head = PartitionSpec(batch, None, heads, None), PartitionSpec(heads)
+
+  def local(q, k, v, end):
+    out, max_logits = kernel(q, k, v, end)
+    return out, (jax.lax.pmax(max_logits, names(batch)) if batch is not None else max_logits)
+
+  run = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, PartitionSpec(batch, None)),
+                      out_specs=(rows, head), check_vma=False)  # pallas_call outputs carry no vma
+  return run(q, k, v, end)
+
+
+_TARGETS: list[str] = []
+
+
+@contextlib.contextmanager
+def compile_for(platform: str) -> Iterator[None]:
+  """Chooses kernels for `platform` instead of the running backend while tracing.
+
+  Ahead-of-time compilation for a TPU on a CPU host (trainer/aot.py) traces under
+  `compile_for("tpu")`, so "auto" takes the TPU kernel and the Pallas TPU kernel lowers to
+  Mosaic rather than to the interpreter.
+
+  Args:
+    platform: "tpu", "gpu" or "cpu".
+  """
+  _TARGETS.append(platform)
+  try:
+    yield
+  finally:
+    _TARGETS.pop()
+
+
+def target_platform() -> str:
+  """The platform kernels are chosen for: `compile_for`'s, else the running backend."""
+  return _TARGETS[-1] if _TARGETS else jax.default_backend()
+
+
 @functools.cache
-def _kernel(impl: str):
-  """The kernel for `impl`; a Pallas kernel runs in interpret mode off its own backend."""
+def _kernel(impl: str, platform: str):
+  """The kernel for `impl`; a Pallas kernel runs in interpret mode off its own platform."""
   if impl == "xla_flash":
     return tree_attention_xla.tree_attention
   kernel, native = _PALLAS[impl]
-  return functools.partial(kernel, interpret=jax.default_backend() != native)
+  return functools.partial(kernel, interpret=platform != native)

@@ -1,0 +1,178 @@
+"""Run in a subprocess with 8 simulated CPU devices (tests/test_expert_parallel.py): the
+all-to-all expert-parallel dispatch equals the global ragged dispatch.
+
+Model level, on meshes (fsdp 2, expert 4) and (expert 8), against the single-device model:
+log-probs, expert choices, load (hence the aux-loss-free bias step), the gradient of every
+parameter and a forward with replayed (shifted) choices; the compiled program exchanges
+tokens by all-to-all and all-gathers neither an expert weight stack nor all tokens. Function
+level, on (fsdp 2, tensor 2, expert 2): a token count the mesh does not divide, repeated
+experts within a token, and a tensor-split expert width, against the all-experts formula,
+values and gradients.
+"""
+
+import os
+
+# a light CPU backend: compiling dominates the run time here
+os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
+                           "--xla_backend_optimization_level=0 "
+                           "--xla_llvm_disable_expensive_passes=true")
+
+import re  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from models import expert_parallel, sharding, transformer  # noqa: E402
+from models.moe import update_router_bias  # noqa: E402
+from tests.conftest import TINY_MOE_MLA  # noqa: E402
+
+CFG = TINY_MOE_MLA  # 8 experts, top-2 of 2 groups, sigmoid + bias, a shared expert
+ROWS, SEQ = 8, 10  # 80 tokens: no other dimension of the model is 80 or 160
+START = time.time()
+
+
+def say(what: str) -> None:
+  print(f"ok {what} ({time.time() - START:.1f} s)", flush=True)
+
+
+def assert_grad_close(a, b, what):
+  """The design's gradient tolerance per leaf: ‖Δg‖ ≤ 1e-5·‖g‖ + 1e-7."""
+  err, norm = float(jnp.linalg.norm(a - b)), float(jnp.linalg.norm(b))
+  assert err <= 1e-5 * norm + 1e-7, (what, err, norm)
+  return err / max(norm, 1e-30)
+
+
+def make_step(graphdef):
+  """jit((params, rest, tokens, positions, end, replay) -> (log-probs, aux, grads, replayed
+  log-probs)) with the loss = -mean next-token log-prob."""
+  def logprobs(model, tokens, positions, end, **kwargs):
+    logits, aux = model(tokens, positions, end, **kwargs)
+    lp = jax.nn.log_softmax(logits[:, :-1], -1)
+    return jnp.take_along_axis(lp, tokens[:, 1:, None], -1)[..., 0], aux
+
+  def step(params, rest, tokens, positions, end, replay):
+    def loss(p):
+      lp, aux = logprobs(nnx.merge(graphdef, p, rest), tokens, positions, end)
+      return -lp.mean(), (lp, aux)
+    (_, (lp, aux)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    replayed, _ = logprobs(nnx.merge(graphdef, params, rest), tokens, positions, end,
+                           expert_ids=replay)
+    return lp, aux, grads, replayed
+  return jax.jit(step)
+
+
+def gathered_shapes(hlo: str) -> list[tuple[int, ...]]:
+  """Result shapes of the all-gather ops of a compiled program's text."""
+  shapes = []
+  for result in re.findall(r"= (.*?) all-gather(?:-start)?\(", hlo):
+    for dims in re.findall(r"[a-z0-9]+\[([0-9,]*)\]", result):
+      shapes.append(tuple(int(d) for d in dims.split(",") if d))
+  return shapes
+
+
+def holds_expert_stack(shape: tuple[int, ...]) -> bool:
+  """Whether a shape contains a whole [experts, hidden, width] or [experts, width, hidden]."""
+  e, d, f = CFG.num_experts, CFG.hidden_size, CFG.moe_intermediate_size
+  return any(shape[i:i + 3] in ((e, d, f), (e, f, d)) for i in range(len(shape)))
+
+
+def hlo_reader_checks():
+  line = ("%all-gather.3 = f32[2,8,64,32]{3,2,1,0} all-gather(f32[2,2,64,32]{3,2,1,0} %p), "
+          "replica_groups=[2,4]<=[8], dimensions={1}")
+  assert gathered_shapes(line) == [(2, 8, 64, 32)] and holds_expert_stack((2, 8, 64, 32))
+  assert not holds_expert_stack((2, 2, 64, 32))
+
+
+def model_checks():
+  model = transformer.init(CFG, seed=0)
+  bias = model.moe_layers.mlp.router_bias
+  bias[...] = 0.1 * jax.random.normal(jax.random.key(7), bias[...].shape)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  step = make_step(graphdef)
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(1, CFG.vocab_size, (ROWS, SEQ)), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(SEQ, dtype=jnp.int32), tokens.shape)
+  end = jnp.full(tokens.shape, SEQ, jnp.int32)
+  replay = jnp.zeros((CFG.num_moe_layers, ROWS, SEQ, CFG.experts_per_token), jnp.int32)
+  ref_lp, ref_aux, ref_grads, _ = step(params, rest, tokens, positions, end, replay)
+  # replay other experts than the router picks: each choice shifted by one expert
+  replay = (ref_aux["expert_ids"] + 1) % CFG.num_experts
+  ref_lp, ref_aux, ref_grads, ref_replayed = step(params, rest, tokens, positions, end, replay)
+  assert np.abs(ref_replayed - ref_lp).max() > 1e-3  # the replay does change the experts
+  say("single-device reference")
+
+  for mesh_cfg in (sharding.MeshConfig(fsdp=2, expert=4), sharding.MeshConfig(fsdp=1, expert=8)):
+    mesh = sharding.make_mesh(mesh_cfg)
+    _, *placed = nnx.split(sharding.shard_model(model, mesh), nnx.Param, ...)
+    inputs = [jax.device_put(a, sharding.batch_sharding(CFG, mesh))
+              for a in (tokens, positions, end)]
+    with jax.set_mesh(mesh):
+      assert expert_parallel.plan(CFG) is not None
+      args = (*placed, *inputs, replay)
+      hlo = step.lower(*args).compile().as_text()
+      lp, aux, grads, replayed = step(*args)
+    assert "all-to-all" in hlo
+    gathered = gathered_shapes(hlo)
+    assert not [s for s in gathered if holds_expert_stack(s)], gathered
+    # nor every token (routing included): each device works on its own
+    assert not [s for s in gathered if s[:1] in ((ROWS * SEQ,), (ROWS * SEQ * 2,))], gathered
+    assert len(lp.sharding.device_set) == 8
+    np.testing.assert_array_equal(aux["expert_ids"], ref_aux["expert_ids"])
+    lp_err = float(np.abs(lp - ref_lp).max() / np.abs(ref_lp).max())
+    replay_err = float(np.abs(replayed - ref_replayed).max() / np.abs(ref_replayed).max())
+    assert lp_err <= 1e-5 and replay_err <= 1e-5, (lp_err, replay_err)
+    np.testing.assert_allclose(aux["moe_load"], ref_aux["moe_load"], rtol=1e-6, atol=1e-7)
+    rate = CFG.bias_update_rate
+    np.testing.assert_array_equal(update_router_bias(bias[...], aux["moe_load"], rate),
+                                  update_router_bias(bias[...], ref_aux["moe_load"], rate))
+    worst = max(assert_grad_close(a, b, jax.tree_util.keystr(path)) for (path, a), b in zip(
+        jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ref_grads)))
+    say(f"{dict(mesh.shape)}: rel |Δlogprobs| {lp_err:.1e}, replayed {replay_err:.1e}, "
+        f"worst leaf ‖Δg‖/‖g‖ {worst:.1e}")
+
+
+def dense_experts(x, ids, gates, w_gate, w_up, w_down):
+  """Every expert on every token, combined by the gates (repeated choices add up)."""
+  h = jax.nn.silu(jnp.einsum("td,edf->tef", x, w_gate)) * jnp.einsum("td,edf->tef", x, w_up)
+  combine = jnp.zeros((x.shape[0], w_gate.shape[0])).at[
+      jnp.arange(x.shape[0])[:, None], ids].add(gates)
+  return jnp.einsum("te,ted->td", combine, jnp.einsum("tef,efd->ted", h, w_down))
+
+
+def function_checks():
+  e, d, f, k, t = 8, 16, 12, 3, 30  # 30 tokens: padded to a multiple of the 4 token shards
+  keys = jax.random.split(jax.random.key(1), 6)
+  x = jax.random.normal(keys[0], (t, d))
+  ids = jax.random.randint(keys[1], (t, k), 0, e).at[:5].set(0)  # repeated experts included
+  gates = jax.random.uniform(keys[2], (t, k))
+  w = [0.3 * jax.random.normal(keys[3 + i], shape) for i, shape in
+       enumerate(((e, d, f), (e, d, f), (e, f, d)))]
+  cot = jax.random.normal(jax.random.key(2), (t, d))
+  cfg = CFG.replace(hidden_size=d, moe_intermediate_size=f, experts_per_token=k,
+                    moe_dispatch="all_to_all")
+
+  def loss(fn, x, gates, w):
+    return (fn(x, ids, gates, *w) * cot).sum()
+
+  want, want_grads = jax.value_and_grad(lambda *a: loss(dense_experts, *a), (0, 1, 2))(x, gates, w)
+  mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=2, tensor=2, expert=2))
+  with jax.set_mesh(mesh):
+    layout = expert_parallel.plan(cfg)
+    assert layout.expert_axes == ("expert",) and layout.mlp_axes == ("tensor",), layout
+    ep = lambda *a: expert_parallel.all_to_all_experts(layout, *a)
+    got, grads = jax.jit(jax.value_and_grad(lambda *a: loss(ep, *a), (0, 1, 2)))(x, gates, w)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  worst = max(assert_grad_close(a, b, "function") for a, b in zip(
+      jax.tree.leaves(grads), jax.tree.leaves(want_grads)))
+  say(f"function on (fsdp 2, tensor 2, expert 2), {t} tokens, top-{k} with repeats: "
+      f"worst ‖Δg‖/‖g‖ {worst:.1e}")
+
+
+if __name__ == "__main__":
+  assert len(jax.devices()) == 8
+  hlo_reader_checks()
+  function_checks()
+  model_checks()

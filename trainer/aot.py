@@ -1,0 +1,427 @@
+"""Ahead-of-time compilation of a run's programs for a TPU slice, on a machine without one.
+
+    python -m trainer.aot --config=configs/rl.py:qwen2.5-coder \\
+        --config.model.preset=qwen2.5-coder-7b --config.model.init=random \\
+        --topology=v5p:2x2x2 [--programs=train,score] [--out=aot.json]
+
+`libtpu` (the `jax[tpu]` extra; installed with the test dependencies) carries the XLA TPU
+compiler, Mosaic included, and the descriptions of TPU topologies: `topology_devices` gives the
+devices of a slice ("v5p:2x2x2" = 8 chips, "v6e:2x2" = 4), the config's mesh and sharding rules
+are laid over them, and the run's own jitted programs are lowered on abstract inputs
+(`jax.ShapeDtypeStruct`s carrying their shardings) and compiled:
+
+  train   `TrainStep.compile`: the accumulation over micro-batches (the scan, remat policy,
+          chunked log-probs, the loss) and the optimizer update (Muon / AdamW, QK-Clip, the
+          router bias step), with the state's real shardings;
+  score   `make_score_fn`: the forward-only pass of the reference / teacher / pi_old scoring.
+
+Batch shapes come from the config: M = data.microbatches micro-batches of R = data.rows_per_batch
+rows of L = data.row_len tokens, S = data.max_seqs sequences of T = data.seq_len sampled tokens,
+and the fields the loss needs (`step.required_inputs`). Nothing runs and no weights are read
+(`model.init` may stay a placeholder: the architecture comes from `model.preset` or the
+checkpoint's config.json).
+
+Per program the report holds, per chip: HBM (arguments, outputs, temporaries, generated code,
+their total against the chip's capacity), FLOPs and bytes accessed (`cost_analysis`, which
+counts a loop body once: the micro-batch and layer scans make them per-iteration figures), every
+collective of the optimized HLO with the number of times it runs (loop trip counts applied) and
+its result bytes, the Mosaic kernel calls, the compile time; and the roofline time (the largest
+of FLOPs / peak, bytes / HBM bandwidth, collective bytes / ICI bandwidth; the compute term uses
+the model FLOPs, 6 N T for the accumulation and 2 N T for scoring, N the active parameters and
+T the step's row positions per chip, when they exceed the compiled count) with the model-FLOPs
+utilisation it implies.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import re
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from jax.experimental import topologies
+from ml_collections import config_flags
+
+from models import presets, sharding
+from models.hardware import CHIPS, GB, Chip
+from models.kernels import attention
+from rl import corrections
+from trainer import config as config_lib
+from trainer import optim
+from trainer import state as state_lib
+from trainer import step as step_lib
+from trainer.batches import MicroBatches
+
+PROGRAMS = ("train", "score")
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+               "collective-permute", "collective-broadcast")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
+                "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+def topology_devices(topology: str) -> tuple[Chip, list]:
+  """The devices of a TPU slice, described by libtpu (no TPU needed).
+
+  Args:
+    topology: "GEN:AxB[xC]", e.g. "v5p:2x2x1" (4 chips), "v5p:4x4x4" (64), "v6e:2x2" (4).
+
+  Returns:
+    (the generation's Chip, the slice's devices: one per chip, to build a mesh over).
+
+  Raises:
+    ConfigError: an unknown generation or a shape libtpu does not know.
+  """
+  gen, _, shape = topology.partition(":")
+  if gen not in CHIPS or not re.fullmatch(r"\d+(x\d+){1,2}", shape):
+    raise config_lib.ConfigError(f"--topology={topology!r}: expected GEN:AxB[xC] with GEN one "
+                                 f"of {sorted(CHIPS)} (e.g. v5p:2x2x2, v6e:4x4)")
+  # Only the compiler is used (no TPU is opened), so several processes may load libtpu at once
+  # (a test runner's workers, a compile beside a run).
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  try:
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+  except Exception as e:  # libtpu's message says what it accepts
+    raise config_lib.ConfigError(f"--topology={topology!r}: {e}") from None
+  return CHIPS[gen], list(desc.devices)
+
+
+def _struct(shape: Sequence[int], dtype, sharding_) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding_)
+
+
+def abstract_micro_batches(config, model_cfg, mesh) -> MicroBatches:
+  """The step's micro-batches as ShapeDtypeStructs with their shardings (nothing allocated).
+
+  Args:
+    config: the run's config (data.microbatches, rows_per_batch, row_len, max_seqs, seq_len;
+      the loss and correction that name the fields).
+    model_cfg: the model's ModelConfig.
+    mesh: the mesh the batch is sharded over.
+
+  Returns:
+    MicroBatches of `jax.ShapeDtypeStruct`s: [M, R, L] positions, [M, S, T] sequences, the
+    fields "loss_mask", "turn" and what the loss needs, the scalar "group" (and "advantage",
+    "reward" where needed); RL modes also carry the sampler's "logprobs".
+  """
+  d = config.data
+  m, r, l = max(1, d.microbatches), d.rows_per_batch, d.row_len
+  s, t = d.max_seqs, d.seq_len
+  loss_cfg = config_lib.loss_config(config)
+  correction = corrections.CorrectionConfig(kind=config.rl.correction)
+  fields, scalars = {"loss_mask", "turn"}, {"group"}
+  for where, name, _ in step_lib.required_inputs(loss_cfg, correction):
+    (scalars if where in ("scalars", "either") else fields).add(name)
+  if config.mode in ("rl", "distill"):
+    fields.add("logprobs")
+  i32, f32 = jnp.int32, jnp.float32
+  plain = MicroBatches(
+      tokens=_struct((m, r, l), i32, None), positions=_struct((m, r, l), i32, None),
+      end=_struct((m, r, l), i32, None), token_weights=_struct((m, r, l), f32, None),
+      seq_pred=_struct((m, s, t), i32, None), seq_tokens=_struct((m, s, t), i32, None),
+      seq_valid=_struct((m, s, t), jnp.bool_, None), seq_id=_struct((m, s), i32, None),
+      fields={k: _struct((m, s, t), f32, None) for k in sorted(fields)},
+      scalars={k: _struct((m, s), f32, None) for k in sorted(scalars)}, expert_ids=None)
+  shardings = step_lib.batch_shardings(model_cfg, mesh, plain)
+  return jax.tree.map(lambda x, sh: _struct(x.shape, x.dtype, sh), plain, shardings)
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+  """The HLO module's computations, name -> body lines, and the entry computation's name."""
+  comps: dict[str, list[str]] = {}
+  entry, current = "", None
+  for line in hlo_text.splitlines():
+    head = re.match(r"(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+    if head and not line.startswith(" "):
+      current = head.group(2)
+      comps[current] = []
+      entry = current if head.group(1) else entry
+    elif line.startswith("}"):
+      current = None
+    elif current is not None:
+      comps[current].append(line)
+  return comps, entry
+
+
+def _multipliers(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
+  """How many times each computation runs per call of the program.
+
+  A while loop's body and condition run its trip count times (the constant its condition
+  compares the counter with, as `lax.scan` and a static `fori_loop` lower; 1 for a
+  data-dependent bound); every other callee (fusions, calls, branches, reductions) as often as its
+  caller. XLA's cost analysis counts a loop body once, so this is what scales the collectives.
+  """
+  def trip(cond: str) -> int:
+    lines = comps.get(cond, ())
+    consts = {}
+    for line in lines:
+      c = re.match(r"\s*%?([\w.\-]+) = s32\[\]\S* constant\((\d+)\)", line)
+      if c:
+        consts[c.group(1)] = int(c.group(2))
+    for line in lines:  # ROOT compare(counter, N), direction=LT with N a constant
+      root = re.search(r"ROOT .*compare\((?:\S+ )?%?[\w.\-]+, (?:\S+ )?%?([\w.\-]+)\), "
+                       r"direction=LT", line)
+      if root and root.group(1) in consts:
+        return consts[root.group(1)]
+    return 1  # a data-dependent bound: counted once, like XLA's cost analysis
+
+  mult: dict[str, int] = {}
+  stack = [(entry, 1)]
+  while stack:
+    name, m = stack.pop()
+    if mult.get(name, 0) >= m:
+      continue
+    mult[name] = m
+    for line in comps.get(name, ()):
+      loop = re.search(r"condition=%?([\w.\-]+), body=%?([\w.\-]+)", line)
+      if loop:
+        n = trip(loop.group(1))
+        stack += [(loop.group(1), m * n), (loop.group(2), m * n)]
+        continue
+      for callees in re.findall(r"(?:calls|to_apply|branch_computations|true_computation|"
+                                r"false_computation)=(\{[^}]*\}|%?[\w.\-]+)", line):
+        stack += [(c, m) for c in re.findall(r"%?([\w.\-]+)", callees)]
+  return mult
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+  """Counts the collectives an optimized HLO module runs per call, and their result bytes.
+
+  Args:
+    hlo_text: `compiled.as_text()`.
+
+  Returns:
+    {kind: {"count": executions, "bytes": result bytes per chip}} for each kind of
+    `COLLECTIVES` present: ops inside loops count once per iteration (`_multipliers`); async
+    "-start" ops count under their kind ("-done" halves not again).
+  """
+  comps, entry = _computations(hlo_text)
+  mult = _multipliers(comps, entry) if entry else {}
+  kinds = "|".join(sorted(COLLECTIVES, key=len, reverse=True))
+  op = re.compile(rf"\s({kinds})(-start)?\(")
+  out: dict[str, dict[str, int]] = {}
+  for name, lines in comps.items():
+    for line in lines:
+      found = op.search(line)
+      if not found or " = " not in line[:found.start()]:
+        continue
+      shapes = re.findall(r"([a-z][a-z0-9]*)\[([0-9,]*)\]",
+                          line[line.index(" = ") + 3:found.start()])
+      if found.group(2) and len(shapes) > 1:
+        shapes = shapes[len(shapes) // 2:]  # an async start's (operands, results)
+      nbytes = sum(_DTYPE_BYTES.get(dt, 4) * math.prod(int(x) for x in dims.split(",") if x)
+                   for dt, dims in shapes)
+      times = mult.get(name, 1)
+      entry_ = out.setdefault(found.group(1), {"count": 0, "bytes": 0})
+      entry_["count"] += times
+      entry_["bytes"] += times * nbytes
+  return out
+
+
+def program_report(compiled, seconds: float, chip: Chip, model_flops: Optional[float]) -> dict:
+  """What one compiled program costs per chip (see the module docstring).
+
+  Args:
+    compiled: a `jax.stages.Compiled` for the slice.
+    seconds: its compile time.
+    chip: the slice's Chip.
+    model_flops: useful FLOPs per chip (6 N T, 2 N T), or None (no utilisation reported).
+
+  Returns:
+    A JSON-able dict: hbm_gb {arguments, outputs, temporaries, code, aliased, total,
+    capacity, fits}, flops and bytes_accessed (XLA's cost analysis: loop bodies counted
+    once), collectives (per execution, `collectives`), mosaic_kernels (Mosaic calls by
+    Pallas kernel name, "other" for the compiler's own, e.g. ragged_dot), roofline_s
+    {compute, hbm, ici, step, bound}, mfu, compile_s.
+  """
+  mem = compiled.memory_analysis()
+  cost = compiled.cost_analysis() or {}
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  hbm = {"arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
+         "temporaries": mem.temp_size_in_bytes, "code": mem.generated_code_size_in_bytes,
+         "aliased": mem.alias_size_in_bytes}
+  total = (hbm["arguments"] + hbm["outputs"] + hbm["temporaries"] + hbm["code"]
+           - hbm["aliased"])
+  text = compiled.as_text()
+  coll = collectives(text)
+  kernels = collections.Counter(
+      (re.search(r'op_name="[^"]*?(\w+)/pallas_call"', line) or re.search("()", "")).group(1)
+      or "other" for line in text.splitlines() if 'custom_call_target="tpu_custom_call"' in line)
+  flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+  # XLA's cost analysis counts a loop body once (the micro-batch and layer scans): the
+  # compute term takes the model's FLOPs when they are larger, and the HBM term is a floor.
+  terms = {"compute": max(flops, model_flops or 0.0) / chip.peak_flops,
+           "hbm": accessed / chip.hbm_bw,
+           "ici": sum(c["bytes"] for c in coll.values()) / chip.ici_bw}
+  step_s = max(terms.values())
+  return {
+      "hbm_gb": {**{k: round(v / GB, 3) for k, v in hbm.items()}, "total": round(total / GB, 3),
+                 "capacity": chip.hbm_bytes / GB, "fits": total <= chip.hbm_bytes},
+      "flops": flops, "bytes_accessed": accessed, "collectives": coll,
+      "mosaic_kernels": dict(sorted(kernels.items())),
+      "roofline_s": {**{k: round(v, 6) for k, v in terms.items()}, "step": round(step_s, 6),
+                     "bound": max(terms, key=terms.get)},
+      "mfu": (round(model_flops / chip.peak_flops / step_s, 4)
+              if model_flops and step_s > 0 else None),
+      "compile_s": round(seconds, 2),
+  }
+
+
+def compile_run(config, topology: str, programs: Sequence[str] = PROGRAMS) -> dict:
+  """Compiles a run's programs for a TPU slice and reports their costs.
+
+  Args:
+    config: an "sft", "rl" or "distill" config, as the run would use it (files are not read).
+    topology: the slice, "GEN:AxB[xC]" (`topology_devices`).
+    programs: which of `PROGRAMS` to compile.
+
+  Returns:
+    {"topology", "chips", "mesh", "model", "batch", "programs": {name: `program_report`}}.
+
+  Raises:
+    ConfigError: a bad config field, topology or program name, or a mesh that does not
+      divide the slice's chips.
+  """
+  with attention.compile_for("tpu"):  # kernels for the TPU, not this host's backend
+    return _compile_run(config, topology, programs)
+
+
+def _compile_run(config, topology: str, programs: Sequence[str]) -> dict:
+  config_lib.validate(config, None, files=False)
+  if config.mode not in ("sft", "rl", "distill"):
+    raise config_lib.ConfigError(f"config.mode={config.mode!r}: the compiled programs are "
+                                 "those of 'sft', 'rl' or 'distill'")
+  for name in programs:
+    if name not in PROGRAMS:
+      raise config_lib.ConfigError(f"--programs: {name!r} is not one of {PROGRAMS}")
+  chip, devices = topology_devices(topology)
+  shape = config_lib.mesh_shape(config, len(devices))
+  mesh_cfg = sharding.MeshConfig(**dict(zip(sharding.MESH_AXES, shape)))
+  mesh = sharding.make_mesh(mesh_cfg, devices)
+  model_cfg = config_lib.model_config(config)
+  optimizer = optim.build(config.optimizer, model_cfg)
+  state = state_lib.abstract(model_cfg, optimizer, mesh)
+  mb = abstract_micro_batches(config, model_cfg, mesh)
+  d = config.data
+  tokens = max(1, d.microbatches) * d.rows_per_batch * d.row_len
+  active = presets.count_active_params(model_cfg)
+  per_chip = lambda passes: 2 * passes * active * tokens / len(devices)
+  report = {"topology": topology, "chips": len(devices), "mesh": dict(mesh.shape),
+            "model": {"params": presets.count_params(model_cfg), "active_params": active,
+                      "attention_impl": model_cfg.attention_impl, "remat": model_cfg.remat,
+                      "dtype": str(model_cfg.dtype)},
+            "batch": {"micro_batches": max(1, d.microbatches), "rows": d.rows_per_batch,
+                      "row_len": d.row_len, "seqs": d.max_seqs, "seq_len": d.seq_len},
+            "programs": {}}
+  if "train" in programs:
+    train_step = step_lib.make_train_step(
+        model_cfg, config_lib.loss_config(config), optimizer, mesh=mesh,
+        correction_cfg=corrections.CorrectionConfig(kind=config.rl.correction))
+    t0 = time.perf_counter()
+    try:
+      for name, (compiled, seconds) in train_step.compile(state, mb).items():
+        flops = per_chip(3) if name == "gradients" else None
+        report["programs"][f"train/{name}"] = program_report(compiled, seconds, chip, flops)
+    except jax.errors.JaxRuntimeError as e:
+      report["programs"]["train/gradients"] = out_of_memory(e, chip, time.perf_counter() - t0)
+  if "score" in programs:
+    score = step_lib.make_score_fn(model_cfg, mesh=mesh)
+    t0 = time.perf_counter()
+    try:
+      compiled = score.lower(state, mb).compile()
+      report["programs"]["score"] = program_report(compiled, time.perf_counter() - t0, chip,
+                                                   per_chip(1))
+    except jax.errors.JaxRuntimeError as e:
+      report["programs"]["score"] = out_of_memory(e, chip, time.perf_counter() - t0)
+  return report
+
+
+def out_of_memory(error: Exception, chip: Chip, seconds: float) -> dict:
+  """The report of a program the compiler refused because it does not fit in HBM.
+
+  Args:
+    error: the compiler's error ("RESOURCE_EXHAUSTED: ... HLO temporaries (76.23G) exceeds
+      available HBM (31.25G)"); any other error is raised again.
+    chip: the slice's Chip.
+    seconds: the time until the compiler gave up.
+
+  Returns:
+    {"hbm_gb": {"temporaries", "available", "capacity", "fits": False}, "error", "compile_s"}
+    (GiB figures as the compiler states them, converted to GB).
+  """
+  message = str(error)
+  if "RESOURCE_EXHAUSTED" not in message:
+    raise error
+  need = re.search(r"temporaries \(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)", message)
+  gib = 2**30 / GB
+  hbm = {"capacity": chip.hbm_bytes / GB, "fits": False}
+  if need:
+    hbm.update(temporaries=round(float(need.group(1)) * gib, 2),
+               available=round(float(need.group(2)) * gib, 2))
+  return {"hbm_gb": hbm, "error": message.strip().splitlines()[0][:500],
+          "compile_s": round(seconds, 2)}
+
+
+def summary_lines(report: dict) -> list[str]:
+  """One line per program: HBM total / capacity, roofline step and bound, MFU, compile time."""
+  lines = [f"{report['topology']} ({report['chips']} chips), mesh {report['mesh']}"]
+  for name, p in report["programs"].items():
+    if "error" in p:
+      lines.append(f"  {name}: does NOT fit: {p['error']}")
+      continue
+    hbm, roof = p["hbm_gb"], p["roofline_s"]
+    coll = ", ".join(f"{k} x{v['count']} {v['bytes'] / GB:.2f} GB"
+                     for k, v in sorted(p["collectives"].items())) or "none"
+    mfu = f", MFU {100 * p['mfu']:.0f}%" if p["mfu"] is not None else ""
+    lines.append(f"  {name}: HBM {hbm['total']:.2f} / {hbm['capacity']:.0f} GB per chip "
+                 f"({'fits' if hbm['fits'] else 'does NOT fit'}; temporaries "
+                 f"{hbm['temporaries']:.2f}), roofline {1e3 * roof['step']:.1f} ms "
+                 f"({roof['bound']}-bound{mfu}), collectives: {coll}; compiled in "
+                 f"{p['compile_s']:.0f} s")
+  return lines
+
+
+def _define_flags() -> dict:
+  """The command line's flags (defined only when run as a program: trainer.main, imported in
+  the same process, owns --config there)."""
+  return {
+      "config": config_flags.DEFINE_config_file("config", None,
+                                                "The run's config file (sft/rl/distill)."),
+      "topology": flags.DEFINE_string("topology", None, "The TPU slice, e.g. v5p:2x2x2, v6e:4x4."),
+      "programs": flags.DEFINE_list("programs", list(PROGRAMS), f"Which of {PROGRAMS}."),
+      "out": flags.DEFINE_string("out", None, "Also write the report as JSON to this file."),
+  }
+
+
+def main(argv, cli: dict) -> None:
+  """Compiles, prints a summary line per program, writes the JSON report.
+
+  Args:
+    argv: what absl left (unused).
+    cli: the flag holders of `_define_flags`.
+  """
+  del argv
+  config, topology = cli["config"].value, cli["topology"].value
+  if config is None or topology is None:
+    raise app.UsageError("--config and --topology are required")
+  try:
+    report = compile_run(config, topology, cli["programs"].value)
+  except config_lib.ConfigError as e:
+    print(f"config error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
+  print("\n".join(summary_lines(report)), flush=True)
+  if cli["out"].value:
+    with open(cli["out"].value, "w") as f:
+      json.dump(report, f, indent=1)
+    print(f"wrote {cli['out'].value}")
+
+
+if __name__ == "__main__":
+  _cli = _define_flags()
+  app.run(lambda argv: main(argv, _cli))
