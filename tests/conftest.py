@@ -1,6 +1,10 @@
-"""Shared fixtures: tiny models built once per test session."""
+"""Shared fixtures: tiny models built once per test session; the runner of the multi-device
+check scripts."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 # libtpu (a test dependency: tests compile for TPU topologies ahead of time) would otherwise
 # probe for a TPU at start-up in every process; the tests run on the CPU backend.
@@ -14,6 +18,22 @@ from models import transformer
 
 # fp32 everywhere: tests compare against references at 1e-5.
 jax.config.update("jax_default_matmul_precision", "highest")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_check(module: str, *args: str, timeout: int = 600) -> str:
+  """Runs `python -m tests.<module> ARGS` in a fresh process and returns its stdout.
+
+  The check scripts set their own XLA_FLAGS (simulated device count) before importing JAX, so
+  the inherited XLA_FLAGS is dropped. Fails the test on a non-zero exit, with the output.
+  """
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run([sys.executable, "-m", f"tests.{module}", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+  return proc.stdout
 
 TINY_DENSE = ModelConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=16, intermediate_size=96, qkv_bias=True,

@@ -10,11 +10,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +19,7 @@ from rl import batch as rb
 from rl import losses
 from rl.packing import pack
 from rl.tree import CallTokens, TrajectoryTokens, build_tree
+from tests.conftest import run_check
 
 VOCAB = 4  # tiny vocabulary: sampled tokens of different trajectories often coincide (shared nodes)
 FIELDS = ("logprobs", "old_logprobs", "ref_logprobs", "teacher_logprobs", "failed", "loss_mask")
@@ -233,10 +229,5 @@ def test_micro_batches_sum_to_batch(cfg):
 
 
 def test_data_parallel_equals_single_device():
-  root = Path(__file__).resolve().parents[1]
-  env = dict(os.environ, PYTHONPATH=str(root))
-  env.pop("XLA_FLAGS", None)
-  proc = subprocess.run([sys.executable, "-m", "tests.loss_dp_check"], cwd=root, env=env,
-                        capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-  assert f"ok {len(loss_configs())}" in proc.stdout, proc.stdout
+  stdout = run_check("loss_dp_check")
+  assert f"ok {len(loss_configs())}" in stdout, stdout

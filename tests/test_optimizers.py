@@ -3,10 +3,6 @@ errors, the bf16 state, and (in a subprocess) sharded optimizer state. QK-Clip:
 tests/test_qk_clip.py."""
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +12,7 @@ from flax import nnx
 
 from configs.base import base_config
 from models import transformer
-from tests.conftest import TINY_DENSE, TINY_MOE_MLA
+from tests.conftest import TINY_DENSE, TINY_MOE_MLA, run_check
 from trainer import optim
 
 
@@ -245,10 +241,5 @@ def test_bf16_state():
 # ----------------------------------------------------------------------------- 4. sharding
 
 def test_sharded_optimizer_state_and_step():
-  root = Path(__file__).resolve().parents[1]
-  env = dict(os.environ, PYTHONPATH=str(root))
-  env.pop("XLA_FLAGS", None)
-  proc = subprocess.run([sys.executable, "-m", "tests.optimizer_sharding_check"], cwd=root,
-                        env=env, capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-  assert proc.stdout.count("ok ") == 2, proc.stdout
+  stdout = run_check("optimizer_sharding_check", timeout=900)
+  assert stdout.count("ok ") == 2, stdout

@@ -1,22 +1,14 @@
 """Sharded forward on a simulated 8-device CPU mesh equals the single-device forward."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+import pytest
 
 from models.sharding import MeshConfig
-import pytest
+from tests.conftest import run_check
 
 
 def test_sharded_forward_matches_single_device():
-  root = Path(__file__).resolve().parents[1]
-  env = dict(os.environ, PYTHONPATH=str(root))
-  env.pop("XLA_FLAGS", None)
-  proc = subprocess.run([sys.executable, "-m", "tests.sharding_check"], cwd=root, env=env,
-                        capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-  assert proc.stdout.count("ok ") == 2, proc.stdout
+  stdout = run_check("sharding_check")
+  assert stdout.count("ok ") == 2, stdout
 
 
 def test_mesh_config_errors():

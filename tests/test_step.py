@@ -11,11 +11,7 @@ per-token log-probs and entropies).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import tempfile
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +23,7 @@ from models.logprobs import token_logprobs
 from rl import corrections, losses
 from rl.batch import Counts, SeqBatch
 from rl.tree import CallTokens, TrajectoryTokens
-from tests.conftest import TINY_DENSE, TINY_MOE_MLA
+from tests.conftest import TINY_DENSE, TINY_MOE_MLA, run_check
 from tests.test_tree_training import groups as tree_groups
 from trainer import batches as B
 from trainer import optim as O
@@ -387,16 +383,11 @@ def test_sharded_step_equals_single_device(request):
   step = get_step(request, "dense", "grpo")
   loss, grads, metrics = step.gradients(s["state"], s["mb"])
   new, _ = step(s["state"], s["mb"])
-  root = Path(__file__).resolve().parents[1]
-  env = dict(os.environ, PYTHONPATH=str(root))
-  env.pop("XLA_FLAGS", None)
   with tempfile.TemporaryDirectory() as tmp:
     save_tree(f"{tmp}/mb.npz", s["mb"])
     np.savez(f"{tmp}/config.npz", tau=s["opt"].config.qk_clip.tau)
-    proc = subprocess.run([sys.executable, "-m", "tests.step_sharding_check", tmp], cwd=root,
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    assert "ok sharded" in proc.stdout, proc.stdout
+    stdout = run_check("step_sharding_check", tmp)
+    assert "ok sharded" in stdout, stdout
     out = {k: np.load(f"{tmp}/{k}.npz") for k in ("grads", "params", "metrics")}
   np.testing.assert_allclose(out["metrics"]["loss"], float(loss), rtol=1e-5)
   for which, tree in (("grads", grads), ("params", new.params)):
