@@ -556,7 +556,9 @@ def test_remote_client_turns_a_cut_off_response_into_sandbox_error():
 
   def serve_half():
     conn, _ = listener.accept()
-    conn.recv(65536)
+    request = b""
+    while b"\r\n\r\n" not in request or not request.endswith(b"}"):  # all of it: no RST
+      request += conn.recv(65536)
     conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 152\r\n\r\n{\"stdout\": \"")  # then the server is gone
     conn.close()

@@ -46,7 +46,11 @@ class _Client:
         "Authorization": f"Bearer {self.token}", "Content-Type": "application/json"})
     try:
       with urllib.request.urlopen(req, timeout=timeout, context=self.ssl) as r:
-        return json.loads(r.read())
+        try:
+          return json.loads(r.read())
+        except (OSError, http.client.HTTPException, ValueError) as e:  # cut mid-body
+          raise SandboxError(f"sandbox server {self.url}: bad or cut-off response "
+                             f"({type(e).__name__}: {e})") from None
     except urllib.error.HTTPError as e:
       try:
         err = json.loads(e.read())
