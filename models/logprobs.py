@@ -3,56 +3,83 @@
 A [tokens, vocab] fp32 logits array for a long row is large (32k tokens × 152k vocab = 19 GiB).
 `token_logprobs` projects `chunk` tokens at a time inside a rematerialised scan, so neither the
 forward nor the backward pass ever holds more than [chunk, vocab] logits.
+
+Under a mesh (given the model config) the leading dimension stays sharded over the batch axes:
+the scan walks the second dimension, each step projecting every sequence's next slice, so each
+device projects only its own sequences (`chunk` counts a device's tokens) and the vocabulary
+stays split over the `tensor` axis.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 
+from models.config import ModelConfig
+from models.sharding import axis_size, constrain
 
-def _chunk_stats(h: jax.Array, w: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+
+def _chunk_stats(h: jax.Array, w: jax.Array, targets: jax.Array,
+                 cfg: Optional[ModelConfig]) -> tuple[jax.Array, jax.Array]:
+  """h [B, c, hidden], targets [B, c] -> (log p(targets), entropy), each [B, c] fp32."""
   logits = jnp.dot(h.astype(jnp.float32), w.astype(jnp.float32))
+  if cfg is not None:
+    logits = constrain(logits, ("batch", None, "act_vocab"), cfg)
   logp = jax.nn.log_softmax(logits, axis=-1)
-  chosen = jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
+  chosen = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
   entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
   return chosen, entropy
 
 
 def token_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array,
-                   chunk: int = 1024) -> tuple[jax.Array, jax.Array]:
+                   chunk: int = 1024, cfg: Optional[ModelConfig] = None
+                   ) -> tuple[jax.Array, jax.Array]:
   """log p(targets) and the entropy of the predictive distribution, per position.
 
   Args:
-    hidden: [..., hidden] final-normed hidden states of the predicting positions.
+    hidden: [batch, seq, hidden] (or [seq, hidden]) final-normed hidden states of the
+      predicting positions.
     lm_head: [hidden, vocab] output projection.
-    targets: [...] int token ids to score (same leading shape as hidden).
-    chunk: tokens projected at once.
+    targets: [batch, seq] (or [seq]) int token ids to score.
+    chunk: tokens projected at once (per device under a mesh).
+    cfg: the model config; given, `batch` stays sharded over the mesh's batch axes and the
+      logits' vocabulary over `tensor` (its sharding rules). None: no sharding constraints.
 
   Returns:
-    (logprobs [...], entropy [...]) in fp32. Entropy is returned for monitoring; its gradient
-    flows too, like the log-probs'.
+    (logprobs, entropy), each shaped like `targets`, fp32. Entropy is returned for monitoring;
+    its gradient flows too, like the log-probs'.
   """
   lead = targets.shape
-  h = hidden.reshape(-1, hidden.shape[-1])
-  t = targets.reshape(-1).astype(jnp.int32)
-  n = t.shape[0]
-  chunk = max(1, min(chunk, n))
-  pad = (-n) % chunk
-  h = jnp.pad(h, ((0, pad), (0, 0)))
-  t = jnp.pad(t, (0, pad))
-  stats = jax.checkpoint(_chunk_stats)  # recompute a chunk's logits in the backward pass
+  rows = lead[0] if len(lead) > 1 else 1
+  h = hidden.reshape(rows, -1, hidden.shape[-1])
+  t = targets.reshape(rows, -1).astype(jnp.int32)
+  n = t.shape[1]
+  shards = axis_size("batch", cfg) if cfg is not None else 1
+  local_rows = rows // shards if rows % shards == 0 else rows
+  step = max(1, min(chunk // max(local_rows, 1), n))  # positions per row per chunk
+  pad = (-n) % step
+  h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+  t = jnp.pad(t, ((0, 0), (0, pad)))
+  k = (n + pad) // step
+  stats = jax.checkpoint(_chunk_stats, static_argnums=(3,))  # recompute logits in the backward
 
   def body(_, xs):
-    return None, stats(xs[0], lm_head, xs[1])
+    h_i, t_i = xs
+    if cfg is not None:
+      h_i = constrain(h_i, ("batch", None, "act_embed"), cfg)
+    return None, stats(h_i, lm_head, t_i, cfg)
 
-  _, (lp, ent) = jax.lax.scan(body, None, (h.reshape(-1, chunk, h.shape[-1]),
-                                          t.reshape(-1, chunk)))
-  return lp.reshape(-1)[:n].reshape(lead), ent.reshape(-1)[:n].reshape(lead)
+  xs = (h.reshape(rows, k, step, -1).swapaxes(0, 1), t.reshape(rows, k, step).swapaxes(0, 1))
+  _, (lp, ent) = jax.lax.scan(body, None, xs)  # [k, rows, step]
+  unchunk = lambda a: a.swapaxes(0, 1).reshape(rows, -1)[:, :n].reshape(lead)
+  return unchunk(lp), unchunk(ent)
 
 
 def sequence_logprobs(hidden: jax.Array, lm_head: jax.Array, seq_pred: jax.Array,
-                      seq_tokens: jax.Array, chunk: int = 1024) -> tuple[jax.Array, jax.Array]:
+                      seq_tokens: jax.Array, chunk: int = 1024,
+                      cfg: Optional[ModelConfig] = None) -> tuple[jax.Array, jax.Array]:
   """Per-sequence log-probs and entropies of sampled tokens on a tree-packed batch.
 
   Each sampled token c is scored from the logits of its predicting position pred[c] (its
@@ -65,11 +92,16 @@ def sequence_logprobs(hidden: jax.Array, lm_head: jax.Array, seq_pred: jax.Array
     lm_head: [hidden, vocab].
     seq_pred: [num_seqs, seq_len] flat index (row * row_len + col) of each token's predictor.
     seq_tokens: [num_seqs, seq_len] the sampled token ids.
-    chunk: tokens projected at once.
+    chunk: tokens projected at once (per device under a mesh).
+    cfg: the model config: given, the gathered states are sharded by sequence over the batch
+      axes (each device scores its own sequences; see `token_logprobs`).
 
   Returns:
     (logprobs, entropy), each [num_seqs, seq_len] fp32; padding entries hold garbage values
     and must be masked by the batch's `seq_valid`.
   """
   flat = hidden.reshape(-1, hidden.shape[-1])
-  return token_logprobs(jnp.take(flat, seq_pred, axis=0), lm_head, seq_tokens, chunk)
+  gathered = jnp.take(flat, seq_pred, axis=0)  # [num_seqs, seq_len, hidden]
+  if cfg is not None:
+    gathered = constrain(gathered, ("batch", None, "act_embed"), cfg)
+  return token_logprobs(gathered, lm_head, seq_tokens, chunk, cfg)

@@ -113,6 +113,24 @@ def constrain(x: jax.Array, axes: tuple[str | None, ...], cfg: ModelConfig) -> j
   return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, cfg.sharding_rules, mesh))
 
 
+def axis_size(name: str, cfg: ModelConfig) -> int:
+  """How many shards the current abstract mesh splits logical axis `name` into (1 outside one).
+
+  Args:
+    name: a logical axis, e.g. "batch".
+    cfg: the model config (its `sharding_rules`).
+
+  Returns:
+    The product of the sizes of the mesh axes the rules assign to `name`.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return 1
+  spec = logical_to_spec((name,), cfg.sharding_rules, mesh)[0]
+  names = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+  return math.prod(mesh.shape[a] for a in names)
+
+
 def _divisible(spec: PartitionSpec, shape, mesh) -> PartitionSpec:
   """Replicate dimensions whose size the assigned mesh axes do not divide."""
   out = []

@@ -218,7 +218,7 @@ def _forward(graphdef, model_cfg: ModelConfig, params, model_state, mb: MicroBat
   hidden, aux, _ = model.hidden(mb.tokens, mb.positions, mb.end, token_weights=mb.token_weights,
                                 expert_ids=mb.expert_ids)
   lp, ent = sequence_logprobs(hidden, model.lm_head_weight(), mb.seq_pred, mb.seq_tokens,
-                              model_cfg.logits_chunk)
+                              model_cfg.logits_chunk, model_cfg)
   return lp, ent, aux
 
 
@@ -451,6 +451,8 @@ class TrainStep:
 
     def one(mb_i):
       (loss, (metrics, aux)), grads = grad_fn(params, model_state, mb_i, counts, row_scale)
+      if self._state_shardings is not None:  # reduce-scattered to the FSDP shards, not summed
+        grads = jax.lax.with_sharding_constraint(grads, self._state_shardings.params)
       weight = (jnp.asarray(mb_i.seq_valid) * mb_i.fields["loss_mask"]).sum()
       out = {"loss": loss, "grads": grads, "metrics": metrics, "weight": weight,
              "max_logits": aux["max_logits"]}
@@ -461,6 +463,8 @@ class TrainStep:
 
     first = jax.eval_shape(one, jax.tree.map(lambda x: x[0], mb))
     init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), first)
+    if self._state_shardings is not None:
+      init["grads"] = jax.lax.with_sharding_constraint(init["grads"], self._state_shardings.params)
     init["max_logits"] = jnp.full(first["max_logits"].shape, -jnp.inf, jnp.float32)
     init["metrics"] = {k: jnp.full(s.shape, -jnp.inf if "max" in k else 0.0, s.dtype)
                        for k, s in first["metrics"].items()}
