@@ -24,41 +24,55 @@ from configs import rl as rl_config
 from models.presets import get_preset
 from trainer import aot
 
-# name -> (preset, family, topology, sizing slice, mesh, remat, micro-batches)
+# name -> (preset, family, topology, sizing slice, mesh, remat, micro-batches, model overrides)
 PLANS = {
     "qwen7b-v5p-save_dots": ("qwen2.5-coder-7b", "qwen2.5-coder", "v5p:4x4x2", "v5p-64",
-                             {"fsdp": 16, "tensor": 2}, "save_dots", 16),
+                             {"fsdp": 16, "tensor": 2}, "save_dots", 16, {}),
     "qwen7b-v5p-full": ("qwen2.5-coder-7b", "qwen2.5-coder", "v5p:4x4x2", "v5p-64",
-                        {"fsdp": 16, "tensor": 2}, "full", 16),
+                        {"fsdp": 16, "tensor": 2}, "full", 16, {}),
     "qwen7b-v6e-full": ("qwen2.5-coder-7b", "qwen2.5-coder", "v6e:8x8", "v6e-64",
-                        {"fsdp": 64, "tensor": 1}, "full", 4),
+                        {"fsdp": 64, "tensor": 1}, "full", 4, {}),
     "qwen32b-v5p-full": ("qwen2.5-coder-32b", "qwen2.5-coder", "v5p:4x4x4", "v5p-128",
-                         {"fsdp": 64, "tensor": 1}, "full", 4),
+                         {"fsdp": 64, "tensor": 1}, "full", 4, {}),
+    "qwen32b-v6e-full": ("qwen2.5-coder-32b", "qwen2.5-coder", "v6e:16x16", "v6e-256",
+                         {"fsdp": 64, "tensor": 4}, "full", 4, {}),
+    "qwen3-30b-a3b-v5p-ep": ("qwen3-30b-a3b", "qwen3", "v5p:4x4x2", "v5p-64",
+                             {"fsdp": 4, "tensor": 1, "expert": 8}, "full", 4,
+                             {"moe_dispatch": "all_to_all"}),
+    "dsv3-v5p-ep-a2a": ("deepseek-v3", "deepseek-v3", "v5p:8x8x8", "v5p-1024",
+                        {"fsdp": 8, "tensor": 8, "expert": 8}, "full", 4,
+                        {"moe_dispatch": "all_to_all"}),
+    "dsv3-v5p-ep-global": ("deepseek-v3", "deepseek-v3", "v5p:8x8x8", "v5p-1024",
+                           {"fsdp": 8, "tensor": 8, "expert": 8}, "full", 4,
+                           {"moe_dispatch": "global"}),
 }
 ROW_LEN, SEQ_LEN = 32768, 8192  # docs/scaling.md: one trajectory's trie fills a row
 
 
 def plan_config(name: str):
   """The RL config of plan `name` (no files needed: model.init stays random)."""
-  preset, family, _, _, mesh, remat, micro_batches = PLANS[name]
+  preset, family, _, _, mesh, remat, micro_batches, overrides = PLANS[name]
   c = rl_config.get_config(family)
   c.model.preset, c.model.init = preset, "random"
   c.optimizer.name = "muon"  # as the sizing arithmetic assumes
   c.model.overrides.remat = remat
   c.model.overrides.attention_impl = "pallas_tpu"
-  c.mesh.data, c.mesh.expert = 1, 1
+  c.model.overrides.update(overrides)
+  c.mesh.data, c.mesh.expert = 1, mesh.get("expert", 1)
   c.mesh.fsdp, c.mesh.tensor = mesh["fsdp"], mesh["tensor"]
   c.data.row_len, c.data.seq_len = ROW_LEN, SEQ_LEN
-  c.data.rows_per_batch = c.data.max_seqs = mesh["fsdp"]  # one row per batch shard
+  batch_shards = mesh["fsdp"] * mesh.get("expert", 1)
+  c.data.rows_per_batch = c.data.max_seqs = batch_shards  # one row per batch shard
   c.data.microbatches = micro_batches
   return c
 
 
 def estimate_gb(name: str) -> float:
   """The sizing arithmetic's per-chip total (`sizing.memory_per_chip`) for the plan."""
-  preset, _, _, _, mesh, remat, _ = PLANS[name]
-  memory = sizing.memory_per_chip(get_preset(preset), sizing.Mesh(mesh["fsdp"], mesh["tensor"], 1),
-                                  remat, "muon")
+  preset, _, _, _, mesh, remat, _, _ = PLANS[name]
+  memory = sizing.memory_per_chip(
+      get_preset(preset), sizing.Mesh(mesh["fsdp"], mesh["tensor"], mesh.get("expert", 1)),
+      remat, "muon")
   return round(sum(memory.values()), 1)
 
 

@@ -38,7 +38,7 @@ def v5p_report():
 def test_tiny_steps_compile_for_v5p_with_the_mosaic_kernel(v5p_report):
   r = v5p_report
   assert r["chips"] == 4 and r["mesh"]["fsdp"] == 4
-  assert set(r["programs"]) == {"train/gradients", "train/update", "score"}
+  assert set(r["programs"]) == {"train/gradients", "train/update", "score", "prefill", "decode"}
   for name, p in r["programs"].items():
     hbm = p["hbm_gb"]
     assert hbm["fits"] and 0 < hbm["total"] < hbm["capacity"] == 95.0, name
@@ -60,6 +60,12 @@ def test_tiny_steps_compile_for_v5p_with_the_mosaic_kernel(v5p_report):
   grads, score = r["programs"]["train/gradients"], r["programs"]["score"]
   assert grads["flops"] > score["flops"]
   assert 0 < grads["mfu"] <= 1 and 0 < score["mfu"] <= 1
+  # the engine's calls: at least the weights and the cache are read (the floor), and XLA's
+  # count of one decode step is above it
+  for name in ("prefill", "decode"):
+    p = r["programs"][name]
+    assert p["min_bytes"] > 0 and p["bytes_ratio"] == pytest.approx(
+        p["bytes_accessed"] / p["min_bytes"], rel=1e-2) and p["bytes_ratio"] > 1, name
 
 
 def test_collectives_are_counted_per_execution():
@@ -96,8 +102,8 @@ ENTRY %main (a: f32[4]) -> f32[8] {
 def test_bad_topology_and_program_are_config_errors():
   with pytest.raises(ConfigError, match="--topology='v9:2x2'"):
     aot.topology_devices("v9:2x2")
-  with pytest.raises(ConfigError, match="--programs: 'decode'"):
-    aot.compile_run(tiny_config(), "v5p:2x2x1", programs=("decode",))
+  with pytest.raises(ConfigError, match="--programs: 'backward'"):
+    aot.compile_run(tiny_config(), "v5p:2x2x1", programs=("backward",))
 
 
 def test_command_line_compiles_the_train_step_for_v6e(tmp_path):
@@ -116,3 +122,30 @@ def test_command_line_compiles_the_train_step_for_v6e(tmp_path):
   assert p["hbm_gb"]["capacity"] == 32.0 and p["hbm_gb"]["fits"]
   assert {"tree_attention_fwd", "tree_attention_dq", "tree_attention_dkv"} <= set(
       p["mosaic_kernels"])
+
+
+def test_search_tries_stronger_settings_until_one_fits(monkeypatch):
+  c = tiny_config(microbatches=1, rows_per_batch=8)
+  c.model.overrides.remat = "save_dots"
+  c.mesh.fsdp, c.mesh.tensor = 4, 1
+  changes = [change for change, _ in aot.alternatives(c, {"data": 1, "fsdp": 4, "tensor": 1,
+                                                          "expert": 1})]
+  assert changes[0] == "remat=full" and changes[1] == "mesh fsdp=2 tensor=2"
+  assert changes[2].startswith("rows_per_batch=") and changes[3].startswith("logits_chunk=")
+  # each alternative keeps the earlier ones; the first that fits ends the search
+  seen = []
+
+  def fake_compile_run(config, topology, programs):
+    seen.append((config.model.overrides.remat, config.mesh.tensor))
+    fits = len(seen) == 2
+    return {"mesh": dict(config.mesh), "programs": {"train/gradients": {
+        "hbm_gb": {"total": 90.0 if fits else 120.0, "fits": fits}, "compile_s": 1.0}}}
+  monkeypatch.setattr(aot, "compile_run", fake_compile_run)
+  refused = {"mesh": {"data": 1, "fsdp": 4, "tensor": 1, "expert": 1}, "programs": {
+      "train/gradients": {"hbm_gb": {"temporaries": 130.0, "fits": False}}}}
+  tried = aot.search(c, "v5p:2x2x1", refused)
+  assert seen == [("full", 1), ("full", 2)]
+  assert [(t["change"], t["fits"], t["hbm_gb"]) for t in tried] == [
+      ("remat=full", False, 120.0), ("mesh fsdp=2 tensor=2", True, 90.0)]
+  fits = {"mesh": refused["mesh"], "programs": {"train/gradients": {"hbm_gb": {"fits": True}}}}
+  assert aot.search(c, "v5p:2x2x1", fits) == []

@@ -2,7 +2,7 @@
 
     python -m trainer.aot --config=configs/rl.py:qwen2.5-coder \\
         --config.model.preset=qwen2.5-coder-7b --config.model.init=random \\
-        --topology=v5p:2x2x2 [--programs=train,score] [--out=aot.json]
+        --topology=v5p:2x2x2 [--programs=train,score,prefill,decode] [--out=aot.json] [--search]
 
 `libtpu` (the `jax[tpu]` extra; installed with the test dependencies) carries the XLA TPU
 compiler, Mosaic included, and the descriptions of TPU topologies: `topology_devices` gives the
@@ -13,7 +13,10 @@ are laid over them, and the run's own jitted programs are lowered on abstract in
   train   `TrainStep.compile`: the accumulation over micro-batches (the scan, remat policy,
           chunked log-probs, the loss) and the optimizer update (Muon / AdamW, QK-Clip, the
           router bias step), with the state's real shardings;
-  score   `make_score_fn`: the forward-only pass of the reference / teacher / pi_old scoring.
+  score   `make_score_fn`: the forward-only pass of the reference / teacher / pi_old scoring;
+  prefill, decode  the generation engine's calls (`trainer.aot_engine`) for the run's engine
+          (`rl.concurrency` slots of `rl.max_context_tokens`), on the same mesh: the weights
+          and the KV cache (MLA: the absorbed latent cache) sharded by the model's rules.
 
 Batch shapes come from the config: M = data.microbatches micro-batches of R = data.rows_per_batch
 rows of L = data.row_len tokens, S = data.max_seqs sequences of T = data.seq_len sampled tokens,
@@ -29,7 +32,10 @@ its result bytes, the Mosaic kernel calls, the compile time; and the roofline ti
 of FLOPs / peak, bytes / HBM bandwidth, collective bytes / ICI bandwidth; the compute term uses
 the model FLOPs, 6 N T for the accumulation and 2 N T for scoring, N the active parameters and
 T the step's row positions per chip, when they exceed the compiled count) with the model-FLOPs
-utilisation it implies.
+utilisation it implies. Prefill and decode add `min_bytes`, the HBM bytes a call must read at
+least per chip (`aot_engine.engine_programs`: the weights once, the cache it touches), and
+`bytes_ratio`, the compiled bytes accessed over it (for decode, one step's: XLA counts the
+decode loop's body once).
 """
 
 from __future__ import annotations
@@ -53,13 +59,14 @@ from models import presets, sharding
 from models.hardware import CHIPS, GB, Chip
 from models.kernels import attention
 from rl import corrections
+from trainer import aot_engine
 from trainer import config as config_lib
 from trainer import optim
 from trainer import state as state_lib
 from trainer import step as step_lib
 from trainer.batches import MicroBatches
 
-PROGRAMS = ("train", "score")
+PROGRAMS = ("train", "score", "prefill", "decode")
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
                "collective-permute", "collective-broadcast")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
@@ -297,6 +304,8 @@ def _compile_run(config, topology: str, programs: Sequence[str]) -> dict:
   if config.mode not in ("sft", "rl", "distill"):
     raise config_lib.ConfigError(f"config.mode={config.mode!r}: the compiled programs are "
                                  "those of 'sft', 'rl' or 'distill'")
+  if not programs:
+    raise config_lib.ConfigError(f"--programs: empty; name some of {PROGRAMS}")
   for name in programs:
     if name not in PROGRAMS:
       raise config_lib.ConfigError(f"--programs: {name!r} is not one of {PROGRAMS}")
@@ -339,7 +348,98 @@ def _compile_run(config, topology: str, programs: Sequence[str]) -> dict:
                                                    per_chip(1))
     except jax.errors.JaxRuntimeError as e:
       report["programs"]["score"] = out_of_memory(e, chip, time.perf_counter() - t0)
+  engine = [name for name in ("prefill", "decode") if name in programs]
+  if engine:
+    t0 = time.perf_counter()
+    try:
+      compiled = aot_engine.engine_programs(config, model_cfg, mesh)
+    except jax.errors.JaxRuntimeError as e:
+      compiled = {}
+      for name in engine:
+        report["programs"][name] = out_of_memory(e, chip, time.perf_counter() - t0)
+    for name in engine if compiled else ():
+      program, seconds, min_bytes = compiled[name]
+      report["programs"][name] = program_report(program, seconds, chip, None)
+      # XLA counts the decode loop's body once: bytes accessed ~ one decode step
+      report["programs"][name]["min_bytes"] = min_bytes
+      report["programs"][name]["bytes_ratio"] = round(
+          report["programs"][name]["bytes_accessed"] / max(min_bytes, 1.0), 2)
   return report
+
+
+def _fits(report: dict) -> bool:
+  return all(p["hbm_gb"]["fits"] for p in report["programs"].values())
+
+
+def alternatives(config, mesh: dict) -> list[tuple[str, Any]]:
+  """The settings `search` tries, each a step further from the config's: stronger remat, then
+  a factor 2 of the FSDP axis moved to tensor parallelism (the same rows per device), then half
+  the rows per micro-batch (twice the micro-batches: the same tokens per step), then half the
+  log-prob chunk. Each keeps the earlier changes.
+
+  Args:
+    config: the run's config.
+    mesh: its resolved mesh sizes {axis: size} (a report's "mesh").
+
+  Returns:
+    [(what changed, the config with it)], those that apply to this config only.
+  """
+  out, c = [], config.copy_and_resolve_references()
+  c.mesh.update(mesh)
+  model_cfg = config_lib.model_config(c)
+  order = ("none", "save_dots", "full")
+  if model_cfg.remat in order and model_cfg.remat != "full":
+    c = c.copy_and_resolve_references()
+    c.model.overrides.remat = "full"
+    out.append(("remat=full", c))
+  heads = model_cfg.num_kv_heads if model_cfg.attention == "gqa" else model_cfg.num_heads
+  if c.mesh.fsdp % 2 == 0 and heads % (2 * c.mesh.tensor) == 0:
+    c = c.copy_and_resolve_references()
+    c.mesh.fsdp, c.mesh.tensor = c.mesh.fsdp // 2, c.mesh.tensor * 2
+    if c.data.rows_per_batch % 2 == 0:  # the same rows per device, twice the micro-batches
+      c.data.rows_per_batch //= 2
+      c.data.microbatches = max(1, c.data.microbatches) * 2
+    out.append((f"mesh fsdp={c.mesh.fsdp} tensor={c.mesh.tensor}", c))
+  batch_shards = c.mesh.data * c.mesh.fsdp * c.mesh.expert
+  if c.data.rows_per_batch // 2 >= batch_shards and (c.data.rows_per_batch // 2) % batch_shards == 0:
+    c = c.copy_and_resolve_references()
+    c.data.rows_per_batch //= 2
+    c.data.microbatches = max(1, c.data.microbatches) * 2
+    out.append((f"rows_per_batch={c.data.rows_per_batch} microbatches={c.data.microbatches}", c))
+  if model_cfg.logits_chunk > 128:
+    c = c.copy_and_resolve_references()
+    c.model.overrides.logits_chunk = model_cfg.logits_chunk // 2
+    out.append((f"logits_chunk={model_cfg.logits_chunk // 2}", c))
+  return out
+
+
+def search(config, topology: str, report: dict, max_tries: int = 4) -> list[dict]:
+  """When the train step does not fit: compiles `alternatives` until one does.
+
+  Args:
+    config: the run's config.
+    topology: the slice.
+    report: `compile_run`'s report for the config (its resolved mesh is the starting point).
+    max_tries: compiles at most.
+
+  Returns:
+    One entry per setting tried, in order: {"change", "fits", "hbm_gb" (the train step's
+    largest total, or the temporaries the compiler asked for), "mesh", "compile_s"}; empty when
+    the config's train step fits already.
+  """
+  if "train/gradients" not in report["programs"] or _fits(report):
+    return []
+  tried = []
+  for change, candidate in alternatives(config, report["mesh"])[:max_tries]:
+    print(f"search: trying {change}", flush=True)
+    r = compile_run(candidate, topology, ("train",))
+    hbm = max(p["hbm_gb"].get("total", p["hbm_gb"].get("temporaries", 0.0))
+              for p in r["programs"].values())
+    tried.append({"change": change, "fits": _fits(r), "hbm_gb": hbm, "mesh": r["mesh"],
+                  "compile_s": round(sum(p["compile_s"] for p in r["programs"].values()), 1)})
+    if tried[-1]["fits"]:
+      break
+  return tried
 
 
 def out_of_memory(error: Exception, chip: Chip, seconds: float) -> dict:
@@ -378,11 +478,13 @@ def summary_lines(report: dict) -> list[str]:
     hbm, roof = p["hbm_gb"], p["roofline_s"]
     coll = ", ".join(f"{k} x{v['count']} {v['bytes'] / GB:.2f} GB"
                      for k, v in sorted(p["collectives"].items())) or "none"
-    mfu = f", MFU {100 * p['mfu']:.0f}%" if p["mfu"] is not None else ""
+    extra = f", MFU {100 * p['mfu']:.0f}%" if p["mfu"] is not None else ""
+    if "bytes_ratio" in p:
+      extra += f", bytes accessed {p['bytes_ratio']:.1f}x the minimum"
     lines.append(f"  {name}: HBM {hbm['total']:.2f} / {hbm['capacity']:.0f} GB per chip "
                  f"({'fits' if hbm['fits'] else 'does NOT fit'}; temporaries "
                  f"{hbm['temporaries']:.2f}), roofline {1e3 * roof['step']:.1f} ms "
-                 f"({roof['bound']}-bound{mfu}), collectives: {coll}; compiled in "
+                 f"({roof['bound']}-bound{extra}), collectives: {coll}; compiled in "
                  f"{p['compile_s']:.0f} s")
   return lines
 
@@ -396,6 +498,9 @@ def _define_flags() -> dict:
       "topology": flags.DEFINE_string("topology", None, "The TPU slice, e.g. v5p:2x2x2, v6e:4x4."),
       "programs": flags.DEFINE_list("programs", list(PROGRAMS), f"Which of {PROGRAMS}."),
       "out": flags.DEFINE_string("out", None, "Also write the report as JSON to this file."),
+      "search": flags.DEFINE_bool("search", False, "When the train step does not fit, compile "
+                                  "stronger remat / more tensor parallelism / smaller "
+                                  "micro-batches until one fits (`search`)."),
   }
 
 
@@ -416,6 +521,11 @@ def main(argv, cli: dict) -> None:
     print(f"config error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
   print("\n".join(summary_lines(report)), flush=True)
+  if cli["search"].value:
+    report["search"] = search(config, topology, report)
+    for t in report["search"]:
+      print(f"  search: {t['change']}: {'fits' if t['fits'] else 'does NOT fit'} "
+            f"({t['hbm_gb']:.1f} GB per chip)", flush=True)
   if cli["out"].value:
     with open(cli["out"].value, "w") as f:
       json.dump(report, f, indent=1)
