@@ -1,14 +1,17 @@
 """The training plans of docs/scaling.md compiled for their TPU slices (trainer/aot.py).
 
     python -m benchmarks.aot_plans                       # every plan, JSON per plan on stdout
-    python -m benchmarks.aot_plans --plans=qwen7b-v5p-full --update_docs
+    python -m benchmarks.aot_plans --plans=qwen7b-v5p-full --out_dir=docs/aot --update_docs
+    python -m benchmarks.aot_plans --plans=dsv3-v5p-ep-a2a --search   # alternatives if no fit
 
 Each plan is the RL template (configs/rl.py) for a model preset, with the mesh, remat policy and
-batch shape the sizing arithmetic (benchmarks/sizing.py) chose: rows of 32,768 tokens, one row
-per batch shard in a micro-batch, bf16 compute, the Pallas TPU tree kernel. The train step and
-the scoring pass are compiled by the real XLA TPU compiler on this machine (no TPU) and
-compared with the arithmetic's per-chip memory estimate. `--update_docs` rewrites the
-"compiled" block of docs/scaling.md (between `<!-- aot:start -->` and `<!-- aot:end -->`).
+batch shape the sizing arithmetic (benchmarks/sizing.py) chose (or, for the MoE plans, an
+expert-parallel mesh): rows of 32,768 tokens, one row per batch shard in a micro-batch, bf16
+compute, Muon, the Pallas TPU tree kernel. The train step, the scoring pass and the engine's
+decode step (its `rl.concurrency` slots of `rl.max_context_tokens`) are compiled by the real
+XLA TPU compiler on this machine (no TPU) and set beside the arithmetic's per-chip memory and
+roofline step. `--update_docs` rewrites the "compiled" block of docs/scaling.md (between
+`<!-- aot:start -->` and `<!-- aot:end -->`) from every plan with a JSON in --out_dir.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from benchmarks import common, sizing
 from configs import rl as rl_config
 from models.presets import get_preset
 from trainer import aot
+
+PROGRAMS = ("train", "score", "decode")  # prefill: `--programs` (the unrolled engine model)
 
 # name -> (preset, family, topology, sizing slice, mesh, remat, micro-batches, model overrides)
 PLANS = {
@@ -67,49 +72,78 @@ def plan_config(name: str):
   return c
 
 
-def estimate_gb(name: str) -> float:
-  """The sizing arithmetic's per-chip total (`sizing.memory_per_chip`) for the plan."""
-  preset, _, _, _, mesh, remat, _, _ = PLANS[name]
-  memory = sizing.memory_per_chip(
-      get_preset(preset), sizing.Mesh(mesh["fsdp"], mesh["tensor"], mesh.get("expert", 1)),
-      remat, "muon")
-  return round(sum(memory.values()), 1)
+def estimate(name: str) -> dict:
+  """The sizing arithmetic's figures for the plan: per-chip GB (`sizing.memory_per_chip`) and
+  the roofline step (`sizing.step_time`: seconds, and its ICI part over the step)."""
+  preset, _, _, slice_, mesh, remat, _, _ = PLANS[name]
+  cfg, m = get_preset(preset), sizing.Mesh(mesh["fsdp"], mesh["tensor"], mesh.get("expert", 1))
+  memory = sizing.memory_per_chip(cfg, m, remat, "muon")
+  chip, _ = sizing.slice_chips(slice_)
+  step = sizing.step_time(cfg, chip, m, remat, "muon")
+  return {"gb": round(sum(memory.values()), 1), "step_s": round(step["roofline"], 2),
+          "ici_s": round(step["ici"] * step["micro_batches"], 2)}
 
 
-def run(name: str) -> dict:
-  """Compiles plan `name`; the aot report plus the plan and the estimate."""
+def run(name: str, programs=PROGRAMS, search: bool = False) -> dict:
+  """Compiles plan `name`; the aot report plus the plan, the estimate and, with `search`, the
+  settings tried when the train step does not fit (`aot.search`)."""
   t0 = time.perf_counter()
-  report = aot.compile_run(plan_config(name), PLANS[name][2])
+  config = plan_config(name)
+  report = aot.compile_run(config, PLANS[name][2], programs)
   report["plan"] = name
-  report["estimate_gb"] = estimate_gb(name)
+  report["estimate"] = estimate(name)
+  if search:
+    report["search"] = aot.search(config, PLANS[name][2], report)
   report["wall_s"] = round(time.perf_counter() - t0, 1)
   return report
 
 
+def _step_s(r: dict) -> float | None:
+  """The compiled roofline of one step: the accumulation plus the update."""
+  p = r["programs"]
+  if "error" in p.get("train/gradients", {"error": 1}) or "train/update" not in p:
+    return None
+  return p["train/gradients"]["roofline_s"]["step"] + p["train/update"]["roofline_s"]["step"]
+
+
 def markdown(reports: list[dict]) -> str:
-  """The docs table: compiled vs estimated HBM per chip and the roofline of each plan."""
+  """The docs table: compiled vs estimated HBM per chip and step time of each plan."""
   lines = [f"Compiled {common.today()} on {common.machine()} with libtpu (no TPU); "
-           "`python -m benchmarks.aot_plans --update_docs`.", "",
-           "| plan | slice | mesh | remat | train HBM / chip (compiled) | estimate | fits | "
-           "temporaries | score HBM | collectives per step (train) | compile s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "`python -m benchmarks.aot_plans --update_docs`. **Compiled** columns come from the "
+           "XLA TPU compiler (memory_analysis, the optimized HLO's collectives with loop trip "
+           "counts); **estimate** columns from the arithmetic above.", "",
+           "| plan | slice (chips) | mesh | remat | train peak GB / chip (compiled) | estimate | "
+           "headroom GB | score GB | decode GB (bytes / min) | ICI s / step (compiled) | "
+           "estimate | step s (compiled roofline) | estimate | compile s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in reports:
-    g, s = r["programs"]["train/gradients"], r["programs"].get("score")
+    p, est = r["programs"], r["estimate"]
     mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items() if v > 1)
+    peak = r.get("train_peak_gb", {})
+    g = p.get("train/gradients", {})
     if "error" in g:
-      need = g["hbm_gb"].get("temporaries", "?")
-      lines.append(f"| {r['plan']} | {r['topology']} ({r['chips']}) | {mesh} | "
-                   f"{r['model']['remat']} | > {need} (temporaries alone) | {r['estimate_gb']} | "
-                   f"no | {need} | - | - | {g['compile_s']:.0f} |")
-      continue
-    coll = ", ".join(f"{k} {v['count']} ({v['bytes'] / 1e9:.0f} GB)"
-                     for k, v in sorted(g["collectives"].items()))
+      train = f"> {peak['total']:.1f} (refused)"
+    else:
+      train = f"{peak['total']:.1f}" if peak else "-"
+    headroom = f"{peak['headroom']:.1f}" if peak and "error" not in g else "-"
+    ici = ("-" if "error" in g or not g else
+           f"{g['roofline_s']['ici'] + p['train/update']['roofline_s']['ici']:.2f}")
+    decode = p.get("decode")
+    decode_s = ("-" if decode is None else "refused" if "error" in decode else
+                f"{decode['hbm_gb']['total']:.1f} ({decode['bytes_ratio']:.1f}x)")
+    step = _step_s(r)
     lines.append(
         f"| {r['plan']} | {r['topology']} ({r['chips']}) | {mesh} | {r['model']['remat']} | "
-        f"{g['hbm_gb']['total']:.1f} | {r['estimate_gb']} | "
-        f"{'yes' if g['hbm_gb']['fits'] else 'no'} | {g['hbm_gb']['temporaries']:.1f} | "
-        f"{_total(s)} | {coll} | "
-        f"{sum(p['compile_s'] for p in r['programs'].values()):.0f} |")
+        f"{train} | {est['gb']} | {headroom} | {_total(p.get('score'))} | {decode_s} | {ici} | "
+        f"{est['ici_s']} | {'-' if step is None else f'{step:.1f}'} | {est['step_s']} | "
+        f"{sum(x['compile_s'] for x in p.values()):.0f} |")
+  searched = [r for r in reports if r.get("search")]
+  if searched:
+    lines += ["", "Plans that do not fit, and what `--search` compiled instead:", ""]
+    for r in searched:
+      tried = "; ".join(f"{t['change']}: {t['hbm_gb']:.1f} GB, "
+                        f"{'fits' if t['fits'] else 'no'}" for t in r["search"])
+      lines.append(f"- {r['plan']}: {tried}")
   return "\n".join(lines)
 
 
@@ -134,10 +168,13 @@ def main() -> None:
   p.add_argument("--plans", default=",".join(PLANS), help=f"comma-separated, of {list(PLANS)}")
   p.add_argument("--out_dir", default="", help="also write <plan>.json here")
   p.add_argument("--update_docs", action="store_true", help="rewrite docs/scaling.md's block")
+  p.add_argument("--programs", default=",".join(PROGRAMS), help=f"of {aot.PROGRAMS}")
+  p.add_argument("--search", action="store_true",
+                 help="when a train step does not fit, compile alternatives (aot.search)")
   args = p.parse_args()
   reports = []
   for name in args.plans.split(","):
-    report = run(name)
+    report = run(name, tuple(args.programs.split(",")), args.search)
     print(json.dumps(report), flush=True)
     if args.out_dir:
       os.makedirs(args.out_dir, exist_ok=True)

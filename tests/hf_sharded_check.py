@@ -31,10 +31,12 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from configs import sft_demo  # noqa: E402
 from models import hf, sharding, transformer  # noqa: E402
 from models.config import DEFAULT_SHARDING_RULES, ModelConfig  # noqa: E402
 from models.hf_config import config_to_hf  # noqa: E402
 from models.safetensors_io import SafetensorsDir, save_dir  # noqa: E402
+from trainer import harness  # noqa: E402
 
 BLOCK = 32
 CFG = ModelConfig(
@@ -153,6 +155,14 @@ def main(tmp: Path) -> None:
   tensor_bytes = 4 * max(math.prod(SafetensorsDir(tmp / "ckpt").shape(n)) for n in stored)
   mesh_cfg = sharding.MeshConfig(fsdp=2, tensor=2, expert=2)
   check_model(load(tmp / "ckpt", mesh_cfg, ODD_RULES)[0], reference, mesh_cfg, ODD_RULES)
+
+  # A run whose config.model.init names the checkpoint reads it straight onto the run's mesh.
+  config = sft_demo.get_config()
+  config.model.init = f"hf:{tmp / 'ckpt'}"
+  config.model.overrides = {}
+  mesh_cfg = sharding.MeshConfig(fsdp=4, tensor=2)
+  start = harness.initial_model(config, None, sharding.make_mesh(mesh_cfg))
+  check_model(start, reference, mesh_cfg, DEFAULT_SHARDING_RULES)
 
   # Reads: each stored byte once, in blocks, though 8 devices hold 2 replicas of the model.
   mesh_cfg = sharding.MeshConfig(data=2, fsdp=2, tensor=2)

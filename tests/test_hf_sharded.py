@@ -23,8 +23,8 @@ def test_sharded_load_and_save_match_single_device(tmp_path):
                         cwd=root, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
   print(proc.stdout)
-  # two meshes loaded, reads, host memory, save, and the two processes
-  assert proc.stdout.count("ok ") == 7, proc.stdout
+  # two meshes loaded, a run's starting weights, reads, host memory, save, the two processes
+  assert proc.stdout.count("ok ") == 8, proc.stdout
 
 
 # ----------------------------------------------------------------------------- block reads

@@ -30,8 +30,9 @@ counts a loop body once: the micro-batch and layer scans make them per-iteration
 collective of the optimized HLO with the number of times it runs (loop trip counts applied) and
 its result bytes, the Mosaic kernel calls, the compile time; and the roofline time (the largest
 of FLOPs / peak, bytes / HBM bandwidth, collective bytes / ICI bandwidth; the compute term uses
-the model FLOPs, 6 N T for the accumulation and 2 N T for scoring, N the active parameters and
-T the step's row positions per chip, when they exceed the compiled count) with the model-FLOPs
+the model FLOPs, 6 N T for the accumulation (8 N T with full remat, which runs the forward
+twice) and 2 N T for scoring, N the active parameters and T the step's row positions per chip,
+when they exceed the compiled count; attention's FLOPs are left out) with the model-FLOPs
 utilisation it implies. Prefill and decode add `min_bytes`, the HBM bytes a call must read at
 least per chip (`aot_engine.engine_programs`: the weights once, the cache it touches), and
 `bytes_ratio`, the compiled bytes accessed over it (for decode, one step's: XLA counts the
@@ -231,14 +232,18 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
   return out
 
 
-def program_report(compiled, seconds: float, chip: Chip, model_flops: Optional[float]) -> dict:
+def program_report(compiled, seconds: float, chip: Chip, model_flops: Optional[float],
+                   useful_flops: Optional[float] = None) -> dict:
   """What one compiled program costs per chip (see the module docstring).
 
   Args:
     compiled: a `jax.stages.Compiled` for the slice.
     seconds: its compile time.
     chip: the slice's Chip.
-    model_flops: useful FLOPs per chip (6 N T, 2 N T), or None (no utilisation reported).
+    model_flops: the FLOPs per chip the program runs by the model's count (8 N T, 6 N T,
+      2 N T), or None (no utilisation reported).
+    useful_flops: those that count for the utilisation (6 N T for a train step whatever the
+      remat); default model_flops.
 
   Returns:
     A JSON-able dict: hbm_gb {arguments, outputs, temporaries, code, aliased, total,
@@ -274,7 +279,7 @@ def program_report(compiled, seconds: float, chip: Chip, model_flops: Optional[f
       "mosaic_kernels": dict(sorted(kernels.items())),
       "roofline_s": {**{k: round(v, 6) for k, v in terms.items()}, "step": round(step_s, 6),
                      "bound": max(terms, key=terms.get)},
-      "mfu": (round(model_flops / chip.peak_flops / step_s, 4)
+      "mfu": (round((useful_flops or model_flops) / chip.peak_flops / step_s, 4)
               if model_flops and step_s > 0 else None),
       "compile_s": round(seconds, 2),
   }
@@ -335,10 +340,13 @@ def _compile_run(config, topology: str, programs: Sequence[str]) -> dict:
     t0 = time.perf_counter()
     try:
       for name, (compiled, seconds) in train_step.compile(state, mb).items():
-        flops = per_chip(3) if name == "gradients" else None
-        report["programs"][f"train/{name}"] = program_report(compiled, seconds, chip, flops)
+        # forward + backward (2x), and the forward again under full remat
+        flops = per_chip(3 + (model_cfg.remat == "full")) if name == "gradients" else None
+        report["programs"][f"train/{name}"] = program_report(
+            compiled, seconds, chip, flops, per_chip(3) if flops else None)
     except jax.errors.JaxRuntimeError as e:
       report["programs"]["train/gradients"] = out_of_memory(e, chip, time.perf_counter() - t0)
+    report["train_peak_gb"] = train_peak(report["programs"], state, chip)
   if "score" in programs:
     score = step_lib.make_score_fn(model_cfg, mesh=mesh)
     t0 = time.perf_counter()
@@ -442,6 +450,36 @@ def search(config, topology: str, report: dict, max_tries: int = 4) -> list[dict
   return tried
 
 
+def per_chip_bytes(tree) -> int:
+  """The bytes one chip holds of a tree of sharded arrays or ShapeDtypeStructs."""
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+             for x in jax.tree.leaves(tree))
+
+
+def train_peak(programs: dict, state, chip: Chip) -> dict:
+  """The train step's per-chip HBM peak: the larger of its two programs, the accumulation
+  counted with the optimizer state it does not take but that stays resident meanwhile.
+
+  Args:
+    programs: the report's programs ("train/gradients", "train/update").
+    state: the abstract TrainState (its shardings give the optimizer state per chip).
+    chip: the slice's Chip.
+
+  Returns:
+    {"total", "optimizer_state", "headroom", "fits"} in GB; "total" is the compiler's
+    lower bound (its temporaries alone) when it refused the accumulation.
+  """
+  opt = per_chip_bytes(state.opt_state) / GB
+  grads = programs["train/gradients"]["hbm_gb"]
+  total = grads.get("total", grads.get("temporaries", 0.0)) + opt
+  if "train/update" in programs:
+    total = max(total, programs["train/update"]["hbm_gb"]["total"])
+  capacity = chip.hbm_bytes / GB
+  return {"total": round(total, 2), "optimizer_state": round(opt, 2),
+          "headroom": round(capacity - total, 2),
+          "fits": bool(grads["fits"] and total <= capacity)}
+
+
 def out_of_memory(error: Exception, chip: Chip, seconds: float) -> dict:
   """The report of a program the compiler refused because it does not fit in HBM.
 
@@ -486,6 +524,10 @@ def summary_lines(report: dict) -> list[str]:
                  f"{hbm['temporaries']:.2f}), roofline {1e3 * roof['step']:.1f} ms "
                  f"({roof['bound']}-bound{extra}), collectives: {coll}; compiled in "
                  f"{p['compile_s']:.0f} s")
+  if "train_peak_gb" in report:
+    peak = report["train_peak_gb"]
+    lines.append(f"  train step peak (with the resident optimizer state): {peak['total']:.2f} GB "
+                 f"per chip, headroom {peak['headroom']:.2f} GB")
   return lines
 
 

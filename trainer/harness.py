@@ -1,7 +1,7 @@
 """The run harness: what every training loop (SFT, RL, distillation) does around its steps.
 
     run = harness.Run(config, workdir, mesh)     # run files, optimizer, checkpointer, restore
-    state = run.resume_or(lambda: initial_model(config, run.model_cfg))
+    state = run.resume_or(lambda: initial_model(config, run.model_cfg, run.mesh))
     with run.loop(bar_keys=("loss",)):           # metrics writer, SIGTERM guard, phase timer
       for step in run.steps():                   # start + 1 .. train.steps
         ...                                      # the loop's own work, timed by run.timer
@@ -48,12 +48,14 @@ from trainer import state as state_lib
 log = logging.getLogger(__name__)
 
 
-def initial_model(config: ml_collections.ConfigDict, model_cfg):
+def initial_model(config: ml_collections.ConfigDict, model_cfg, mesh=None):
   """The weights a run starts from, as `config.model.init` says.
 
   Args:
     config: the run's config (`model.init`: "random" | "hf:<dir>" | "ckpt:<dir>").
     model_cfg: the run's ModelConfig (overrides change numerics, never shapes).
+    mesh: the run's mesh: an HF checkpoint is read straight into its shardings, each process
+      reading only the slices its devices hold (`models.hf.load`); None: the default device.
 
   Returns:
     None for "random" (`state.create` draws the weights), else a Transformer: an HF
@@ -67,7 +69,7 @@ def initial_model(config: ml_collections.ConfigDict, model_cfg):
   if kind == "random":
     return None
   if kind == "hf":
-    return hf.load(path, **config_lib.overrides(config))
+    return hf.load(path, mesh=mesh, **config_lib.overrides(config))
   if os.path.isdir(os.path.join(path, "state")):  # models.hf import output
     params, rest = state_lib.split_model(hf.restore(path))
   else:

@@ -177,7 +177,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
 
   # --- state (this workdir's latest checkpoint, or the initial weights), reference, teachers
   needs_initial = run.restored is None or (loss_cfg.kl_coef and rl_cfg.reference == "initial")
-  initial = harness.initial_model(config, model_cfg) if needs_initial else None
+  initial = harness.initial_model(config, model_cfg, mesh) if needs_initial else None
   state = run.resume_or(lambda: initial)
   restored_extra = run.restored.extra if run.restored is not None else {}
   consumed: set[str] = set(restored_extra.get("consumed_ids", ()))

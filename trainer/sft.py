@@ -224,7 +224,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
                                                          train.eval_batches or None)]
 
   # --- state: the latest checkpoint of this workdir (data iterator included), or a fresh one
-  state = run.resume_or(lambda: harness.initial_model(config, model_cfg))
+  state = run.resume_or(lambda: harness.initial_model(config, model_cfg, mesh))
   iterator = iter(dataset)
   if run.restored is not None:
     iterator.set_state(run.restored.extra["data"])
