@@ -525,7 +525,7 @@ def render() -> str:
     out.append(f"| {model} | {_b(total_params(cfg))} | {_b(count_active_params(cfg))} | "
                f"{_b(muon)} | {_b(total_params(cfg) - muon)} |")
 
-  out.append("\n### Training: mesh, memory per chip (GB), roofline step\n")
+  out.append("\n### Training: mesh, memory per chip (GB), roofline step (estimates)\n")
   out.append("| model | slice (chips) | mesh | remat | params | grads | Muon state | gathered "
              "| activations | working set | total / usable | fits |\n"
              "|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -551,7 +551,7 @@ def render() -> str:
                f"{s['hbm']:.2f} | {s['ici']:.2f} | {s['bound']} | {s['optimizer']:.2f} | "
                f"{s['roofline']:.1f} | {s['planning']:.1f} | {_f(s['tokens_per_s'], 0)} |")
 
-  out.append("\n### Optimizer state per chip (GB) for the chosen meshes\n")
+  out.append("\n### Optimizer state per chip (GB) for the chosen meshes (estimates)\n")
   out.append("| model | slice | AdamW fp32 | AdamW bf16 | Muon fp32 | Muon bf16 |\n"
              "|---|---|---|---|---|---|")
   for p in plans:
@@ -560,7 +560,7 @@ def render() -> str:
             for o, b in (("adamw", 4), ("adamw", 2), ("muon", 4), ("muon", 2))]
     out.append(f"| {p.model} | {p.tpu} | " + " | ".join(f"{v:.1f}" for v in vals) + " |")
 
-  out.append("\n### Generation (one engine replica, decode roofline)\n")
+  out.append("\n### Generation (one engine replica, decode roofline; estimates)\n")
   out.append("| model | chip | replica chips | batch | decode step ms | tokens/s per replica | "
              "replica-s per trajectory |\n|---|---|---|---|---|---|---|")
   for model, tpu in CASES:
@@ -570,7 +570,7 @@ def render() -> str:
     out.append(f"| {model} | {g.chip} | {g.chips} | {g.batch} | {g.step_s * 1e3:.2f} | "
                f"{_f(g.decode_tps, 0)} | {g.engine_s_per_traj:.2f} |")
 
-  out.append("\n### Sandbox fleet that keeps the trainer busy (e2-standard-8)\n")
+  out.append("\n### Sandbox fleet that keeps the trainer busy (e2-standard-8; estimates)\n")
   out.append("| model | slice | profile | trajectories/s | episode wall s | episodes in flight | "
              "CPU s / episode | VMs (memory) | VMs (CPU) | VMs | generation chips |\n"
              "|---|---|---|---|---|---|---|---|---|---|---|")
