@@ -95,6 +95,7 @@ def _model() -> ml_collections.ConfigDict:
   s.overrides.attention_impl = placeholder(str)  # "xla" | "xla_flash" | "pallas_*" | "auto"
   s.overrides.moe_impl = placeholder(str)  # "ragged" | "dense"
   s.overrides.moe_dispatch = placeholder(str)  # "auto" | "global" | "all_to_all" (experts)
+  s.overrides.moe_dispatch_chunk = placeholder(int)  # all_to_all: tokens per device per round
   s.overrides.logits_chunk = placeholder(int)  # tokens per vocabulary-projection chunk
   return s
 

@@ -108,6 +108,9 @@ class ModelConfig:
   # tokens to experts: "all_to_all" (expert parallelism) | "global" (one sort of all tokens,
   # partitioned by XLA) | "auto" (all_to_all when the mesh's expert axis is > 1)
   moe_dispatch: str = "auto"
+  # all_to_all dispatch: at most this many tokens per device per exchange round (a round's
+  # buffers hold expert-parallel size · chunk · experts_per_token rows); 0 = all in one round
+  moe_dispatch_chunk: int = 4096
   # --- numerics and memory
   dtype: str = "float32"  # compute dtype; params stay fp32, logits and losses fp32
   remat: str = "none"  # "none" | "full" | "save_dots" | "offload" rematerialisation per block
@@ -152,6 +155,9 @@ class ModelConfig:
       fail("rope_factor", self.rope_factor, "must be positive")
     if self.num_experts < 0:
       fail("num_experts", self.num_experts, "must be >= 0")
+    if self.moe_dispatch_chunk < 0:
+      fail("moe_dispatch_chunk", self.moe_dispatch_chunk,
+           "must be >= 0 (tokens per device per exchange round; 0 = all in one round)")
     if self.num_experts:
       if not 0 < self.experts_per_token <= self.num_experts:
         fail("experts_per_token", self.experts_per_token,

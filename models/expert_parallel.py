@@ -2,20 +2,38 @@
 
 With the mesh's `experts` axes (the `experts` sharding rule, mesh axis `expert`) of size
 ep > 1, each device holds E / ep experts and its own tokens (the `batch` rule includes
-`expert`). Inside `jax.shard_map`, per device with t tokens and top-k routing:
+`expert`). Inside `jax.shard_map`, each device takes its t tokens (top-k routing) in rounds of
+c <= `moe_dispatch_chunk` tokens (one round when that is 0 or >= t), and per round:
 
-  1. sort the t·k token copies by expert; copies for device j go to row block j of a
-     [ep, t·k, hidden] send buffer (with each copy's local expert id);
-  2. `all_to_all` over the expert axes: block i of the result holds what device i sent;
-  3. sort the received copies by local expert, SwiGLU experts with `jax.lax.ragged_dot`;
-  4. `all_to_all` back, weight by the gates and sum each token's copies.
+  1. sorts the round's c·k token copies by expert: the copies for device j form the j-th
+     contiguous segment of a [c·k, hidden] send buffer. The per-expert counts of every device
+     are all-gathered ([ep, E] int32), from which each device computes every segment's place;
+  2. a ragged all-to-all over the expert axes (`_ragged_exchange`) moves just those segments,
+     c·k rows per device at most (padding copies stay home): device j receives device i's
+     segment after those of devices < i. Each segment being sorted by expert, the received
+     rows are ep·(E / ep) back-to-back (device, expert) groups;
+  3. sorts the received rows by local expert, SwiGLU experts with `jax.lax.ragged_dot`;
+  4. the reverse ragged all-to-all brings each result back to its copy's row; the gates weight
+     them and each token's copies are summed.
 
-Every block has room for all t·k copies, so nothing is ever dropped whatever the routing
-(replayed choices included); the price is buffers of ep·t·k rows per device. Weights stay
-where they are: the shard_map sees E / ep experts per device (gathered over FSDP like any
-weight, never over `expert`), with their `expert_mlp` dimension kept tensor-sharded (the
-partial outputs are summed over those axes). `jax.lax.ragged_all_to_all` would send only the
-filled rows, but XLA:CPU does not implement it.
+Nothing is ever dropped whatever the routing (replayed choices included): the receive buffer
+has room for ep·c·k rows, the case of every device sending all its copies to one device. A
+round's buffers are hence ep·c·k rows per device (c·k on the sending side), and each round
+(exchanges, experts, combine) runs under `jax.checkpoint` inside a `jax.lax.map` over the
+rounds, so the backward pass holds one round's buffers, not all of them; the price is the
+round's recomputation (its two exchanges run again). The rounds are of equal size
+(ceil(t / ceil(t / chunk)) tokens), the last padded with tokens that choose no expert: sent
+nowhere, with gate 0, they change no result.
+
+`_ragged_exchange` is `jax.lax.ragged_all_to_all` when compiling for TPU or GPU
+(`models.kernels.attention.target_platform`, so that ahead-of-time compilation for a TPU on a
+CPU host emits it too); XLA:CPU does not implement it, and there an emulation with the same
+semantics runs: a dense `all_to_all` of blocks padded to the send buffer's size (ep times the
+traffic and memory), then each block's rows written at their offsets.
+
+Weights stay where they are: the shard_map sees E / ep experts per device (gathered over FSDP
+like any weight, never over `expert`), with their `expert_mlp` dimension kept tensor-sharded
+(the partial outputs are summed over those axes).
 
 Routing runs on each device's own tokens too (`token_local`); the load statistics and the
 shared experts stay outside, on global arrays, so they equal those of the single-device path.
@@ -32,7 +50,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from models.config import ModelConfig
+from models.kernels.attention import target_platform
 from models.sharding import logical_to_spec
+
+# Platforms whose XLA backend implements the ragged-all-to-all collective.
+RAGGED_ALL_TO_ALL_PLATFORMS = ("tpu", "gpu")
 
 
 def grouped_ffn(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
@@ -63,12 +85,15 @@ class Layout(NamedTuple):
     token_axes: mesh axes the tokens are split over (the batch axes, then any expert axis
       the `batch` rule leaves out).
     mlp_axes: mesh axes of the experts' `expert_mlp` dimension (summed over at the end).
+    chunk: at most this many tokens per device per exchange round; 0 = all in one round
+      (`moe_dispatch_chunk`).
   """
 
   mesh: jax.sharding.AbstractMesh
   expert_axes: tuple[str, ...]
   token_axes: tuple[str, ...]
   mlp_axes: tuple[str, ...]
+  chunk: int = 0
 
   def size(self, axes: tuple[str, ...]) -> int:
     """The number of devices along `axes`."""
@@ -89,7 +114,7 @@ def plan(cfg: ModelConfig) -> Layout | None:
   "global" (and `moe_impl="dense"`) never takes it.
 
   Args:
-    cfg: the model config (`moe_dispatch`, `moe_impl`, `num_experts`,
+    cfg: the model config (`moe_dispatch`, `moe_dispatch_chunk`, `moe_impl`, `num_experts`,
       `moe_intermediate_size`, `sharding_rules`).
 
   Returns:
@@ -116,7 +141,7 @@ def plan(cfg: ModelConfig) -> Layout | None:
                    if a not in token_axes and a not in expert_axes)
   if cfg.moe_intermediate_size % math.prod(mesh.shape[a] for a in mlp_axes):
     mlp_axes = ()  # the weights' expert_mlp dimension is then replicated (models.sharding)
-  return Layout(mesh, expert_axes, token_axes, mlp_axes)
+  return Layout(mesh, expert_axes, token_axes, mlp_axes, cfg.moe_dispatch_chunk)
 
 
 def token_local(cfg: ModelConfig, fn: Callable, per_token: tuple, shared: tuple = ()):
@@ -166,8 +191,7 @@ def all_to_all_experts(layout: Layout, x: jax.Array, ids: jax.Array, gates: jax.
   """
   n = x.shape[0]
   pad = -n % layout.size(layout.token_axes)
-  if pad:  # padding tokens go to expert 0 with gate 0
-    x, ids, gates = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, ids, gates))
+  x, ids, gates = _pad_tokens(x, ids, gates, pad, no_expert=w_gate.shape[0])
   tokens = PartitionSpec(layout.token_axes or None, None)
   mlp = layout.mlp_axes or None
   w_in = PartitionSpec(layout.expert_axes, None, mlp)
@@ -177,27 +201,113 @@ def all_to_all_experts(layout: Layout, x: jax.Array, ids: jax.Array, gates: jax.
   return run(x, ids, gates, w_gate, w_up, w_down)[:n]
 
 
+def _pad_tokens(x, ids, gates, pad: int, no_expert: int):
+  """x, ids, gates with `pad` more tokens that choose expert id `no_expert` (none) with gate 0."""
+  if not pad:
+    return x, ids, gates
+  rows = ((0, pad), (0, 0))
+  return (jnp.pad(x, rows), jnp.pad(ids, rows, constant_values=no_expert),
+          jnp.pad(gates, rows))
+
+
 def _exchange(layout: Layout, x, ids, gates, w_gate, w_up, w_down):
   """One device's part of `all_to_all_experts`: x [t, hidden], ids and gates [t, k], the
-  weights of its E / ep experts; returns [t, hidden]."""
-  t, k = ids.shape
-  ep, local = layout.size(layout.expert_axes), w_gate.shape[0]
-  flat = ids.reshape(-1)
-  order = jnp.argsort(flat, stable=True)  # copies by expert, hence by destination device
-  token = order // k
-  dest = flat[order] // local
-  counts = jnp.bincount(dest, length=ep)
-  slot = jnp.arange(t * k) - (jnp.cumsum(counts) - counts)[dest]  # row in dest's block
-  send = jnp.zeros((ep, t * k, x.shape[1]), x.dtype).at[dest, slot].set(x[token])
-  send_ids = jnp.full((ep, t * k), local, jnp.int32).at[dest, slot].set(flat[order] % local)
-  exchange = functools.partial(jax.lax.all_to_all, axis_name=layout.expert_axes,
-                               split_axis=0, concat_axis=0)
-  recv, recv_ids = exchange(send).reshape(ep * t * k, -1), exchange(send_ids).reshape(-1)
-  # empty rows carry id `local`: sorted last, in no group, computed as zeros
-  by_expert = jnp.argsort(recv_ids, stable=True)
-  sizes = jnp.bincount(recv_ids, length=local).astype(jnp.int32)
-  out = grouped_ffn(recv[by_expert], sizes, w_gate, w_up, w_down)
-  out = jnp.zeros_like(out).at[by_expert].set(out).reshape(ep, t * k, -1)
-  ys = exchange(out)[dest, slot] * gates.reshape(-1)[order][:, None]
-  y = jnp.zeros_like(x).at[token].add(ys)
+  weights of its E / ep experts; returns [t, hidden], in rounds of at most `layout.chunk`
+  tokens."""
+  t = x.shape[0]
+  rounds = -(-t // layout.chunk) if layout.chunk else 1
+  if rounds == 1:
+    y = _round(layout, x, ids, gates, w_gate, w_up, w_down)
+  else:
+    c = -(-t // rounds)  # equal rounds: at most one round's worth of padding, often less
+    no_expert = layout.size(layout.expert_axes) * w_gate.shape[0]
+    x, ids, gates = (a.reshape(rounds, c, -1) for a in
+                     _pad_tokens(x, ids, gates, rounds * c - t, no_expert))
+    # the backward pass then keeps one round's inputs per round and recomputes its buffers
+    # (prevent_cse=False: inside a loop, XLA cannot move the recomputation forward anyway)
+    one = jax.checkpoint(lambda a: _round(layout, *a, w_gate, w_up, w_down), prevent_cse=False)
+    y = jax.lax.map(one, (x, ids, gates)).reshape(rounds * c, -1)[:t]
   return jax.lax.psum(y, layout.mlp_axes) if layout.mlp_axes else y
+
+
+def _round(layout: Layout, x, ids, gates, w_gate, w_up, w_down):
+  """One exchange round of one device: x [c, hidden], ids and gates [c, k] (id E: no expert),
+  the weights of its E / ep experts; returns [c, hidden] (partial over the mlp axes)."""
+  c, k = ids.shape
+  n, d = c * k, x.shape[1]
+  axes = layout.expert_axes
+  ep, local = layout.size(axes), w_gate.shape[0]
+  flat = ids.reshape(-1)
+  order = jnp.argsort(flat, stable=True)  # by expert, hence by device; no-expert copies last
+  token = order // k
+  # counts[i, j, l]: copies device i sends to device j's local expert l
+  counts = jax.lax.all_gather(jnp.bincount(flat, length=ep * local), axes)
+  counts = counts.reshape(ep, ep, local).astype(jnp.int32)
+  me = jax.lax.axis_index(axes)
+  sizes = counts.sum(-1)  # [sender, receiver] segment sizes
+  # segment (i, j) starts at row Σ_{j' < j} sizes[i, j'] of i's send buffer and at row
+  # Σ_{i' < i} sizes[i', j] of j's receive buffer
+  send_at, recv_at = jnp.cumsum(sizes, 1) - sizes, jnp.cumsum(sizes, 0) - sizes
+  recv = _ragged_exchange(x[token], jnp.zeros((ep * n, d), x.dtype), send_at[me], sizes[me],
+                          recv_at[me], sizes[:, me], axis_name=axes)
+  # received rows: groups (sender i, local expert l) back to back, i-major; rows past the last
+  # group are unused, get id `local`: sorted last, in no group, computed as zeros
+  group = jnp.searchsorted(jnp.cumsum(counts[:, me].reshape(-1)), jnp.arange(ep * n),
+                           side="right")
+  recv_ids = jnp.where(group < ep * local, group % local, local)
+  by_expert = jnp.argsort(recv_ids, stable=True)
+  out = grouped_ffn(recv[by_expert], counts[:, me].sum(0), w_gate, w_up, w_down)
+  out = jnp.zeros_like(out).at[by_expert].set(out)
+  # the way back: segment (i, me) returns from row recv_at[i, me] to row send_at[i, me] of i
+  back = _ragged_exchange(out, jnp.zeros((n, d), x.dtype), recv_at[:, me], sizes[:, me],
+                          send_at[:, me], sizes[me], axis_name=axes)
+  ys = back * gates.reshape(-1)[order][:, None]  # no-expert copies: rows of zeros, gate 0
+  return jnp.zeros_like(x).at[token].add(ys)
+
+
+def _ragged_exchange(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
+                     send_sizes: jax.Array, output_offsets: jax.Array, recv_sizes: jax.Array,
+                     *, axis_name: tuple[str, ...]) -> jax.Array:
+  """`jax.lax.ragged_all_to_all` where the target platform has it, else an emulation.
+
+  The semantics of `jax.lax.ragged_all_to_all`, inside `jax.shard_map`, with a = the size of
+  `axis_name` and K = len(input_offsets) a multiple of a, s = K / a: slice q of this device,
+  operand[input_offsets[q] : input_offsets[q] + send_sizes[q]], goes to device q // s, where
+  it is written from row output_offsets[q] of the result (offsets in the receiver's buffer).
+  The result is `output` with the received slices written: entry i of recv_sizes is the size
+  of the slice received from device i // s (that device's slice (this device)·s + i % s), so
+  `send_sizes` must equal all_to_all(recv_sizes). Rows no slice lands on keep `output`'s values.
+
+  Args:
+    operand: [n, ...] rows to send.
+    output: [m, ...] the result's value where nothing is received.
+    input_offsets: [K] int32 first row of each slice in `operand`.
+    send_sizes: [K] int32 rows of each slice sent.
+    output_offsets: [K] int32 first row of each sent slice in its receiver's result.
+    recv_sizes: [K] int32 rows of each slice received.
+    axis_name: the mesh axes exchanged over.
+
+  Returns:
+    [m, ...] in output's dtype.
+  """
+  if target_platform() in RAGGED_ALL_TO_ALL_PLATFORMS:
+    return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                                     recv_sizes, axis_name=axis_name)
+  return _emulated_ragged_all_to_all(operand, output, input_offsets, output_offsets,
+                                     recv_sizes, axis_name=axis_name)
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, output_offsets, recv_sizes, *,
+                                axis_name):
+  """`jax.lax.ragged_all_to_all` from dense collectives (`_ragged_exchange`'s arguments; the
+  receiver's `recv_sizes` say how many rows of each slice count, as for the real one)."""
+  n, m = operand.shape[0], output.shape[0]
+  rows = jnp.arange(n)
+  # each slice as a block of n rows (room for any slice); rows past the operand read zeros
+  blocks = jnp.take(operand, input_offsets[:, None] + rows, axis=0, mode="fill", fill_value=0)
+  a2a = functools.partial(jax.lax.all_to_all, axis_name=axis_name, split_axis=0, concat_axis=0,
+                          tiled=True)
+  blocks, offsets = a2a(blocks), a2a(output_offsets)  # entry i: from device i // s
+  # row p of block i lands at offsets[i] + p when p < recv_sizes[i]; index m is dropped
+  dest = jnp.where(rows < recv_sizes[:, None], offsets[:, None] + rows, m)
+  return output.at[dest.reshape(-1)].set(blocks.reshape(-1, *operand.shape[1:]), mode="drop")

@@ -1,13 +1,17 @@
 """Run in a subprocess with 8 simulated CPU devices (tests/test_expert_parallel.py): the
 all-to-all expert-parallel dispatch equals the global ragged dispatch.
 
-Model level, on meshes (fsdp 2, expert 4) and (expert 8), against the single-device model:
-log-probs, expert choices, load (hence the aux-loss-free bias step), the gradient of every
-parameter and a forward with replayed (shifted) choices; the compiled program exchanges
-tokens by all-to-all and all-gathers neither an expert weight stack nor all tokens. Function
-level, on (fsdp 2, tensor 2, expert 2): a token count the mesh does not divide, repeated
-experts within a token, and a tensor-split expert width, against the all-experts formula,
-values and gradients.
+The ragged exchange: on CPU, its emulation equals a NumPy transcription of the documented
+semantics of `jax.lax.ragged_all_to_all` (slices at offsets with gaps, several per device), so
+the offsets the dispatch computes, checked through the emulation below, are those the real
+collective gets on TPU and GPU; compiling for TPU selects the real one. Model level, on meshes
+(fsdp 2, expert 4) in rounds of 4 of each device's 10 tokens and (expert 8) in one round,
+against the single-device model: log-probs, expert choices, load (hence the aux-loss-free bias
+step), the gradient of every parameter and a forward with replayed (shifted) choices; the
+compiled program exchanges tokens by the emulated all-to-all and all-gathers neither an expert
+weight stack nor all tokens. Function level, on (fsdp 2, tensor 2, expert 2), in one round and
+in rounds of 3 of 8 tokens: a token count the mesh does not divide, repeated experts within a
+token, and a tensor-split expert width, against the all-experts formula, values and gradients.
 """
 
 import os
@@ -26,6 +30,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from models import expert_parallel, sharding, transformer  # noqa: E402
+from models.kernels import attention  # noqa: E402
 from models.moe import update_router_bias  # noqa: E402
 from tests.conftest import TINY_MOE_MLA  # noqa: E402
 
@@ -104,17 +109,24 @@ def model_checks():
   assert np.abs(ref_replayed - ref_lp).max() > 1e-3  # the replay does change the experts
   say("single-device reference")
 
-  for mesh_cfg in (sharding.MeshConfig(fsdp=2, expert=4), sharding.MeshConfig(fsdp=1, expert=8)):
+  # 10 tokens per device: in 3 rounds of 4 (the last padded), and in one round
+  for mesh_cfg, chunk in ((sharding.MeshConfig(fsdp=2, expert=4), 4),
+                          (sharding.MeshConfig(fsdp=1, expert=8), 0)):
     mesh = sharding.make_mesh(mesh_cfg)
+    cfg = CFG.replace(moe_dispatch_chunk=chunk)
+    graphdef_m, _, _ = nnx.split(transformer.abstract(cfg), nnx.Param, ...)  # cfg is static
     _, *placed = nnx.split(sharding.shard_model(model, mesh), nnx.Param, ...)
     inputs = [jax.device_put(a, sharding.batch_sharding(CFG, mesh))
               for a in (tokens, positions, end)]
     with jax.set_mesh(mesh):
-      assert expert_parallel.plan(CFG) is not None
+      assert expert_parallel.plan(cfg) is not None
       args = (*placed, *inputs, replay)
-      hlo = step.lower(*args).compile().as_text()
-      lp, aux, grads, replayed = step(*args)
-    assert "all-to-all" in hlo
+      traced = make_step(graphdef_m).trace(*args)
+      compiled = traced.lower().compile()
+      hlo = compiled.as_text()
+      lp, aux, grads, replayed = compiled(*args)
+    assert ("length=3" in str(traced.jaxpr)) == bool(chunk)  # the rounds' loop
+    assert "all-to-all" in hlo and "ragged-all-to-all" not in hlo  # the emulation on CPU
     gathered = gathered_shapes(hlo)
     assert not [s for s in gathered if holds_expert_stack(s)], gathered
     # nor every token (routing included): each device works on its own
@@ -159,20 +171,87 @@ def function_checks():
 
   want, want_grads = jax.value_and_grad(lambda *a: loss(dense_experts, *a), (0, 1, 2))(x, gates, w)
   mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=2, tensor=2, expert=2))
-  with jax.set_mesh(mesh):
-    layout = expert_parallel.plan(cfg)
-    assert layout.expert_axes == ("expert",) and layout.mlp_axes == ("tensor",), layout
-    ep = lambda *a: expert_parallel.all_to_all_experts(layout, *a)
-    got, grads = jax.jit(jax.value_and_grad(lambda *a: loss(ep, *a), (0, 1, 2)))(x, gates, w)
-  np.testing.assert_allclose(got, want, rtol=1e-5)
-  worst = max(assert_grad_close(a, b, "function") for a, b in zip(
-      jax.tree.leaves(grads), jax.tree.leaves(want_grads)))
-  say(f"function on (fsdp 2, tensor 2, expert 2), {t} tokens, top-{k} with repeats: "
-      f"worst ‖Δg‖/‖g‖ {worst:.1e}")
+  for chunk in (0, 3):  # 8 tokens per device: one round; 3 rounds of 3 (the last padded)
+    with jax.set_mesh(mesh):
+      layout = expert_parallel.plan(cfg.replace(moe_dispatch_chunk=chunk))
+      assert layout.expert_axes == ("expert",) and layout.mlp_axes == ("tensor",), layout
+      ep = lambda *a: expert_parallel.all_to_all_experts(layout, *a)
+      step = jax.jit(jax.value_and_grad(lambda *a: loss(ep, *a), (0, 1, 2)))
+      traced = step.trace(x, gates, w)
+      assert ("length=3" in str(traced.jaxpr)) == bool(chunk)  # the rounds' loop
+      got, grads = step(x, gates, w)
+      if chunk:  # compiling for TPU takes the real collective (lowered only: CPU has none)
+        with attention.compile_for("tpu"):
+          tpu = jax.jit(jax.value_and_grad(lambda *a: loss(ep, *a), (0, 1, 2))).lower(x, gates, w)
+        assert "ragged_all_to_all" in tpu.as_text()
+        assert "ragged_all_to_all" not in traced.lower().as_text()
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    worst = max(assert_grad_close(a, b, "function") for a, b in zip(
+        jax.tree.leaves(grads), jax.tree.leaves(want_grads)))
+    say(f"function on (fsdp 2, tensor 2, expert 2), {t} tokens, top-{k} with repeats, "
+        f"chunk {chunk}: worst ‖Δg‖/‖g‖ {worst:.1e}")
 
+
+def ragged_all_to_all_reference(operands, outputs, input_offsets, send_sizes, output_offsets,
+                                recv_sizes):
+  """`jax.lax.ragged_all_to_all` over one axis in NumPy, transcribed from its documentation:
+  per-device lists of operand [n, ...], output [m, ...] and [K] offsets and sizes."""
+  a, k = len(operands), len(input_offsets[0])
+  s = k // a  # slices per device
+  results = [np.array(o) for o in outputs]
+  for j in range(a):  # receiver
+    # output_offsets_ = all_to_all(output_offsets, tiled=True): entry r comes from device r // s
+    offsets_ = [output_offsets[r // s][j * s + r % s] for r in range(k)]
+    for r in range(k):
+      i, q = r // s, j * s + r % s  # the sender and its slice sent to j
+      sent = operands[i][input_offsets[i][q]:input_offsets[i][q] + send_sizes[i][q]]
+      assert recv_sizes[j][r] == send_sizes[i][q] == len(sent)
+      results[j][offsets_[r]:offsets_[r] + recv_sizes[j][r]] = sent
+  return results
+
+
+def ragged_exchange_checks():
+  """`_ragged_exchange` on CPU (the emulation) against the NumPy transcription: 8 devices, 2
+  slices per device of random sizes (zero included), placed in both buffers in random order
+  with gaps; rows nobody writes keep `output`."""
+  a, s, n, m, width = 8, 2, 96, 96, 3
+  k = a * s
+  rng = np.random.default_rng(3)
+  sizes = rng.integers(0, 5, (a, k))  # sizes[i, q]: rows of device i's slice q
+
+  def place(slice_sizes):  # offsets of slices laid out in random order with gaps of 0-2 rows
+    offsets, at = np.zeros(len(slice_sizes), np.int32), 0
+    for q in rng.permutation(len(slice_sizes)):
+      at += rng.integers(0, 3)
+      offsets[q], at = at, at + slice_sizes[q]
+    assert at <= n
+    return offsets
+
+  input_offsets = np.stack([place(sizes[i]) for i in range(a)])
+  # receiver j's entry r: slice j·s + r % s of device r // s
+  recv_sizes = np.stack([[sizes[r // s, j * s + r % s] for r in range(k)] for j in range(a)])
+  recv_at = np.stack([place(recv_sizes[j]) for j in range(a)])
+  output_offsets = np.stack([[recv_at[q // s, i * s + q % s] for q in range(k)]
+                             for i in range(a)]).astype(np.int32)
+  operands = rng.normal(size=(a, n, width)).astype(np.float32)
+  outputs = rng.normal(size=(a, m, width)).astype(np.float32)
+  want = ragged_all_to_all_reference(operands, outputs, input_offsets, sizes, output_offsets,
+                                     recv_sizes)
+  mesh = sharding.make_mesh(sharding.MeshConfig(expert=8))
+  spec = jax.sharding.PartitionSpec("expert")
+  exchange = jax.jit(jax.shard_map(
+      lambda *arrays: expert_parallel._ragged_exchange(*(v[0] for v in arrays),
+                                                       axis_name=("expert",))[None],
+      mesh=mesh, in_specs=(spec,) * 6, out_specs=spec))
+  got = exchange(operands, outputs, *(jnp.asarray(v, jnp.int32) for v in (
+      input_offsets, sizes, output_offsets, recv_sizes)))
+  np.testing.assert_array_equal(np.asarray(got), np.stack(want))
+  say(f"ragged exchange (CPU emulation) = ragged_all_to_all's semantics: {a} devices, {s} "
+      f"slices each, {int(sizes.sum())} rows")
 
 if __name__ == "__main__":
   assert len(jax.devices()) == 8
   hlo_reader_checks()
+  ragged_exchange_checks()
   function_checks()
   model_checks()

@@ -101,6 +101,17 @@ ENTRY %main (a: f32[4]) -> f32[8] {
   # the loop body's all-gather runs 4 times (XLA's cost analysis would count it once)
   assert aot.collectives(hlo) == {"all-gather": {"count": 5, "bytes": 4 * 8 * 128 * 2 + 8 * 4 * 2},
                                   "all-reduce": {"count": 1, "bytes": (4 + 16) * 4}}
+  # a ragged all-to-all (operands printed untyped) counts its smaller buffer: the 256 rows sent
+  # into a 1024-row receive buffer (room for every device's rows), then 256 rows back
+  ragged = """HloModule r
+
+ENTRY %main (a: f32[256,128]) -> f32[256,128] {
+  %send = f32[256,128]{1,0} bitcast(f32[256,128]{1,0} %a)
+  %recv = f32[1024,128]{1,0} ragged-all-to-all(%send, %buf, %o, %s, %p, %r), replica_groups={{0,1,2,3}}
+  ROOT %back = f32[256,128]{1,0} ragged-all-to-all(%recv, %send, %o, %s, %p, %r), replica_groups={{0,1,2,3}}
+}
+"""
+  assert aot.collectives(ragged) == {"ragged-all-to-all": {"count": 2, "bytes": 2 * 256 * 128 * 4}}
 
 
 def test_bad_topology_and_program_are_config_errors():

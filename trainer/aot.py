@@ -207,12 +207,23 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
   Returns:
     {kind: {"count": executions, "bytes": result bytes per chip}} for each kind of
     `COLLECTIVES` present: ops inside loops count once per iteration (`_multipliers`); async
-    "-start" ops count under their kind ("-done" halves not again).
+    "-start" ops count under their kind ("-done" halves not again). A ragged all-to-all moves
+    only its filled rows, which the program does not fix: it counts the smaller of its send
+    and receive buffers (what travels when the rows are spread evenly; the receive buffer is
+    the worst case).
   """
   comps, entry = _computations(hlo_text)
   mult = _multipliers(comps, entry) if entry else {}
   kinds = "|".join(sorted(COLLECTIVES, key=len, reverse=True))
   op = re.compile(rf"\s({kinds})(-start)?\(")
+  size = lambda shapes: sum(_DTYPE_BYTES.get(dt, 4) * math.prod(
+      int(x) for x in dims.split(",") if x) for dt, dims in shapes)
+  results = {}  # instruction -> its result's shapes (operands are printed without types)
+  for lines in comps.values():
+    for line in lines:
+      head = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+)", line)
+      if head:
+        results[head.group(1)] = re.findall(r"([a-z][a-z0-9]*)\[([0-9,]*)\]", head.group(2))
   out: dict[str, dict[str, int]] = {}
   for name, lines in comps.items():
     for line in lines:
@@ -223,8 +234,11 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
                           line[line.index(" = ") + 3:found.start()])
       if found.group(2) and len(shapes) > 1:
         shapes = shapes[len(shapes) // 2:]  # an async start's (operands, results)
-      nbytes = sum(_DTYPE_BYTES.get(dt, 4) * math.prod(int(x) for x in dims.split(",") if x)
-                   for dt, dims in shapes)
+      nbytes = size(shapes)
+      if found.group(1) == "ragged-all-to-all":  # the filled rows of the smaller buffer
+        first = re.match(r"\s*%?([\w.\-]+)", line[found.end():])
+        if first and first.group(1) in results:
+          nbytes = min(nbytes, size(results[first.group(1)]))
       times = mult.get(name, 1)
       entry_ = out.setdefault(found.group(1), {"count": 0, "bytes": 0})
       entry_["count"] += times

@@ -134,7 +134,8 @@ RESUMABLE_FIELDS = ("train.steps", "optimizer.total_steps", "train.log_every",
                     "checkpoint.*", "metrics.*", "compile_cache_dir", "mesh.*", "data.num_threads",
                     "data.prefetch", "rl.concurrency", "eval.*", "serve.*",
                     "model.overrides.attention_impl", "model.overrides.remat",
-                    "model.overrides.logits_chunk", "allow_config_change")
+                    "model.overrides.logits_chunk", "model.overrides.moe_dispatch_chunk",
+                    "allow_config_change")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
