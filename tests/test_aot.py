@@ -162,5 +162,6 @@ def test_search_tries_stronger_settings_until_one_fits(monkeypatch):
   assert seen == [("full", 1), ("full", 2)]
   assert [(t["change"], t["fits"], t["hbm_gb"]) for t in tried] == [
       ("remat=full", False, 120.0), ("mesh fsdp=2 tensor=2", True, 90.0)]
-  fits = {"mesh": refused["mesh"], "programs": {"train/gradients": {"hbm_gb": {"fits": True}}}}
+  fits = {"mesh": refused["mesh"], "programs": {"train/gradients": {"hbm_gb": {"fits": True}},
+                                                 "decode": {"hbm_gb": {"fits": False}}}}
   assert aot.search(c, "v5p:2x2x1", fits) == []

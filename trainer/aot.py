@@ -390,7 +390,9 @@ def _compile_run(config, topology: str, programs: Sequence[str]) -> dict:
 
 
 def _fits(report: dict) -> bool:
-  return all(p["hbm_gb"]["fits"] for p in report["programs"].values())
+  """Whether the report's train step programs fit."""
+  return all(p["hbm_gb"]["fits"] for name, p in report["programs"].items()
+             if name.startswith("train/"))
 
 
 def alternatives(config, mesh: dict) -> list[tuple[str, Any]]:
