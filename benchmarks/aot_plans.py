@@ -46,10 +46,13 @@ PLANS = {
                              {"moe_dispatch": "all_to_all"}),
     "dsv3-v5p-ep-a2a": ("deepseek-v3", "deepseek-v3", "v5p:8x8x8", "v5p-1024",
                         {"fsdp": 8, "tensor": 8, "expert": 8}, "full", 4,
-                        {"moe_dispatch": "all_to_all"}),
+                        {"moe_dispatch": "all_to_all", "moe_dispatch_chunk": 1024}),
     "dsv3-v5p-ep-global": ("deepseek-v3", "deepseek-v3", "v5p:8x8x8", "v5p-1024",
                            {"fsdp": 8, "tensor": 8, "expert": 8}, "full", 4,
                            {"moe_dispatch": "global"}),
+    "kimi-k2-v5p-ep-a2a": ("kimi-k2", "deepseek-v3", "v5p:8x16x16", "v5p-4096",
+                           {"fsdp": 16, "tensor": 8, "expert": 16}, "full", 4,
+                           {"moe_dispatch": "all_to_all", "moe_dispatch_chunk": 1024}),
 }
 ROW_LEN, SEQ_LEN = 32768, 8192  # docs/scaling.md: one trajectory's trie fills a row
 

@@ -243,3 +243,20 @@ def test_bf16_state():
 def test_sharded_optimizer_state_and_step():
   stdout = run_check("optimizer_sharding_check", timeout=900)
   assert stdout.count("ok ") == 2, stdout
+
+
+def test_whole_matrix_layout_puts_each_orthogonalized_matrix_on_one_device():
+  from optax.contrib import MuonDimensionNumbers
+  from trainer.optim.transforms import whole_matrix_spec
+  mesh = jax.sharding.AbstractMesh((1, 4, 2, 8), ("data", "fsdp", "tensor", "expert"))
+  P = jax.sharding.PartitionSpec
+  matrix = MuonDimensionNumbers(reduction_axis=(-2,), output_axis=(-1,))
+  # [layers, experts, m, n]: each mesh axis takes the first batch dimension it divides
+  assert whole_matrix_spec((48, 128, 64, 32), matrix, mesh) == P(("fsdp", "tensor"), "expert",
+                                                                 None, None)
+  # [layers, m, heads, head_dim] with per-head matrices (m x head_dim): heads are a batch dim
+  heads = MuonDimensionNumbers(reduction_axis=(1,), output_axis=(3,))
+  assert whole_matrix_spec((64, 32, 16, 8), heads, mesh) == P(("fsdp", "tensor", "expert"),
+                                                              None, None, None)
+  # 28 layers cannot take 64 devices: the compiler's layout is kept
+  assert whole_matrix_spec((28, 64, 32), matrix, mesh) is None

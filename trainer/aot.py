@@ -390,7 +390,9 @@ def _compile_run(config, topology: str, programs: Sequence[str]) -> dict:
 
 
 def _fits(report: dict) -> bool:
-  """Whether the report's train step programs fit."""
+  """Whether the report's train step fits (its peak, with the resident optimizer state)."""
+  if "train_peak_gb" in report:
+    return report["train_peak_gb"]["fits"]
   return all(p["hbm_gb"]["fits"] for name, p in report["programs"].items()
              if name.startswith("train/"))
 
@@ -459,6 +461,7 @@ def search(config, topology: str, report: dict, max_tries: int = 4) -> list[dict
     r = compile_run(candidate, topology, ("train",))
     hbm = max(p["hbm_gb"].get("total", p["hbm_gb"].get("temporaries", 0.0))
               for p in r["programs"].values())
+    hbm = r.get("train_peak_gb", {}).get("total", hbm)
     tried.append({"change": change, "fits": _fits(r), "hbm_gb": hbm, "mesh": r["mesh"],
                   "compile_s": round(sum(p["compile_s"] for p in r["programs"].values()), 1)})
     if tried[-1]["fits"]:

@@ -1,5 +1,6 @@
 """Small optax transformations the optimizer chain is built from: global-norm clipping that
-records the norm, the per-leaf Muon shape scale, and the storage dtype of the state."""
+records the norm, the per-leaf Muon shape scale, the layout of Muon's matrices on a mesh, and
+the storage dtype of the state."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec
+from optax.contrib import MuonDimensionNumbers
 
 from trainer.optim.routing import param_suffix, path_names
 
@@ -60,6 +63,86 @@ def scale_by_shape(scales_fn: Callable[[Any], Any]) -> optax.GradientTransformat
                         scales_fn(updates)), state
 
   return optax.GradientTransformation(optax.init_empty_state, update)
+
+
+def whole_matrix_spec(shape: tuple[int, ...], dims: MuonDimensionNumbers,
+                      mesh) -> PartitionSpec | None:
+  """A layout in which each matrix Muon orthogonalizes lies whole on one device.
+
+  The leaf's batch dimensions (those outside `dims`: stacked layers, experts) take the mesh's
+  axes, each the first batch dimension it divides; the matrix dimensions stay unsplit.
+
+  Args:
+    shape: the leaf's shape.
+    dims: its Muon dimension numbers (reduction and output axes).
+    mesh: the (abstract) mesh.
+
+  Returns:
+    The PartitionSpec, or None when the batch dimensions cannot take every device (then some
+    devices would hold copies; the compiler's own layout is kept).
+  """
+  matrix = {a % len(shape) for a in (
+      (dims.reduction_axis,) if isinstance(dims.reduction_axis, int) else dims.reduction_axis)}
+  matrix |= {a % len(shape) for a in (
+      (dims.output_axis,) if isinstance(dims.output_axis, int) else dims.output_axis)}
+  left = {i: n for i, n in enumerate(shape) if i not in matrix}
+  spec: list = [()] * len(shape)
+  used = 1
+  for axis, size in mesh.shape.items():
+    if size == 1:
+      continue
+    for i in left:
+      if left[i] % size == 0:
+        spec[i], left[i], used = spec[i] + (axis,), left[i] // size, used * size
+        break
+  if used != mesh.size:
+    return None
+  return PartitionSpec(*(None if not a else a[0] if len(a) == 1 else a for a in spec))
+
+
+def orthogonalize_whole_matrices(inner: optax.GradientTransformation,
+                                 dims_fn: Callable[[Any], Any]) -> optax.GradientTransformation:
+  """Runs Muon (`inner`) with its gradients and momentum laid out by `whole_matrix_spec`.
+
+  Under FSDP a stacked weight [layers, m, n] is split along m; Newton–Schulz needs whole m x n
+  matrices, and left to itself the compiler gathers every stack on every device (a 32B model's
+  update then needs 128 GB per chip). Moved so that each device holds whole matrices of its
+  own layers / experts, each device orthogonalizes 1 / devices of them, and the memory is the
+  leaf's share. Values are unchanged (a layout only); without a mesh (`jax.set_mesh`) this is
+  `inner` itself.
+
+  Args:
+    inner: the Muon transformation (state with a `mu` field shaped like the updates).
+    dims_fn: updates tree -> tree of MuonDimensionNumbers (the routes' `dims`).
+
+  Returns:
+    The wrapped transformation.
+
+  References:
+    Liu et al., "Muon is Scalable for LLM Training" (Moonlight), arXiv 2502.16982, 2025
+    (distributed Muon: whole matrices per device).
+  """
+  def layout(updates, dims):
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+      return updates
+
+    def one(d, x):
+      if not isinstance(d, MuonDimensionNumbers) or not hasattr(x, "shape"):
+        return x
+      spec = whole_matrix_spec(tuple(x.shape), d, mesh)
+      return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
+    return jax.tree.map(one, dims, updates,
+                        is_leaf=lambda d: isinstance(d, MuonDimensionNumbers) or d is None)
+
+  def update(updates, state, params=None):
+    dims = dims_fn(updates)
+    updates = layout(updates, dims)
+    if hasattr(state, "mu"):
+      state = state._replace(mu=layout(state.mu, dims))
+    return inner.update(updates, state, params)
+
+  return optax.GradientTransformation(inner.init, update)
 
 
 def with_state_dtype(inner: optax.GradientTransformation, dtype: Any
