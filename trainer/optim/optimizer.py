@@ -11,7 +11,6 @@ import optax
 from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
-from optax.contrib import scale_by_muon
 
 from models.config import ModelConfig
 from trainer.optim.config import OptimizerConfig
@@ -19,7 +18,7 @@ from trainer.optim.qk_clip import QKClipState, qk_clip
 from trainer.optim.routing import Route, format_table, param_suffix, path_names, routing_table
 from trainer.optim.schedules import schedule
 from trainer.optim.transforms import (ClipState, clip_by_global_norm_with_stats,
-                                      orthogonalize_whole_matrices, scale_by_shape,
+                                      scale_by_muon_whole_matrices, scale_by_shape,
                                       with_state_dtype)
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # KellerJordan/Muon quintic (optax's default)
@@ -191,9 +190,8 @@ def make_tx(cfg: Any, table: Sequence[Route], model_cfg: Optional[ModelConfig] =
     scales = _route_fn(routes, lambda r: r.scale)
     core = optax.partition({
         "muon": optax.chain(
-            orthogonalize_whole_matrices(scale_by_muon(
-                ns_coeffs=NS_COEFFS, ns_steps=cfg.muon.ns_steps, beta=cfg.muon.beta,
-                nesterov=cfg.muon.nesterov, weight_dimension_numbers=dims), dims),
+            scale_by_muon_whole_matrices(NS_COEFFS, cfg.muon.ns_steps, cfg.muon.beta,
+                                         cfg.muon.nesterov, dims),
             scale_by_shape(scales),
             optax.add_decayed_weights(cfg.weight_decay),
             optax.scale_by_learning_rate(lr)),

@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
-from optax.contrib import MuonDimensionNumbers
+from optax.contrib import MuonDimensionNumbers, MuonState, scale_by_muon
+# (not exported by optax.contrib; the version is pinned in requirements-lock.txt)
+from optax.contrib._muon import orthogonalize_via_newton_schulz
 
 from trainer.optim.routing import param_suffix, path_names
 
@@ -100,47 +102,63 @@ def whole_matrix_spec(shape: tuple[int, ...], dims: MuonDimensionNumbers,
   return PartitionSpec(*(None if not a else a[0] if len(a) == 1 else a for a in spec))
 
 
-def orthogonalize_whole_matrices(inner: optax.GradientTransformation,
+def scale_by_muon_whole_matrices(ns_coeffs, ns_steps: int, beta: float, nesterov: bool,
                                  dims_fn: Callable[[Any], Any]) -> optax.GradientTransformation:
-  """Runs Muon (`inner`) with its gradients and momentum laid out by `whole_matrix_spec`.
+  """`optax.contrib.scale_by_muon` that, on a mesh, orthogonalizes each matrix where it lies whole.
 
-  Under FSDP a stacked weight [layers, m, n] is split along m; Newton–Schulz needs whole m x n
-  matrices, and left to itself the compiler gathers every stack on every device (a 32B model's
-  update then needs 128 GB per chip). Moved so that each device holds whole matrices of its
-  own layers / experts, each device orthogonalizes 1 / devices of them, and the memory is the
-  leaf's share. Values are unchanged (a layout only); without a mesh (`jax.set_mesh`) this is
-  `inner` itself.
+  Under FSDP a stacked weight [layers, m, n] is split along m, and Newton–Schulz needs whole
+  m x n matrices: left to itself the compiler gathers every stack onto every device (a 32B
+  model's update then needs 128 GB per chip). Here, under a mesh (`jax.set_mesh`), each leaf
+  whose batch dimensions (stacked layers, experts) can take every device
+  (`whole_matrix_spec`) is moved so that each device holds whole matrices of its share, and
+  Newton–Schulz runs on them inside `jax.shard_map`: each device orthogonalizes 1 / devices of
+  the matrices and holds that share only. Other leaves, and every leaf without a mesh, take
+  optax's own path. The values are optax's: the same momentum, bias corrections and
+  iteration, the same state (`MuonState`), so checkpoints do not depend on the mesh.
 
   Args:
-    inner: the Muon transformation (state with a `mu` field shaped like the updates).
+    ns_coeffs: the Newton–Schulz coefficients (as `scale_by_muon`).
+    ns_steps: Newton–Schulz iterations.
+    beta: the momentum decay.
+    nesterov: use Nesterov momentum.
     dims_fn: updates tree -> tree of MuonDimensionNumbers (the routes' `dims`).
 
   Returns:
-    The wrapped transformation.
+    The transformation.
 
   References:
+    Keller Jordan, "Muon: An optimizer for hidden layers in neural networks", 2024.
     Liu et al., "Muon is Scalable for LLM Training" (Moonlight), arXiv 2502.16982, 2025
     (distributed Muon: whole matrices per device).
   """
-  def layout(updates, dims):
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-      return updates
-
-    def one(d, x):
-      if not isinstance(d, MuonDimensionNumbers) or not hasattr(x, "shape"):
-        return x
-      spec = whole_matrix_spec(tuple(x.shape), d, mesh)
-      return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
-    return jax.tree.map(one, dims, updates,
-                        is_leaf=lambda d: isinstance(d, MuonDimensionNumbers) or d is None)
+  inner = scale_by_muon(ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=beta, nesterov=nesterov,
+                        weight_dimension_numbers=dims_fn)
 
   def update(updates, state, params=None):
-    dims = dims_fn(updates)
-    updates = layout(updates, dims)
-    if hasattr(state, "mu"):
-      state = state._replace(mu=layout(state.mu, dims))
-    return inner.update(updates, state, params)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+      return inner.update(updates, state, params)
+    # scale_by_muon's update (optax 0.2.8), with the orthogonalization placed per leaf
+    mu = optax.tree.update_moment(updates, state.mu, beta, 1)
+    count = optax.safe_increment(state.count)
+    if nesterov:
+      mu_hat = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g,
+                            optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
+                            optax.tree.bias_correction(updates, beta, count))
+    else:
+      mu_hat = optax.tree.bias_correction(mu, beta, count)
+
+    def orthogonalize(x, dims):
+      run = lambda x, c: orthogonalize_via_newton_schulz(x, c, ns_steps, dimension_numbers=dims)
+      spec = whole_matrix_spec(tuple(x.shape), dims, mesh)
+      if spec is None:
+        return run(x, state.ns_coeffs)
+      return jax.shard_map(run, mesh=mesh, in_specs=(spec, PartitionSpec()),
+                           out_specs=spec)(x, state.ns_coeffs)
+
+    out = jax.tree.map(orthogonalize, mu_hat, dims_fn(updates),
+                       is_leaf=lambda d: isinstance(d, MuonDimensionNumbers))
+    return out, MuonState(count=count, mu=mu, ns_coeffs=state.ns_coeffs)
 
   return optax.GradientTransformation(inner.init, update)
 
