@@ -2,6 +2,7 @@
 optimizer state of a tiny MoE + MLA model is created with the parameters' shardings, and
 two sharded optimizer steps equal the same steps on one device."""
 
+import math
 import os
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -13,7 +14,7 @@ from flax import nnx  # noqa: E402
 from models import sharding, transformer  # noqa: E402
 from tests.conftest import TINY_MOE_MLA  # noqa: E402
 from trainer import optim  # noqa: E402
-from trainer.optim.transforms import whole_matrix_spec  # noqa: E402
+from trainer.optim.transforms import whole_matrix_axes  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 P = jax.sharding.PartitionSpec
@@ -58,7 +59,7 @@ def main():
   print(f"ok state shardings: {matched} state leaves carry their parameter's sharding")
   # the expert stacks' matrices are orthogonalized whole, one share of them per device
   gate = next(r for r in opt.table if r.path == ("moe_layers", "mlp", "gate_proj"))
-  assert whole_matrix_spec(gate.shape, gate.dims, mesh) is not None, gate
+  assert whole_matrix_axes(math.prod(gate.shape[:-2]), mesh) is not None, gate
 
   rng = np.random.default_rng(0)
   grads = [jax.tree.map(lambda p: np.asarray(rng.normal(size=p.shape), np.float32),

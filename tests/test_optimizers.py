@@ -245,18 +245,11 @@ def test_sharded_optimizer_state_and_step():
   assert stdout.count("ok ") == 2, stdout
 
 
-def test_whole_matrix_layout_puts_each_orthogonalized_matrix_on_one_device():
-  from optax.contrib import MuonDimensionNumbers
-  from trainer.optim.transforms import whole_matrix_spec
-  mesh = jax.sharding.AbstractMesh((1, 4, 2, 8), ("data", "fsdp", "tensor", "expert"))
-  P = jax.sharding.PartitionSpec
-  matrix = MuonDimensionNumbers(reduction_axis=(-2,), output_axis=(-1,))
-  # [layers, experts, m, n]: each mesh axis takes the first batch dimension it divides
-  assert whole_matrix_spec((48, 128, 64, 32), matrix, mesh) == P(("fsdp", "tensor"), "expert",
-                                                                 None, None)
-  # [layers, m, heads, head_dim] with per-head matrices (m x head_dim): heads are a batch dim
-  heads = MuonDimensionNumbers(reduction_axis=(1,), output_axis=(3,))
-  assert whole_matrix_spec((64, 32, 16, 8), heads, mesh) == P(("fsdp", "tensor", "expert"),
-                                                              None, None, None)
-  # 28 layers cannot take 64 devices: the compiler's layout is kept
-  assert whole_matrix_spec((28, 64, 32), matrix, mesh) is None
+def test_whole_matrix_layout_splits_the_matrices_over_every_device():
+  from trainer.optim.transforms import whole_matrix_axes
+  mesh = jax.sharding.AbstractMesh((1, 8, 8, 8), ("data", "fsdp", "tensor", "expert"))
+  # DeepSeek-V3's 58 MoE layers x 256 experts = 14,848 matrices: 29 per chip of 512
+  assert whole_matrix_axes(58 * 256, mesh) == ("fsdp", "tensor", "expert")
+  # 28 layers cannot take 512 devices: the compiler's own layout is kept
+  assert whole_matrix_axes(28, mesh) is None
+  assert whole_matrix_axes(28, jax.sharding.AbstractMesh((1, 1), ("data", "fsdp"))) is None

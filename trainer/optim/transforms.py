@@ -4,6 +4,7 @@ the storage dtype of the state."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -12,9 +13,11 @@ import optax
 from jax.sharding import PartitionSpec
 from optax.contrib import MuonDimensionNumbers, MuonState, scale_by_muon
 # (not exported by optax.contrib; the version is pinned in requirements-lock.txt)
-from optax.contrib._muon import orthogonalize_via_newton_schulz
+from optax.contrib._muon import _compute_muon_reshape, orthogonalize_via_newton_schulz
 
 from trainer.optim.routing import param_suffix, path_names
+
+MATRICES = MuonDimensionNumbers(reduction_axis=(1,), output_axis=(2,))  # [matrices, m, n]
 
 
 class ClipState(NamedTuple):
@@ -67,39 +70,21 @@ def scale_by_shape(scales_fn: Callable[[Any], Any]) -> optax.GradientTransformat
   return optax.GradientTransformation(optax.init_empty_state, update)
 
 
-def whole_matrix_spec(shape: tuple[int, ...], dims: MuonDimensionNumbers,
-                      mesh) -> PartitionSpec | None:
-  """A layout in which each matrix Muon orthogonalizes lies whole on one device.
-
-  The leaf's batch dimensions (those outside `dims`: stacked layers, experts) take the mesh's
-  axes, each the first batch dimension it divides; the matrix dimensions stay unsplit.
+def whole_matrix_axes(matrices: int, mesh) -> tuple[str, ...] | None:
+  """The mesh axes to split `matrices` whole matrices over, one share per device.
 
   Args:
-    shape: the leaf's shape.
-    dims: its Muon dimension numbers (reduction and output axes).
+    matrices: how many matrices a leaf holds (the product of its batch dimensions: stacked
+      layers, experts, heads).
     mesh: the (abstract) mesh.
 
   Returns:
-    The PartitionSpec, or None when the batch dimensions cannot take every device (then some
+    Every mesh axis of size > 1 when their product divides `matrices`, else None (some
     devices would hold copies; the compiler's own layout is kept).
   """
-  matrix = {a % len(shape) for a in (
-      (dims.reduction_axis,) if isinstance(dims.reduction_axis, int) else dims.reduction_axis)}
-  matrix |= {a % len(shape) for a in (
-      (dims.output_axis,) if isinstance(dims.output_axis, int) else dims.output_axis)}
-  left = {i: n for i, n in enumerate(shape) if i not in matrix}
-  spec: list = [()] * len(shape)
-  used = 1
-  for axis, size in mesh.shape.items():
-    if size == 1:
-      continue
-    for i in left:
-      if left[i] % size == 0:
-        spec[i], left[i], used = spec[i] + (axis,), left[i] // size, used * size
-        break
-  if used != mesh.size:
-    return None
-  return PartitionSpec(*(None if not a else a[0] if len(a) == 1 else a for a in spec))
+  axes = tuple(a for a, n in mesh.shape.items() if n > 1)
+  size = math.prod(mesh.shape[a] for a in axes)
+  return axes if axes and matrices % size == 0 else None
 
 
 def scale_by_muon_whole_matrices(ns_coeffs, ns_steps: int, beta: float, nesterov: bool,
@@ -109,10 +94,10 @@ def scale_by_muon_whole_matrices(ns_coeffs, ns_steps: int, beta: float, nesterov
   Under FSDP a stacked weight [layers, m, n] is split along m, and Newton–Schulz needs whole
   m x n matrices: left to itself the compiler gathers every stack onto every device (a 32B
   model's update then needs 128 GB per chip). Here, under a mesh (`jax.set_mesh`), each leaf
-  whose batch dimensions (stacked layers, experts) can take every device
-  (`whole_matrix_spec`) is moved so that each device holds whole matrices of its share, and
-  Newton–Schulz runs on them inside `jax.shard_map`: each device orthogonalizes 1 / devices of
-  the matrices and holds that share only. Other leaves, and every leaf without a mesh, take
+  is viewed as optax does, [matrices, m, n] (stacked layers x experts x heads flattened), and
+  when the mesh divides the number of matrices (`whole_matrix_axes`) the matrices are split
+  over every device and Newton–Schulz runs on them inside `jax.shard_map`: each device
+  orthogonalizes 1 / devices of the matrices and holds that share only. Other leaves, and every leaf without a mesh, take
   optax's own path. The values are optax's: the same momentum, bias corrections and
   iteration, the same state (`MuonState`), so checkpoints do not depend on the mesh.
 
@@ -149,12 +134,18 @@ def scale_by_muon_whole_matrices(ns_coeffs, ns_steps: int, beta: float, nesterov
       mu_hat = optax.tree.bias_correction(mu, beta, count)
 
     def orthogonalize(x, dims):
-      run = lambda x, c: orthogonalize_via_newton_schulz(x, c, ns_steps, dimension_numbers=dims)
-      spec = whole_matrix_spec(tuple(x.shape), dims, mesh)
-      if spec is None:
-        return run(x, state.ns_coeffs)
-      return jax.shard_map(run, mesh=mesh, in_specs=(spec, PartitionSpec()),
-                           out_specs=spec)(x, state.ns_coeffs)
+      # optax's own [matrices, m, n] view of the leaf (batch dimensions flattened)
+      to_matrices, from_matrices = _compute_muon_reshape(x, dims)
+      xs = to_matrices(x)
+      axes = whole_matrix_axes(xs.shape[0], mesh)
+      if axes is None:
+        return orthogonalize_via_newton_schulz(x, state.ns_coeffs, ns_steps,
+                                               dimension_numbers=dims)
+      run = lambda a, c: orthogonalize_via_newton_schulz(a, c, ns_steps,
+                                                         dimension_numbers=MATRICES)
+      spec = PartitionSpec(axes, None, None)
+      return from_matrices(jax.shard_map(run, mesh=mesh, in_specs=(spec, PartitionSpec()),
+                                         out_specs=spec)(xs, state.ns_coeffs))
 
     out = jax.tree.map(orthogonalize, mu_hat, dims_fn(updates),
                        is_leaf=lambda d: isinstance(d, MuonDimensionNumbers))
