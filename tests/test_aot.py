@@ -60,10 +60,11 @@ def test_tiny_steps_compile_for_v5p_with_the_mosaic_kernel(v5p_report):
   grads, score = r["programs"]["train/gradients"], r["programs"]["score"]
   assert grads["flops"] > score["flops"]
   assert 0 < grads["mfu"] <= 1 and 0 < score["mfu"] <= 1
-  peak = r["train_peak_gb"]
+  # the step's peak: the accumulation with the optimizer state resident beside it
+  peak, grads_hbm = r["train_peak_gb"], r["programs"]["train/gradients"]["hbm_gb"]
   assert peak["fits"] and peak["optimizer_state"] > 0
-  assert peak["total"] >= r["programs"]["train/gradients"]["hbm_gb"]["total"] + 0.99 * peak[
-      "optimizer_state"] and peak["total"] + peak["headroom"] == pytest.approx(95.0, abs=0.02)
+  assert peak["total"] >= grads_hbm["total"] + 0.99 * peak["optimizer_state"] - 1e-3
+  assert peak["total"] + peak["headroom"] == pytest.approx(95.0, abs=2e-3)
   # the engine's calls: at least the weights and the cache are read (the floor), and XLA's
   # count of one decode step is above it
   for name in ("prefill", "decode"):

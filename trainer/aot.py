@@ -494,8 +494,8 @@ def train_peak(programs: dict, state, chip: Chip) -> dict:
   if "train/update" in programs:
     total = max(total, programs["train/update"]["hbm_gb"]["total"])
   capacity = chip.hbm_bytes / GB
-  return {"total": round(total, 2), "optimizer_state": round(opt, 2),
-          "headroom": round(capacity - total, 2),
+  return {"total": round(total, 3), "optimizer_state": round(opt, 4),
+          "headroom": round(capacity - total, 3),
           "fits": bool(grads["fits"] and total <= capacity)}
 
 
