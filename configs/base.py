@@ -97,6 +97,11 @@ def _model() -> ml_collections.ConfigDict:
   s.overrides.moe_dispatch = placeholder(str)  # "auto" | "global" | "all_to_all" (experts)
   s.overrides.moe_dispatch_chunk = placeholder(int)  # all_to_all: tokens per device per round
   s.overrides.logits_chunk = placeholder(int)  # tokens per vocabulary-projection chunk
+  # sharding rules replaced by name (models/config.py DEFAULT_SHARDING_RULES): logical axis ->
+  # mesh axes, "tensor", "fsdp,expert" or "" (replicated); None = keep. act_embed="tensor"
+  # splits the residual stream, hence the layer inputs full remat saves, over tensor
+  s.overrides.sharding_rules = ml_collections.ConfigDict()
+  s.overrides.sharding_rules.act_embed = placeholder(str)  # the residual stream's hidden axis
   return s
 
 

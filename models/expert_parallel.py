@@ -215,6 +215,11 @@ def _exchange(layout: Layout, x, ids, gates, w_gate, w_up, w_down):
   weights of its E / ep experts; returns [t, hidden], in rounds of at most `layout.chunk`
   tokens."""
   t = x.shape[0]
+  if layout.mlp_axes:
+    # the tokens vary over the mlp axes from here on: the backward pass then sums their
+    # partial gradients over those axes once, here ([t, hidden]), not the receive buffers
+    # (ep·c·k rows per round) where they would first meet the mlp-split weights
+    x = jax.lax.pcast(x, layout.mlp_axes, to="varying")
   rounds = -(-t // layout.chunk) if layout.chunk else 1
   if rounds == 1:
     y = _round(layout, x, ids, gates, w_gate, w_up, w_down)
@@ -248,8 +253,12 @@ def _round(layout: Layout, x, ids, gates, w_gate, w_up, w_down):
   # segment (i, j) starts at row Σ_{j' < j} sizes[i, j'] of i's send buffer and at row
   # Σ_{i' < i} sizes[i', j] of j's receive buffer
   send_at, recv_at = jnp.cumsum(sizes, 1) - sizes, jnp.cumsum(sizes, 0) - sizes
-  recv = _ragged_exchange(x[token], jnp.zeros((ep * n, d), x.dtype), send_at[me], sizes[me],
-                          recv_at[me], sizes[:, me], axis_name=axes)
+  # the exchanges' empty buffers take their operand's device-variance (zeros_like): a plain
+  # jnp.zeros would be cast to it, and that cast's transpose all-reduces the buffer's
+  # cotangent over the token axes in every round of the backward pass
+  send = x[token]
+  recv = _ragged_exchange(send, jnp.zeros_like(send, shape=(ep * n, d)), send_at[me],
+                          sizes[me], recv_at[me], sizes[:, me], axis_name=axes)
   # received rows: groups (sender i, local expert l) back to back, i-major; rows past the last
   # group are unused, get id `local`: sorted last, in no group, computed as zeros
   group = jnp.searchsorted(jnp.cumsum(counts[:, me].reshape(-1)), jnp.arange(ep * n),
@@ -259,8 +268,8 @@ def _round(layout: Layout, x, ids, gates, w_gate, w_up, w_down):
   out = grouped_ffn(recv[by_expert], counts[:, me].sum(0), w_gate, w_up, w_down)
   out = jnp.zeros_like(out).at[by_expert].set(out)
   # the way back: segment (i, me) returns from row recv_at[i, me] to row send_at[i, me] of i
-  back = _ragged_exchange(out, jnp.zeros((n, d), x.dtype), recv_at[:, me], sizes[:, me],
-                          send_at[:, me], sizes[me], axis_name=axes)
+  back = _ragged_exchange(out, jnp.zeros_like(out, shape=(n, d)), recv_at[:, me],
+                          sizes[:, me], send_at[:, me], sizes[me], axis_name=axes)
   ys = back * gates.reshape(-1)[order][:, None]  # no-expert copies: rows of zeros, gate 0
   return jnp.zeros_like(x).at[token].add(ys)
 

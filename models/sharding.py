@@ -96,6 +96,34 @@ def logical_to_spec(axes: Sequence[Optional[str]], rules, mesh) -> PartitionSpec
   return PartitionSpec(*spec)
 
 
+def replace_rules(rules, changes: dict) -> tuple:
+  """Sharding rules with some logical axes mapped anew.
+
+  Args:
+    rules: (logical name, mesh axes or None) pairs (`ModelConfig.sharding_rules`).
+    changes: {logical name: mesh axes}, each a tuple of `MESH_AXES` names, one name, a
+      comma-separated string ("fsdp,expert"), or "" / () for replicated.
+
+  Returns:
+    The rules in their order, the named ones replaced.
+
+  Raises:
+    ValueError: a logical name the rules do not have, or an unknown mesh axis.
+  """
+  known = dict(rules)
+  parsed = {}
+  for name, axes in changes.items():
+    if name not in known:
+      raise ValueError(f"sharding_rules.{name}: no such logical axis; known: {sorted(known)}")
+    names = tuple(a.strip() for a in axes.split(",") if a.strip()) if isinstance(axes, str) \
+        else tuple(axes or ())
+    bad = [a for a in names if a not in MESH_AXES]
+    if bad:
+      raise ValueError(f"sharding_rules.{name}={axes!r}: mesh axes are {MESH_AXES}, not {bad}")
+    parsed[name] = names or None
+  return tuple((name, parsed.get(name, axes)) for name, axes in rules)
+
+
 def constrain(x: jax.Array, axes: tuple[str | None, ...], cfg: ModelConfig) -> jax.Array:
   """Constrain an activation's sharding by its logical axes; a no-op outside a mesh context.
 
@@ -131,6 +159,23 @@ def axis_size(name: str, cfg: ModelConfig) -> int:
   return math.prod(mesh.shape[a] for a in names)
 
 
+def param_spec(axes: Sequence[Optional[str]], shape: Sequence[int], rules, mesh
+               ) -> PartitionSpec:
+  """The PartitionSpec of a parameter: its logical axes' (`logical_to_spec`), with dimensions
+  the assigned mesh axes do not divide replicated.
+
+  Args:
+    axes: the parameter's logical axis names (its `axes` metadata).
+    shape: its shape.
+    rules: `ModelConfig.sharding_rules`.
+    mesh: the (abstract or concrete) mesh.
+
+  Returns:
+    The PartitionSpec `state_shardings` gives the parameter.
+  """
+  return _divisible(logical_to_spec(axes, rules, mesh), shape, mesh)
+
+
 def _divisible(spec: PartitionSpec, shape, mesh) -> PartitionSpec:
   """Replicate dimensions whose size the assigned mesh axes do not divide."""
   out = []
@@ -158,7 +203,7 @@ def state_shardings(state: nnx.State, cfg: ModelConfig, mesh) -> nnx.State:
     shape = var.shape if hasattr(var, "shape") else var[...].shape
     if axes is None:
       return var.replace(NamedSharding(mesh, PartitionSpec()))
-    spec = _divisible(logical_to_spec(axes, cfg.sharding_rules, mesh), shape, mesh)
+    spec = param_spec(axes, shape, cfg.sharding_rules, mesh)
     return var.replace(NamedSharding(mesh, spec))
   return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

@@ -1,9 +1,11 @@
-"""Run in a subprocess with 8 simulated CPU devices (tests/test_optimizers.py): the MuonClip
-optimizer state of a tiny MoE + MLA model is created with the parameters' shardings, and
-two sharded optimizer steps equal the same steps on one device."""
+"""Run in a subprocess with 8 simulated CPU devices (tests/test_optimizers.py): Newton–Schulz in
+a leaf's own layout equals optax's on one device for layouts that split the matrices, the batch
+dimensions, both, or one dimension over two mesh axes; the MuonClip optimizer state of a tiny
+MoE + MLA model is created with the parameters' shardings, and two sharded optimizer steps
+equal the same steps on one device, moving matrices with all-to-alls, never gathering a stack."""
 
-import math
 import os
+import re
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
@@ -14,14 +16,43 @@ from flax import nnx  # noqa: E402
 from models import sharding, transformer  # noqa: E402
 from tests.conftest import TINY_MOE_MLA  # noqa: E402
 from trainer import optim  # noqa: E402
-from trainer.optim.transforms import whole_matrix_axes  # noqa: E402
+from optax.contrib import MuonDimensionNumbers  # noqa: E402
+from optax.contrib._muon import orthogonalize_via_newton_schulz  # noqa: E402
+from trainer.optim.optimizer import NS_COEFFS  # noqa: E402
+from trainer.optim.transforms import orthogonalize_in_layout  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 P = jax.sharding.PartitionSpec
 
 
+def check_layouts():
+  """orthogonalize_in_layout == optax's Newton–Schulz on one device, for each layout."""
+  mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=2, tensor=2, expert=2))
+  rng = np.random.default_rng(1)
+  coeffs = np.asarray([NS_COEFFS], np.float32)
+  cases = [  # shape, Muon dims, layout
+      ((3, 4, 16, 8), MuonDimensionNumbers(2, 3), P(None, "expert", "fsdp", "tensor")),
+      ((5, 12, 8), MuonDimensionNumbers(1, 2), P(None, "fsdp", "tensor")),  # 5 -> 8 padded
+      ((16, 8), MuonDimensionNumbers(0, 1), P(("fsdp", "expert"), "tensor")),  # one matrix
+      ((8, 4, 6), MuonDimensionNumbers(0, (1, 2)), P("fsdp", "tensor", None)),  # m x (h, d)
+      ((4, 6, 10), MuonDimensionNumbers(1, 2), P(("expert", "fsdp"), None, None)),  # batch only
+  ]
+  with jax.set_mesh(mesh):
+    for shape, dims, spec in cases:
+      x = rng.normal(size=shape).astype(np.float32)
+      want = jax.jit(lambda a: orthogonalize_via_newton_schulz(a, coeffs, 5, dimension_numbers=dims)
+                     )(x)
+      sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+      got = jax.jit(lambda a: orthogonalize_in_layout(a, dims, spec, mesh, coeffs, 5))(sharded)
+      assert got.sharding.spec == spec, (got.sharding, spec)
+      err = float(np.abs(np.asarray(got) - np.asarray(want)).max())
+      assert err < 1e-5, (shape, spec, err)
+  print(f"ok Newton-Schulz in {len(cases)} layouts == optax on one device")
+
+
 def main():
   assert len(jax.devices()) == 8
+  check_layouts()
   # all layers MoE (one stack: half the leaves of TINY_MOE_MLA, half the compile time)
   cfg = TINY_MOE_MLA.replace(num_layers=2, first_k_dense_replace=0)
   mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=2, tensor=2, expert=2))
@@ -57,9 +88,6 @@ def main():
          if optim.param_suffix(path) == ("embed",)]
   assert len(emb) == 2 and all(x.sharding.spec == P("tensor", "fsdp") for x in emb)
   print(f"ok state shardings: {matched} state leaves carry their parameter's sharding")
-  # the expert stacks' matrices are orthogonalized whole, one share of them per device
-  gate = next(r for r in opt.table if r.path == ("moe_layers", "mlp", "gate_proj"))
-  assert whole_matrix_axes(math.prod(gate.shape[:-2]), mesh) is not None, gate
 
   rng = np.random.default_rng(0)
   grads = [jax.tree.map(lambda p: np.asarray(rng.normal(size=p.shape), np.float32),
@@ -76,6 +104,15 @@ def main():
   replicated = jax.sharding.NamedSharding(mesh, P())
   with jax.set_mesh(mesh):
     sharded_step = jax.jit(opt.apply, out_shardings=(param_shardings, state_shardings))
+    hlo = sharded_step.lower(params, state, params, jax.ShapeDtypeStruct(
+        (cfg.num_layers, cfg.num_heads), np.float32)).compile().as_text()
+  # matrices move whole by all-to-all; no all-gather returns a whole expert stack
+  assert "all-to-all" in hlo
+  gate = next(r for r in opt.table if r.path == ("moe_layers", "mlp", "gate_proj"))
+  whole = "[" + ",".join(map(str, gate.shape)) + "]"
+  gathers = [line for line in hlo.splitlines() if re.search(r"= f32\[[\d,]+\]\S* all-gather", line)]
+  assert not any(whole in line.split("all-gather")[0] for line in gathers), gathers[:3]
+  with jax.set_mesh(mesh):
     p_sh, s_sh = run(sharded_step, params, state, lambda g: jax.device_put(g, param_shardings),
                      lambda m: jax.device_put(m, replicated))
   dev = jax.devices()[0]

@@ -1,5 +1,6 @@
 """Run in a subprocess with 8 simulated CPU devices (tests/test_step.py): the dense GRPO train
-step of tests/test_step.py on a data=2 x fsdp=2 x tensor=2 mesh. Reads the micro-batches and
+step of tests/test_step.py on a data=2 x fsdp=2 x tensor=2 mesh (its gradient also with the
+residual stream split over tensor, the act_embed rule). Reads the micro-batches and
 QK-Clip τ from DIR/mb.npz and DIR/config.npz, writes the summed gradient, the updated
 parameters and the metrics to DIR/{grads,params,metrics}.npz for the parent to compare with
 its single-device step."""
@@ -55,11 +56,22 @@ def main(tmp: str):
     want = jax.tree_util.tree_flatten_with_path(state)[0]
     assert leaf.sharding.is_equivalent_to(dict(want)[path].sharding, leaf.ndim), path
   assert len(new.params["embed"].sharding.device_set) == 8
+  # the residual stream split over tensor (act_embed rule): the same gradient
+  sp_cfg = cfg.replace(sharding_rules=sharding.replace_rules(cfg.sharding_rules,
+                                                             {"act_embed": "tensor"}))
+  sp_loss, sp_grads, _ = T.make_train_step(sp_cfg, loss_cfg, opt, correction_cfg=correction,
+                                           mesh=mesh, entropy=True, donate=False
+                                           ).gradients(state, mb)
+  np.testing.assert_allclose(float(sp_loss), float(loss), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(sp_grads), jax.tree.leaves(grads)):
+    a, b = np.asarray(a), np.asarray(b)
+    assert np.abs(a - b).max() <= 1e-5 * max(1e-3, np.abs(b).max()), np.abs(a - b).max()
   save_tree(f"{tmp}/grads.npz", grads)
   save_tree(f"{tmp}/params.npz", new.params)
   np.savez(f"{tmp}/metrics.npz", **{k: np.asarray(v) for k, v in step_metrics.items()})
   print(f"ok sharded step on {dict(mesh.shape)}: loss {float(loss):.6f}, "
-        f"{int(step_metrics['qk_clipped_heads'])} heads clipped")
+        f"{int(step_metrics['qk_clipped_heads'])} heads clipped; the same gradient with the "
+        "residual stream split over tensor")
 
 
 if __name__ == "__main__":

@@ -148,6 +148,10 @@ def test_search_tries_stronger_settings_until_one_fits(monkeypatch):
                                                           "expert": 1})]
   assert changes[0] == "remat=full" and changes[1] == "mesh fsdp=2 tensor=2"
   assert changes[2].startswith("rows_per_batch=") and changes[3].startswith("logits_chunk=")
+  # with tensor parallelism, the residual stream split over it comes before a bigger tensor axis
+  split = aot.alternatives(c, {"data": 1, "fsdp": 2, "tensor": 2, "expert": 1})
+  assert split[1][0] == "sharding_rules.act_embed=tensor"
+  assert split[1][1].model.overrides.sharding_rules.act_embed == "tensor"
   # each alternative keeps the earlier ones; the first that fits ends the search
   seen = []
 

@@ -273,3 +273,20 @@ def test_templates_refuse_routing_replay(real_paths, tmp_path):
   c.rl.routing_replay = True
   with pytest.raises(ConfigError, match=r"config\.rl\.routing_replay=True"):
     validate(c, str(tmp_path))
+
+
+def test_sharding_rule_overrides_replace_named_rules_and_name_bad_values():
+  c = load("rl", "qwen2.5-coder")
+  c.model.init, c.model.preset = "random", "tiny-moe-mla"
+  rules = dict(config_lib.model_config(c).sharding_rules)
+  c.model.overrides.sharding_rules.act_embed = "tensor"
+  got = dict(config_lib.model_config(c).sharding_rules)
+  assert got["act_embed"] == ("tensor",) and {k: v for k, v in got.items() if k != "act_embed"} \
+      == {k: v for k, v in rules.items() if k != "act_embed"}
+  c.model.overrides.sharding_rules.act_embed = "tensr"
+  with pytest.raises(ConfigError, match=r"sharding_rules.act_embed='tensr'.*not \['tensr'\]"):
+    config_lib.model_config(c)
+  c.model.overrides.sharding_rules.act_embed = None
+  c.model.overrides.sharding_rules.residual = "tensor"
+  with pytest.raises(ConfigError, match=r"sharding_rules.residual: no such logical axis"):
+    config_lib.model_config(c)

@@ -351,15 +351,14 @@ def _compile_run(config, topology: str, programs: Sequence[str]) -> dict:
     train_step = step_lib.make_train_step(
         model_cfg, config_lib.loss_config(config), optimizer, mesh=mesh,
         correction_cfg=corrections.CorrectionConfig(kind=config.rl.correction))
-    t0 = time.perf_counter()
-    try:
-      for name, (compiled, seconds) in train_step.compile(state, mb).items():
-        # forward + backward (2x), and the forward again under full remat
-        flops = per_chip(3 + (model_cfg.remat == "full")) if name == "gradients" else None
-        report["programs"][f"train/{name}"] = program_report(
-            compiled, seconds, chip, flops, per_chip(3) if flops else None)
-    except jax.errors.JaxRuntimeError as e:
-      report["programs"]["train/gradients"] = out_of_memory(e, chip, time.perf_counter() - t0)
+    for name, (compiled, seconds) in train_step.compile(state, mb).items():
+      if isinstance(compiled, Exception):
+        report["programs"][f"train/{name}"] = out_of_memory(compiled, chip, seconds)
+        continue
+      # forward + backward (2x), and the forward again under full remat
+      flops = per_chip(3 + (model_cfg.remat == "full")) if name == "gradients" else None
+      report["programs"][f"train/{name}"] = program_report(
+          compiled, seconds, chip, flops, per_chip(3) if flops else None)
     report["train_peak_gb"] = train_peak(report["programs"], state, chip)
   if "score" in programs:
     score = step_lib.make_score_fn(model_cfg, mesh=mesh)
@@ -399,7 +398,9 @@ def _fits(report: dict) -> bool:
 
 def alternatives(config, mesh: dict) -> list[tuple[str, Any]]:
   """The settings `search` tries, each a step further from the config's: stronger remat, then
-  a factor 2 of the FSDP axis moved to tensor parallelism (the same rows per device), then half
+  the residual stream split over `tensor` (when it is > 1: the saved layer inputs shrink by
+  its size), then a factor 2 of the FSDP axis moved to tensor parallelism (the same rows per
+  device), then half
   the rows per micro-batch (twice the micro-batches: the same tokens per step), then half the
   log-prob chunk. Each keeps the earlier changes.
 
@@ -418,6 +419,11 @@ def alternatives(config, mesh: dict) -> list[tuple[str, Any]]:
     c = c.copy_and_resolve_references()
     c.model.overrides.remat = "full"
     out.append(("remat=full", c))
+  if c.mesh.tensor > 1 and not dict(model_cfg.sharding_rules).get("act_embed") \
+      and model_cfg.hidden_size % c.mesh.tensor == 0:
+    c = c.copy_and_resolve_references()
+    c.model.overrides.sharding_rules.act_embed = "tensor"
+    out.append(("sharding_rules.act_embed=tensor", c))
   heads = model_cfg.num_kv_heads if model_cfg.attention == "gqa" else model_cfg.num_heads
   if c.mesh.fsdp % 2 == 0 and heads % (2 * c.mesh.tensor) == 0:
     c = c.copy_and_resolve_references()
@@ -486,17 +492,17 @@ def train_peak(programs: dict, state, chip: Chip) -> dict:
 
   Returns:
     {"total", "optimizer_state", "headroom", "fits"} in GB; "total" is the compiler's
-    lower bound (its temporaries alone) when it refused the accumulation.
+    lower bound (its temporaries alone) for a program it refused.
   """
   opt = per_chip_bytes(state.opt_state) / GB
-  grads = programs["train/gradients"]["hbm_gb"]
-  total = grads.get("total", grads.get("temporaries", 0.0)) + opt
-  if "train/update" in programs:
-    total = max(total, programs["train/update"]["hbm_gb"]["total"])
+  hbm = [programs[name]["hbm_gb"] for name in ("train/gradients", "train/update")
+         if name in programs]
+  need = [h.get("total", h.get("temporaries", 0.0)) for h in hbm]
+  total = max([need[0] + opt] + need[1:])
   capacity = chip.hbm_bytes / GB
   return {"total": round(total, 3), "optimizer_state": round(opt, 4),
           "headroom": round(capacity - total, 3),
-          "fits": bool(grads["fits"] and total <= capacity)}
+          "fits": bool(all(h["fits"] for h in hbm) and total <= capacity)}
 
 
 def out_of_memory(error: Exception, chip: Chip, seconds: float) -> dict:

@@ -52,6 +52,7 @@ from envs.chat.formats import FORMATS
 from models import hf
 from models.config import ModelConfig
 from models.presets import PRESETS, get_preset
+from models import sharding
 from models.sharding import MESH_AXES, MeshConfig
 from rl import advantages, corrections, losses
 from trainer import demo_data, optim, selection
@@ -208,8 +209,22 @@ def is_remote(path: str) -> bool:
 
 
 def overrides(config) -> dict:
-  """config.model.overrides without the unset (None) fields."""
-  return {k: v for k, v in config.model.overrides.to_dict().items() if v is not None}
+  """config.model.overrides without the unset (None) fields; `sharding_rules`, if any set,
+  as {logical axis: mesh axes} (`models.sharding.replace_rules`)."""
+  out = {k: v for k, v in config.model.overrides.to_dict().items() if v is not None}
+  if isinstance(out.get("sharding_rules"), dict):
+    rules = {k: v for k, v in out.pop("sharding_rules").items() if v is not None}
+    if rules:
+      out["sharding_rules"] = rules
+  return out
+
+
+def _with_overrides(cfg, over: dict):
+  """cfg.replace(**over), sharding rule changes applied to cfg's own rules."""
+  if isinstance(over.get("sharding_rules"), dict):
+    over = dict(over, sharding_rules=sharding.replace_rules(cfg.sharding_rules,
+                                                            over["sharding_rules"]))
+  return cfg.replace(**over)
 
 
 def model_config(config):
@@ -230,11 +245,11 @@ def model_config(config):
   over = overrides(config)
   try:
     if kind == "random":
-      return get_preset(config.model.preset).replace(**over)
+      return _with_overrides(get_preset(config.model.preset), over)
     if kind == "hf":
-      return hf.config_from_hf(hf.read_hf_config(path)).replace(**over)
+      return _with_overrides(hf.config_from_hf(hf.read_hf_config(path)), over)
     with open(os.path.join(path, "model_config.json")) as f:
-      return hf.config_from_json(json.load(f)).replace(**over)
+      return _with_overrides(hf.config_from_json(json.load(f)), over)
   except (ValueError, TypeError) as e:
     raise ConfigError(f"config.model (init={init!r}, overrides {over}): {e}") from e
 

@@ -537,13 +537,18 @@ class TrainStep:
     Returns:
       {"gradients": (compiled, seconds), "update": (compiled, seconds)}: the accumulation and
       the optimizer update as `__call__` runs them (`jax.stages.Compiled`, compile time); the
-      update's gradient inputs take the shardings the compiled accumulation gives them.
+      update's gradient inputs take the shardings the compiled accumulation gives them. A
+      program the compiler refuses (`jax.errors.JaxRuntimeError`, e.g. out of memory) is
+      given as (the error, seconds), and the programs after it are not compiled.
     """
     check_micro_batches(micro_batches, self.model_cfg, self.loss_cfg, self.correction_cfg)
     out = {}
     with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
       t0 = time.perf_counter()
-      grads_fn = self._gradients.lower(state.params, state.model_state, micro_batches).compile()
+      try:
+        grads_fn = self._gradients.lower(state.params, state.model_state, micro_batches).compile()
+      except jax.errors.JaxRuntimeError as e:
+        return {"gradients": (e, time.perf_counter() - t0)}
       out["gradients"] = (grads_fn, time.perf_counter() - t0)
       _, grads, _, max_logits, load = jax.eval_shape(
           self._gradients, state.params, state.model_state, micro_batches)
@@ -553,8 +558,11 @@ class TrainStep:
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
             (grads, max_logits, load), (shardings[1], shardings[3], shardings[4]))
       t0 = time.perf_counter()
-      update_fn = self._apply.lower(state, grads, max_logits, load).compile()
-      out["update"] = (update_fn, time.perf_counter() - t0)
+      try:
+        out["update"] = (self._apply.lower(state, grads, max_logits, load).compile(),
+                         time.perf_counter() - t0)
+      except jax.errors.JaxRuntimeError as e:
+        out["update"] = (e, time.perf_counter() - t0)
     return out
 
   def gradients(self, state: TrainState, micro_batches: MicroBatches

@@ -12,6 +12,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from models import sharding
 from models.config import ModelConfig
 from trainer.optim.config import OptimizerConfig
 from trainer.optim.qk_clip import QKClipState, qk_clip
@@ -165,7 +166,8 @@ def make_tx(cfg: Any, table: Sequence[Route], model_cfg: Optional[ModelConfig] =
   Args:
     cfg: an `OptimizerConfig` or the `config.optimizer` section.
     table: the routes; the transformation accepts any tree whose leaf paths are theirs.
-    model_cfg: the model; needed only for QK-Clip.
+    model_cfg: the model; needed for QK-Clip, and for Muon's whole-matrix layout on a mesh
+      (the parameters' sharding rules).
 
   Returns:
     clip, then AdamW or Muon + AdamW, then (with `*_clip`) QK-Clip, with the state stored in
@@ -188,10 +190,13 @@ def make_tx(cfg: Any, table: Sequence[Route], model_cfg: Optional[ModelConfig] =
     labels = _route_fn(routes, lambda r: r.optimizer)
     dims = _route_fn(routes, lambda r: r.dims)
     scales = _route_fn(routes, lambda r: r.scale)
+    specs = None if model_cfg is None else lambda tree, mesh: _route_fn(
+        routes, lambda r: sharding.param_spec(r.axes, r.shape, model_cfg.sharding_rules, mesh)
+    )(tree)
     core = optax.partition({
         "muon": optax.chain(
             scale_by_muon_whole_matrices(NS_COEFFS, cfg.muon.ns_steps, cfg.muon.beta,
-                                         cfg.muon.nesterov, dims),
+                                         cfg.muon.nesterov, dims, specs),
             scale_by_shape(scales),
             optax.add_decayed_weights(cfg.weight_decay),
             optax.scale_by_learning_rate(lr)),

@@ -13,11 +13,9 @@ import optax
 from jax.sharding import PartitionSpec
 from optax.contrib import MuonDimensionNumbers, MuonState, scale_by_muon
 # (not exported by optax.contrib; the version is pinned in requirements-lock.txt)
-from optax.contrib._muon import _compute_muon_reshape, orthogonalize_via_newton_schulz
+from optax.contrib._muon import orthogonalize_via_newton_schulz
 
 from trainer.optim.routing import param_suffix, path_names
-
-MATRICES = MuonDimensionNumbers(reduction_axis=(1,), output_axis=(2,))  # [matrices, m, n]
 
 
 class ClipState(NamedTuple):
@@ -70,36 +68,25 @@ def scale_by_shape(scales_fn: Callable[[Any], Any]) -> optax.GradientTransformat
   return optax.GradientTransformation(optax.init_empty_state, update)
 
 
-def whole_matrix_axes(matrices: int, mesh) -> tuple[str, ...] | None:
-  """The mesh axes to split `matrices` whole matrices over, one share per device.
-
-  Args:
-    matrices: how many matrices a leaf holds (the product of its batch dimensions: stacked
-      layers, experts, heads).
-    mesh: the (abstract) mesh.
-
-  Returns:
-    Every mesh axis of size > 1 when their product divides `matrices`, else None (some
-    devices would hold copies; the compiler's own layout is kept).
-  """
-  axes = tuple(a for a, n in mesh.shape.items() if n > 1)
-  size = math.prod(mesh.shape[a] for a in axes)
-  return axes if axes and matrices % size == 0 else None
-
-
 def scale_by_muon_whole_matrices(ns_coeffs, ns_steps: int, beta: float, nesterov: bool,
-                                 dims_fn: Callable[[Any], Any]) -> optax.GradientTransformation:
+                                 dims_fn: Callable[[Any], Any],
+                                 specs_fn: Callable[[Any, Any], Any] | None = None
+                                 ) -> optax.GradientTransformation:
   """`optax.contrib.scale_by_muon` that, on a mesh, orthogonalizes each matrix where it lies whole.
 
-  Under FSDP a stacked weight [layers, m, n] is split along m, and Newton–Schulz needs whole
-  m x n matrices: left to itself the compiler gathers every stack onto every device (a 32B
-  model's update then needs 128 GB per chip). Here, under a mesh (`jax.set_mesh`), each leaf
-  is viewed as optax does, [matrices, m, n] (stacked layers x experts x heads flattened), and
-  when the mesh divides the number of matrices (`whole_matrix_axes`) the matrices are split
-  over every device and Newton–Schulz runs on them inside `jax.shard_map`: each device
-  orthogonalizes 1 / devices of the matrices and holds that share only. Other leaves, and every leaf without a mesh, take
-  optax's own path. The values are optax's: the same momentum, bias corrections and
-  iteration, the same state (`MuonState`), so checkpoints do not depend on the mesh.
+  Newton–Schulz needs whole m x n matrices, and under FSDP / tensor parallelism a leaf's
+  matrices are split along m and n: left to itself the compiler gathers every stack onto every
+  device (a 32B model's update then needs 128 GB per chip; resharding DeepSeek-V3's expert
+  stacks to another layout, over 700 GB). Here, under a mesh (`jax.set_mesh`) and with the
+  leaves' layouts known (`specs_fn`), each leaf is handled inside `jax.shard_map` in its own
+  layout: the device's block is viewed as [local matrices, m / shards, n / shards]; all-to-alls
+  over the mesh axes that split m and n trade matrix pieces for whole matrices, so each device
+  of such a group holds 1 / group of its block's matrices whole (the local count zero-padded
+  to a multiple of the group: zero matrices stay zero); Newton–Schulz runs on them; the
+  inverse all-to-alls put the result back in the leaf's layout. No device ever holds more than
+  its share plus its block. Without a mesh or `specs_fn`, optax's own path. The values are
+  optax's: the same momentum, bias corrections and iteration, the same state (`MuonState`), so
+  checkpoints do not depend on the mesh.
 
   Args:
     ns_coeffs: the Newton–Schulz coefficients (as `scale_by_muon`).
@@ -107,6 +94,8 @@ def scale_by_muon_whole_matrices(ns_coeffs, ns_steps: int, beta: float, nesterov
     beta: the momentum decay.
     nesterov: use Nesterov momentum.
     dims_fn: updates tree -> tree of MuonDimensionNumbers (the routes' `dims`).
+    specs_fn: (updates tree, mesh) -> tree of the leaves' PartitionSpecs on that mesh (the
+      parameters' layouts, which the gradients and the momentum share).
 
   Returns:
     The transformation.
@@ -121,7 +110,7 @@ def scale_by_muon_whole_matrices(ns_coeffs, ns_steps: int, beta: float, nesterov
 
   def update(updates, state, params=None):
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if mesh.empty or specs_fn is None:
       return inner.update(updates, state, params)
     # scale_by_muon's update (optax 0.2.8), with the orthogonalization placed per leaf
     mu = optax.tree.update_moment(updates, state.mu, beta, 1)
@@ -132,26 +121,78 @@ def scale_by_muon_whole_matrices(ns_coeffs, ns_steps: int, beta: float, nesterov
                             optax.tree.bias_correction(updates, beta, count))
     else:
       mu_hat = optax.tree.bias_correction(mu, beta, count)
-
-    def orthogonalize(x, dims):
-      # optax's own [matrices, m, n] view of the leaf (batch dimensions flattened)
-      to_matrices, from_matrices = _compute_muon_reshape(x, dims)
-      xs = to_matrices(x)
-      axes = whole_matrix_axes(xs.shape[0], mesh)
-      if axes is None:
-        return orthogonalize_via_newton_schulz(x, state.ns_coeffs, ns_steps,
-                                               dimension_numbers=dims)
-      run = lambda a, c: orthogonalize_via_newton_schulz(a, c, ns_steps,
-                                                         dimension_numbers=MATRICES)
-      spec = PartitionSpec(axes, None, None)
-      return from_matrices(jax.shard_map(run, mesh=mesh, in_specs=(spec, PartitionSpec()),
-                                         out_specs=spec)(xs, state.ns_coeffs))
-
-    out = jax.tree.map(orthogonalize, mu_hat, dims_fn(updates),
-                       is_leaf=lambda d: isinstance(d, MuonDimensionNumbers))
+    out = jax.tree.map(
+        lambda x, dims, spec: orthogonalize_in_layout(x, dims, spec, mesh, state.ns_coeffs,
+                                                      ns_steps),
+        mu_hat, dims_fn(updates), specs_fn(updates, mesh),
+        is_leaf=lambda d: isinstance(d, MuonDimensionNumbers))
     return out, MuonState(count=count, mu=mu, ns_coeffs=state.ns_coeffs)
 
   return optax.GradientTransformation(inner.init, update)
+
+
+def orthogonalize_in_layout(x: jax.Array, dims: MuonDimensionNumbers, spec: PartitionSpec,
+                            mesh, ns_coeffs: jax.Array, ns_steps: int) -> jax.Array:
+  """`orthogonalize_via_newton_schulz(x)` computed in x's layout `spec` on `mesh`.
+
+  Args:
+    x: a leaf of stacked matrices (any batch dimensions; `dims` names m and n).
+    dims: its Muon dimension numbers.
+    spec: its PartitionSpec on `mesh`.
+    mesh: the (abstract) mesh.
+    ns_coeffs: [ns_steps or 1, 3] Newton–Schulz coefficients.
+    ns_steps: iterations.
+
+  Returns:
+    The orthogonalized leaf, laid out as `spec` (see `scale_by_muon_whole_matrices`).
+  """
+  rank = x.ndim
+  reduction = tuple(a % rank for a in _as_tuple(dims.reduction_axis))
+  output = tuple(a % rank for a in _as_tuple(dims.output_axis))
+  matrix = sorted(reduction + output)
+  batch = [a for a in range(rank) if a not in matrix]
+  perm = batch + matrix  # block -> [batch..., matrix dims in order]
+  spec = tuple(spec) + (None,) * (rank - len(spec))
+  # (dimension of the [local matrices, *matrix dims] view, mesh axis), minor mesh axis first
+  moves = [(1 + i, name) for i, a in enumerate(matrix)
+           for name in reversed(_axis_names(spec[a])) if mesh.shape[name] > 1]
+  group = math.prod(mesh.shape[name] for _, name in moves)
+  local_dims = MuonDimensionNumbers(reduction_axis=tuple(1 + matrix.index(a) for a in reduction),
+                                    output_axis=tuple(1 + matrix.index(a) for a in output))
+
+  def run(block, coeffs):
+    y = block.transpose(perm)
+    batch_shape = y.shape[:len(batch)]
+    y = y.reshape((-1,) + y.shape[len(batch):])
+    count = y.shape[0]
+    y = jnp.pad(y, [(0, -count % group)] + [(0, 0)] * (y.ndim - 1))
+    for dim, name in moves:  # pieces of matrices -> whole matrices, group x fewer
+      y = jax.lax.all_to_all(y, name, 0, dim, tiled=True)
+    y = orthogonalize_via_newton_schulz(y, coeffs, ns_steps, dimension_numbers=local_dims)
+    for dim, name in reversed(moves):
+      y = jax.lax.all_to_all(y, name, dim, 0, tiled=True)
+    y = y[:count].reshape(batch_shape + y.shape[1:])
+    return y.transpose(_inverse(perm))
+
+  spec = PartitionSpec(*spec)
+  return jax.shard_map(run, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=spec)(
+      x, ns_coeffs)
+
+
+def _as_tuple(axis) -> tuple[int, ...]:
+  return (axis,) if isinstance(axis, int) else tuple(axis)
+
+
+def _axis_names(entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _inverse(perm: list[int]) -> list[int]:
+  out = [0] * len(perm)
+  for i, p in enumerate(perm):
+    out[p] = i
+  return out
 
 
 def with_state_dtype(inner: optax.GradientTransformation, dtype: Any
