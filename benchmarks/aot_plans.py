@@ -54,7 +54,7 @@ PLANS = {
                            {"fsdp": 8, "tensor": 8, "expert": 8}, "full", 4,
                            {"moe_dispatch": "global", **SPLIT_RESIDUAL}),
     "kimi-k2-v5p-ep-a2a": ("kimi-k2", "deepseek-v3", "v5p:8x16x16", "v5p-4096",
-                           {"fsdp": 16, "tensor": 8, "expert": 16}, "full", 4,
+                           {"fsdp": 16, "tensor": 8, "expert": 16}, "full", 1,
                            {"moe_dispatch": "all_to_all", "moe_dispatch_chunk": 1024,
                          **SPLIT_RESIDUAL}),
 }
