@@ -36,6 +36,7 @@ from models import hf, sharding, transformer  # noqa: E402
 from models.config import DEFAULT_SHARDING_RULES, ModelConfig  # noqa: E402
 from models.hf_config import config_to_hf  # noqa: E402
 from models.safetensors_io import SafetensorsDir, save_dir  # noqa: E402
+from trainer import config as config_lib  # noqa: E402
 from trainer import harness  # noqa: E402
 
 BLOCK = 32
@@ -159,9 +160,11 @@ def main(tmp: Path) -> None:
   # A run whose config.model.init names the checkpoint reads it straight onto the run's mesh.
   config = sft_demo.get_config()
   config.model.init = f"hf:{tmp / 'ckpt'}"
-  config.model.overrides = {}
+  config.model.overrides = {"sharding_rules": {"act_embed": "tensor"}}  # activations only
   mesh_cfg = sharding.MeshConfig(fsdp=4, tensor=2)
-  start = harness.initial_model(config, None, sharding.make_mesh(mesh_cfg))
+  start = harness.initial_model(config, config_lib.model_config(config),
+                                sharding.make_mesh(mesh_cfg))
+  assert dict(start.cfg.sharding_rules)["act_embed"] == ("tensor",)
   check_model(start, reference, mesh_cfg, DEFAULT_SHARDING_RULES)
 
   # Reads: each stored byte once, in blocks, though 8 devices hold 2 replicas of the model.

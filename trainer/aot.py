@@ -52,6 +52,7 @@ from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 from absl import app, flags
 from jax.experimental import topologies
 from ml_collections import config_flags
@@ -422,6 +423,8 @@ def alternatives(config, mesh: dict) -> list[tuple[str, Any]]:
   if c.mesh.tensor > 1 and not dict(model_cfg.sharding_rules).get("act_embed") \
       and model_cfg.hidden_size % c.mesh.tensor == 0:
     c = c.copy_and_resolve_references()
+    if "sharding_rules" not in c.model.overrides:
+      c.model.overrides.sharding_rules = ml_collections.ConfigDict()
     c.model.overrides.sharding_rules.act_embed = "tensor"
     out.append(("sharding_rules.act_embed=tensor", c))
   heads = model_cfg.num_kv_heads if model_cfg.attention == "gqa" else model_cfg.num_heads

@@ -69,7 +69,10 @@ def initial_model(config: ml_collections.ConfigDict, model_cfg, mesh=None):
   if kind == "random":
     return None
   if kind == "hf":
-    return hf.load(path, mesh=mesh, **config_lib.overrides(config))
+    over = config_lib.overrides(config)
+    if "sharding_rules" in over:  # the changed rules, resolved against the checkpoint's
+      over["sharding_rules"] = model_cfg.sharding_rules
+    return hf.load(path, mesh=mesh, **over)
   if os.path.isdir(os.path.join(path, "state")):  # models.hf import output
     params, rest = state_lib.split_model(hf.restore(path))
   else:
@@ -135,7 +138,7 @@ RESUMABLE_FIELDS = ("train.steps", "optimizer.total_steps", "train.log_every",
                     "data.prefetch", "rl.concurrency", "eval.*", "serve.*",
                     "model.overrides.attention_impl", "model.overrides.remat",
                     "model.overrides.logits_chunk", "model.overrides.moe_dispatch_chunk",
-                    "allow_config_change")
+                    "model.overrides.sharding_rules.act_embed", "allow_config_change")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
