@@ -8,6 +8,7 @@ Python:
 CLI:
     python -m models.hf import --hf_dir IN --out OUT   # HF dir -> orbax state + model_config.json
     python -m models.hf export --ckpt IN --out OUT     # that checkpoint -> HF dir
+    (a training run's checkpoints: python -m trainer.export)
 
 The supported families and the config translation are in models/hf_config.py; the tensor
 name tables, used in both directions, in models/hf_names.py.
@@ -448,6 +449,36 @@ def restore(ckpt: str) -> Transformer:
   return nnx.merge(graphdef, state)
 
 
+def companion_files(source: str) -> tuple[dict, list[str]]:
+  """What belongs beside the weights of a checkpoint: its token ids and tokenizer files.
+
+  Args:
+    source: an HF directory (config.json, tokenizer and generation files), a `models.hf
+      import` directory (its hf_extra/), or a directory holding only tokenizer files.
+
+  Returns:
+    ({"bos_token_id", ...} present in its config, [paths of its tokenizer / generation /
+    chat-template files]).
+  """
+  extra_dir = os.path.join(source, _EXTRA_DIR)
+  if os.path.isdir(extra_dir):  # an import_hf output
+    extra_path = os.path.join(extra_dir, "config_extra.json")
+    extra = {}
+    if os.path.isfile(extra_path):
+      with open(extra_path) as f:
+        extra = json.load(f)
+    source = extra_dir
+  else:
+    config_path = os.path.join(source, "config.json")
+    extra = {}
+    if os.path.isfile(config_path):
+      with open(config_path) as f:
+        extra = {k: v for k, v in json.load(f).items() if k in _TOKEN_KEYS}
+  files = [os.path.join(source, n) for n in _EXTRA_FILES
+           if os.path.isfile(os.path.join(source, n))]
+  return extra, files
+
+
 def export_hf(ckpt: str, out: str, dtype: str = "float32") -> dict:
   """Converts an `import_hf` output to an HF directory loadable by `AutoModelForCausalLM`.
 
@@ -460,18 +491,19 @@ def export_hf(ckpt: str, out: str, dtype: str = "float32") -> dict:
     {"tensors", "params", "extra_files", "total_s"}.
   """
   t0 = time.time()
+  if not os.path.isfile(os.path.join(ckpt, _CONFIG_FILE)) or not os.path.isdir(
+      os.path.join(ckpt, _STATE_DIR)):
+    hint = (" (an Arbor run's workdir or checkpoint: python -m trainer.export)"
+            if os.path.isfile(os.path.join(ckpt, "config.json")) or
+            os.path.isdir(os.path.join(ckpt, "checkpoints")) or
+            os.path.basename(os.path.dirname(os.path.abspath(ckpt))) == "checkpoints" else "")
+    raise FileNotFoundError(f"export --ckpt {ckpt}: not a `models.hf import` directory "
+                            f"({_STATE_DIR}/ and {_CONFIG_FILE}){hint}")
   model = restore(ckpt)
-  extra, copied = {}, []
-  extra_dir = os.path.join(ckpt, _EXTRA_DIR)
-  if os.path.isdir(extra_dir):
-    extra_path = os.path.join(extra_dir, "config_extra.json")
-    if os.path.isfile(extra_path):
-      with open(extra_path) as f:
-        extra = json.load(f)
-    copied = [n for n in _EXTRA_FILES if os.path.isfile(os.path.join(extra_dir, n))]
+  extra, copied = companion_files(ckpt)
   n = save(model, out, dtype, extra_config=extra)
-  for name in copied:
-    shutil.copy2(os.path.join(extra_dir, name), os.path.join(out, name))
+  for path in copied:
+    shutil.copy2(path, os.path.join(out, os.path.basename(path)))
   params = sum(int(np.prod(v.shape)) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
   return {"tensors": n, "params": params, "extra_files": len(copied),
           "total_s": round(time.time() - t0, 2)}
@@ -498,7 +530,11 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{info['params']:,} parameters, {info['extra_files']} tokenizer/generation files, "
           f"{info['total_s']:.1f}s (load {info['load_s']:.1f}s)")
   else:
-    info = export_hf(args.ckpt, args.out, args.dtype)
+    try:
+      info = export_hf(args.ckpt, args.out, args.dtype)
+    except FileNotFoundError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
     print(f"exported {args.ckpt} -> {args.out}: {info['tensors']} tensors ({args.dtype}), "
           f"{info['params']:,} parameters, {info['extra_files']} tokenizer/generation files, "
           f"{info['total_s']:.1f}s")

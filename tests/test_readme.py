@@ -26,6 +26,8 @@ COMMANDS = {
     "python -m launch.": "tests/test_launch.py runs every README launch command",
     "python -m models.hf import": "a template (IN, OUT): tests/test_hf.py::test_cli_import_export",
     "python -m models.hf export": "a template (IN, OUT): tests/test_hf.py::test_cli_import_export",
+    "python -m trainer.export": "a template (WORKDIR, OUT): tests/test_sft.py::"
+                                "test_start_from_an_hf_checkpoint_then_from_the_run",
     "python -m trainer.aot": "tests/test_aot.py compiles from the command line (v6e) and "
                              "runs the search",
     "python -m benchmarks.sizing": "run (below)",

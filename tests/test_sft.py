@@ -396,3 +396,24 @@ def test_start_from_an_hf_checkpoint_then_from_the_run(assets, tmp_path):
   config.model.init = f"ckpt:{tmp_path / 'imported'}"
   start, _ = state_lib.split_model(harness.initial_model(config, config_lib.model_config(config)))
   jax.tree.map(np.testing.assert_array_equal, start, original)
+
+  # the run exported for Hugging Face: transformers' logits equal the trained model's
+  import torch
+  from flax import nnx
+  from transformers import AutoModelForCausalLM
+
+  from tests.test_hf import arbor_logits
+  from trainer import export
+  out = tmp_path / "exported"
+  info = export.export_run(str(workdir / "checkpoints" / str(trained.step)), str(out))
+  assert info["step"] == trained.step and (out / "config.json").is_file()
+  assert export.main(["--ckpt", str(tmp_path / "hf"), "--out", str(tmp_path / "x")]) == 2
+  assert hf.main(["export", "--ckpt", str(workdir), "--out", str(tmp_path / "x")]) == 2
+  assert export.run_and_step(str(workdir)) == (str(workdir), None)
+  ours = nnx.merge(state_lib.graphdef(model_cfg.replace(dtype="float32")), trained.state.params,
+                   trained.state.model_state)
+  theirs = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+  tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 12))
+  with torch.no_grad():
+    want = theirs(torch.from_numpy(tokens).long()).logits.float().numpy()
+  np.testing.assert_allclose(arbor_logits(ours, tokens), want, atol=1e-4, rtol=1e-4)

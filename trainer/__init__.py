@@ -14,5 +14,8 @@ eval loops that join models, rl and envs; checkpoints, data pipelines, metrics, 
   evaluate.py        held-out pass@k (mode "eval"); selection.py test-time selection
   serve.py           the policy server (token-in/token-out and OpenAI-compatible)
   demo.py            the demo pipeline; demo_data.py, tokenizer_train.py its generated inputs
+  aot.py             `python -m trainer.aot`: a run's programs compiled for a TPU slice
+                     (aot_engine.py the engine's)
+  export.py          `python -m trainer.export`: a run's checkpoint -> Hugging Face dir
   checkpoint.py, metrics.py, report.py, distributed.py   the chores
 """

@@ -84,21 +84,22 @@ def initial_model(config: ml_collections.ConfigDict, model_cfg, mesh=None):
   return nnx.merge(state_lib.graphdef(model_cfg), params, rest)
 
 
-def run_weights(workdir: str) -> tuple[Any, Any, int]:
-  """The model weights of the latest checkpoint of an Arbor run.
+def run_weights(workdir: str, step: Optional[int] = None) -> tuple[Any, Any, int]:
+  """The model weights of a checkpoint of an Arbor run (the latest by default).
 
   The run's state shapes are rebuilt from its own config.json and model_config.json, so no
   config of the caller is needed (e.g. to compare the weights of two runs in a notebook).
 
   Args:
     workdir: the run's workdir (config.json, model_config.json, checkpoints/).
+    step: the checkpoint's step; None: the latest.
 
   Returns:
     (params, model_state, step): the trainable parameters, the rest of the model's state
     (`state_lib.split_model`'s halves) and the checkpoint's step.
 
   Raises:
-    FileNotFoundError: the workdir has no checkpoint.
+    FileNotFoundError: the workdir has no checkpoint (or not `step`).
   """
   with open(os.path.join(workdir, "config.json")) as f:
     source = ml_collections.ConfigDict(json.load(f))
@@ -106,7 +107,8 @@ def run_weights(workdir: str) -> tuple[Any, Any, int]:
     source_cfg = hf.config_from_json(json.load(f))
   opt = optim.build(source.optimizer, source_cfg)
   with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
-    restored = ckpt.restore_latest(state_lib.abstract(source_cfg, opt))
+    target = state_lib.abstract(source_cfg, opt)
+    restored = ckpt.restore_latest(target) if step is None else ckpt.restore(step, target)
   if restored is None:
     raise FileNotFoundError(f"no checkpoint in {os.path.join(workdir, 'checkpoints')}")
   return restored.state.params, restored.state.model_state, restored.step

@@ -1,0 +1,141 @@
+"""A training run's weights as a Hugging Face checkpoint directory.
+
+    python -m trainer.export --ckpt WORKDIR --out DIR                 # the latest checkpoint
+    python -m trainer.export --ckpt WORKDIR/checkpoints/N --out DIR   # step N
+    python -m trainer.export --ckpt WORKDIR --out DIR --dtype bfloat16
+
+Works for SFT, RL and distillation runs alike: the run's own config.json and
+model_config.json rebuild its state (`harness.run_weights`), and `models.hf.save` writes
+config.json and safetensors tensor by tensor. Beside them go the tokenizer, chat-template and
+generation files of the run's tokenizer source (`config.tokenizer_source`: tokenizer.path, or
+the checkpoint the run started from) and its token ids; a generation_config.json is written
+from those ids when the source has none. A tokenizer Arbor trained itself (the demos'
+sentencepiece model) has no Hugging Face files: the export says so, and the folder then loads
+with `AutoModelForCausalLM` only. (`python -m models.hf export` converts `models.hf import`
+directories.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from typing import Optional
+
+import jax
+import ml_collections
+from flax import nnx
+
+from models import hf
+from trainer import config as config_lib
+from trainer import harness
+from trainer import state as state_lib
+
+
+def run_and_step(ckpt: str) -> tuple[str, Optional[int]]:
+  """(workdir, step) of `ckpt`: a run's workdir (step None: the latest) or one of its
+  checkpoints, WORKDIR/checkpoints/N.
+
+  Raises:
+    FileNotFoundError: `ckpt` is neither (no config.json and model_config.json found).
+  """
+  path = os.path.abspath(ckpt)
+  parent = os.path.dirname(path)
+  if os.path.basename(parent) == "checkpoints" and os.path.basename(path).isdigit():
+    workdir, step = os.path.dirname(parent), int(os.path.basename(path))
+  else:
+    workdir, step = path, None
+  missing = [n for n in ("config.json", "model_config.json")
+             if not os.path.isfile(os.path.join(workdir, n))]
+  if missing:
+    raise FileNotFoundError(f"--ckpt {ckpt}: not an Arbor run's workdir or checkpoint "
+                            f"({', '.join(missing)} missing in {workdir})")
+  return workdir, step
+
+
+def export_run(ckpt: str, out: str, dtype: str = "float32") -> dict:
+  """Writes a run's checkpoint as an HF directory.
+
+  Args:
+    ckpt: the run's workdir (its latest checkpoint) or WORKDIR/checkpoints/N.
+    out: the output directory (created).
+    dtype: dtype of the written weights ("float32", "bfloat16" or "float16").
+
+  Returns:
+    {"step", "tensors", "params", "files" (names copied or written beside the weights),
+    "tokenizer" (the tokenizer source, or None when it has no HF files), "total_s"}.
+
+  Raises:
+    FileNotFoundError: `ckpt` is not a run, or has no such checkpoint.
+  """
+  t0 = time.time()
+  workdir, step = run_and_step(ckpt)
+  with open(os.path.join(workdir, "config.json")) as f:
+    config = ml_collections.ConfigDict(json.load(f))
+  with open(os.path.join(workdir, "model_config.json")) as f:
+    model_cfg = hf.config_from_json(json.load(f))
+  params, rest, step = harness.run_weights(workdir, step)
+  model = nnx.merge(state_lib.graphdef(model_cfg), params, rest)
+  ids, files = _companions(config, workdir)
+  tensors = hf.save(model, out, dtype, extra_config=ids)
+  names = []
+  for path in files:
+    shutil.copy2(path, os.path.join(out, os.path.basename(path)))
+    names.append(os.path.basename(path))
+  if "generation_config.json" not in names and ids:
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+      json.dump(ids, f, indent=2)
+    names.append("generation_config.json")
+  params_count = sum(int(v.size) for v in jax.tree.leaves(params))
+  has_tokenizer = any(n in ("tokenizer.json", "tokenizer.model", "vocab.json") for n in names)
+  return {"step": step, "tensors": tensors, "params": params_count, "files": sorted(names),
+          "tokenizer": config_lib.tokenizer_source(config, workdir) if has_tokenizer else None,
+          "total_s": round(time.time() - t0, 2)}
+
+
+def _companions(config, workdir: str) -> tuple[dict, list[str]]:
+  """The run's token ids (from the checkpoint it started from) and tokenizer files."""
+  ids, files = {}, []
+  kind, path = config_lib.init_kind(config.model.get("init", "random"))
+  if kind in ("hf", "ckpt") and os.path.isdir(path):
+    ids, files = hf.companion_files(path)
+  try:
+    source = config_lib.tokenizer_source(config, workdir)
+  except config_lib.ConfigError:
+    return ids, files
+  if os.path.isdir(source):
+    more_ids, files = hf.companion_files(source)
+    ids = {**more_ids, **ids}
+  elif os.path.isfile(source) and os.path.basename(source) == "tokenizer.json":
+    files = [source]
+  return ids, files
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+  """The `python -m trainer.export` CLI (module docstring); returns the exit status."""
+  parser = argparse.ArgumentParser(prog="python -m trainer.export",
+                                   description=__doc__.split("\n")[0])
+  parser.add_argument("--ckpt", required=True, help="a run's workdir or WORKDIR/checkpoints/N")
+  parser.add_argument("--out", required=True, help="output HF directory")
+  parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                      help="dtype of the written weights")
+  args = parser.parse_args(argv)
+  try:
+    info = export_run(args.ckpt, args.out, args.dtype)
+  except FileNotFoundError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"exported step {info['step']} of {args.ckpt} -> {args.out}: {info['tensors']} tensors "
+        f"({args.dtype}), {info['params']:,} parameters, files: {', '.join(info['files'])}; "
+        f"{info['total_s']:.1f}s")
+  if info["tokenizer"] is None:
+    print("note: the run's tokenizer has no Hugging Face files (e.g. a tokenizer Arbor "
+          "trained): AutoTokenizer will not load the folder")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
