@@ -243,4 +243,3 @@ def test_bf16_state():
 def test_sharded_optimizer_state_and_step():
   stdout = run_check("optimizer_sharding_check", timeout=900)
   assert stdout.count("ok ") == 3, stdout
-
