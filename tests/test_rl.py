@@ -152,6 +152,29 @@ def test_demo_runs_every_stage_on_real_sandbox_rewards(demo_run):
   assert any(not np.array_equal(a, b) for a, b in zip(before, after)), "RL changed nothing"
 
 
+def test_an_rl_run_exports_for_transformers(demo_run, tmp_path):
+  """The RL stage's workdir as a Hugging Face directory: transformers' logits equal Arbor's."""
+  import ml_collections
+  import torch
+  from transformers import AutoModelForCausalLM
+
+  from tests.test_hf import arbor_logits
+  from trainer import config as config_lib
+  from trainer import export, harness
+  w = demo_run["workdir"] / "seed_0" / "rl"
+  info = export.export_run(str(w), str(tmp_path / "hf"))
+  assert info["step"] == RL_STEPS and info["tensors"] > 0
+  cfg = ml_collections.ConfigDict({"model": {"init": f"ckpt:{w}", "preset": "", "overrides": {
+      "dtype": "float32"}}, "mode": "rl"})
+  model_cfg = config_lib.model_config(cfg)
+  ours = harness.initial_model(cfg, model_cfg)
+  theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
+  tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (2, 10))
+  with torch.no_grad():
+    want = theirs.eval()(torch.from_numpy(tokens).long()).logits.float().numpy()
+  np.testing.assert_allclose(arbor_logits(ours, tokens), want, atol=1e-4, rtol=1e-4)
+
+
 def comparable(metrics):
   return {k: v for k, v in metrics.items() if not any(k.startswith(p) for p in NOT_DETERMINISTIC)}
 
