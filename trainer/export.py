@@ -79,7 +79,7 @@ def export_run(ckpt: str, out: str, dtype: str = "float32") -> dict:
     model_cfg = hf.config_from_json(json.load(f))
   params, rest, step = harness.run_weights(workdir, step)
   model = nnx.merge(state_lib.graphdef(model_cfg), params, rest)
-  ids, files = _companions(config, workdir)
+  ids, files, source = _companions(config, workdir)
   tensors = hf.save(model, out, dtype, extra_config=ids)
   names = []
   for path in files:
@@ -92,26 +92,28 @@ def export_run(ckpt: str, out: str, dtype: str = "float32") -> dict:
   params_count = sum(int(v.size) for v in jax.tree.leaves(params))
   has_tokenizer = any(n in ("tokenizer.json", "tokenizer.model", "vocab.json") for n in names)
   return {"step": step, "tensors": tensors, "params": params_count, "files": sorted(names),
-          "tokenizer": config_lib.tokenizer_source(config, workdir) if has_tokenizer else None,
+          "tokenizer": source if has_tokenizer else None,
           "total_s": round(time.time() - t0, 2)}
 
 
-def _companions(config, workdir: str) -> tuple[dict, list[str]]:
-  """The run's token ids (from the checkpoint it started from) and tokenizer files."""
-  ids, files = {}, []
+def _companions(config, workdir: str) -> tuple[dict, list[str], Optional[str]]:
+  """The run's token ids (from the checkpoint it started from), tokenizer files and where
+  they came from (the tokenizer source, else the starting checkpoint, else None)."""
+  ids, files, origin = {}, [], None
   kind, path = config_lib.init_kind(config.model.get("init", "random"))
   if kind in ("hf", "ckpt") and os.path.isdir(path):
     ids, files = hf.companion_files(path)
+    origin = path
   try:
     source = config_lib.tokenizer_source(config, workdir)
   except config_lib.ConfigError:
-    return ids, files
+    return ids, files, origin
   if os.path.isdir(source):
     more_ids, files = hf.companion_files(source)
     ids = {**more_ids, **ids}
   elif os.path.isfile(source) and os.path.basename(source) == "tokenizer.json":
     files = [source]
-  return ids, files
+  return ids, files, source
 
 
 def main(argv: Optional[list[str]] = None) -> int:
