@@ -236,7 +236,11 @@ class Run:
         os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
         save_every=train.checkpoint_every or train.steps, async_save=config.checkpoint.async_save)
     if self.checkpointer.latest_step() is not None:
-      check_resume_config(config, workdir)
+      try:
+        check_resume_config(config, workdir)
+      except config_lib.ConfigError:
+        self.checkpointer.close()  # its background work ends before the process does
+        raise
     write_run_files(config, self.model_cfg, workdir)
     self.restored = self.checkpointer.restore_latest(
         state_lib.abstract(self.model_cfg, self.optimizer, mesh))
