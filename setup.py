@@ -44,6 +44,9 @@ setup(
         "matplotlib>=3.11.2,<4",  # end-of-run report (trainer/report.py)
         "tqdm>=4.70,<5",  # progress bar
         "pyarrow>=26.0.1,<27",  # Parquet SFT data
+        "jinja2>=3.1.6,<4",  # envs.chat: checkpoints' own chat templates
+        "starlette>=1.10.0,<2",  # trainer.serve: the OpenAI-compatible policy server
+        "uvicorn>=0.54.0,<0.55",
     ],
     extras_require={
         # Tests compare against Hugging Face transformers on PyTorch CPU.
@@ -53,6 +56,10 @@ setup(
             "hypothesis>=6.170,<7",
             "torch==2.13.0",
             "transformers>=5.23,<6",
+            # The policy server is driven by the official OpenAI client; SWE-bench rows are
+            # graded against the swebench package's own log parsers and grading.
+            "openai>=3.57.0,<4",
+            "swebench>=5.0.2,<6",
             # The quickstart notebook runs under a real Jupyter kernel, as on Colab.
             "nbclient>=0.11,<0.12",
             "ipykernel>=7.4,<8",
