@@ -589,6 +589,28 @@ def test_parse_round_trips_tool_calls(tok, tiktoken_dir):
     assert not cut.finished
 
 
+def test_tool_call_prefix_forces_a_call_that_parses(tok, tiktoken_dir):
+  """prefix + the rest of a call's ids parses to that call (tool_choice required / named)."""
+  call = {"role": "assistant", "content": None,
+          "tool_calls": [{"function": {"name": "bash", "arguments": {"command": "ls"}}}]}
+  for chat in _formats(tok, tiktoken_dir):
+    full = chat.assistant_ids(call)
+    for name in (None, "bash"):
+      prefix = chat.tool_call_prefix_ids(name)
+      # The sampler writes the rest: ids shared with the prefix, then the call's text, then
+      # the control tokens that close the call.
+      same = next(i for i, (a, b) in enumerate(zip(full, prefix + [-1])) if a != b)
+      closers = {chat.end_id, getattr(chat, "t", {}).get("call_end")}
+      m = next(i for i in range(same, len(full)) if full[i] in closers)
+      said = chat.tokenizer.decode(prefix[same:])
+      body = chat.tokenizer.decode(full[same:m])
+      assert body.startswith(said), (chat.name, said, body)
+      rest = chat.tokenizer.encode(body[len(said):]) + full[m:]
+      turn = chat.parse_assistant(prefix + rest, TOOLS)
+      assert turn.finished and not turn.errors, (chat.name, name, turn.errors)
+      assert [(c.name, c.arguments) for c in turn.tool_calls] == [("bash", {"command": "ls"})]
+
+
 MALFORMED = {
     "bad json": ('<tool_call>\n{"name": "bash", "arguments": {"command": "ls"\n</tool_call>',
                  "invalid JSON"),

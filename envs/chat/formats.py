@@ -168,6 +168,21 @@ class ChatFormat:
     content, calls = parse_hermes(text, tools)
     return ParsedTurn(content, calls, finished, text)
 
+  def tool_call_prefix_ids(self, name: Optional[str] = None) -> list[int]:
+    """Ids that open an assistant turn with a tool call (OpenAI's tool_choice "required" or a
+    named function): appended to the prompt, they force the sampler into a call.
+
+    `parse_assistant(prefix + sampled ids)` reads the forced call back.
+
+    Args:
+      name: the function to call; None: any function (the sampler writes the name).
+
+    Returns:
+      The ids of the call's opening, up to the name (None) or up to the arguments (a name).
+    """
+    text = '<tool_call>\n{"name": "' + (f'{name}", "arguments": ' if name is not None else "")
+    return self.tokenizer.encode(text)
+
   # --- public API -------------------------------------------------------------------------
   def _messages(self, messages: Sequence[dict], prev: Optional[str]) -> list[Piece]:
     pieces = []
@@ -404,6 +419,11 @@ class DeepSeekV3(ChatFormat):
     pieces = [("\n", False)] if prev == "tool" else [(t["outputs_begin"], False)]
     pieces += [(t["output_begin"], False), (message["content"], False), (t["output_end"], False)]
     return pieces + ([] if next == "tool" else [(t["outputs_end"], False)])
+
+  def tool_call_prefix_ids(self, name=None):
+    t = self.t
+    ids = [t["calls_begin"], t["call_begin"]] + self.tokenizer.encode("function") + [t["sep"]]
+    return ids + (self.tokenizer.encode(f"{name}\n```json\n") if name is not None else [])
 
   def parse_assistant(self, output_ids, tools=None):
     """Reads content and tool-call tokens back from a sampled turn.
