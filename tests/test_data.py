@@ -10,6 +10,7 @@ path), so a test sees what the model would see.
 import collections
 import dataclasses
 import json
+import os
 import re
 
 import jax
@@ -22,7 +23,7 @@ from trainer import data
 from trainer.data import (RecordError, SFTDataConfig, conversation_calls, failed_turns,
                           make_sft_dataset, record_trajectories, write_jsonl)
 from trainer.demo_data import chat_record, demo_corpus, demo_trajectories
-from trainer.tokenizer_train import train_tokenizer
+from trainer.tokenizer_train import hf_tokenizer, train_tokenizer
 
 TOOLS = [{"type": "function", "function": {
     "name": "read_file", "description": "Read a file.",
@@ -474,3 +475,27 @@ def test_train_tokenizer_command(tmp_path):
       0].arguments == {"path": "a.py"}
   with pytest.raises(ValueError, match="vocab_size=100000"):
     train_tokenizer(["tiny text"], 100000, str(tmp_path / "big"))
+
+
+def test_hf_tokenizer_has_the_sentencepiece_ids(tok_dir):
+  """The tokenizer.json an export writes encodes and decodes as sentencepiece itself does."""
+  import sentencepiece as spm
+  path = os.path.join(tok_dir, "tokenizer.model")
+  sp, hf = spm.SentencePieceProcessor(model_file=path), hf_tokenizer(path)
+  rng = np.random.default_rng(0)
+  alphabet = list("ab c\n\t0123456789é中✓<>/_{}\"'()[]:;.,xyz  ") + ["<tool_call>", "\x00"]
+  texts = CODE + demo_corpus("chatml", 2) + ["".join(rng.choice(alphabet, rng.integers(1, 120)))
+                                             for _ in range(200)]
+  for text in texts:
+    ids = sp.encode(text)
+    assert hf.decode(ids, skip_special_tokens=False) == text
+    if "<|im_" not in text:  # transformers matches control pieces in text, as chat templates need
+      assert hf.encode(text, add_special_tokens=False).ids == ids, text
+  hf.encode_special_tokens = True  # ... unless told not to: then every text agrees
+  for text in texts:
+    assert hf.encode(text, add_special_tokens=False).ids == sp.encode(text), text
+  for piece in ("<|im_start|>", "<|im_end|>", "</s>"):  # control pieces: special added tokens
+    assert hf.token_to_id(piece) == sp.piece_to_id(piece)
+  unigram = train_tokenizer(CODE * 5, 305, os.path.join(tok_dir, "uni"), model_type="unigram")
+  with pytest.raises(ValueError, match="not a sentencepiece BPE model"):
+    hf_tokenizer(unigram)

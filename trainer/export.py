@@ -10,9 +10,9 @@ config.json and safetensors tensor by tensor. Beside them go the tokenizer, chat
 generation files of the run's tokenizer source (`config.tokenizer_source`: tokenizer.path, or
 the checkpoint the run started from) and its token ids; a generation_config.json is written
 from those ids when the source has none. A tokenizer Arbor trained itself (the demos'
-sentencepiece model) has no Hugging Face files: the export says so, and the folder then loads
-with `AutoModelForCausalLM` only. (`python -m models.hf export` converts `models.hf import`
-directories.)
+sentencepiece model) is converted to a tokenizer.json with the same ids
+(`tokenizer_train.hf_tokenizer`), so `AutoTokenizer` loads every exported run. (`python -m
+models.hf export` converts `models.hf import` directories.)
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from models import hf
 from trainer import config as config_lib
 from trainer import harness
 from trainer import state as state_lib
+from trainer.tokenizer_train import hf_tokenizer
 
 
 def run_and_step(ckpt: str) -> tuple[str, Optional[int]]:
@@ -80,11 +81,17 @@ def export_run(ckpt: str, out: str, dtype: str = "float32") -> dict:
   params, rest, step = harness.run_weights(workdir, step)
   model = nnx.merge(state_lib.graphdef(model_cfg), params, rest)
   ids, files, source = _companions(config, workdir)
+  spm_model = _arbor_sentencepiece(source, files)
+  if spm_model:  # converted below; the sentencepiece file itself is not for transformers
+    files = [f for f in files if os.path.basename(f) != "tokenizer.model"]
+    ids = {**_sentencepiece_ids(spm_model), **ids}
   tensors = hf.save(model, out, dtype, extra_config=ids)
   names = []
   for path in files:
     shutil.copy2(path, os.path.join(out, os.path.basename(path)))
     names.append(os.path.basename(path))
+  if spm_model:
+    names += _write_hf_tokenizer(spm_model, out)
   if "generation_config.json" not in names and ids:
     with open(os.path.join(out, "generation_config.json"), "w") as f:
       json.dump(ids, f, indent=2)
@@ -94,6 +101,43 @@ def export_run(ckpt: str, out: str, dtype: str = "float32") -> dict:
   return {"step": step, "tensors": tensors, "params": params_count, "files": sorted(names),
           "tokenizer": source if has_tokenizer else None,
           "total_s": round(time.time() - t0, 2)}
+
+
+def _arbor_sentencepiece(source: Optional[str], files: list[str]) -> Optional[str]:
+  """The tokenizer.model of a tokenizer Arbor trained (`trainer.tokenizer_train`), when the
+  run's tokenizer is one and has no Hugging Face tokenizer beside it; else None."""
+  if not source or not os.path.isdir(source):
+    return None
+  names = {os.path.basename(f) for f in files}
+  model = os.path.join(source, "tokenizer.model")
+  trained_here = os.path.isfile(os.path.join(source, "tokenizer_info.json"))
+  if not trained_here or not os.path.isfile(model) or names & {"tokenizer.json", "vocab.json"}:
+    return None
+  return model
+
+
+def _sentencepiece_ids(model_path: str) -> dict:
+  """{"bos_token_id", "eos_token_id", "pad_token_id"} of a sentencepiece model."""
+  import sentencepiece as spm
+  sp = spm.SentencePieceProcessor(model_file=model_path)
+  return {k: v for k, v in (("bos_token_id", sp.bos_id()), ("eos_token_id", sp.eos_id()),
+                            ("pad_token_id", sp.pad_id())) if v >= 0}
+
+
+def _write_hf_tokenizer(model_path: str, out: str) -> list[str]:
+  """Writes tokenizer.json and tokenizer_config.json for an Arbor-trained sentencepiece model
+  (same ids, `tokenizer_train.hf_tokenizer`); returns the names written."""
+  import sentencepiece as spm
+  sp = spm.SentencePieceProcessor(model_file=model_path)
+  hf_tokenizer(model_path).save(os.path.join(out, "tokenizer.json"))
+  special = {name: sp.id_to_piece(i) for name, i in (
+      ("unk_token", sp.unk_id()), ("bos_token", sp.bos_id()), ("eos_token", sp.eos_id()),
+      ("pad_token", sp.pad_id())) if i >= 0}
+  tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast",
+                      "clean_up_tokenization_spaces": False, **special}
+  with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+    json.dump(tokenizer_config, f, indent=2, ensure_ascii=False)
+  return ["tokenizer.json", "tokenizer_config.json"]
 
 
 def _companions(config, workdir: str) -> tuple[dict, list[str], Optional[str]]:

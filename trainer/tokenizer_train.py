@@ -4,7 +4,9 @@
     python -m trainer.data train_tokenizer --demo_corpus --vocab_size 1024 --out DIR
 
 writes DIR/tokenizer.model (`envs.chat.load_tokenizer(DIR)` loads it) and
-DIR/tokenizer_info.json (the options used, for the record).
+DIR/tokenizer_info.json (the options used, for the record). `hf_tokenizer` converts such a model
+to a Hugging Face `tokenizers` tokenizer with the same ids (what `python -m trainer.export`
+writes as tokenizer.json, so `AutoTokenizer` loads an exported run).
 
 The model is made for `envs.chat`: chat formats encode the text between control tokens piece by
 piece and concatenate the ids, so text must round-trip exactly and encode the same wherever it
@@ -140,6 +142,66 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str, *,
                "user_defined_symbols": user, "model_type": model_type,
                "split_digits": split_digits, "sentences": len(sentences)}, f, indent=1)
   return path
+
+
+# sentencepiece piece types (sentencepiece_model.proto)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 1, 2, 3, 4, 6
+
+
+def hf_tokenizer(model_path: str):
+  """A sentencepiece BPE model trained by `train_tokenizer` as a Hugging Face tokenizer.
+
+  Same ids for every text: the vocabulary is the model's pieces in order, and the merges are
+  every split (a, b) of a normal piece into two pieces of the vocabulary, ranked by the merged
+  piece's score, best first; sentencepiece's BPE merges the adjacent pair whose union scores
+  best, so both merge in the same order. Spaces become "▁" (no dummy prefix: the model has
+  none), unknown characters fall back to byte pieces, user-defined symbols are added tokens
+  matched in text, control symbols special added tokens.
+
+  Args:
+    model_path: a tokenizer.model written by `train_tokenizer`.
+
+  Returns:
+    The `tokenizers.Tokenizer`.
+
+  Raises:
+    ValueError: the model is not a BPE model with byte fallback and without a dummy prefix or
+      normalisation (not one `train_tokenizer` made).
+  """
+  import tokenizers
+  from sentencepiece import sentencepiece_model_pb2
+  from tokenizers import AddedToken, decoders, models, normalizers
+
+  proto = sentencepiece_model_pb2.ModelProto()
+  with open(model_path, "rb") as f:
+    proto.ParseFromString(f.read())
+  spec, norm = proto.trainer_spec, proto.normalizer_spec
+  if not (spec.model_type == spec.BPE and spec.byte_fallback and not norm.add_dummy_prefix
+          and norm.name == "identity" and not norm.remove_extra_whitespaces):
+    raise ValueError(f"{model_path}: not a sentencepiece BPE model with byte fallback, identity "
+                     "normalisation and no dummy prefix (train_tokenizer's settings)")
+  pieces = [(p.piece, p.score, p.type) for p in proto.pieces]
+  vocab = {piece: i for i, (piece, _, _) in enumerate(pieces)}
+  merges = []
+  for i, (piece, score, kind) in enumerate(pieces):
+    if kind != _NORMAL:
+      continue
+    for k in range(1, len(piece)):
+      a, b = vocab.get(piece[:k]), vocab.get(piece[k:])
+      if a is not None and b is not None and pieces[a][2] == pieces[b][2] == _NORMAL:
+        merges.append((-score, i, a, (piece[:k], piece[k:])))
+  merges.sort()
+  unk = next(piece for piece, _, kind in pieces if kind == _UNKNOWN)
+  tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[m[-1] for m in merges],
+                                        unk_token=unk, byte_fallback=True, fuse_unk=True))
+  tok.normalizer = normalizers.Replace(" ", "▁")
+  tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                   decoders.Fuse()])
+  tok.add_tokens([AddedToken(piece, special=False, normalized=False)
+                  for piece, _, kind in pieces if kind == _USER_DEFINED])
+  tok.add_special_tokens([AddedToken(piece, special=True, normalized=False)
+                          for piece, _, kind in pieces if kind in (_UNKNOWN, _CONTROL)])
+  return tok
 
 
 def read_texts(paths: Sequence[str]) -> list[str]:
