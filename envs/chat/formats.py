@@ -20,6 +20,13 @@ message text contains special-token strings, which Arbor keeps as plain text.)
 
 Formats: `chatml` / `qwen2.5` (Hermes/Qwen `<tool_call>` JSON, Qwen's tools system block),
 `deepseek_v3` (DeepSeek-V3's tool-call tokens), `plain` (headers and EOS only, for tiny models).
+Which official templates they equal: `qwen2.5` is Qwen2.5-Instruct's (and Qwen2.5-Coder-Instruct's)
+template, token for token; `chatml` is the same template without the default system prompt;
+`deepseek_v3` is DeepSeek-V3's published template with its multi-round tool-use fixes (see
+`DeepSeekV3`). A checkpoint's own Jinja template is rendered by `envs.chat.jinja_format`.
+
+These formats take no template kwargs (`render(..., template_kwargs=...)` with any raises
+ValueError naming them).
 """
 
 from __future__ import annotations
@@ -115,9 +122,18 @@ class ChatFormat:
   name = "base"
   end_id: int                      # closes an assistant turn
   stop_token_ids: tuple[int, ...]  # tokens that end sampling
+  # True: render(messages + more) extends render(messages) by the sampled turn and
+  # continuation(more), so a scaffold appends ids. False: the format rewrites earlier turns
+  # (e.g. drops their reasoning) and `continuation` is undefined; re-render instead.
+  extends_history = True
 
   def __init__(self, tokenizer: Tokenizer):
     self.tokenizer = tokenizer
+
+  def _no_template_kwargs(self, template_kwargs: Optional[dict]) -> None:
+    if template_kwargs:
+      raise ValueError(f"chat format {self.name!r} takes no template kwargs, got "
+                       f"{', '.join(map(repr, template_kwargs))}")
 
   def _token(self, token: str) -> int:
     i = self.tokenizer.token_to_id(token)
@@ -198,21 +214,26 @@ class ChatFormat:
     return pieces
 
   def render(self, messages: Sequence[dict], tools: Optional[Sequence[Any]] = None,
-             add_generation_prompt: bool = True) -> RenderedChat:
+             add_generation_prompt: bool = True,
+             template_kwargs: Optional[dict] = None) -> RenderedChat:
     """Renders a conversation to token ids and its loss mask.
 
     Args:
       messages: the conversation (see the module docstring for the message shape).
       tools: schemas or Tool objects shown to the model; None: no tools.
       add_generation_prompt: end with the context that opens an assistant turn.
+      template_kwargs: extra variables of a Jinja chat template (e.g. {"enable_thinking":
+        False}); the hand-written formats take none.
 
     Returns:
       The ids and loss mask: 1 on assistant-written tokens, including each turn's end token; 0
       elsewhere and on messages with "train": False.
 
     Raises:
-      ValueError: a malformed message, or one the format cannot place.
+      ValueError: a malformed message, one the format cannot place, or template kwargs the
+        format does not take.
     """
+    self._no_template_kwargs(template_kwargs)
     messages = list(messages)
     check_messages(messages)
     pieces, n = self._start(messages, tool_schemas(tools))
@@ -222,7 +243,8 @@ class ChatFormat:
     return encode_pieces(self.tokenizer, pieces)
 
   def continuation(self, messages: Sequence[dict], prev_output_ids: Optional[Sequence[int]] = None,
-                   add_generation_prompt: bool = True) -> list[int]:
+                   add_generation_prompt: bool = True,
+                   template_kwargs: Optional[dict] = None) -> list[int]:
     """Ids to append after a sampled assistant turn.
 
     They are the turn's closing context, `messages` and the next generation prompt, so that
@@ -234,6 +256,7 @@ class ChatFormat:
         cut by the token limit, or stopped on another stop token), the end token comes first.
         None: the turn is known to be closed.
       add_generation_prompt: end with the context that opens the next assistant turn.
+      template_kwargs: as in `render`.
 
     Returns:
       The ids to append.
@@ -241,6 +264,7 @@ class ChatFormat:
     Raises:
       ValueError: a malformed message, or one the format cannot place.
     """
+    self._no_template_kwargs(template_kwargs)
     messages = list(messages)
     check_messages(messages)
     pieces: list[Piece] = []
@@ -252,15 +276,18 @@ class ChatFormat:
       pieces += self._header(messages[-1]["role"] if messages else "assistant")
     return encode_pieces(self.tokenizer, pieces).ids
 
-  def assistant_ids(self, message: Union[dict, str]) -> list[int]:
+  def assistant_ids(self, message: Union[dict, str],
+                    template_kwargs: Optional[dict] = None) -> list[int]:
     """The ids a sampler emits for an assistant turn after the generation prompt.
 
     Args:
       message: an assistant message, or its raw text.
+      template_kwargs: as in `render`.
 
     Returns:
       The turn's ids, end-of-turn token included.
     """
+    self._no_template_kwargs(template_kwargs)
     if isinstance(message, str):
       message = {"role": "assistant", "content": message}
     check_messages([message])
@@ -435,39 +462,55 @@ class DeepSeekV3(ChatFormat):
     Returns:
       The parsed turn; malformed calls are kept with `.error` set (never raised).
     """
-    t, dec = self.t, self.tokenizer.decode
     ids = list(output_ids)
     finished = bool(ids) and ids[-1] in self.stop_token_ids
     if finished:
       ids.pop()
-    text = dec(ids)
-    if t["calls_begin"] not in ids:
-      return ParsedTurn(text.strip(), [], finished, text)
-    k = ids.index(t["calls_begin"])
-    content, rest, calls = dec(ids[:k]).strip(), ids[k + 1:], []
-    starts = [i for i, x in enumerate(rest) if x == t["call_begin"]]
-    for j, s in enumerate(starts):
-      seg = rest[s + 1:starts[j + 1] if j + 1 < len(starts) else len(rest)]
-      calls.append(self._call(seg, len(calls), tools))
-    return ParsedTurn(content, calls, finished, text)
+    before, calls = parse_deepseek_calls(self.tokenizer, self.t, ids, tools)
+    return ParsedTurn(self.tokenizer.decode(before).strip(), calls, finished,
+                      self.tokenizer.decode(ids))
 
-  def _call(self, seg: list[int], index: int, tools) -> ToolCall:
-    t, dec = self.t, self.tokenizer.decode
-    raw = dec(seg)
-    if t["call_end"] not in seg:
-      return ToolCall("", {}, f"call_{index}", raw=raw, error=(
-          f"tool call {index + 1}: never closed by <｜tool▁call▁end｜>: {raw[:200]!r}"))
-    seg = seg[:seg.index(t["call_end"])]
-    if t["sep"] not in seg:
-      return ToolCall("", {}, f"call_{index}", raw=raw, error=(
-          f"tool call {index + 1}: expected function<｜tool▁sep｜>NAME, got {raw[:200]!r}"))
-    body = dec(seg[seg.index(t["sep"]) + 1:])
-    m = re.fullmatch(r"\s*([^\n`]*?)\s*\n```(?:json)?[ \t]*\n?(.*?)\n?```\s*", body, re.S)
-    if not m:
-      return ToolCall("", {}, f"call_{index}", raw=raw, error=(
-          f"tool call {index + 1}: expected NAME, then the arguments in a ```json block, got "
-          f"{body[:200]!r}"))
-    return make_call(m.group(1), m.group(2), index, tools, raw)
+
+def parse_deepseek_calls(tok: Tokenizer, t: dict, ids: list[int],
+                         tools: Optional[Sequence[Any]]) -> tuple[list[int], list[ToolCall]]:
+  """Splits a turn written with DeepSeek-V3's tool-call tokens.
+
+  Args:
+    tok: decodes the ids.
+    t: the ids of DeepSeekV3.TOKENS ("calls_begin", "call_begin", "sep", "call_end").
+    ids: the turn's ids, without the stop token.
+    tools: schemas or Tool objects the calls are checked against; None: no check.
+
+  Returns:
+    (the ids before the calls section, the calls in written order; malformed ones with `.error`).
+  """
+  if t["calls_begin"] not in ids:
+    return ids, []
+  k = ids.index(t["calls_begin"])
+  rest, calls = ids[k + 1:], []
+  starts = [i for i, x in enumerate(rest) if x == t["call_begin"]]
+  for j, s in enumerate(starts):
+    seg = rest[s + 1:starts[j + 1] if j + 1 < len(starts) else len(rest)]
+    calls.append(_deepseek_call(tok, t, seg, len(calls), tools))
+  return ids[:k], calls
+
+
+def _deepseek_call(tok: Tokenizer, t: dict, seg: list[int], index: int, tools) -> ToolCall:
+  raw = tok.decode(seg)
+  if t["call_end"] not in seg:
+    return ToolCall("", {}, f"call_{index}", raw=raw, error=(
+        f"tool call {index + 1}: never closed by <｜tool▁call▁end｜>: {raw[:200]!r}"))
+  seg = seg[:seg.index(t["call_end"])]
+  if t["sep"] not in seg:
+    return ToolCall("", {}, f"call_{index}", raw=raw, error=(
+        f"tool call {index + 1}: expected function<｜tool▁sep｜>NAME, got {raw[:200]!r}"))
+  body = tok.decode(seg[seg.index(t["sep"]) + 1:])
+  m = re.fullmatch(r"\s*([^\n`]*?)\s*\n```(?:json)?[ \t]*\n?(.*?)\n?```\s*", body, re.S)
+  if not m:
+    return ToolCall("", {}, f"call_{index}", raw=raw, error=(
+        f"tool call {index + 1}: expected NAME, then the arguments in a ```json block, got "
+        f"{body[:200]!r}"))
+  return make_call(m.group(1), m.group(2), index, tools, raw)
 
 
 DEEPSEEK_TOOLS_HEAD = ("## Tools\n\nYou can call the following functions (JSON schemas); "

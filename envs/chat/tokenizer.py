@@ -7,6 +7,10 @@ observation cannot forge a turn boundary. Chat formats insert control tokens by 
 that are not special (Qwen's `<tool_call>`, sentencepiece user-defined symbols) are still matched
 in text, as the original tokenizers do.
 
+`encode_special` is for text a chat template wrote: there special-token strings become their
+control tokens, as Hugging Face encodes `apply_chat_template`'s output. `envs.chat.jinja_format`
+uses it on the template's own text only, never on message text.
+
 The backends are imported lazily: a rollout worker loads only the one it uses.
 """
 
@@ -31,6 +35,9 @@ class Tokenizer(Protocol):
   def encode(self, text: str) -> list[int]:
     """Ids of ordinary text (no BOS/EOS added; special-token strings are plain text)."""
 
+  def encode_special(self, text: str) -> list[int]:
+    """Ids of template text: special-token strings in it become their control tokens."""
+
   def decode(self, ids: Sequence[int]) -> str:
     """Text of ids; control tokens appear as their strings."""
 
@@ -51,6 +58,22 @@ def _read_config(directory: str) -> dict:
     return {}
   with open(path, encoding="utf-8") as f:
     return json.load(f)
+
+
+def _special_splitter(names) -> Optional[re.Pattern]:
+  """A regex that splits text at special-token strings (longest first), or None if none."""
+  names = sorted((n for n in names if n), key=len, reverse=True)
+  return re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
+
+
+def _encode_split(text: str, splitter, special: dict, encode) -> list[int]:
+  """Encodes text with special-token strings as their ids and the rest with `encode`."""
+  if splitter is None:
+    return encode(text)
+  out: list[int] = []
+  for i, part in enumerate(splitter.split(text)):
+    out += [special[part]] if i % 2 else (encode(part) if part else [])
+  return out
 
 
 def _require_id(tok: Tokenizer, what: str, token: Optional[str], source: str) -> Optional[int]:
@@ -79,6 +102,7 @@ class HFTokenizer:
   def __init__(self, tok, *, eos_token: str, bos_token: Optional[str] = None,
                pad_token: Optional[str] = None, source: str = "tokenizer.json"):
     self._tok = tok
+    self._tok_special = None  # built on first encode_special
     # Why: with this flag the library tokenizes special added tokens as text (see module doc);
     # non-special added tokens are still matched, as in the original tokenizer.
     self._tok.encode_special_tokens = True
@@ -90,6 +114,15 @@ class HFTokenizer:
 
   def encode(self, text: str) -> list[int]:
     return self._tok.encode(text, add_special_tokens=False).ids
+
+  def encode_special(self, text: str) -> list[int]:
+    if self._tok_special is None:
+      import tokenizers
+
+      # A copy that matches special tokens in text, as transformers' fast tokenizers do.
+      self._tok_special = tokenizers.Tokenizer.from_str(self._tok.to_str())
+      self._tok_special.encode_special_tokens = False
+    return self._tok_special.encode(text, add_special_tokens=False).ids
 
   def decode(self, ids: Sequence[int]) -> str:
     return self._tok.decode(list(ids), skip_special_tokens=False)
@@ -164,9 +197,15 @@ class SentencePieceTokenizer:
       raise ValueError(f"sentencepiece model {model_file or '<proto>'} has no eos piece")
     self.eos_id = eos
     self.special_ids = frozenset(i for i in range(self.vocab_size) if sp.is_control(i))
+    self._special = {sp.id_to_piece(i): i for i in self.special_ids}
+    self._splitter = _special_splitter(self._special)
 
   def encode(self, text: str) -> list[int]:
     return self._sp.encode(text)
+
+  def encode_special(self, text: str) -> list[int]:
+    # sentencepiece never reads control symbols from text: cut the text at them.
+    return _encode_split(text, self._splitter, self._special, self.encode)
 
   def decode(self, ids: Sequence[int]) -> str:
     # sentencepiece decodes control tokens to "": split at them to show their names.
@@ -224,9 +263,14 @@ class TiktokenTokenizer:
     self.vocab_size = encoding.n_vocab
     self._special = dict(encoding._special_tokens)  # name -> id
     self.special_ids = frozenset(self._special.values())
+    self._splitter = _special_splitter(self._special)
     self.eos_id = _require_id(self, "eos_token", eos_token, source)
     self.bos_id = _require_id(self, "bos_token", bos_token, source)
     self.pad_id = _require_id(self, "pad_token", pad_token, source)
+
+  def encode_special(self, text: str) -> list[int]:
+    # As tiktoken's encode(allowed_special="all"): ordinary text between special tokens.
+    return _encode_split(text, self._splitter, self._special, self.encode)
 
   def encode(self, text: str) -> list[int]:
     out, start = [], 0

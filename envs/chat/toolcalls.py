@@ -43,6 +43,7 @@ class ParsedTurn:
   tool_calls: list[ToolCall]     # in written order, malformed ones included (with .error)
   finished: bool                 # ended with a stop token (False: cut by the token limit)
   text: str = ""                 # the whole decoded turn, without the stop token
+  reasoning_content: Optional[str] = None  # the <think> text of a thinking model, if any
 
   @property
   def errors(self) -> list[str]:
@@ -55,8 +56,13 @@ class ParsedTurn:
     return [c for c in self.tool_calls if not c.error]
 
   def to_message(self) -> dict:
-    """OpenAI chat message (arguments as a JSON string); malformed calls are left out."""
+    """OpenAI chat message (arguments as a JSON string); malformed calls are left out.
+
+    "reasoning_content" is there when the turn has one (the field chat templates read).
+    """
     msg: dict[str, Any] = {"role": "assistant", "content": self.content or None}
+    if self.reasoning_content is not None:
+      msg["reasoning_content"] = self.reasoning_content
     calls = [{"id": c.id, "type": "function",
               "function": {"name": c.name, "arguments": json.dumps(c.arguments,
                                                                    ensure_ascii=False)}}
