@@ -219,62 +219,15 @@ def test_tiktoken_loader_file_form_and_errors(tiktoken_dir, tmp_path):
 # --------------------------------------------------------------------------------------------
 # Chat templates against the published Jinja templates
 
+def _template(name):
+  """An official chat template kept in tests/data/chat_templates (README there: sources)."""
+  path = os.path.join(os.path.dirname(__file__), "data", "chat_templates", name + ".jinja")
+  with open(path, encoding="utf-8") as f:
+    return f.read()
+
+
 # Qwen2.5-Instruct's chat template (tokenizer_config.json of the Qwen2.5 instruct models).
-QWEN25_TEMPLATE = r"""{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- messages[0]['content'] }}
-    {%- else %}
-        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
-    {%- endif %}
-    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- else %}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
-    {%- else %}
-        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
-    {%- endif %}
-{%- endif %}
-{%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {{- '<|im_start|>' + message.role }}
-        {%- if message.content %}
-            {{- '\n' + message.content }}
-        {%- endif %}
-        {%- for tool_call in message.tool_calls %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {{- '\n<tool_call>\n{"name": "' }}
-            {{- tool_call.name }}
-            {{- '", "arguments": ' }}
-            {{- tool_call.arguments | tojson }}
-            {{- '}\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- message.content }}
-        {{- '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-{%- endif %}
-"""
+QWEN25_TEMPLATE = _template("qwen2.5-instruct")
 
 TOOLS = [
     {"type": "function", "function": {
@@ -351,32 +304,7 @@ def test_chatml_without_default_system(tok, hf):
 
 
 # DeepSeek-V3's chat template as published with the model (tokenizer_config.json).
-DEEPSEEK_V3_TEMPLATE = (
-    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
-    "{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='', is_first_sp=true) %}"
-    "{%- for message in messages %}{%- if message['role'] == 'system' %}{%- if ns.is_first_sp %}"
-    "{% set ns.system_prompt = ns.system_prompt + message['content'] %}{% set ns.is_first_sp = false %}"
-    "{%- else %}{% set ns.system_prompt = ns.system_prompt + '\\n\\n' + message['content'] %}{%- endif %}"
-    "{%- endif %}{%- endfor %}{{ bos_token }}{{ ns.system_prompt }}"
-    "{%- for message in messages %}{%- if message['role'] == 'user' %}{%- set ns.is_tool = false -%}"
-    "{{'<｜User｜>' + message['content']}}{%- endif %}"
-    "{%- if message['role'] == 'assistant' and message['content'] is none %}{%- set ns.is_tool = false -%}"
-    "{%- for tool in message['tool_calls']%}{%- if not ns.is_first %}"
-    "{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}"
-    "{%- set ns.is_first = true -%}{%- else %}"
-    "{{'\\n' + '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}"
-    "{{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}{%- endif %}{%- endfor %}{%- endif %}"
-    "{%- if message['role'] == 'assistant' and message['content'] is not none %}{%- if ns.is_tool %}"
-    "{{'<｜tool▁outputs▁end｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}{%- set ns.is_tool = false -%}"
-    "{%- else %}{% set content = message['content'] %}{% if '</think>' in content %}"
-    "{% set content = content.split('</think>')[-1] %}{% endif %}"
-    "{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}"
-    "{%- if message['role'] == 'tool' %}{%- set ns.is_tool = true -%}{%- if ns.is_output_first %}"
-    "{{'<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}"
-    "{%- set ns.is_output_first = false %}{%- else %}"
-    "{{'\\n<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}{%- endif %}"
-    "{%- endif %}{%- endfor -%}{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% endif %}"
-    "{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif %}")
+DEEPSEEK_V3_TEMPLATE = _template("deepseek-v3")
 
 # The same template with the multi-round tool-use bugs fixed as envs.chat.DeepSeekV3 documents:
 # each tool-calling turn opens (or follows <｜tool▁outputs▁end｜>), keeps its content, and closes
@@ -707,3 +635,34 @@ def test_encode_pieces_cuts_text_only_where_needed(tok):
   cut = encode_pieces(tok, [("def add(a,", False), (" b):", True)])
   assert cut.ids == tok.encode("def add(a,") + tok.encode(" b):")
   assert cut.loss_mask == [0] * len(tok.encode("def add(a,")) + [1] * len(tok.encode(" b):"))
+
+
+def test_hand_written_formats_take_no_template_kwargs(tok, tiktoken_dir):
+  msgs = CONVERSATIONS["text"]
+  for chat in _formats(tok, tiktoken_dir):
+    assert chat.extends_history
+    assert chat.render(msgs, template_kwargs={}).ids == chat.render(msgs).ids
+    for call_ in (lambda kw: chat.render(msgs, template_kwargs=kw),
+                  lambda kw: chat.continuation(msgs[1:], template_kwargs=kw),
+                  lambda kw: chat.assistant_ids("hi", template_kwargs=kw)):
+      with pytest.raises(ValueError, match="'enable_thinking'"):
+        call_({"enable_thinking": False})
+
+
+def test_encode_special_turns_special_strings_into_control_tokens(tok, hf, tiktoken_dir,
+                                                                   tmp_path):
+  text = "<|im_start|>user\nHello world<|im_end|>\n<tool_call>x<｜tool▁sep｜>"
+  assert tok.encode_special(text) == hf(text, add_special_tokens=False)["input_ids"]
+  assert tok.encode_special(text) != tok.encode(text)
+  import tiktoken  # the reference: tiktoken's own special-token matching
+  kimi = load_tokenizer(tiktoken_dir[0])
+  text = "[BOS]hello<|im_end|> world[EOS]1234"
+  assert kimi.encode_special(text) == kimi._enc.encode(text, allowed_special="all")
+  assert isinstance(kimi._enc, tiktoken.Encoding)
+  path = tmp_path / "tokenizer.model"
+  path.write_bytes(_spm_model())
+  sp = load_tokenizer(str(path))
+  ids = sp.encode_special("a<|im_start|>hi<|im_end|>")
+  ref = spm.SentencePieceProcessor(model_file=str(path))
+  assert ids == ref.encode("a") + [ref.piece_to_id("<|im_start|>")] + ref.encode("hi") + [
+      ref.piece_to_id("<|im_end|>")]
