@@ -11,6 +11,13 @@ sampled text is never re-tokenized: the next call's input is the previous input 
 ids + `chat.continuation(observations)`. Malformed calls, unknown tools and tool failures are
 shown to the model as observations and the episode goes on.
 
+A chat template that rewrites earlier turns (`chat.extends_history` is False, e.g. Qwen3 drops
+the reasoning of turns before the last user query) has no continuation: each call's input is
+then `chat.render` of the whole context (the parsed assistant turns and the observations), as
+the template shows it. Such a call's input need not extend the previous call's sequence: that is
+a branch of the trajectory tree, and each call's sampled ids (reasoning included) are trained in
+the call that sampled them.
+
 Episodes end with `submitted` (the `submit` tool), `max_turns`, `token_budget` (the context or
 the episode's sampling budget is spent), `timeout` (wall clock) or `sandbox_error` (the sandbox
 itself failed).
@@ -186,6 +193,7 @@ class _Episode:
     self.schemas = [t.schema() for t in tools]
     self.calls: list[LLMCall] = []
     self.messages: list[dict] = []
+    self.context: list[dict] = []  # the messages of the current context, for re-rendering
     self.turns = self.summaries = self.sampled = 0
     self.submitted, self.answer = False, None
 
@@ -194,7 +202,15 @@ class _Episode:
     msgs = [{"role": "system", "content": self.config.system_prompt},
             {"role": "user", "content": user}]
     self.messages += msgs
+    self.context = list(msgs)
     return self.chat.render(msgs, self.schemas, add_generation_prompt=True).ids
+
+  def _extend(self, ids: list[int], out: list[int], new: list[dict]) -> list[int]:
+    """The next input: appended ids, or (a template that rewrites history) the re-rendered
+    context, which must already hold `new`."""
+    if self.chat.extends_history:
+      return ids + out + self.chat.continuation(new, out)
+    return self.chat.render(self.context, self.schemas, add_generation_prompt=True).ids
 
   async def _sample(self, ids: list[int], max_tokens: int, meta: dict) -> tuple[Generation,
                                                                                 LLMCall]:
@@ -250,9 +266,11 @@ class _Episode:
     None if the request does not fit the context."""
     c = self.config
     request = {"role": "user", "content": c.summary_prompt}
-    sum_ids = ids + out + self.chat.continuation(observations + [request], out)
+    self.context.append(request)
+    sum_ids = self._extend(ids, out, observations + [request])
     room = self._room(sum_ids)
     if room < 1:
+      self.context.pop()
       return None
     self.messages.append(request)
     gen, _ = await self._sample(sum_ids, room, {"tool_error": False, "summary": True,
@@ -280,9 +298,11 @@ class _Episode:
       observations, failed = await self._act(turn, len(out))
       call.meta["tool_error"] = failed
       self.messages += observations
+      # Content "" rather than None: some templates (Qwen3's first revision) need a string.
+      self.context += [{**turn.to_message(), "content": turn.content}] + observations
       if self.submitted:
         return "submitted"
-      nxt = ids + out + self.chat.continuation(observations, out)
+      nxt = self._extend(ids, out, observations)
       if (c.summary_at_tokens is not None and len(nxt) > c.summary_at_tokens
           and self.summaries < c.max_summaries):
         restarted = await self._summarize(ids, out, observations)

@@ -1,12 +1,13 @@
 """envs.scaffold: the react loop driven by a scripted policy against a local sandbox (and fakes
 for failures): tool calls run, observations are appended, every call's input extends the
-previous call's full sequence, each termination reason, errors as observations, ReSum."""
+previous call's full sequence (or, with a template that rewrites history, is the template's
+rendering of the context), each termination reason, errors as observations, ReSum."""
 
 import asyncio
 
 import pytest
 
-from envs.chat import make_chat
+from envs.chat import load_chat, make_chat
 from envs.chat.tokenizer import HFTokenizer
 from envs.policy import SamplingParams
 from envs.sandbox.base import ExecResult, Sandbox, SandboxError
@@ -14,6 +15,7 @@ from envs.sandbox.local import LocalSandbox
 from envs.scaffold import (CUT_OFF, NO_TOOL_CALL, ScaffoldConfig, ScriptedPolicy, run_episode)
 from envs.tools import default_tools
 from envs.trajectory import Trajectory
+from rl.tree import build_tree, from_trajectory
 from tests.test_chat import _tiny_bpe
 
 CALC = "def add(a, b):\n    return a - b\n"
@@ -313,3 +315,77 @@ def test_scripted_policy_respects_max_tokens_and_script_end(tok):
   assert g.finish_reason == "stop" and chat.parse_assistant(g.output_ids).content == "saw 3 ids"
   with pytest.raises(IndexError, match="script has 2 turns"):
     asyncio.run(policy.generate([1], SamplingParams()))
+
+
+@pytest.fixture(scope="module")
+def qwen3_chat(tmp_path_factory):
+  """Qwen3's own template, which drops the reasoning of turns before the last user query."""
+  from tests.test_chat_templates import QWEN, save_checkpoint, template
+  return load_chat(save_checkpoint(tmp_path_factory.mktemp("qwen3"), template("qwen3"), **QWEN))
+
+
+def test_history_rewriting_template_rerenders_and_trains_each_call_on_its_own(qwen3_chat):
+  chat = qwen3_chat
+  assert not chat.extends_history
+  script = [
+      {"role": "assistant", "content": "The bug is in calc.py.",
+       "reasoning_content": "The sign looks wrong."},           # no call: a user message follows
+      # content "": Qwen3's template needs a string
+      {**say("", tc("read_file", path="calc.py")), "reasoning_content": "Read it first."},
+      say("Done.", tc("submit")),
+  ]
+  result, policy, _ = episode(chat, script)
+  assert result.termination == "submitted" and len(result.calls) == 3
+  dec = chat.tokenizer.decode
+  first, second, third = result.calls
+  assert "<think>\nThe sign looks wrong.\n</think>" in dec(first.output_ids)
+  # The next input is the template's rendering of the context: the first turn is now before
+  # the last user query, so its reasoning is gone, its answer kept; it is a branch.
+  context = [{"role": "system", "content": ScaffoldConfig().system_prompt},
+             {"role": "user", "content": TASK},
+             {"role": "assistant", "content": "The bug is in calc.py."},
+             {"role": "user", "content": NO_TOOL_CALL}]
+  tools = default_tools(test_command="python3 test_calc.py", timeout=5.0)
+  assert second.input_ids == chat.render(context, tools).ids
+  assert "The sign looks wrong." not in dec(second.input_ids)
+  assert "The bug is in calc.py." in dec(second.input_ids)
+  full = list(first.input_ids) + list(first.output_ids)
+  assert second.input_ids[:len(full)] != full
+  # Within one query the template keeps reasoning: that call extends the previous one.
+  assert third.input_ids[:len(second.input_ids) + len(second.output_ids)] == \
+      list(second.input_ids) + list(second.output_ids)
+  assert "Read it first." in dec(third.input_ids)
+  # Training: every sampled token, reasoning included, is trained in the call that sampled it.
+  # (mask_tool_errors=False: error-masked training would skip the first, call-less turn.)
+  tree = build_tree([from_trajectory(result.to_trajectory(1.0, "t", "g"),
+                                     mask_tool_errors=False)])
+  seq = tree.seqs[0]
+  for k, c in enumerate(result.calls):
+    own = seq.fields["turn"] == k
+    assert tree.tokens[seq.index[own]].tolist() == list(c.output_ids)
+    assert (seq.fields["loss_mask"][own] == 1).all()
+  think = chat.tokenizer.token_to_id("<think>")
+  assert think in tree.tokens[seq.index[seq.fields["turn"] == 0]].tolist()
+  # The second call's path in the tree (its input) holds the first answer, not its reasoning.
+  node, path = int(seq.index[seq.fields["turn"] == 1][0]), []
+  while node >= 0:
+    path.append(int(tree.tokens[node]))
+    node = int(tree.pred[node])
+  assert path[::-1] == list(second.input_ids) + [second.output_ids[0]]
+
+
+def test_resum_with_a_history_rewriting_template(qwen3_chat):
+  chat = qwen3_chat
+  big = say("", tc("bash", command="python3 -c \"print('y' * 300)\""))
+  script = [big, big, "Summary: printed y's.", say("Done.", tc("submit"))]
+  dry, _, _ = episode(chat, script[:2], ScaffoldConfig(max_turns=2))
+  cfg = ScaffoldConfig(summary_at_tokens=len(dry.calls[1].input_ids), max_summaries=1)
+  result, _, _ = episode(chat, script, cfg)
+  assert result.termination == "submitted" and result.num_summaries == 1
+  # The summary request is rendered with the whole context, as the template shows it.
+  upto = next(i for i, m in enumerate(result.messages) if m.get("summary"))
+  context = [{**m, "content": m["content"] or ""} if m["role"] == "assistant" else m
+             for m in result.messages[:upto]]
+  tools = default_tools(test_command="python3 test_calc.py", timeout=5.0)
+  assert context[-1] == {"role": "user", "content": cfg.summary_prompt}
+  assert result.calls[2].input_ids == chat.render(context, tools).ids
