@@ -644,7 +644,8 @@ def test_hand_written_formats_take_no_template_kwargs(tok, tiktoken_dir):
     assert chat.render(msgs, template_kwargs={}).ids == chat.render(msgs).ids
     for call_ in (lambda kw: chat.render(msgs, template_kwargs=kw),
                   lambda kw: chat.continuation(msgs[1:], template_kwargs=kw),
-                  lambda kw: chat.assistant_ids("hi", template_kwargs=kw)):
+                  lambda kw: chat.assistant_ids("hi", template_kwargs=kw),
+                  lambda kw: chat.tool_call_prefix_ids("bash", kw)):
       with pytest.raises(ValueError, match="'enable_thinking'"):
         call_({"enable_thinking": False})
 

@@ -383,3 +383,15 @@ def test_template_environment_matches_transformers(tmp_path):
     chat.render(msgs, template_kwargs={"messages": []})
   with pytest.raises(ValueError, match="line 1"):
     JinjaChat(chat.tokenizer, "{% if %}")
+
+
+def test_tool_call_prefix_follows_the_prompts_thinking_switch(checkpoints):
+  chat = checkpoints["qwen3"][0]
+  dec = chat.tokenizer.decode
+  assert dec(chat.tool_call_prefix_ids("bash")) == \
+      '<think>\n\n</think>\n\n<tool_call>\n{"name": "bash", "arguments": '
+  off = {"enable_thinking": False}  # the prompt already holds the empty reasoning block
+  assert dec(chat.render([{"role": "user", "content": "hi"}], template_kwargs=off).ids)\
+      .endswith("<think>\n\n</think>\n\n")
+  assert dec(chat.tool_call_prefix_ids("bash", off)) == \
+      '<tool_call>\n{"name": "bash", "arguments": '

@@ -184,7 +184,8 @@ class ChatFormat:
     content, calls = parse_hermes(text, tools)
     return ParsedTurn(content, calls, finished, text)
 
-  def tool_call_prefix_ids(self, name: Optional[str] = None) -> list[int]:
+  def tool_call_prefix_ids(self, name: Optional[str] = None,
+                           template_kwargs: Optional[dict] = None) -> list[int]:
     """Ids that open an assistant turn with a tool call (OpenAI's tool_choice "required" or a
     named function): appended to the prompt, they force the sampler into a call.
 
@@ -192,10 +193,12 @@ class ChatFormat:
 
     Args:
       name: the function to call; None: any function (the sampler writes the name).
+      template_kwargs: those the prompt was rendered with (as in `render`).
 
     Returns:
       The ids of the call's opening, up to the name (None) or up to the arguments (a name).
     """
+    self._no_template_kwargs(template_kwargs)
     text = '<tool_call>\n{"name": "' + (f'{name}", "arguments": ' if name is not None else "")
     return self.tokenizer.encode(text)
 
@@ -447,7 +450,8 @@ class DeepSeekV3(ChatFormat):
     pieces += [(t["output_begin"], False), (message["content"], False), (t["output_end"], False)]
     return pieces + ([] if next == "tool" else [(t["outputs_end"], False)])
 
-  def tool_call_prefix_ids(self, name=None):
+  def tool_call_prefix_ids(self, name=None, template_kwargs=None):
+    self._no_template_kwargs(template_kwargs)
     t = self.t
     ids = [t["calls_begin"], t["call_begin"]] + self.tokenizer.encode("function") + [t["sep"]]
     return ids + (self.tokenizer.encode(f"{name}\n```json\n") if name is not None else [])

@@ -281,6 +281,7 @@ class JinjaChat(ChatFormat):
       self.t = {k: self._token(v) for k, v in DeepSeekV3.TOKENS.items()}
     elif self.family == "kimi_k2":
       self.t = {k: self._token(v) for k, v in KIMI_TOKENS.items()}
+    self._end_text: Optional[str] = None  # set by _find_turn_end
     self._find_turn_end()
     self.extends_history = self._probe_extension()
 
@@ -327,7 +328,7 @@ class JinjaChat(ChatFormat):
     if not full.startswith(prompt):
       return None
     turn = full[len(prompt):]
-    end = turn.rfind(self._end_text) if hasattr(self, "_end_text") else -1
+    end = turn.rfind(self._end_text) if self._end_text else -1
     return prompt, (turn[:end + len(self._end_text)] if end >= 0 else turn)
 
   def _find_turn_end(self) -> None:
@@ -541,14 +542,20 @@ class JinjaChat(ChatFormat):
       calls.append(call)
     return ids[:k], calls
 
-  def tool_call_prefix_ids(self, name: Optional[str] = None) -> list[int]:
-    """Ids that open an assistant turn with a tool call, as the template writes one (a
-    thinking template's empty reasoning included): up to the name (None) or up to the
-    arguments (a name)."""
+  def tool_call_prefix_ids(self, name: Optional[str] = None,
+                           template_kwargs: Optional[dict] = None) -> list[int]:
+    """Ids that open an assistant turn with a tool call, as the template writes one after the
+    generation prompt (a thinking template's empty reasoning included, unless the prompt of
+    these template kwargs already closed it): up to the name (None) or up to the arguments (a
+    name).
+
+    Raises:
+      ValueError: the template writes no tool calls.
+    """
     call = {"id": f"functions.{_NAME}:0", "type": "function",
             "function": {"name": _NAME, "arguments": _ARGS}}
     pair = self._turn_text({"role": "assistant", "content": "", "tool_calls": [call]},
-                           self.template_kwargs)
+                           self._kwargs(template_kwargs))
     turn = pair[1] if pair else ""
     if _NAME not in turn or _ARGS not in turn:
       raise ValueError(f"chat template {self.name!r} does not write tool calls")
