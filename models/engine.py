@@ -5,6 +5,7 @@
     outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=16, temperature=0))
     engine.start()                                   # or: a background thread steps the engine
     future = engine.submit([1, 2, 3], SamplingParams(max_tokens=16))   # from any thread
+    engine.submit(ids, params, on_tokens=fn)         # fn(ids, logprobs, top) after each call
     engine.update_params(new_model_or_state, version=1)
 
 How it works (all shapes static, so nothing recompiles after warm-up):
@@ -103,6 +104,7 @@ class _Request:
     self.input_ids = input_ids
     self.params = params
     self.seed = seed
+    self.on_tokens: Optional[Callable] = None  # progress hook (see Engine.submit)
     self.future: concurrent.futures.Future = concurrent.futures.Future()
     self.output: list[int] = []
     self.logprobs: list[float] = []
@@ -202,13 +204,22 @@ class Engine:
 
   # ------------------------------------------------------------------ public API
 
-  def submit(self, input_ids: Sequence[int], params: Any) -> concurrent.futures.Future:
+  def submit(self, input_ids: Sequence[int], params: Any,
+             on_tokens: Optional[Callable[[list[int], list[float], Optional[list]], None]] = None
+             ) -> concurrent.futures.Future:
     """Queue a request; may be called from any thread.
 
     Args:
       input_ids: the prompt's token ids (non-empty, inside the vocabulary).
       params: how to sample: any object with the fields of `envs.policy.SamplingParams`
         (max_tokens, temperature, top_p, top_k, stop_token_ids, stop, seed).
+      on_tokens: progress hook for streaming, called on the engine thread after each decode
+        call that added tokens, before the Future resolves, as `on_tokens(output_ids,
+        logprobs, top_logprobs)` (the request's tokens so far, copies; top_logprobs None
+        without `EngineConfig.top_logprobs`). A later call extends an earlier one (the
+        stop-string cut only drops tokens of the current call), except when
+        `on_update="restart"` starts the request over. It must be quick; if it raises, the
+        error is logged and the hook dropped.
 
     Returns:
       A Future that resolves to the request's Completion.
@@ -217,6 +228,7 @@ class Engine:
       ValueError: bad input ids or sampling parameters for this engine.
     """
     req = self._make_request(input_ids, params)
+    req.on_tokens = on_tokens
     with self._lock:
       self._incoming.append(req)
     self._wakeup.set()
@@ -526,6 +538,8 @@ class Engine:
           reason = "stop"
       # The row now holds seq[:-1] (tokens past a stop-string cut are cached but not counted).
       self._pool.record(req.row, req.seq())
+      if n and req.on_tokens is not None:
+        self._report(req)
       if reason is not None:
         self._finish(i, req, reason)
     self._count(decode_calls=1, decode_steps=steps, decoded_tokens=emitted)
@@ -544,6 +558,15 @@ class Engine:
           break
     req.checked = len(out)
     return found
+
+  def _report(self, req: _Request) -> None:
+    """Calls a request's progress hook; a failing hook is dropped, the request goes on."""
+    try:
+      req.on_tokens(list(req.output), list(req.logprobs),
+                    list(req.top) if self.cfg.top_logprobs else None)
+    except Exception:  # the hook belongs to a client; it must not fail the decode batch
+      logger.exception("on_tokens hook failed; dropped for the rest of the request")
+      req.on_tokens = None
 
   def _truncate(self, req: _Request, n: int) -> None:
     del req.output[n:], req.logprobs[n:], req.versions[n:], req.top[n:], req.experts[n:]
