@@ -1,28 +1,39 @@
-"""Token-in/token-out policy server: the generation engine behind a small asyncio HTTP server.
+"""Token-in/token-out policy server: the generation engine behind Starlette under uvicorn.
 
     python -m trainer.serve --ckpt DIR [--host 127.0.0.1 --port 8000 --chat_format qwen2.5]
     python -m trainer.serve --preset tiny-dense          # random weights (tests, demos)
 
 DIR is a checkpoint written by `python -m models.hf import` (its `hf_extra/` tokenizer files
-enable the chat endpoint). Endpoints:
+enable the OpenAI endpoints). Endpoints:
 
   POST /generate              {"input_ids", "max_tokens", "temperature", "top_p", "top_k",
                                "stop_token_ids", "stop", "seed"} -> {"output_ids", "logprobs",
                                "finish_reason", "policy_version", "token_versions", ...}
                               (the protocol of envs.policy.HTTPPolicy)
-  POST /v1/chat/completions   OpenAI-compatible; renders messages and tools with envs.chat,
-                              parses tool calls; with "session_id" (body field or X-Session-Id
-                              header) every call's exact ids and log-probs are logged
-  GET  /v1/sessions/{id}      that log; DELETE frees it
+  POST /v1/chat/completions   OpenAI chat completions: messages (content as text or text parts,
+                              the developer role as system) and tools rendered with envs.chat,
+                              tool calls parsed; tool_choice (none | auto | required | a named
+                              function), parallel_tool_calls, n, stop, seed, logprobs and
+                              top_logprobs, chat_template_kwargs, stream (Server-Sent Events,
+                              stream_options.include_usage)
+  POST /v1/completions        OpenAI completions: prompt as text, texts, token ids or lists of
+                              them; echo, logprobs (int), n, stop, max_tokens, stream
+  GET  /v1/models[/{id}]      the served model
+  GET  /v1/sessions/{id}      the session log; DELETE frees it
   GET  /health                status, policy version, engine counters
 
-Requests from all clients go to one engine queue and are decoded together. The server binds
-to loopback by default; any other address needs a bearer token (--token or ARBOR_SERVE_TOKEN),
-which every endpoint but /health then requires. Bodies and session logs are size-bounded; a bad
-request gets a 4xx with a message and the server keeps serving. Nothing is unpickled.
+Sessions: a chat or completions request with "session_id" (body field or X-Session-Id header)
+logs every sample's exact ids (the prompt as the engine saw it, a forced tool-call opening
+included; the sampled ids) with their log-probs, policy versions and sampling parameters, for
+training on what was served. Text is never re-tokenized: replies are decoded from those ids, and
+stop strings are cut from the text only (the log keeps every sampled id).
 
-One module (~640 lines, half of them docstrings): the endpoints share the request checks,
-the engine queue and the session log, and read best side by side.
+Requests from all clients go to one engine queue and are decoded together; streamed replies
+leave as the engine produces tokens (its `on_tokens` hook). The server binds to loopback by
+default; any other address needs a bearer token (--token or ARBOR_SERVE_TOKEN), which every
+endpoint but /health then requires. Bodies, connections and session logs are bounded; errors
+are OpenAI error objects ({"error": {"message", "type", "param", "code"}}) and the server keeps
+serving. Nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -32,14 +43,23 @@ import asyncio
 import collections
 import dataclasses
 import hmac
+import inspect
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
 import uuid
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from envs.chat import load_tokenizer, make_chat
 from envs.net import check_bind
@@ -52,45 +72,82 @@ from trainer import harness
 
 logger = logging.getLogger(__name__)
 
-REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
-           405: "Method Not Allowed", 408: "Request Timeout", 413: "Payload Too Large",
-           500: "Internal Server Error", 501: "Not Implemented"}
 GENERATE_FIELDS = ("input_ids", "max_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
                    "stop", "seed")
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}  # OpenAI role -> envs.chat role
+# Fields whose non-default values would change what is sampled; refused rather than ignored.
+UNSUPPORTED = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+               "logit_bias": (None, {}), "suffix": (None, ""), "best_of": (None, 1)}
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-  """Address, auth and size limits of a PolicyServer (each field's meaning beside it)."""
+  """Address, auth and limits of a PolicyServer (each field's meaning beside it)."""
   host: str = "127.0.0.1"            # bind address; non-loopback needs `token`
   port: int = 8000                   # 0 = any free port
   token: Optional[str] = None        # bearer token required on every endpoint but /health
-  served_name: str = "arbor"         # the "model" field of chat replies
+  served_name: str = "arbor"         # the model's id in /v1/models and replies
+  top_logprobs: int = 20             # most top_logprobs (chat) / logprobs (completions) per
+                                     # token; `build`/`run` give the engine this many (an engine
+                                     # built elsewhere caps it at its EngineConfig.top_logprobs)
   max_body_bytes: int = 4 << 20      # larger request bodies get 413
   max_header_bytes: int = 16 << 10   # request line + headers
-  read_timeout_s: float = 30.0       # to receive a request
-  max_n: int = 16                    # most samples per chat request
+  max_connections: int = 1024        # concurrent connections (more get 503)
+  keep_alive_s: int = 5              # idle keep-alive connections close after this
+  max_n: int = 64                    # most samples per request (n x prompts)
   max_sessions: int = 1024           # session logs kept (least recently used dropped first)
   max_session_tokens: int = 1 << 21  # logged input + output tokens per session
   max_log_tokens: int = 1 << 24      # logged tokens over all sessions
+  ssl_certfile: Optional[str] = None  # TLS certificate (PEM); with ssl_keyfile serves https
+  ssl_keyfile: Optional[str] = None  # TLS private key (PEM)
 
 
 class HTTPError(Exception):
-  """A request error answered with an HTTP status and {"error": message}.
+  """A request error answered with an HTTP status and an OpenAI error object.
 
   Args:
     status: the HTTP status code (4xx / 5xx).
     message: the error's text, sent to the client.
+    param: the request field at fault (None: none in particular).
+    code: a machine-readable code (e.g. "model_not_found"), or None.
   """
-  def __init__(self, status: int, message: str):
+
+  def __init__(self, status: int, message: str, param: Optional[str] = None,
+               code: Optional[str] = None):
     super().__init__(message)
-    self.status = status
+    self.status, self.param, self.code = status, param, code
+
+
+def error_response(status: int, message: str, param: Optional[str] = None,
+                   code: Optional[str] = None) -> JSONResponse:
+  """An OpenAI error object: {"error": {"message", "type", "param", "code"}}.
+
+  Args:
+    status: the HTTP status (the official client raises BadRequestError for 400,
+      AuthenticationError for 401, NotFoundError for 404, ...).
+    message: what went wrong, naming the field and value.
+    param: the field at fault, or None.
+    code: a machine-readable code, or None.
+
+  Returns:
+    The JSON response.
+  """
+  kind = "server_error" if status >= 500 else "invalid_request_error"
+  return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                 "code": code}}, status_code=status)
+
+
+def _param_of(message: str) -> Optional[str]:
+  """The field an engine error names first ("max_tokens=9: ..." -> "max_tokens")."""
+  m = re.match(r"([a-z_]+)[=:]", message)
+  return m.group(1) if m else None
 
 
 # ----------------------------------------------------------------------------- request checks
 
 
-def _field(body: dict, name: str, kind, default=None, *, where: str = ""):
+def _field(body: dict, name: str, kind, default=None):
   value = body.get(name, default)
   if value is None:
     return default
@@ -99,7 +156,7 @@ def _field(body: dict, name: str, kind, default=None, *, where: str = ""):
       value, kind)
   if not ok:
     expected = getattr(kind, "__name__", "a number")
-    raise HTTPError(400, f"{where}{name}={value!r:.100}: expected {expected}")
+    raise HTTPError(400, f"{name}={value!r:.100}: expected {expected}", name)
   return value
 
 
@@ -107,10 +164,14 @@ def _int_list(body: dict, name: str) -> list[int]:
   value = body.get(name, [])
   if value is None:
     return []
-  if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool)
-                                            for x in value):
-    raise HTTPError(400, f"{name}: expected a list of integers")
+  if not _is_ids(value):
+    raise HTTPError(400, f"{name}: expected a list of integers", name)
   return value
+
+
+def _is_ids(value) -> bool:
+  return isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool)
+                                         for x in value)
 
 
 def _stop_strings(body: dict) -> tuple[str, ...]:
@@ -121,7 +182,7 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
     stop = [stop]
   if (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)
       or len(stop) > 16):
-    raise HTTPError(400, f"stop={stop!r:.100}: expected up to 16 non-empty strings")
+    raise HTTPError(400, f"stop={stop!r:.100}: expected up to 16 non-empty strings", "stop")
   return tuple(stop)
 
 
@@ -131,19 +192,21 @@ def sampling_params(body: dict, *, max_tokens: int, stop_token_ids: Sequence[int
   Args:
     body: the request's JSON object (fields of GENERATE_FIELDS; absent ones take defaults:
       temperature 1, top_p 1, top_k 0, no stop, no seed).
-    max_tokens: the default (and, from the chat endpoint, the room left) when the body has none.
+    max_tokens: the default (and, from the OpenAI endpoints, the room left) when the body has
+      none.
     stop_token_ids: stop tokens added to the body's (e.g. the chat format's end of turn).
 
   Returns:
     The SamplingParams.
 
   Raises:
-    HTTPError: 400 on a field of the wrong type, max_tokens < 1 or a bad "stop".
+    HTTPError: 400 on a field of the wrong type, max_tokens < 1, top_p outside (0, 1],
+      temperature or top_k < 0, or a bad "stop".
   """
   mt = _field(body, "max_tokens", int, max_tokens)
   if mt < 1:
-    raise HTTPError(400, f"max_tokens={mt}: must be >= 1")
-  return SamplingParams(
+    raise HTTPError(400, f"max_tokens={mt}: must be >= 1", "max_tokens")
+  params = SamplingParams(
       max_tokens=mt,
       temperature=float(_field(body, "temperature", (int, float), 1.0)),
       top_p=float(_field(body, "top_p", (int, float), 1.0)),
@@ -151,13 +214,248 @@ def sampling_params(body: dict, *, max_tokens: int, stop_token_ids: Sequence[int
       stop_token_ids=tuple(dict.fromkeys(list(stop_token_ids) + _int_list(body, "stop_token_ids"))),
       stop=_stop_strings(body),
       seed=_field(body, "seed", int, None))
+  for name, ok, rule in (("temperature", params.temperature >= 0, ">= 0"),
+                         ("top_p", 0 < params.top_p <= 1, "in (0, 1]"),
+                         ("top_k", params.top_k >= 0, ">= 0")):
+    if not ok:
+      raise HTTPError(400, f"{name}={getattr(params, name)}: must be {rule}", name)
+  return params
+
+
+def normalize_messages(messages: Any) -> list[dict]:
+  """OpenAI chat messages as envs.chat messages (role, content, tool_calls only).
+
+  Content given as a list of parts keeps its text parts, joined by "\\n" (as vLLM does); the
+  developer role is the system role; an assistant message keeps its tool calls' names and
+  arguments and its reasoning_content; other fields (name, tool_call_id, refusal, ...) are
+  ignored as OpenAI ignores them for rendering.
+
+  Args:
+    messages: the request's "messages".
+
+  Returns:
+    The messages, ready for `ChatFormat.render`.
+
+  Raises:
+    HTTPError: 400 naming the message and field: not a non-empty list of objects, an unknown
+      role, a non-text content part, or a malformed tool call.
+  """
+  if not isinstance(messages, list) or not messages:
+    raise HTTPError(400, "messages: expected a non-empty list", "messages")
+  out = []
+  for i, m in enumerate(messages):
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+      raise HTTPError(400, f"{where}={m!r:.100}: expected an object", where)
+    role = ROLES.get(m.get("role"))
+    if role is None:
+      raise HTTPError(400, f"{where}.role={m.get('role')!r:.50}: expected one of "
+                           f"{', '.join(ROLES)}", f"{where}.role")
+    content = m.get("content")
+    if isinstance(content, list):
+      texts = []
+      for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+          raise HTTPError(400, f"{where}.content[{j}]: content part type {kind!r:.50} is not "
+                               "supported (only text parts)", f"{where}.content[{j}].type")
+        texts.append(part["text"])
+      content = "\n".join(texts)
+    if not (isinstance(content, str) or (content is None and role == "assistant")):
+      raise HTTPError(400, f"{where}.content={content!r:.100}: expected a string or a list of "
+                           "text parts", f"{where}.content")
+    message = {"role": role, "content": content}
+    if role == "assistant" and isinstance(m.get("reasoning_content"), str):
+      message["reasoning_content"] = m["reasoning_content"]  # what thinking templates read
+    calls = m.get("tool_calls")
+    if calls and role == "assistant":
+      if not isinstance(calls, list):
+        raise HTTPError(400, f"{where}.tool_calls: expected a list", f"{where}.tool_calls")
+      message["tool_calls"] = []
+      for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(
+            fn.get("arguments", "{}"), (str, dict)):
+          raise HTTPError(400, f"{where}.tool_calls[{j}]={call!r:.100}: expected "
+                               '{"function": {"name": str, "arguments": str}}',
+                          f"{where}.tool_calls[{j}]")
+        message["tool_calls"].append({"function": {"name": fn["name"],
+                                                   "arguments": fn.get("arguments", "{}")}})
+    out.append(message)
+  return out
+
+
+def _tools(body: dict) -> Optional[list[dict]]:
+  tools = body.get("tools")
+  if tools is None:
+    return None
+  if not isinstance(tools, list):
+    raise HTTPError(400, "tools: expected a list", "tools")
+  for i, t in enumerate(tools):
+    fn = t.get("function") if isinstance(t, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+      raise HTTPError(400, f"tools[{i}]={t!r:.100}: expected "
+                           '{"type": "function", "function": {"name": ..., "parameters": ...}}',
+                      f"tools[{i}]")
+  return tools or None
+
+
+def _tool_choice(body: dict, tools: Optional[list[dict]]) -> tuple[str, Optional[str]]:
+  """(mode, function name): mode "none" | "auto" | "required" | "named"."""
+  choice = body.get("tool_choice")
+  if choice is None:
+    return ("auto" if tools else "none"), None
+  if choice in ("none", "auto", "required"):
+    mode, name = choice, None
+  elif (isinstance(choice, dict) and choice.get("type") == "function"
+        and isinstance(choice.get("function"), dict)
+        and isinstance(choice["function"].get("name"), str)):
+    mode, name = "named", choice["function"]["name"]
+  else:
+    raise HTTPError(400, f"tool_choice={choice!r:.100}: expected \"none\", \"auto\", "
+                         '"required" or {"type": "function", "function": {"name": ...}}',
+                    "tool_choice")
+  if mode in ("required", "named") and not tools:
+    raise HTTPError(400, f"tool_choice={choice!r:.100}: needs tools", "tool_choice")
+  names = [t["function"]["name"] for t in tools or ()]
+  if mode == "named" and name not in names:
+    raise HTTPError(400, f"tool_choice names function {name!r}, which is not in tools "
+                         f"({', '.join(names)})", "tool_choice")
+  return mode, name
+
+
+def _refuse_unsupported(body: dict) -> None:
+  for name, defaults in UNSUPPORTED.items():
+    if body.get(name) not in defaults:
+      raise HTTPError(400, f"{name}={body[name]!r:.100}: not supported by this server", name)
+  fmt = body.get("response_format")
+  if fmt is not None and fmt != {"type": "text"}:
+    raise HTTPError(400, f"response_format={fmt!r:.100}: only {{\"type\": \"text\"}} is "
+                         "supported", "response_format")
+
+
+# ----------------------------------------------------------------------------- text of samples
+
+
+def _cut_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+  """The text before its first stop string, and whether one was found."""
+  found = [i for i in (text.find(s) for s in stops) if i >= 0]
+  return (text[:min(found)], True) if found else (text, False)
+
+
+def _settled(text: str, stops: Sequence[str], marker: str = "") -> str:
+  """The part of a growing text that more tokens cannot change.
+
+  It holds back an incomplete UTF-8 tail (decoded as U+FFFD), the last len(longest stop) - 1
+  characters (a stop string may be starting there), and a tail that may be the start of the
+  tool-call marker.
+  """
+  text, found = _cut_stop(text, stops)
+  if stops and not found:
+    text = text[:max(0, len(text) - max(map(len, stops)) + 1)]
+  text = text.rstrip("\ufffd")
+  for k in range(min(len(marker) - 1, len(text)), 0, -1):
+    if text.endswith(marker[:k]):
+      return text[:-k]
+  return text
+
+
+class _TextDeltas:
+  """Deltas of a growing text, such that their concatenation is the final text."""
+
+  def __init__(self):
+    self.sent = ""
+
+  def delta(self, text: str) -> str:
+    """The new suffix of `text` (empty if it does not extend what was sent)."""
+    if len(text) <= len(self.sent) or not text.startswith(self.sent):
+      return ""
+    new, self.sent = text[len(self.sent):], text
+    return new
+
+  def final(self, text: str) -> Optional[str]:
+    """The rest of the final text; None if it does not extend what was sent."""
+    if not text.startswith(self.sent):
+      return None
+    new, self.sent = text[len(self.sent):], text
+    return new
+
+
+class _ChatReader:
+  """Reads one chat request's samples back: reasoning, content and tool calls, final or so far.
+
+  A sample still being generated is read as its final form would begin: its parse only grows
+  as tokens arrive, once the tails that more tokens could change are held back (see
+  `_settled`; trailing whitespace too, which the final content strips).
+
+  Args:
+    chat: the envs.chat format.
+    tools: the request's tools (None: none).
+    mode: the tool_choice mode ("none": no calls are parsed).
+    parallel: parallel_tool_calls (False: only the first call is kept).
+    prefix: the forced tool-call opening appended to the prompt ([] when none).
+    stops: the request's stop strings.
+  """
+
+  def __init__(self, chat, tools, mode: str, parallel: bool, prefix: list[int],
+               stops: Sequence[str]):
+    self.chat, self.tools, self.mode, self.parallel = chat, tools, mode, parallel
+    self.prefix, self.stops = prefix, stops
+    self.marker = "" if mode == "none" else chat.tokenizer.decode(
+        chat.tool_call_prefix_ids(None)).strip().split("\n")[0]
+
+  def read(self, output_ids: Sequence[int], final: bool = True):
+    """(reasoning or None, content, well-formed calls, errors of malformed calls).
+
+    Args:
+      output_ids: the sampled ids so far.
+      final: the sample is finished; False: hold back what more tokens could change.
+    """
+    turn = self.chat.parse_assistant(self.prefix + list(output_ids), self.tools)
+    reasoning = turn.reasoning_content
+    if self.mode == "none":  # the text as written (tool calls not parsed)
+      content = turn.text.strip() if reasoning is None else turn.content
+      calls, errors = [], []
+    else:
+      content, errors = turn.content, turn.errors
+      calls = turn.valid_calls if self.parallel else turn.valid_calls[:1]
+    if final:
+      return reasoning, _cut_stop(content, self.stops)[0], calls, errors
+    return (None if reasoning is None else _settled(reasoning, ()).rstrip(),
+            _settled(content, self.stops, self.marker).rstrip(), calls, errors)
+
+
+def _call_id() -> str:
+  return "call_" + uuid.uuid4().hex[:24]
+
+
+def _call_json(call, call_id: str) -> dict:
+  return {"id": call_id, "type": "function",
+          "function": {"name": call.name,
+                       "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+
+
+def _finish_reason(engine_reason: str, calls: list) -> str:
+  return "length" if engine_reason == "length" else ("tool_calls" if calls else "stop")
+
+
+def _sse(data: Any) -> str:
+  return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _post(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item) -> None:
+  """Hands an engine-thread event to the event loop (dropped once the loop is closed)."""
+  try:
+    loop.call_soon_threadsafe(queue.put_nowait, item)
+  except RuntimeError:
+    pass
 
 
 # ----------------------------------------------------------------------------- session log
 
 
 class SessionLog:
-  """Exact ids and log-probs of each chat call, per session id, bounded in size.
+  """Exact ids and log-probs of each call, per session id, bounded in size.
 
   Args:
     max_sessions: sessions kept (the least recently used is dropped first).
@@ -186,7 +484,8 @@ class SessionLog:
       used = self._tokens.get(session, 0)
     if used + tokens > self.max_session_tokens:
       raise HTTPError(413, f"session {session!r}: its log holds {used} tokens and this call may "
-                           f"add {tokens}, over the limit of {self.max_session_tokens}")
+                           f"add {tokens}, over the limit of {self.max_session_tokens}",
+                      "session_id")
 
   def add(self, session: str, call: dict) -> None:
     """Appends one call's record to a session, dropping least recently used sessions when full.
@@ -210,200 +509,306 @@ class SessionLog:
     """Returns a copy of a session's call records (HTTPError 404 for an unknown session)."""
     with self._lock:
       if session not in self._sessions:
-        raise HTTPError(404, f"unknown session {session!r}")
+        raise HTTPError(404, f"unknown session {session!r}", "session_id")
       return list(self._sessions[session])
 
   def delete(self, session: str) -> None:
     """Frees a session's log (HTTPError 404 for an unknown session)."""
     with self._lock:
       if self._sessions.pop(session, None) is None:
-        raise HTTPError(404, f"unknown session {session!r}")
+        raise HTTPError(404, f"unknown session {session!r}", "session_id")
       self._tokens.pop(session)
 
 
 # ----------------------------------------------------------------------------- server
 
 
+def check_vocab(tokenizer, vocab_size: int) -> None:
+  """Refuses a tokenizer whose ids go beyond the model's vocabulary.
+
+  Args:
+    tokenizer: the tokenizer (its `vocab_size`: every id is below it).
+    vocab_size: the model's vocabulary size (it may be larger: padded embeddings).
+
+  Raises:
+    ValueError: naming both sizes.
+  """
+  if tokenizer.vocab_size > vocab_size:
+    raise ValueError(f"the tokenizer has {tokenizer.vocab_size} token ids but the model's "
+                     f"vocab_size is {vocab_size}: its ids would fall outside the model's "
+                     "vocabulary (wrong tokenizer for this checkpoint?)")
+
+
+@dataclasses.dataclass
+class _Sample:
+  """One sample of a request: the prompt it continues and how it is sampled."""
+  prompt: int                     # index of the prompt
+  input_ids: list[int]
+  params: SamplingParams
+  future: Any = None              # the engine's concurrent Future
+
+
 class PolicyServer:
   """HTTP front of an `models.engine.Engine` (see module docstring).
 
   Args:
-    engine: the generation engine (started by `start`, stopped by `stop`).
+    engine: the generation engine (started by `start_in_thread` / `serve_forever`, stopped by
+      `stop`).
     config: address, token and limits.
-    tokenizer: decodes tokens for chat log-probs (None: no chat endpoint).
-    chat: the envs.chat format of /v1/chat/completions (None: that endpoint answers 501).
+    tokenizer: decodes tokens for the OpenAI endpoints (None: /generate only).
+    chat: the envs.chat format of /v1/chat/completions (None: that endpoint answers 400).
 
   Raises:
-    ValueError: a non-loopback host without a token (envs.net.check_bind).
+    ValueError: a non-loopback host without a token (envs.net.check_bind), or a tokenizer
+      with ids beyond the model's vocabulary.
   """
 
   def __init__(self, engine, config: ServerConfig = ServerConfig(), tokenizer=None, chat=None):
     check_bind(config.host, config.token)
+    if tokenizer is not None:
+      check_vocab(tokenizer, engine.model_cfg.vocab_size)
     self.engine, self.cfg, self.tokenizer, self.chat = engine, config, tokenizer, chat
     self.sessions = SessionLog(config.max_sessions, config.max_session_tokens,
                                config.max_log_tokens)
-    self._server: Optional[asyncio.AbstractServer] = None
-    self._loop: Optional[asyncio.AbstractEventLoop] = None
+    self.created = int(time.time())
+    self.app = Starlette(routes=[
+        Route("/health", self._health, methods=["GET"]),
+        Route("/generate", self._generate, methods=["POST"]),
+        Route("/v1/chat/completions", self._chat, methods=["POST"]),
+        Route("/v1/completions", self._completions, methods=["POST"]),
+        Route("/v1/models", self._models, methods=["GET"]),
+        Route("/v1/models/{model:path}", self._model, methods=["GET"]),
+        Route("/v1/sessions/{session}", self._session, methods=["GET", "DELETE"]),
+    ], exception_handlers={HTTPError: self._on_error, HTTPException: self._on_http_exception,
+                           Exception: self._on_crash})
+    self._server: Optional[uvicorn.Server] = None
     self._thread: Optional[threading.Thread] = None
     self.port: Optional[int] = None
 
   # --- lifecycle
-  async def start(self) -> None:
-    """Starts the engine and listens on the configured address (sets `port`)."""
-    self.engine.start()
-    self._server = await asyncio.start_server(self._handle, self.cfg.host, self.cfg.port,
-                                              limit=self.cfg.max_header_bytes)
-    self.port = self._server.sockets[0].getsockname()[1]
-    logger.info("serving on http://%s:%d", self.cfg.host, self.port)
+  def _uvicorn(self) -> uvicorn.Server:
+    c = self.cfg
+    self._server = uvicorn.Server(uvicorn.Config(
+        self.app, host=c.host, port=c.port, http="h11", loop="asyncio", ws="none",
+        lifespan="off", log_config=None, limit_concurrency=c.max_connections,
+        timeout_keep_alive=c.keep_alive_s, h11_max_incomplete_event_size=c.max_header_bytes,
+        ssl_certfile=c.ssl_certfile, ssl_keyfile=c.ssl_keyfile, timeout_graceful_shutdown=5))
+    return self._server
+
+  @property
+  def url(self) -> str:
+    """The base URL, "http(s)://host:port" (port known once started)."""
+    return f"{'https' if self.cfg.ssl_certfile else 'http'}://{self.cfg.host}:{self.port}"
 
   async def serve_forever(self) -> None:
-    """Starts, then serves until cancelled."""
-    await self.start()
-    async with self._server:
-      await self._server.serve_forever()
+    """Starts the engine and serves until interrupted (SIGINT / SIGTERM), then stops both."""
+    self.engine.start()
+    server = self._uvicorn()
+    try:
+      await server.serve()
+    finally:
+      self.engine.stop()
 
   def start_in_thread(self) -> str:
-    """Serves from a daemon thread with its own event loop.
+    """Starts the engine and serves from a daemon thread with its own event loop.
 
     Returns:
       The base URL, "http://host:port".
 
     Raises:
-      RuntimeError: the server did not start within 60 s.
+      RuntimeError: the server did not start within 60 s (e.g. the port is taken).
     """
-    started = threading.Event()
+    self.engine.start()
+    server = self._uvicorn()
+    failure: list[BaseException] = []
 
     def run():
-      self._loop = asyncio.new_event_loop()
-      self._loop.run_until_complete(self.start())
-      started.set()
-      self._loop.run_forever()
+      try:
+        asyncio.run(server.serve())
+      except BaseException as e:  # uvicorn exits (SystemExit) when it cannot bind
+        failure.append(e)
 
     self._thread = threading.Thread(target=run, name="arbor-serve", daemon=True)
     self._thread.start()
-    if not started.wait(60):
-      raise RuntimeError("policy server did not start within 60 s")
-    return f"http://{self.cfg.host}:{self.port}"
+    deadline = time.time() + 60
+    while not server.started and not failure and time.time() < deadline:
+      time.sleep(0.01)
+    if not server.started:
+      self.engine.stop()
+      raise RuntimeError(f"policy server did not start on {self.cfg.host}:{self.cfg.port}"
+                         + (f" ({failure[0]!r}; see the log)" if failure else " within 60 s"))
+    self.port = server.servers[0].sockets[0].getsockname()[1]
+    return self.url
 
   def stop(self) -> None:
-    """Closes the server (when started in a thread) and stops the engine."""
-    if self._loop is not None:
-      async def close():
-        self._server.close()
-        await self._server.wait_closed()
-      asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
-      self._loop.call_soon_threadsafe(self._loop.stop)
-      self._thread.join(10)
+    """Stops serving (when started in a thread) and stops the engine."""
+    if self._thread is not None:
+      self._server.should_exit = True
+      self._thread.join(30)
+      self._thread = None
     self.engine.stop()
 
-  # --- HTTP
-  async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    status, reply = 500, {"error": "internal error"}
-    try:
-      method, path, headers, body = await asyncio.wait_for(self._read(reader),
-                                                           self.cfg.read_timeout_s)
-      status, reply = 200, await self._route(method, path, headers, body)
-    except HTTPError as e:
-      status, reply = e.status, {"error": str(e)}
-    except asyncio.TimeoutError:
-      status, reply = 408, {"error": f"request not received within {self.cfg.read_timeout_s} s"}
-    except (asyncio.LimitOverrunError, ValueError) as e:
-      status, reply = 400, {"error": f"malformed request: {e}"}
-    except Exception as e:  # the server keeps serving whatever one request does
-      logger.exception("request failed")
-      status, reply = 500, {"error": f"{type(e).__name__}: {e}"}
-    data = json.dumps(reply).encode()
-    head = (f"HTTP/1.1 {status} {REASONS.get(status, '')}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n")
-    try:
-      writer.write(head.encode() + data)
-      await writer.drain()
-      writer.close()
-      await writer.wait_closed()
-    except (ConnectionError, OSError):
-      pass  # the client went away
+  # --- errors and shared checks
+  async def _on_error(self, request: Request, e: HTTPError) -> Response:
+    return error_response(e.status, str(e), e.param, e.code)
 
-  async def _read(self, reader: asyncio.StreamReader):
-    line = await reader.readline()
-    parts = line.decode("latin-1").split()
-    if len(parts) != 3 or not parts[2].startswith("HTTP/"):
-      raise HTTPError(400, f"malformed request line {line[:100]!r}")
-    method, path = parts[0], parts[1]
-    headers, size = {}, len(line)
-    while True:
-      line = await reader.readline()
-      size += len(line)
-      if size > self.cfg.max_header_bytes:
-        raise HTTPError(413, f"headers exceed {self.cfg.max_header_bytes} bytes")
-      if line in (b"\r\n", b"\n", b""):
-        break
-      name, _, value = line.decode("latin-1").partition(":")
-      headers[name.strip().lower()] = value.strip()
-    body = b""
-    if method in ("POST", "PUT"):
-      if "chunked" in headers.get("transfer-encoding", ""):
-        raise HTTPError(400, "chunked request bodies are not supported: send Content-Length")
-      try:
-        length = int(headers.get("content-length", ""))
-      except ValueError:
-        raise HTTPError(400, "Content-Length: missing or not an integer") from None
-      if length < 0 or length > self.cfg.max_body_bytes:
-        raise HTTPError(413, f"Content-Length={length}: bodies are limited to "
-                             f"{self.cfg.max_body_bytes} bytes")
-      body = await reader.readexactly(length)
-    return method, path.split("?", 1)[0], headers, body
+  async def _on_http_exception(self, request: Request, e: HTTPException) -> Response:
+    where = f"{request.method} {request.url.path}"
+    if e.status_code == 404:
+      return error_response(404, f"no endpoint {where}")
+    if e.status_code == 405:
+      return error_response(405, f"{where}: use {(e.headers or {}).get('Allow', '')}")
+    return error_response(e.status_code, f"{where}: {e.detail}")
 
-  def _authorize(self, headers: dict) -> None:
+  async def _on_crash(self, request: Request, e: Exception) -> Response:
+    logger.error("request %s %s failed: %r", request.method, request.url.path, e)
+    return error_response(500, f"{type(e).__name__}: {e}")
+
+  def _authorize(self, request: Request) -> None:
     if not self.cfg.token:
       return
-    given = headers.get("authorization", "")
+    given = request.headers.get("authorization", "")
     if not given.startswith("Bearer ") or not hmac.compare_digest(
         given[len("Bearer "):].encode(), self.cfg.token.encode()):
-      raise HTTPError(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
+      raise HTTPError(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
+                      code="invalid_api_key")
 
-  async def _route(self, method: str, path: str, headers: dict, body: bytes) -> dict:
-    if path == "/health":
-      if method != "GET":
-        raise HTTPError(405, f"{method} {path}: use GET")
-      return {"status": "ok", "policy_version": self.engine.version,
-              "pending": self.engine.pending(), "counters": self.engine.counters}
-    self._authorize(headers)
-    routes = {"/generate": ("POST", self._generate),
-              "/v1/chat/completions": ("POST", self._chat)}
-    if path in routes:
-      want, fn = routes[path]
-      if method != want:
-        raise HTTPError(405, f"{method} {path}: use {want}")
-      return await fn(_json(body), headers)
-    if path.startswith("/v1/sessions/"):
-      session = path[len("/v1/sessions/"):]
-      if method == "GET":
-        return {"session_id": session, "calls": self.sessions.get(session)}
-      if method == "DELETE":
-        self.sessions.delete(session)
-        return {"session_id": session, "deleted": True}
-      raise HTTPError(405, f"{method} {path}: use GET or DELETE")
-    raise HTTPError(404, f"no endpoint {method} {path}")
-
-  async def _run(self, input_ids: list[int], params) -> Any:
+  async def _body(self, request: Request) -> dict:
+    self._authorize(request)
+    limit, size, parts = self.cfg.max_body_bytes, 0, []
+    declared = request.headers.get("content-length", "")
+    too_large = HTTPError(413, f"bodies are limited to {limit} bytes (max_body_bytes)")
+    if declared.isdigit() and int(declared) > limit:
+      raise too_large
+    async for part in request.stream():  # chunked bodies are counted as they arrive
+      size += len(part)
+      if size > limit:
+        raise too_large
+      parts.append(part)
+    raw = b"".join(parts)
     try:
-      future = self.engine.submit(input_ids, params)
+      value = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise HTTPError(400, f"malformed JSON body: {e}") from None
+    if not isinstance(value, dict):
+      raise HTTPError(400, "the JSON body must be an object")
+    return value
+
+  def _check_model(self, body: dict) -> None:
+    model = body.get("model")
+    if model is not None and model != self.cfg.served_name:
+      raise HTTPError(404, f"model={model!r:.100}: this server serves "
+                           f"{self.cfg.served_name!r}", "model", "model_not_found")
+
+  def _session_id(self, body: dict, request: Request) -> Optional[str]:
+    session = body.get("session_id", request.headers.get("x-session-id"))
+    if session is not None and (not isinstance(session, str) or not 0 < len(session) <= 128
+                                or "/" in session):
+      raise HTTPError(400, f"session_id={session!r:.140}: expected 1-128 characters, no '/'",
+                      "session_id")
+    return session
+
+  def _top_limit(self) -> int:
+    return min(self.cfg.top_logprobs, self.engine.cfg.top_logprobs)
+
+  def _submit(self, input_ids: list[int], params, on_tokens=None, ids_field="input_ids"):
+    kwargs = {} if on_tokens is None else {"on_tokens": on_tokens}
+    try:
+      return self.engine.submit(input_ids, params, **kwargs)
     except ValueError as e:
-      raise HTTPError(400, str(e)) from None
-    return await asyncio.wrap_future(future)
+      param = _param_of(str(e))
+      raise HTTPError(400, str(e), ids_field if param == "input_ids" else param) from None
+
+  def _samples(self, prompts: list[list[int]], n: int, params, stream: bool,
+               ids_field: str = "input_ids") -> tuple[list[_Sample], Optional[asyncio.Queue]]:
+    """Submits n samples of each prompt (seeds seed, seed + 1, ...).
+
+    With `stream`, each sample's progress (k, ids, logprobs, top) and end (k, future) go to
+    the returned queue as the engine produces them.
+    """
+    samples = [_Sample(p, ids, dataclasses.replace(
+        params, seed=None if params.seed is None else params.seed + j))
+               for p, ids in enumerate(prompts) for j in range(n)]
+    queue = asyncio.Queue() if stream else None
+    loop = asyncio.get_running_loop()
+    for k, s in enumerate(samples):
+      hook = None if queue is None else (
+          lambda ids, lps, top, k=k: _post(loop, queue, (k, ids, lps, top)))
+      s.future = self._submit(s.input_ids, s.params, hook, ids_field)
+      if queue is not None:
+        s.future.add_done_callback(lambda f, k=k: _post(loop, queue, (k, f)))
+    return samples, queue
+
+  def _log(self, session: Optional[str], sample: _Sample, out, extra: dict) -> None:
+    if session is None:
+      return
+    p = sample.params
+    self.sessions.add(session, {
+        "input_ids": list(sample.input_ids), "output_ids": out.output_ids,
+        "logprobs": out.logprobs, "token_versions": out.token_versions,
+        "policy_version": out.policy_version, "finish_reason": out.finish_reason,
+        "params": {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
+                   "max_tokens": p.max_tokens, "stop": list(p.stop),
+                   "stop_token_ids": list(p.stop_token_ids), "seed": p.seed, **extra},
+        "time": time.time()})
+
+  def _head(self, kind: str) -> dict:
+    return {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": kind, "created": int(time.time()), "model": self.cfg.served_name,
+            "system_fingerprint": f"arbor-policy-{self.engine.version}"}
+
+  async def _events(self, samples: list[_Sample], queue: asyncio.Queue, on_tokens, on_done):
+    """Yields (k, chunks) as the samples progress: on_tokens(k, ids, lps, top) while one
+    runs, on_done(k, completion) once it is finished; stops after the last one."""
+    left = len(samples)
+    while left:
+      event = await queue.get()
+      k = event[0]
+      if len(event) == 4:
+        yield on_tokens(*event)
+        continue
+      left -= 1
+      yield on_done(k, event[1].result())
 
   # --- endpoints
-  async def _generate(self, body: dict, headers: dict) -> dict:
+  async def _health(self, request: Request) -> Response:
+    return JSONResponse({"status": "ok", "policy_version": self.engine.version,
+                         "pending": self.engine.pending(), "counters": self.engine.counters})
+
+  async def _models(self, request: Request) -> Response:
+    self._authorize(request)
+    return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+  async def _model(self, request: Request) -> Response:
+    self._authorize(request)
+    self._check_model({"model": request.path_params["model"]})
+    return JSONResponse(self._model_card())
+
+  def _model_card(self) -> dict:
+    return {"id": self.cfg.served_name, "object": "model", "created": self.created,
+            "owned_by": "arbor", "max_model_len": self.engine.capacity}
+
+  async def _session(self, request: Request) -> Response:
+    self._authorize(request)
+    session = request.path_params["session"]
+    if request.method == "DELETE":
+      self.sessions.delete(session)
+      return JSONResponse({"session_id": session, "deleted": True})
+    return JSONResponse({"session_id": session, "calls": self.sessions.get(session)})
+
+  async def _generate(self, request: Request) -> Response:
+    body = await self._body(request)
     unknown = sorted(set(body) - set(GENERATE_FIELDS))
     if unknown:
-      raise HTTPError(400, f"unknown fields {unknown}; expected {list(GENERATE_FIELDS)}")
+      raise HTTPError(400, f"unknown fields {unknown}; expected {list(GENERATE_FIELDS)}",
+                      unknown[0])
     if "input_ids" not in body:
-      raise HTTPError(400, "input_ids: required")
+      raise HTTPError(400, "input_ids: required", "input_ids")
     input_ids = _int_list(body, "input_ids")
     # default: 256 new tokens, or what the cache row has room for
     max_tokens = max(1, min(256, self.engine.capacity - len(input_ids)))
     params = sampling_params(body, max_tokens=max_tokens)
-    out = await self._run(input_ids, params)
+    out = await asyncio.wrap_future(self._submit(input_ids, params))
     reply = {"output_ids": out.output_ids, "logprobs": out.logprobs,
              "finish_reason": out.finish_reason, "policy_version": out.policy_version,
              "token_versions": out.token_versions, "cached_tokens": out.cached_tokens}
@@ -411,83 +816,321 @@ class PolicyServer:
       reply["top_logprobs"] = out.top_logprobs
     if out.expert_ids is not None:
       reply["expert_ids"] = out.expert_ids.tolist()
-    return reply
+    return JSONResponse(reply)
 
-  async def _chat(self, body: dict, headers: dict) -> dict:
-    if self.chat is None:
-      raise HTTPError(501, "no tokenizer/chat format loaded: use /generate, or start the server "
-                           "with a checkpoint that has tokenizer files (or --tokenizer)")
-    messages, tools = body.get("messages"), body.get("tools")
-    if not isinstance(messages, list) or not messages:
-      raise HTTPError(400, "messages: expected a non-empty list")
-    if tools is not None and not isinstance(tools, list):
-      raise HTTPError(400, "tools: expected a list")
+  def _common(self, body: dict, prompt_lens: list[int], n_prompts: int, stop_token_ids):
+    """Checks the fields chat and completions share; returns (n, params, stream, usage)."""
+    _refuse_unsupported(body)
     n = _field(body, "n", int, 1)
-    if not 1 <= n <= self.cfg.max_n:
-      raise HTTPError(400, f"n={n}: must be in [1, {self.cfg.max_n}]")
-    session = body.get("session_id", headers.get("x-session-id"))
-    if session is not None and (not isinstance(session, str) or not 0 < len(session) <= 128
-                                or "/" in session):
-      raise HTTPError(400, f"session_id={session!r:.140}: expected 1-128 characters, no '/'")
-    want_logprobs = bool(_field(body, "logprobs", bool, False))
-    top_n = _field(body, "top_logprobs", int, 0)
-    if top_n and (not want_logprobs or top_n > self.engine.cfg.top_logprobs):
-      raise HTTPError(400, f"top_logprobs={top_n}: needs logprobs=true and at most "
-                           f"{self.engine.cfg.top_logprobs} (the engine's top_logprobs)")
-    try:
-      input_ids = self.chat.render(messages, tools, add_generation_prompt=True).ids
-    except (ValueError, KeyError, TypeError) as e:
-      raise HTTPError(400, f"messages/tools: {e}") from None
-    room = self.engine.capacity - len(input_ids)
+    if not 1 <= n or n * n_prompts > self.cfg.max_n:
+      raise HTTPError(400, f"n={n}: must be >= 1, and n x {n_prompts} prompt(s) at most "
+                           f"{self.cfg.max_n} samples", "n")
+    stream = _field(body, "stream", bool, False)
+    options = _field(body, "stream_options", dict, None)
+    if options is not None and not stream:
+      raise HTTPError(400, "stream_options: only allowed with stream=true", "stream_options")
+    include_usage = bool((options or {}).get("include_usage", False))
+    room = self.engine.capacity - max(prompt_lens)
     if room < 1:
-      raise HTTPError(400, f"the rendered prompt has {len(input_ids)} tokens, more than the "
-                           f"engine's max_seq_len={self.engine.capacity} allows")
+      raise HTTPError(400, f"the prompt has {max(prompt_lens)} tokens, more than the engine's "
+                           f"max_seq_len={self.engine.capacity} allows", None)
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     params = sampling_params({**body, "max_tokens": limit}, max_tokens=room,
-                             stop_token_ids=self.chat.stop_token_ids)
+                             stop_token_ids=stop_token_ids)
+    return n, params, stream, include_usage
+
+  def _reserve(self, session, prompt_lens: list[int], n: int, params) -> None:
     if session is not None:
-      self.sessions.reserve_check(session, n * (len(input_ids) + params.max_tokens))
-    outs = await asyncio.gather(*(self._run(input_ids, dataclasses.replace(
-        params, seed=None if params.seed is None else params.seed + i)) for i in range(n)))
+      self.sessions.reserve_check(session, sum(n * (k + params.max_tokens) for k in prompt_lens))
+
+  # --- chat completions
+  async def _chat(self, request: Request) -> Response:
+    body = await self._body(request)
+    if self.chat is None:
+      raise HTTPError(400, "no tokenizer/chat format loaded: use /generate, or start the server "
+                           "with a checkpoint that has tokenizer files (or --tokenizer)")
+    self._check_model(body)
+    messages = normalize_messages(body.get("messages"))
+    tools = _tools(body)
+    mode, name = _tool_choice(body, tools)
+    parallel = _field(body, "parallel_tool_calls", bool, True)
+    session = self._session_id(body, request)
+    want_logprobs = _field(body, "logprobs", bool, False)
+    top_n = _field(body, "top_logprobs", int, 0)
+    if top_n and not want_logprobs:
+      raise HTTPError(400, f"top_logprobs={top_n}: needs logprobs=true", "top_logprobs")
+    if not 0 <= top_n <= self._top_limit():
+      raise HTTPError(400, f"top_logprobs={top_n}: at most {self._top_limit()} on this server "
+                           "(its top_logprobs limit: --top_logprobs)", "top_logprobs")
+    template_kwargs = _field(body, "chat_template_kwargs", dict, None)
+    kwargs = {}
+    if template_kwargs:
+      if "template_kwargs" not in inspect.signature(self.chat.render).parameters:
+        raise HTTPError(400, f"chat_template_kwargs={template_kwargs!r:.100}: this chat format "
+                             f"({self.chat.name}) takes no template kwargs",
+                        "chat_template_kwargs")
+      kwargs["template_kwargs"] = template_kwargs
+    try:
+      rendered = self.chat.render(messages, None if mode == "none" else tools,
+                                  add_generation_prompt=True, **kwargs).ids
+    except (ValueError, KeyError, TypeError) as e:
+      param = "chat_template_kwargs" if kwargs and "template kwargs" in str(e) else "messages"
+      raise HTTPError(400, f"{param}: {e}", param) from None
+    prefix = self.chat.tool_call_prefix_ids(name) if mode in ("required", "named") else []
+    input_ids = rendered + prefix
+    n, params, stream, include_usage = self._common(body, [len(input_ids)], 1,
+                                                    self.chat.stop_token_ids)
+    self._reserve(session, [len(input_ids)], n, params)
+    reader = _ChatReader(self.chat, tools, mode, parallel, prefix, params.stop)
+    samples, queue = self._samples([input_ids], n, params, stream)
+    logged = {"n": n, "tool_choice": body.get("tool_choice", mode)}
+    logprobs = top_n if want_logprobs else None
+    if stream:
+      return StreamingResponse(self._chat_stream(samples, queue, reader, session, logged,
+                                                 logprobs, include_usage),
+                               media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"})
+    outs = await asyncio.gather(*(asyncio.wrap_future(s.future) for s in samples))
     choices = []
-    for i, out in enumerate(outs):
-      turn = self.chat.parse_assistant(out.output_ids, tools)
-      message = turn.to_message()
-      reason = "length" if out.finish_reason == "length" else (
-          "tool_calls" if turn.valid_calls else "stop")
-      choice = {"index": i, "message": message, "finish_reason": reason}
-      if turn.errors:
-        choice["tool_call_errors"] = turn.errors
-      if want_logprobs:
-        choice["logprobs"] = {"content": [
-            {"token": self.tokenizer.decode([t]), "logprob": lp,
-             "top_logprobs": [{"token": self.tokenizer.decode([j]), "logprob": v}
-                              for j, v in (out.top_logprobs[k][:top_n] if top_n else [])]}
-            for k, (t, lp) in enumerate(zip(out.output_ids, out.logprobs))]}
+    for i, (sample, out) in enumerate(zip(samples, outs)):
+      reasoning, content, calls, errors = reader.read(out.output_ids)
+      message = {"role": "assistant", "content": content or None}
+      if reasoning is not None:
+        message["reasoning_content"] = reasoning
+      if calls:
+        message["tool_calls"] = [_call_json(c, _call_id()) for c in calls]
+      choice = {"index": i, "message": message, "logprobs": None,
+                "finish_reason": _finish_reason(out.finish_reason, calls)}
+      if logprobs is not None:
+        choice["logprobs"] = {"content": self._chat_logprobs(out.output_ids, out.logprobs,
+                                                             out.top_logprobs, logprobs)}
+      if errors:
+        choice["tool_call_errors"] = errors
       choices.append(choice)
-      if session is not None:
-        self.sessions.add(session, {
-            "input_ids": input_ids, "output_ids": out.output_ids, "logprobs": out.logprobs,
-            "token_versions": out.token_versions, "policy_version": out.policy_version,
-            "finish_reason": out.finish_reason, "time": time.time()})
-    completion = sum(len(o.output_ids) for o in outs)
-    reply = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-             "created": int(time.time()), "model": self.cfg.served_name, "choices": choices,
-             "usage": {"prompt_tokens": len(input_ids), "completion_tokens": completion,
-                       "total_tokens": len(input_ids) + completion}}
+      self._log(session, sample, out, logged)
+    reply = {**self._head("chat.completion"), "choices": choices,
+             "usage": _usage([len(input_ids)], outs)}
     if session is not None:
       reply["session_id"] = session
-    return reply
+    return JSONResponse(reply)
+
+  def _chat_logprobs(self, ids, lps, top, top_n: int, start: int = 0) -> list[dict]:
+    dec = self.tokenizer.decode
+    return [{"token": dec([ids[k]]), "logprob": lps[k],
+             "top_logprobs": [{"token": dec([j]), "logprob": v}
+                              for j, v in (top[k][:top_n] if top_n else [])]}
+            for k in range(start, len(ids))]
+
+  async def _chat_stream(self, samples, queue, reader: _ChatReader, session, logged,
+                         logprobs: Optional[int], include_usage: bool):
+    head = self._head("chat.completion.chunk")
+    texts = [_TextDeltas() for _ in samples]
+    thoughts = [_TextDeltas() for _ in samples]
+    call_ids: list[list[str]] = [[] for _ in samples]  # ids of the calls sent, per choice
+    reported = [0] * len(samples)                       # tokens whose log-probs were sent
+    outs = []
+
+    def chunk(k, delta, reason=None):
+      choice = {"index": k, "delta": delta, "logprobs": None, "finish_reason": reason}
+      return {**head, "choices": [choice], **({"usage": None} if include_usage else {})}
+
+    def deltas(k, reasoning: str, content: str, calls: list) -> list[dict]:
+      """Chunks of new reasoning, new content and the calls not sent yet."""
+      out = [chunk(k, {"reasoning_content": reasoning})] if reasoning else []
+      out += [chunk(k, {"content": content})] if content else []
+      for c in calls[len(call_ids[k]):]:
+        index, cid = len(call_ids[k]), _call_id()
+        call_ids[k].append(cid)
+        args = _call_json(c, cid)["function"]["arguments"]
+        out.append(chunk(k, {"tool_calls": [{"index": index, "id": cid, "type": "function",
+                                             "function": {"name": c.name, "arguments": ""}}]}))
+        out += [chunk(k, {"tool_calls": [{"index": index, "function": {"arguments": part}}]})
+                for part in _fragments(args)]
+      return out
+
+    def with_logprobs(chunks, k, ids, lps, top) -> list[dict]:
+      """The last chunk carries the log-probs of the tokens not reported yet."""
+      if chunks and logprobs is not None and len(ids) > reported[k]:
+        chunks[-1]["choices"][0]["logprobs"] = {
+            "content": self._chat_logprobs(ids, lps, top, logprobs, reported[k])}
+        reported[k] = len(ids)
+      return chunks
+
+    def on_tokens(k, ids, lps, top):
+      reasoning, content, calls, _ = reader.read(ids, final=False)
+      chunks = deltas(k, thoughts[k].delta(reasoning or ""), texts[k].delta(content), calls)
+      return with_logprobs(chunks, k, ids, lps, top)
+
+    def on_done(k, out):
+      outs.append(out)
+      self._log(session, samples[k], out, logged)
+      reasoning, content, calls, _ = reader.read(out.output_ids)
+      more, rest = thoughts[k].final(reasoning or ""), texts[k].final(content)
+      if more is None or rest is None:
+        raise RuntimeError("the sample's text changed after part of it was streamed (e.g. the "
+                           "engine restarted it on new weights)")
+      chunks = deltas(k, more, rest, calls) + [
+          chunk(k, {}, _finish_reason(out.finish_reason, calls))]
+      return with_logprobs(chunks, k, out.output_ids, out.logprobs, out.top_logprobs)
+
+    try:
+      for k in range(len(samples)):
+        yield _sse(chunk(k, {"role": "assistant", "content": ""}))
+      async for chunks in self._events(samples, queue, on_tokens, on_done):
+        for c in chunks:
+          yield _sse(c)
+      if include_usage:
+        yield _sse({**head, "choices": [],
+                    "usage": _usage([len(samples[0].input_ids)], outs)})
+      yield "data: [DONE]\n\n"
+    except Exception as e:  # the status line is sent: report the error as an event
+      logger.exception("chat stream failed")
+      yield _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error",
+                            "param": None, "code": None}})
+    finally:
+      for s in samples:
+        s.future.cancel()  # a client gone early frees the samples still queued
+
+  # --- completions
+  async def _completions(self, request: Request) -> Response:
+    body = await self._body(request)
+    if self.tokenizer is None:
+      raise HTTPError(400, "no tokenizer loaded: use /generate, or start the server with a "
+                           "checkpoint that has tokenizer files (or --tokenizer)")
+    self._check_model(body)
+    prompts, texts = self._prompts(body.get("prompt"))
+    session = self._session_id(body, request)
+    echo = _field(body, "echo", bool, False)
+    top_n = _field(body, "logprobs", int, None)
+    if top_n is not None and not 0 <= top_n <= self._top_limit():
+      raise HTTPError(400, f"logprobs={top_n}: at most {self._top_limit()} on this server (its "
+                           "top_logprobs limit: --top_logprobs)", "logprobs")
+    if echo and top_n is not None:
+      raise HTTPError(400, "echo with logprobs: the prompt's log-probs are not computed by "
+                           "this server; ask without echo", "echo")
+    eos = [] if self.tokenizer.eos_id is None else [self.tokenizer.eos_id]
+    n, params, stream, include_usage = self._common(body, [len(p) for p in prompts],
+                                                    len(prompts), eos)
+    self._reserve(session, [len(p) for p in prompts], n, params)
+    samples, queue = self._samples(prompts, n, params, stream, "prompt")
+    logged = {"n": n, "tool_choice": None}
+    echoed = [texts[s.prompt] if echo else "" for s in samples]
+
+    def text(ids):
+      ids = ids[:-1] if ids and ids[-1] in params.stop_token_ids else ids
+      return self.tokenizer.decode(ids)
+
+    if stream:
+      return StreamingResponse(self._completion_stream(samples, queue, text, echoed, session,
+                                                       logged, top_n, include_usage),
+                               media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"})
+    outs = await asyncio.gather(*(asyncio.wrap_future(s.future) for s in samples))
+    choices = []
+    for i, (sample, out) in enumerate(zip(samples, outs)):
+      choice = {"index": i, "text": echoed[i] + _cut_stop(text(out.output_ids), params.stop)[0],
+                "logprobs": None, "finish_reason": out.finish_reason}
+      if top_n is not None:
+        choice["logprobs"] = self._legacy_logprobs(out.output_ids, out.logprobs,
+                                                   out.top_logprobs, top_n, 0, 0)
+      choices.append(choice)
+      self._log(session, sample, out, logged)
+    reply = {**self._head("text_completion"), "choices": choices,
+             "usage": _usage([len(p) for p in prompts], outs)}
+    if session is not None:
+      reply["session_id"] = session
+    return JSONResponse(reply)
+
+  def _prompts(self, prompt) -> tuple[list[list[int]], list[str]]:
+    """A completions "prompt" as token ids and text, one per prompt."""
+    if isinstance(prompt, str) or _is_ids(prompt):
+      prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt or not all(
+        isinstance(p, str) or _is_ids(p) for p in prompt):
+      raise HTTPError(400, f"prompt={prompt!r:.100}: expected a string, a list of strings, a "
+                           "list of token ids or a list of such lists", "prompt")
+    ids = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompt]
+    if not all(ids):
+      raise HTTPError(400, "prompt: an empty prompt has no token to continue", "prompt")
+    return ids, [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompt]
+
+  def _legacy_logprobs(self, ids, lps, top, top_n: int, start: int, offset: int) -> dict:
+    """Completions log-probs of ids[start:]: tokens, their log-probs, the top_n alternatives
+    (the sampled token always among them) and each token's character offset."""
+    dec = self.tokenizer.decode
+    tokens, offsets, tops = [], [], []
+    for k in range(start, len(ids)):
+      token = dec([ids[k]])
+      alternatives: dict[str, float] = {}
+      for j, v in (top[k][:top_n] if top_n else []):
+        alternatives.setdefault(dec([j]), v)  # ids that decode alike: the likelier one
+      alternatives.setdefault(token, lps[k])
+      tokens.append(token)
+      offsets.append(offset)
+      tops.append(alternatives)
+      offset += len(token)
+    return {"tokens": tokens, "token_logprobs": list(lps[start:]), "top_logprobs": tops,
+            "text_offset": offsets}
+
+  async def _completion_stream(self, samples, queue, text, echoed, session, logged,
+                               top_n: Optional[int], include_usage: bool):
+    head = self._head("text_completion")
+    stops = samples[0].params.stop
+    texts = [_TextDeltas() for _ in samples]
+    reported, offsets, outs = [0] * len(samples), [len(e) for e in echoed], []
+
+    def chunk(k, new, ids=None, lps=None, top=None, reason=None):
+      choice = {"index": k, "text": new, "logprobs": None, "finish_reason": reason}
+      if top_n is not None and ids is not None and len(ids) > reported[k]:
+        choice["logprobs"] = lp = self._legacy_logprobs(ids, lps, top, top_n, reported[k],
+                                                        offsets[k])
+        reported[k] = len(ids)
+        offsets[k] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+      return {**head, "choices": [choice], **({"usage": None} if include_usage else {})}
+
+    def on_tokens(k, ids, lps, top):
+      new = texts[k].delta(echoed[k] + _settled(text(ids), stops))
+      return [chunk(k, new, ids, lps, top)] if new else []
+
+    def on_done(k, out):
+      outs.append(out)
+      self._log(session, samples[k], out, logged)
+      rest = texts[k].final(echoed[k] + _cut_stop(text(out.output_ids), stops)[0])
+      if rest is None:
+        raise RuntimeError("the sample's text changed after it was streamed (the engine "
+                           "restarted it on new weights)")
+      return [chunk(k, rest, out.output_ids, out.logprobs, out.top_logprobs,
+                    out.finish_reason)]
+
+    try:
+      for k, e in enumerate(echoed):
+        if e:
+          yield _sse(chunk(k, texts[k].delta(e)))
+      async for chunks in self._events(samples, queue, on_tokens, on_done):
+        for c in chunks:
+          yield _sse(c)
+      if include_usage:
+        prompts = {s.prompt: len(s.input_ids) for s in samples}
+        yield _sse({**head, "choices": [], "usage": _usage(list(prompts.values()), outs)})
+      yield "data: [DONE]\n\n"
+    except Exception as e:  # the status line is sent: report the error as an event
+      logger.exception("completion stream failed")
+      yield _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error",
+                            "param": None, "code": None}})
+    finally:
+      for s in samples:
+        s.future.cancel()
 
 
-def _json(body: bytes) -> dict:
-  try:
-    value = json.loads(body)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise HTTPError(400, f"malformed JSON body: {e}") from None
-  if not isinstance(value, dict):
-    raise HTTPError(400, "the JSON body must be an object")
-  return value
+def _usage(prompt_lens: list[int], outs) -> dict:
+  prompt, completion = sum(prompt_lens), sum(len(o.output_ids) for o in outs)
+  return {"prompt_tokens": prompt, "completion_tokens": completion,
+          "total_tokens": prompt + completion}
+
+
+def _fragments(text: str, size: int = 16) -> list[str]:
+  """A tool call's arguments in pieces, as OpenAI streams them."""
+  return [text[i:i + size] for i in range(0, len(text), size)] or [""]
 
 
 # ----------------------------------------------------------------------------- in-process policy
@@ -538,7 +1181,8 @@ def build(args) -> PolicyServer:
     The PolicyServer, not yet started; without tokenizer files it serves /generate only.
 
   Raises:
-    ValueError: a non-loopback host without a token.
+    ValueError: a non-loopback host without a token, or a tokenizer with ids beyond the
+      model's vocabulary.
   """
   token = args.token or os.environ.get("ARBOR_SERVE_TOKEN") or None
   check_bind(args.host, token)  # before loading anything
@@ -551,15 +1195,18 @@ def build(args) -> PolicyServer:
   if tok_path and (args.tokenizer or any(os.path.exists(os.path.join(tok_path, f)) for f in (
       "tokenizer.json", "tiktoken.model", "tokenizer.model"))):
     tokenizer = load_tokenizer(tok_path)
+    check_vocab(tokenizer, model.cfg.vocab_size)
     chat = make_chat(args.chat_format or default_chat_format(model.cfg), tokenizer)
   engine = Engine(model, EngineConfig(
       slots=args.slots, max_seq_len=args.max_seq_len, prefix_cache_rows=args.prefix_cache_rows,
       steps_per_call=args.steps_per_call, prefill_chunk=args.prefill_chunk,
       top_logprobs=args.top_logprobs, on_update=args.on_update),
       detokenize=None if tokenizer is None else tokenizer.decode)
-  return PolicyServer(engine, ServerConfig(host=args.host, port=args.port, token=token,
-                                           served_name=args.served_name),
-                      tokenizer=tokenizer, chat=chat)
+  return PolicyServer(engine, ServerConfig(
+      host=args.host, port=args.port, token=token, served_name=args.served_name,
+      top_logprobs=args.top_logprobs, max_connections=args.max_connections,
+      ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile),
+      tokenizer=tokenizer, chat=chat)
 
 
 def run(config, workdir: str) -> dict:
@@ -576,24 +1223,29 @@ def run(config, workdir: str) -> dict:
     {"served": True}.
 
   Raises:
-    ValueError: a non-loopback host without a token (ARBOR_SERVE_TOKEN).
+    ValueError: a non-loopback host without a token (ARBOR_SERVE_TOKEN), or a tokenizer with
+      ids beyond the model's vocabulary.
   """
   token = os.environ.get("ARBOR_SERVE_TOKEN") or None
   check_bind(config.serve.host, token)
   model_cfg = config_lib.model_config(config)
+  tokenizer = load_tokenizer(config_lib.tokenizer_source(config, workdir))
+  check_vocab(tokenizer, model_cfg.vocab_size)
   model = (harness.initial_model(config, model_cfg)
            or transformer.init(model_cfg, seed=config.seed))
-  tokenizer = load_tokenizer(config_lib.tokenizer_source(config, workdir))
   chat = make_chat(config.tokenizer.chat_format, tokenizer)
+  top_logprobs = config.serve.get("top_logprobs", ServerConfig.top_logprobs)
   engine = Engine(model, EngineConfig(slots=config.serve.slots,
                                       max_seq_len=config.serve.max_seq_len,
-                                      prefix_cache_rows=config.serve.slots, seed=config.seed),
+                                      prefix_cache_rows=config.serve.slots, seed=config.seed,
+                                      top_logprobs=top_logprobs),
                   detokenize=tokenizer.decode)
   server = PolicyServer(engine, ServerConfig(host=config.serve.host, port=config.serve.port,
-                                             token=token, served_name=config.serve.served_name),
+                                             token=token, served_name=config.serve.served_name,
+                                             top_logprobs=top_logprobs),
                         tokenizer=tokenizer, chat=chat)
   print(f"serve: {config.model.init} on http://{config.serve.host}:{config.serve.port} "
-        "(/generate, /v1/chat/completions, /health)", flush=True)
+        "(/generate, /v1/chat/completions, /v1/completions, /v1/models, /health)", flush=True)
   try:
     asyncio.run(server.serve_forever())
   except KeyboardInterrupt:
@@ -613,14 +1265,19 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
   p.add_argument("--token", default=None, help="bearer token (default: $ARBOR_SERVE_TOKEN)")
   p.add_argument("--tokenizer", default=None, help="tokenizer path (default: CKPT/hf_extra)")
   p.add_argument("--chat_format", default=None, help="envs.chat format (default: by model)")
-  p.add_argument("--served_name", default="arbor", help="model name in chat replies")
+  p.add_argument("--served_name", default="arbor", help="the model's id in the OpenAI API")
   p.add_argument("--slots", type=int, default=16, help="sequences decoded together")
   p.add_argument("--max_seq_len", type=int, default=4096, help="longest input + output")
   p.add_argument("--prefix_cache_rows", type=int, default=16, help="extra cache rows for reuse")
   p.add_argument("--steps_per_call", type=int, default=16, help="decode steps per device call")
   p.add_argument("--prefill_chunk", type=int, default=512, help="prefill tokens per row and call")
-  p.add_argument("--top_logprobs", type=int, default=0, help="top-n log-probs per token")
+  p.add_argument("--top_logprobs", type=int, default=ServerConfig.top_logprobs,
+                 help="most top log-probs a request may ask for per token")
   p.add_argument("--on_update", default="finish", help="finish | resubmit | restart")
+  p.add_argument("--max_connections", type=int, default=ServerConfig.max_connections,
+                 help="concurrent connections (more get 503)")
+  p.add_argument("--ssl_certfile", default=None, help="TLS certificate (PEM): serve https")
+  p.add_argument("--ssl_keyfile", default=None, help="TLS private key (PEM)")
   return p.parse_args(argv)
 
 
@@ -633,7 +1290,10 @@ def main(argv: Optional[list[str]] = None) -> int:
   except ValueError as e:
     print(f"trainer.serve: {e}", file=sys.stderr)
     return 2
-  asyncio.run(server.serve_forever())
+  try:
+    asyncio.run(server.serve_forever())
+  except KeyboardInterrupt:
+    pass
   return 0
 
 
