@@ -1,8 +1,8 @@
 """Tasks: what an episode asks of the agent, and what its verifier checks.
 
 One `Task` type covers four kinds:
-- "swe": a repository snapshot (directory or tarball) with a bug; the `tests` verifier runs the
-  task's pytest command in a fresh sandbox and checks FAIL_TO_PASS / PASS_TO_PASS test ids.
+- "swe": a repository snapshot with a bug; the `tests` verifier runs the task's test command in
+  a fresh sandbox and grades its FAIL_TO_PASS / PASS_TO_PASS tests as SWE-bench does.
 - "code": a code problem (prompt + function or stdin/stdout tests), verifier `python_io`.
 - "exact": a question with a short answer, verifier `exact`.
 - "judge": an open-ended task scored by a policy against a weighted rubric, verifier `judge`.
@@ -10,18 +10,38 @@ One `Task` type covers four kinds:
 "One commit, many prompts": a task carries several phrasings of its instruction (expert to
 colloquial) and `Task.prompt(rng)` samples one per episode from an explicit rng.
 
-Loaders read JSONL: `load_swe_jsonl` (SWE-bench format plus a few fields of ours, below),
-`load_problems_jsonl` (code / exact / judge problems) and `load_tasks` (either, per line). A bad
-line raises `TaskFormatError` naming the file, the line and the field; with `skip_bad=True` it
-is logged and counted instead.
+Loaders: `load_swe_jsonl` (SWE rows, below), `load_swe_parquet` and `load_swe_rows` (the same
+rows from a Parquet file or a Hugging Face `datasets` split / any list of dicts),
+`load_problems_jsonl` (code / exact / judge problems) and `load_tasks` (either, per line; a
+.parquet file is SWE rows). A bad row raises `TaskFormatError` naming the file and line (or
+row) and the field; with `skip_bad=True` it is logged and counted instead.
 
-SWE-format line (SWE-bench's fields; `repo_path`, `problem_statements`, `test_command`,
-`rootfs`, `timeout` are ours):
-  {"instance_id": "calc-1", "repo_path": "repos/calc-1",          # dir or .tar/.tar.gz/.tgz,
-   "problem_statement": "...", "problem_statements": ["...", ...],  # relative to the JSONL
-   "FAIL_TO_PASS": ["tests/test_calc.py::test_add"],               # list or JSON string
-   "PASS_TO_PASS": [...], "test_command": "python3 -m pytest -q tests/test_calc.py",
-   "patch": "<reference fix, unified diff>", "test_patch": "<applied before the tests>"}
+SWE rows use the official fields of SWE-bench, SWE-bench Verified, SWE-Gym and SWE-smith:
+  instance_id, repo ("owner/name"), base_commit, problem_statement, patch (the reference fix;
+  SWE-smith's `patch` introduces the bug and is reversed), test_patch (applied only in the
+  verifier's copy, never in the agent's workspace), FAIL_TO_PASS / PASS_TO_PASS (lists, or JSON
+  strings as SWE-bench stores them), version, environment_setup_commit, created_at, hints_text,
+  image_name (SWE-smith: the prepared container image, kept for the docker backend), log_parser
+  (swebench >= 5: which log format the tests print). Other fields are kept in `metadata`.
+Where the repository comes from:
+  - `repo_path` (ours): a directory or .tar/.tar.gz/.tgz snapshot, relative to the file;
+  - otherwise `repo` + `base_commit` in a local mirror of git repositories (`mirror=DIR`, or the
+    ARBOR_SWE_MIRROR environment variable): DIR/<owner>__<name>.git, DIR/<owner>__<name>,
+    DIR/<owner>/<name>.git or DIR/<owner>/<name>, bare or not. The commit is checked out once
+    into a cache directory keyed by (repo, commit) (`cache_dir=`, ARBOR_SWE_CACHE, default
+    ~/.cache/arbor/swe) when the repository is first read. A SWE-smith row (repo "swesmith/...")
+    without base_commit starts from the branch named after its instance_id; when that branch's
+    head is SWE-smith's "Remove F2P Tests" commit, its parent's test files become the test patch.
+How the tests run (`test_runner`, chosen per repository like swebench's specs, or by
+`log_parser`): "pytest" (the default: `python3 -m pytest -rA FILES`, FILES from the test patch),
+"django" (django/django: `python3 tests/runtests.py --verbosity 2 --settings=test_sqlite
+--parallel 1 LABELS`) or "sympy" (sympy/sympy: `bin/test -C --verbose FILES`). A `test_command`
+field (ours) overrides the command. Ours also: `problem_statements` (more phrasings), `rootfs`
+(the sandbox's root filesystem), `timeout` (seconds for the test run).
+
+  {"instance_id": "calc-1", "repo": "me/calc", "base_commit": "1f2e...",
+   "problem_statement": "...", "patch": "<fix>", "test_patch": "<adds the failing tests>",
+   "FAIL_TO_PASS": "[\\"tests/test_calc.py::test_add\\"]", "PASS_TO_PASS": "[]", "version": "1.0"}
 Problem line:
   {"id": "p1", "kind": "code", "prompt": "...", "entry_point": "add",
    "tests": [{"args": [1, 2], "expected": 3}]}     # or [{"input": "...", "output": "..."}]
@@ -39,7 +59,10 @@ import logging
 import os
 import re
 import shlex
+import shutil
+import subprocess
 import tarfile
+import tempfile
 from typing import Any, Iterable, Mapping, Optional
 
 log = logging.getLogger(__name__)
@@ -51,6 +74,26 @@ CODE_TIMEOUT = 10.0      # seconds for each test process of a code problem
 # A test command is "PYTHON -m pytest ARGS" (PYTHON: python, python3, python3.11 or a path to
 # one, e.g. a task's virtualenv) or "pytest ARGS"; the verifier runs pytest itself with ARGS.
 _PYTHON = re.compile(r"^(?:[\w.+-]*/)*python[\d.]*$")
+
+# How a repository's tests run and print their results: pytest (JUnit report), or the log
+# formats of Django's tests/runtests.py and sympy's bin/test, parsed as SWE-bench parses them.
+TEST_RUNNERS = ("pytest", "django", "sympy")
+REPO_RUNNERS = {"django/django": "django", "sympy/sympy": "sympy"}  # others: pytest
+# swebench's log_parser names (PARSER_REGISTRY) of Python repositories -> our runner.
+LOG_PARSERS = {"parse_log_django": "django", "parse_log_sympy": "sympy", **{
+    f"parse_log_{n}": "pytest" for n in (
+        "pytest", "pytest_options", "pytest_v2", "astroid", "astropy", "flask", "marshmallow",
+        "matplotlib", "pvlib", "pydicom", "pylint", "pyvista", "requests", "scikit", "seaborn",
+        "sphinx", "sqlfluff", "xarray")}}
+# SWE-bench's test commands (constants/python.py), run with the sandbox's python3.
+DJANGO_COMMAND = "python3 tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1"
+DJANGO_COMMAND_1_9 = "python3 tests/runtests.py --verbosity 2"  # Django 1.9 has neither option
+SYMPY_COMMAND = ("PYTHONWARNINGS='ignore::UserWarning,ignore::SyntaxWarning' "
+                 "python3 bin/test -C --verbose")
+# Files a test patch may touch that are data, not tests (SWE-bench's NON_TEST_EXTS).
+_NON_TEST_EXTS = (".json", ".png", "csv", ".txt", ".md", ".jpg", ".jpeg", ".pkl", ".yml",
+                  ".yaml", ".toml")
+_SMITH_REMOVAL = "Remove F2P Tests"  # subject of SWE-smith's commit hiding the failing tests
 
 
 class TaskFormatError(ValueError):
@@ -66,13 +109,19 @@ class Task:
   problem_statements: tuple[str, ...]           # phrasings of the instruction, >= 1
   # swe
   repo_path: Optional[str] = None               # absolute path of a directory or tarball
-  fail_to_pass: tuple[str, ...] = ()            # pytest node ids that must go from fail to pass
-  pass_to_pass: tuple[str, ...] = ()            # pytest node ids that must keep passing
-  test_command: str = ""                        # "python3 -m pytest ARGS" (sandbox's python)
+  fail_to_pass: tuple[str, ...] = ()            # tests that must go from fail to pass
+  pass_to_pass: tuple[str, ...] = ()            # tests that must keep passing
+  test_command: str = ""                        # shell command running the tests (see runner)
   patch: str = ""                               # reference fix (unified diff), may be empty
-  test_patch: str = ""                          # applied to the clean copy before the tests
+  test_patch: str = ""                          # applied to the verifier's copy before tests
   rootfs: Optional[str] = None                  # root filesystem for the sandbox, if not host's
   timeout: float = DEFAULT_TIMEOUT              # seconds for the test run (code: per process)
+  repo: str = ""                                # "owner/name" of the repository, if known
+  base_commit: str = ""                         # the commit the task starts from, if known
+  mirror: Optional[str] = None                  # git directory holding base_commit
+  cache_dir: Optional[str] = None               # where checkouts of mirrored commits are kept
+  image_name: Optional[str] = None              # prepared container image (docker backend)
+  test_runner: str = "pytest"                   # one of TEST_RUNNERS
   # code
   tests: tuple[Mapping[str, Any], ...] = ()     # {"args", "expected"} or {"input", "output"}
   entry_point: Optional[str] = None             # function name for {"args", "expected"} tests
@@ -97,8 +146,12 @@ class Task:
     return self.problem_statements[i]
 
   def pytest_command(self) -> tuple[str, list[str]]:
-    """(python interpreter, pytest arguments) of `test_command`."""
+    """(python interpreter, pytest arguments) of `test_command` (pytest tasks)."""
     return pytest_command(self.test_command)
+
+  def script_command(self) -> tuple[dict[str, str], str, str, list[str]]:
+    """(environment, python, script, arguments) of `test_command` (django / sympy tasks)."""
+    return script_command(self.test_command)
 
 
 def pytest_command(test_command: str) -> tuple[str, list[str]]:
@@ -119,6 +172,32 @@ def pytest_command(test_command: str) -> tuple[str, list[str]]:
                    "'pytest ARGS'); the verifier runs pytest itself to write a JUnit report")
 
 
+def script_command(test_command: str) -> tuple[dict[str, str], str, str, list[str]]:
+  """Returns (env, python, script, args) of "[NAME=VALUE ...] [PYTHON] SCRIPT ARGS".
+
+  SCRIPT is a repository-relative Python script (Django's tests/runtests.py, sympy's bin/test);
+  without PYTHON it runs with python3.
+
+  Raises:
+    ValueError: naming the value, for any other command.
+  """
+  try:
+    words = shlex.split(test_command)
+  except ValueError as e:
+    raise ValueError(f"test_command={test_command!r}: {e}") from None
+  env = {}
+  while words and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]):
+    name, value = words.pop(0).split("=", 1)
+    env[name] = value
+  python = words.pop(0) if words and _PYTHON.match(words[0]) else "python3"
+  script = words[0].removeprefix("./") if words else ""
+  if (not script or script.startswith(("-", "/")) or ".." in script.split("/")
+      or "\x00" in script):
+    raise ValueError(f"test_command={test_command!r}: expected '[NAME=VALUE ...] [python3] "
+                     "SCRIPT ARGS' with SCRIPT a path inside the repository")
+  return env, python, script, words[1:]
+
+
 def _validate(t: Task) -> None:
   """Raise ValueError naming the first bad field."""
   def need(ok, field, value, what):
@@ -134,14 +213,20 @@ def _validate(t: Task) -> None:
   need(isinstance(t.timeout, (int, float)) and not isinstance(t.timeout, bool)
        and 0 < t.timeout <= 3600, "timeout", t.timeout, "seconds in (0, 3600]")
   if t.kind == "swe":
-    need(isinstance(t.repo_path, str) and t.repo_path, "repo_path", t.repo_path,
-         "a directory or tarball path")
+    need(isinstance(t.repo_path, str) and t.repo_path or t.mirror and t.base_commit,
+         "repo_path", t.repo_path, "a directory or tarball path (or mirror and base_commit)")
+    need(t.test_runner in TEST_RUNNERS, "test_runner", t.test_runner, f"one of {TEST_RUNNERS}")
     for field in ("fail_to_pass", "pass_to_pass"):
       ids = getattr(t, field)
-      need(isinstance(ids, tuple) and all(isinstance(i, str) and "::" in i for i in ids), field,
-           ids, "a tuple of pytest node ids 'path.py::name'")
+      need(isinstance(ids, tuple) and all(isinstance(i, str) and i for i in ids), field, ids,
+           "a tuple of non-empty test ids")
+      need(t.test_runner != "pytest" or all("::" in i for i in ids), field, ids,
+           "pytest node ids 'path.py::name'")
     need(t.fail_to_pass, "fail_to_pass", t.fail_to_pass, "at least one test id")
-    pytest_command(t.test_command)  # raises naming test_command
+    if t.test_runner == "pytest":
+      pytest_command(t.test_command)  # raises naming test_command
+    else:
+      script_command(t.test_command)
   elif t.kind == "code":
     need(t.tests and all(isinstance(c, Mapping) for c in t.tests), "tests", t.tests,
          "a non-empty list of test objects")
@@ -170,7 +255,7 @@ def _validate(t: Task) -> None:
            f"rubric[{i}].max", m, "a positive number")
 
 
-# ----------------------------------------------------------------------------- JSONL loading
+# ----------------------------------------------------------------------------- row fields
 
 
 def _str_list(d: Mapping, field: str, default=None) -> tuple[str, ...]:
@@ -183,6 +268,10 @@ def _str_list(d: Mapping, field: str, default=None) -> tuple[str, ...]:
       v = json.loads(v)
     except json.JSONDecodeError:
       raise ValueError(f"field {field!r}: a string that is not a JSON list: {v!r:.100}") from None
+  if hasattr(v, "tolist"):  # a numpy array, as pandas gives Parquet list columns
+    v = v.tolist()
+  if isinstance(v, tuple):
+    v = list(v)
   if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
     raise ValueError(f"field {field!r}: expected a list of strings, got {v!r:.100}")
   return tuple(v)
@@ -213,40 +302,144 @@ def _statements(d: Mapping, main_field: str) -> tuple[str, ...]:
   return tuple(dict.fromkeys(out))
 
 
-def default_test_command(test_ids: Iterable[str]) -> str:
-  """`python3 -m pytest -q FILES` over the files named by the test ids."""
-  files = sorted({i.split("::", 1)[0] for i in test_ids})
-  return "python3 -m pytest -q " + " ".join(shlex.quote(f) for f in files)
+def patch_files(patch: str) -> list[str]:
+  """The files a unified diff touches ("diff --git a/X b/Y" and "--- a/X" / "+++ b/Y" lines),
+  in order of appearance, without duplicates."""
+  out = []
+  for line in patch.splitlines():
+    m = re.match(r"^diff --git a/.* b/(.*)$", line)
+    name = m.group(1) if m else None
+    if line.startswith(("--- a/", "+++ b/")):
+      name = line[6:].split("\t", 1)[0].strip()
+    if name and name not in out:
+      out.append(name)
+  return out
 
 
-def swe_task_from_dict(d: Mapping, base_dir: str = ".") -> Task:
-  """Returns the "swe" Task of one SWE-format record (see the module docstring).
+def patch_directives(test_patch: str, runner: str = "pytest") -> list[str]:
+  """What SWE-bench passes to the test command: the test patch's files (data files left out);
+  for Django, test modules as labels relative to tests/ ("tests/a/tests.py" -> "a.tests").
 
   Args:
-    d: the record; fields that are not Task fields go to the task's `metadata`.
+    test_patch: the task's test patch.
+    runner: one of TEST_RUNNERS.
+
+  Returns:
+    The arguments, in order.
+  """
+  found = re.findall(r"^diff --git a/.* b/(.*)$", test_patch, re.M) or patch_files(test_patch)
+  files = [f for f in dict.fromkeys(found) if not f.endswith(_NON_TEST_EXTS)]
+  if runner != "django":
+    return files
+  labels = []
+  for f in files:
+    base = f.rsplit("/", 1)[-1]
+    if not (base == "tests.py" or base.startswith("test_") or "/tests/" in f or "/test_" in f):
+      continue
+    f = f.removesuffix(".py").removeprefix("tests/")
+    labels.append(f.replace("/", "."))
+  return labels
+
+
+def default_test_command(test_ids: Iterable[str], runner: str = "pytest", test_patch: str = "",
+                         version: str = "") -> str:
+  """The test command SWE-bench would run for a task.
+
+  Args:
+    test_ids: the task's FAIL_TO_PASS + PASS_TO_PASS ids (pytest: their files are run when the
+      test patch names no test file).
+    runner: one of TEST_RUNNERS.
+    test_patch: the task's test patch (its files are what runs).
+    version: the row's `version` (Django 1.9 runs without --settings / --parallel).
+
+  Returns:
+    The shell command; its words are shell-quoted.
+  """
+  args = patch_directives(test_patch, runner)
+  if runner == "django":
+    head = DJANGO_COMMAND_1_9 if version == "1.9" else DJANGO_COMMAND
+  elif runner == "sympy":
+    head = SYMPY_COMMAND
+  else:
+    head = "python3 -m pytest -rA"
+    args = args or sorted({i.split("::", 1)[0] for i in test_ids})
+  return " ".join([head] + [shlex.quote(a) for a in args])
+
+
+def _runner(d: Mapping, repo: str) -> str:
+  parser = _get(d, "log_parser", str, None)
+  if parser is None:
+    return REPO_RUNNERS.get(repo, "pytest")
+  if parser not in LOG_PARSERS:
+    raise ValueError(f"field 'log_parser': {parser!r}: not supported; expected one of "
+                     f"{sorted(LOG_PARSERS)}")
+  return LOG_PARSERS[parser]
+
+
+def swe_task_from_dict(d: Mapping, base_dir: str = ".", mirror: Optional[str] = None,
+                       cache_dir: Optional[str] = None) -> Task:
+  """Returns the "swe" Task of one SWE row (see the module docstring).
+
+  Args:
+    d: the row; fields that are not Task fields go to the task's `metadata`.
     base_dir: what relative `repo_path` and `rootfs` are resolved against.
+    mirror: the directory of git mirrors, for rows without `repo_path` (default: the
+      ARBOR_SWE_MIRROR environment variable).
+    cache_dir: where checkouts of mirrored commits go (default: ARBOR_SWE_CACHE, else
+      ~/.cache/arbor/swe).
 
   Raises:
-    ValueError: naming the field that is missing or malformed.
+    ValueError: naming the field that is missing or malformed (a mirror or commit that is not
+      there names 'repo' / 'base_commit').
   """
   if not isinstance(d, Mapping):
     raise ValueError(f"expected a JSON object, got {type(d).__name__}")
   instance_id = _get(d, "instance_id", str)
-  repo_path = _get(d, "repo_path", str)
-  repo_path = os.path.normpath(os.path.join(base_dir, os.path.expanduser(repo_path)))
-  if not os.path.exists(repo_path):
-    raise ValueError(f"field 'repo_path': {repo_path!r} does not exist")
+  repo = _get(d, "repo", str, "")
+  runner = _runner(d, repo)
   f2p = _str_list(d, "FAIL_TO_PASS")
   p2p = _str_list(d, "PASS_TO_PASS", [])
   for field, ids in (("FAIL_TO_PASS", f2p), ("PASS_TO_PASS", p2p)):
     for i in ids:
-      if "::" not in i:
-        raise ValueError(f"field {field!r}: {i!r} is not a pytest node id 'path.py::name'")
+      if runner == "pytest" and "::" not in i or not i:
+        raise ValueError(f"field {field!r}: {i!r} is not a pytest node id 'path.py::name' "
+                         "(other test runners: see 'log_parser')")
   if not f2p:
     raise ValueError("field 'FAIL_TO_PASS': empty (a task needs at least one failing test)")
-  test_command = _get(d, "test_command", str, None) or default_test_command(f2p + p2p)
+  smith = repo.startswith("swesmith/")
+  patch = _get(d, "patch", str, "")
+  if smith:  # SWE-smith's patch introduces the bug; its reverse is the fix
+    patch = reverse_patch(patch)
+  test_patch = _get(d, "test_patch", str, None)
+  repo_path = _get(d, "repo_path", str, None)
+  base_commit = _get(d, "base_commit", str, "")
+  git_dir = None
+  if repo_path is not None:
+    repo_path = os.path.normpath(os.path.join(base_dir, os.path.expanduser(repo_path)))
+    if not os.path.exists(repo_path):
+      raise ValueError(f"field 'repo_path': {repo_path!r} does not exist")
+  else:
+    if not repo:
+      raise ValueError("field 'repo_path': missing (or 'repo' and 'base_commit' with a mirror)")
+    mirror = mirror or os.environ.get("ARBOR_SWE_MIRROR")
+    if not mirror:
+      raise ValueError(f"field 'repo': {repo!r} needs a mirror of git repositories (mirror=DIR "
+                       "or ARBOR_SWE_MIRROR=DIR), or give 'repo_path'")
+    git_dir = find_mirror(mirror, repo)
+    ref = base_commit or (instance_id if smith else "")
+    if not ref:
+      raise ValueError("field 'base_commit': missing")
+    base_commit = resolve_commit(git_dir, ref)
+    if smith and test_patch is None:
+      test_patch = _smith_test_patch(git_dir, base_commit)
+    cache_dir = os.path.abspath(os.path.expanduser(
+        cache_dir or os.environ.get("ARBOR_SWE_CACHE") or "~/.cache/arbor/swe"))
+  test_patch = test_patch or ""
+  version = _get(d, "version", (str, int, float), "")
+  test_command = _get(d, "test_command", str, None) or default_test_command(
+      f2p + p2p, runner, test_patch, str(version))
   try:
-    pytest_command(test_command)
+    pytest_command(test_command) if runner == "pytest" else script_command(test_command)
   except ValueError as e:
     raise ValueError(f"field 'test_command': {e}") from None
   rootfs = _get(d, "rootfs", str, None)
@@ -256,12 +449,14 @@ def swe_task_from_dict(d: Mapping, base_dir: str = ".") -> Task:
   if not 0 < timeout <= 3600:
     raise ValueError(f"field 'timeout': {timeout!r}: expected seconds in (0, 3600]")
   known = {"instance_id", "repo_path", "problem_statement", "problem_statements", "FAIL_TO_PASS",
-           "PASS_TO_PASS", "test_command", "patch", "test_patch", "rootfs", "timeout"}
+           "PASS_TO_PASS", "test_command", "patch", "test_patch", "rootfs", "timeout", "repo",
+           "base_commit", "image_name", "log_parser"}
   return Task(instance_id=instance_id, kind="swe",
               problem_statements=_statements(d, "problem_statement"), repo_path=repo_path,
-              fail_to_pass=f2p, pass_to_pass=p2p, test_command=test_command,
-              patch=_get(d, "patch", str, ""), test_patch=_get(d, "test_patch", str, ""),
-              rootfs=rootfs, timeout=float(timeout),
+              fail_to_pass=f2p, pass_to_pass=p2p, test_command=test_command, patch=patch,
+              test_patch=test_patch, rootfs=rootfs, timeout=float(timeout), repo=repo,
+              base_commit=base_commit, mirror=git_dir, cache_dir=cache_dir if git_dir else None,
+              image_name=_get(d, "image_name", str, None), test_runner=runner,
               metadata={k: v for k, v in d.items() if k not in known})
 
 
@@ -319,51 +514,114 @@ def problem_task_from_dict(d: Mapping) -> Task:
               **kw)
 
 
-def _load(path: str, parse, skip_bad: bool, errors: Optional[list]) -> list[Task]:
+# ----------------------------------------------------------------------------- loading
+
+
+def _parse_all(records: Iterable, parse, skip_bad: bool, errors: Optional[list],
+               source: str) -> list[Task]:
+  """Tasks of (where, name of the place, record or the ValueError reading it) triples."""
   tasks, bad, seen = [], 0, {}
+  for where, place, record in records:
+    try:
+      if isinstance(record, ValueError):
+        raise record
+      task = parse(record)
+      if task.instance_id in seen:
+        raise ValueError(f"field 'instance_id': {task.instance_id!r} already used on "
+                         f"{seen[task.instance_id]}")
+      seen[task.instance_id] = place
+      tasks.append(task)
+    except ValueError as e:
+      err = TaskFormatError(f"{where}: {e}")
+      if not skip_bad:
+        raise err from None
+      bad += 1
+      log.warning("skipping bad task line: %s", err)
+      if errors is not None:
+        errors.append(err)
+  if bad:
+    log.warning("%s: skipped %d bad line(s), loaded %d task(s)", source, bad, len(tasks))
+  return tasks
+
+
+def _jsonl_records(path: str):
   with open(path, encoding="utf-8") as f:
     for lineno, line in enumerate(f, 1):
       if not line.strip():
         continue
       try:
-        try:
-          d = json.loads(line)
-        except json.JSONDecodeError as e:
-          raise ValueError(f"invalid JSON ({e.msg} at column {e.colno})") from None
-        task = parse(d)
-        if task.instance_id in seen:
-          raise ValueError(f"field 'instance_id': {task.instance_id!r} already used on line "
-                           f"{seen[task.instance_id]}")
-        seen[task.instance_id] = lineno
-        tasks.append(task)
-      except ValueError as e:
-        err = TaskFormatError(f"{path}:{lineno}: {e}")
-        if not skip_bad:
-          raise err from None
-        bad += 1
-        log.warning("skipping bad task line: %s", err)
-        if errors is not None:
-          errors.append(err)
-  if bad:
-    log.warning("%s: skipped %d bad line(s), loaded %d task(s)", path, bad, len(tasks))
-  return tasks
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        record = ValueError(f"invalid JSON ({e.msg} at column {e.colno})")
+      yield f"{path}:{lineno}", f"line {lineno}", record
 
 
-def load_swe_jsonl(path: str, skip_bad: bool = False,
-                   errors: Optional[list] = None) -> list[Task]:
+def _swe_parser(base_dir: str, mirror: Optional[str], cache_dir: Optional[str]):
+  return lambda d: swe_task_from_dict(d, base_dir, mirror, cache_dir)
+
+
+def load_swe_jsonl(path: str, skip_bad: bool = False, errors: Optional[list] = None, *,
+                   mirror: Optional[str] = None, cache_dir: Optional[str] = None) -> list[Task]:
   """Returns the tasks of a SWE-format JSONL file, in file order.
 
   Args:
     path: the file; relative `repo_path`s are resolved against its directory.
     skip_bad: log and skip a bad line instead of raising.
     errors: when given, the skipped lines' errors are appended to it.
+    mirror: the directory of git mirrors for rows without `repo_path` (module docstring).
+    cache_dir: where checkouts of mirrored commits go.
 
   Raises:
     TaskFormatError: "FILE:LINE: field 'NAME': ..." for a bad line or a repeated instance_id
       (unless skip_bad).
   """
   base = os.path.dirname(os.path.abspath(path))
-  return _load(path, lambda d: swe_task_from_dict(d, base), skip_bad, errors)
+  return _parse_all(_jsonl_records(path), _swe_parser(base, mirror, cache_dir), skip_bad,
+                    errors, path)
+
+
+def load_swe_rows(rows: Iterable[Mapping], skip_bad: bool = False,
+                  errors: Optional[list] = None, *, source: str = "rows", base_dir: str = ".",
+                  mirror: Optional[str] = None, cache_dir: Optional[str] = None) -> list[Task]:
+  """Returns the tasks of SWE rows given as dicts: a Hugging Face `datasets` split, the rows
+  of a Parquet file or a DataFrame's `to_dict("records")`.
+
+  Args:
+    rows: the rows, in order.
+    skip_bad: log and skip a bad row instead of raising.
+    errors: when given, the skipped rows' errors are appended to it.
+    source: how errors name the rows ("SOURCE[INDEX]: field ...").
+    base_dir: what relative `repo_path`s are resolved against.
+    mirror: the directory of git mirrors for rows without `repo_path` (module docstring).
+    cache_dir: where checkouts of mirrored commits go.
+
+  Raises:
+    TaskFormatError: "SOURCE[INDEX]: field 'NAME': ..." for a bad row (unless skip_bad).
+  """
+  records = ((f"{source}[{i}]", f"{source}[{i}]", r) for i, r in enumerate(rows))
+  return _parse_all(records, _swe_parser(base_dir, mirror, cache_dir), skip_bad, errors,
+                    source)
+
+
+def load_swe_parquet(path: str, skip_bad: bool = False, errors: Optional[list] = None, *,
+                     mirror: Optional[str] = None, cache_dir: Optional[str] = None
+                     ) -> list[Task]:
+  """Returns the tasks of a Parquet file of SWE rows (e.g. a SWE-bench split as published).
+
+  Args:
+    path: the file; relative `repo_path`s are resolved against its directory.
+    skip_bad: log and skip a bad row instead of raising.
+    errors: when given, the skipped rows' errors are appended to it.
+    mirror: the directory of git mirrors for rows without `repo_path` (module docstring).
+    cache_dir: where checkouts of mirrored commits go.
+
+  Raises:
+    TaskFormatError: "FILE[ROW]: field 'NAME': ..." for a bad row (unless skip_bad).
+  """
+  import pyarrow.parquet as pq  # only Parquet readers need it
+  return load_swe_rows(pq.read_table(path).to_pylist(), skip_bad, errors, source=path,
+                       base_dir=os.path.dirname(os.path.abspath(path)), mirror=mirror,
+                       cache_dir=cache_dir)
 
 
 def load_problems_jsonl(path: str, skip_bad: bool = False,
@@ -375,42 +633,52 @@ def load_problems_jsonl(path: str, skip_bad: bool = False,
     skip_bad: log and skip a bad line instead of raising TaskFormatError (`load_swe_jsonl`).
     errors: when given, the skipped lines' errors are appended to it.
   """
-  return _load(path, problem_task_from_dict, skip_bad, errors)
+  return _parse_all(_jsonl_records(path), problem_task_from_dict, skip_bad, errors, path)
 
 
-def load_tasks(path: str, skip_bad: bool = False, errors: Optional[list] = None) -> list[Task]:
-  """Returns the tasks of a JSONL file of either format: a line with FAIL_TO_PASS is SWE.
+def load_tasks(path: str, skip_bad: bool = False, errors: Optional[list] = None, *,
+               mirror: Optional[str] = None, cache_dir: Optional[str] = None) -> list[Task]:
+  """Returns the tasks of a JSONL file of either format (a line with FAIL_TO_PASS is SWE), or
+  of a Parquet file of SWE rows.
 
   Args:
     path: the file; relative `repo_path`s are resolved against its directory.
     skip_bad: log and skip a bad line instead of raising TaskFormatError (`load_swe_jsonl`).
     errors: when given, the skipped lines' errors are appended to it.
+    mirror: the directory of git mirrors for SWE rows without `repo_path`.
+    cache_dir: where checkouts of mirrored commits go.
   """
-  base = os.path.dirname(os.path.abspath(path))
+  if path.endswith(".parquet"):
+    return load_swe_parquet(path, skip_bad, errors, mirror=mirror, cache_dir=cache_dir)
+  swe = _swe_parser(os.path.dirname(os.path.abspath(path)), mirror, cache_dir)
 
   def parse(d):
     if isinstance(d, dict) and "FAIL_TO_PASS" in d:
-      return swe_task_from_dict(d, base)
+      return swe(d)
     return problem_task_from_dict(d)
-  return _load(path, parse, skip_bad, errors)
+  return _parse_all(_jsonl_records(path), parse, skip_bad, errors, path)
 
 
 def task_to_swe_dict(task: Task, repo_path: Optional[str] = None) -> dict:
-  """Returns the SWE-format record of a "swe" task (inverse of `swe_task_from_dict`).
+  """Returns the SWE row of a "swe" task (inverse of `swe_task_from_dict`).
 
   Args:
-    task: the task; its metadata fields are written back as record fields.
-    repo_path: the record's repo_path; None: the task's.
+    task: the task; its metadata fields are written back as row fields.
+    repo_path: the row's repo_path; None: the task's (a mirrored task has none: reading the
+      row back needs the mirror again).
   """
   d = dict(task.metadata)
-  d.update(instance_id=task.instance_id, repo_path=repo_path or task.repo_path,
-           problem_statement=task.problem_statement,
+  d.update(instance_id=task.instance_id, problem_statement=task.problem_statement,
            problem_statements=list(task.problem_statements),
            FAIL_TO_PASS=list(task.fail_to_pass), PASS_TO_PASS=list(task.pass_to_pass),
-           test_command=task.test_command, patch=task.patch, test_patch=task.test_patch,
-           timeout=task.timeout)
-  if task.rootfs:
-    d["rootfs"] = task.rootfs
+           test_command=task.test_command, test_patch=task.test_patch, timeout=task.timeout,
+           log_parser=f"parse_log_{task.test_runner}",
+           patch=reverse_patch(task.patch) if task.repo.startswith("swesmith/") else task.patch)
+  for field, value in (("repo_path", repo_path or task.repo_path), ("rootfs", task.rootfs),
+                       ("repo", task.repo), ("base_commit", task.base_commit),
+                       ("image_name", task.image_name)):
+    if value:
+      d[field] = value
   return d
 
 
@@ -432,19 +700,172 @@ def _check_rel(path: str, where: str) -> str:
   return "/".join(p for p in parts if p not in ("", "."))
 
 
+_GIT_REF = re.compile(r"^[\w][\w./@+-]*$")  # a commit or branch name, never an option
+_REPO = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+class GitError(RuntimeError):
+  """A git command on a mirror failed (its stderr is in the message)."""
+
+
+def _git(git_dir: str, *args: str, stdin: Optional[bytes] = None) -> bytes:
+  env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+  res = subprocess.run(["git", "--git-dir", git_dir, *args], input=stdin, capture_output=True,
+                       env={**env, "GIT_TERMINAL_PROMPT": "0"})
+  if res.returncode:
+    raise GitError(f"git {' '.join(args[:3])} in {git_dir}: "
+                   f"{res.stderr.decode(errors='replace').strip()[-500:]}")
+  return res.stdout
+
+
+def find_mirror(mirror: str, repo: str) -> str:
+  """The git directory of `repo` ("owner/name") in a directory of mirrors.
+
+  Looked for, in order: MIRROR/owner__name.git, MIRROR/owner__name, MIRROR/owner/name.git,
+  MIRROR/owner/name; each a bare repository or a clone with a .git directory.
+
+  Args:
+    mirror: the directory of mirrors.
+    repo: the row's `repo`.
+
+  Returns:
+    The absolute git directory.
+
+  Raises:
+    ValueError: naming 'repo' (a malformed name, or no mirror of it).
+  """
+  if not _REPO.match(repo) or ".." in repo.split("/"):
+    raise ValueError(f"field 'repo': {repo!r}: expected 'owner/name'")
+  owner, name = repo.split("/")
+  tried = []
+  for rel in (f"{owner}__{name}.git", f"{owner}__{name}", f"{owner}/{name}.git",
+              f"{owner}/{name}"):
+    path = os.path.abspath(os.path.join(os.path.expanduser(mirror), rel))
+    tried.append(path)
+    if os.path.isdir(os.path.join(path, ".git")):
+      return os.path.join(path, ".git")
+    if os.path.isfile(os.path.join(path, "HEAD")) and os.path.isdir(os.path.join(path, "objects")):
+      return path
+  raise ValueError(f"field 'repo': {repo!r}: no git mirror of it (looked for {', '.join(tried)})")
+
+
+def resolve_commit(git_dir: str, ref: str) -> str:
+  """The full commit id of `ref` (a commit id, possibly abbreviated, or a branch) in a mirror.
+
+  A branch is also looked for as origin/BRANCH (a clone keeps the remote's branches there).
+
+  Raises:
+    ValueError: naming 'base_commit' (malformed, or not in the mirror).
+  """
+  if not _GIT_REF.match(ref) or ".." in ref:
+    raise ValueError(f"field 'base_commit': {ref!r}: expected a commit id or branch name")
+  for candidate in (ref, f"origin/{ref}"):
+    try:
+      return _git(git_dir, "rev-parse", "--verify", "--quiet", f"{candidate}^{{commit}}"
+                  ).decode().strip()
+    except GitError:
+      continue
+  raise ValueError(f"field 'base_commit': {ref!r}: no such commit in the mirror {git_dir}")
+
+
+def _smith_test_patch(git_dir: str, commit: str) -> str:
+  """SWE-smith's test patch: when `commit` is its "Remove F2P Tests" commit, the diff that
+  brings back the failing tests from its parent (the "Bug Patch" commit); "" otherwise."""
+  if _git(git_dir, "log", "-1", "--format=%s", commit).decode().strip() != _SMITH_REMOVAL:
+    return ""
+  return _git(git_dir, "-c", "core.quotePath=false", "diff", "--no-color", "--no-ext-diff",
+              "--no-textconv", "--no-renames", "--src-prefix=a/", "--dst-prefix=b/", commit,
+              f"{commit}~1", "--").decode("utf-8", errors="replace")
+
+
+def checkout(git_dir: str, commit: str, cache_dir: str, repo: str) -> str:
+  """The files of `commit` in a cache directory keyed by (repo, commit), written once.
+
+  The tree is read with `git ls-tree` + `git cat-file` (exact blob bytes: no export-ignore,
+  no end-of-line or filter conversion); regular files only (symlinks and submodules are left
+  out, as `load_repo_files` would). It is written to a temporary directory that is renamed
+  into place, so concurrent or interrupted checkouts never leave a partial tree.
+
+  Args:
+    git_dir: the mirror's git directory.
+    commit: a full commit id in it.
+    cache_dir: the cache's root.
+    repo: "owner/name" (the cache's subdirectory is owner__name).
+
+  Returns:
+    The checkout's directory.
+
+  Raises:
+    GitError: git failed.
+  """
+  parent = os.path.join(cache_dir, repo.replace("/", "__"))
+  final = os.path.join(parent, commit)
+  if os.path.isdir(final):
+    return final
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+  try:
+    entries = []
+    for entry in _git(git_dir, "ls-tree", "-r", "-z", "--full-tree", commit).split(b"\0"):
+      if entry:
+        meta, path = entry.split(b"\t", 1)
+        mode, kind, sha = meta.decode().split()
+        if kind == "blob" and mode in ("100644", "100755"):
+          entries.append((mode, sha, _check_rel(path.decode("utf-8", "surrogateescape"),
+                                                f"{repo}@{commit}")))
+    blobs = _git(git_dir, "cat-file", "--batch",
+                 stdin="".join(sha + "\n" for _, sha, _ in entries).encode())
+    at = 0
+    for mode, sha, path in entries:
+      header_end = blobs.index(b"\n", at)
+      size = int(blobs[at:header_end].split()[2])
+      target = os.path.join(tmp, path)
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      with open(target, "wb") as f:
+        f.write(blobs[header_end + 1:header_end + 1 + size])
+      os.chmod(target, 0o755 if mode == "100755" else 0o644)
+      at = header_end + 1 + size + 1  # the blob, then "\n"
+    try:
+      os.rename(tmp, final)
+    except OSError:
+      if not os.path.isdir(final):  # not another process's finished checkout: a real error
+        raise
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+  return final
+
+
+def repo_dir(task: Task) -> str:
+  """The directory or tarball holding a "swe" task's repository: its `repo_path`, or the
+  checkout of `base_commit` from its mirror (made on first use, then reused).
+
+  Raises:
+    ValueError: the task has no repository.
+    GitError: the checkout failed.
+  """
+  if task.repo_path:
+    return task.repo_path
+  if not (task.mirror and task.base_commit):
+    raise ValueError(f"Task {task.instance_id!r}: repo_path=None: this task has no repository")
+  return checkout(task.mirror, task.base_commit, task.cache_dir or os.path.expanduser(
+      "~/.cache/arbor/swe"), task.repo or "unknown/repo")
+
+
 def load_repo_files(task_or_path) -> dict[str, bytes]:
   """The snapshot's regular files as {relative path: bytes} (caches and .git left out).
 
   Symlinks and special files are skipped: the sandbox file API writes regular files only.
 
   Args:
-    task_or_path: a Task, or a path to a directory or a .tar / .tar.gz / .tgz archive.
+    task_or_path: a Task (its `repo_dir`), or a path to a directory or a .tar / .tar.gz /
+      .tgz archive.
 
   Raises:
     ValueError: the task has no repository, the path is neither a directory nor a tar archive,
       or an archive member has an unsafe path.
+    GitError: checking a mirrored commit out failed.
   """
-  path = task_or_path.repo_path if isinstance(task_or_path, Task) else task_or_path
+  path = repo_dir(task_or_path) if isinstance(task_or_path, Task) else task_or_path
   if path is None:
     raise ValueError("repo_path=None: this task has no repository")
   files: dict[str, bytes] = {}
@@ -601,6 +1022,52 @@ def _find(text: list[str], part: list[str], start: int) -> Optional[int]:
       if 0 <= at <= len(text) - n and text[at:at + n] == part:
         return at
   return None
+
+
+def reverse_patch(patch: str) -> str:
+  """The unified diff that undoes `patch` (old and new sides swapped).
+
+  Args:
+    patch: a unified diff (git-style headers allowed).
+
+  Returns:
+    The reversed diff: `apply_patch(apply_patch(f, patch), reverse_patch(patch)) == f`.
+  """
+  out, lines, i = [], patch.splitlines(keepends=True), 0
+  changed: list[list[str]] = []  # a run of changed lines, each with its "\ No newline" mark
+
+  def flush():  # removed lines first, as diff tools write them
+    out.extend(l for group in sorted(changed, key=lambda g: g[0][0] == "+") for l in group)
+    changed.clear()
+  while i < len(lines):
+    line = lines[i]
+    if line[:1] in "+-" and not line.startswith(("+++ ", "--- ")):
+      changed.append([("-" if line[0] == "+" else "+") + line[1:]])
+      i += 1
+      continue
+    if line.startswith("\\") and changed:
+      changed[-1].append(line)
+      i += 1
+      continue
+    flush()
+    if line.startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ "):
+      old, new = line[4:], lines[i + 1][4:]
+      out += ["--- " + re.sub(r"^b/", "a/", new), "+++ " + re.sub(r"^a/", "b/", old)]
+      i += 2
+      continue
+    m = _HUNK.match(line)
+    if m:
+      old_range = m.group(1) + ("" if m.group(2) is None else "," + m.group(2))
+      new_range = m.group(3) + ("" if m.group(4) is None else "," + m.group(4))
+      line = f"@@ -{new_range} +{old_range} @@" + line[m.end():]
+    elif line.startswith(("new file mode ", "deleted file mode ")):
+      line = ("deleted" if line.startswith("new") else "new") + line[line.index(" file mode"):]
+    elif m := re.match(r"^index (\w+)\.\.(\w+)", line):
+      line = f"index {m.group(2)}..{m.group(1)}" + line[m.end():]
+    out.append(line)
+    i += 1
+  flush()
+  return "".join(out)
 
 
 def reference_files(task: Task) -> dict[str, bytes]:

@@ -1,4 +1,5 @@
-"""Tasks: JSONL loaders and their errors, repository snapshots, diffs, the task generator."""
+"""Tasks: JSONL / Parquet / row loaders and their errors, checkouts from git mirrors,
+repository snapshots, diffs, the task generator."""
 
 import io
 import json
@@ -8,19 +9,84 @@ import random
 import subprocess
 import sys
 import tarfile
+import threading
+from dataclasses import replace as dataclasses_replace
 
 import numpy as np
 import pytest
 
 from envs import taskgen
-from envs.tasks import (Task, TaskFormatError, apply_patch, load_problems_jsonl,
-                        load_repo_files, load_swe_jsonl, load_tasks, make_patch,
-                        pytest_command, reference_files, task_to_swe_dict)
+from envs.tasks import (Task, TaskFormatError, apply_patch, checkout, default_test_command,
+                        load_problems_jsonl, load_repo_files, load_swe_jsonl, load_swe_parquet,
+                        load_swe_rows, load_tasks, make_patch, pytest_command, reference_files,
+                        reverse_patch, script_command, task_to_swe_dict)
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 DATA = os.path.join(ROOT, "envs", "data", "swe", "tasks.jsonl")
+BUNDLED = ["intervals-1", "roman-1", "textstats-1", "slugs-1", "units-1"]
+# The official fields of a SWE-bench row (swebench.types.SWEbenchInstance).
+OFFICIAL = {"repo", "instance_id", "base_commit", "patch", "test_patch", "problem_statement",
+            "hints_text", "created_at", "version", "FAIL_TO_PASS", "PASS_TO_PASS",
+            "environment_setup_commit"}
 GOOD_SWE = {"instance_id": "t-1", "repo_path": "repo", "problem_statement": "Fix it.",
             "FAIL_TO_PASS": ["tests/test_a.py::test_x"], "PASS_TO_PASS": []}
+
+
+# Every commit of the test mirrors has this author, committer and date, so a commit id depends
+# only on the files, the message and the parent: the bundled rows' base_commit is the commit of
+# their repository directory made by `commit_files`.
+GIT_IDENT = b"Arbor Examples <examples@arbor.invalid> 1767225600 +0000"
+
+
+def commit_files(git_dir, files, branch="main", message="Snapshot", parent=None) -> str:
+  """Commits exactly `files` ({path: bytes}, mode 100644) to `branch` of a bare repository
+  (made if missing) with git fast-import; returns the commit id."""
+  if not os.path.isdir(git_dir):
+    subprocess.run(["git", "init", "-q", "--bare", "--initial-branch=main", str(git_dir)],
+                   check=True)
+  data = lambda b: b"data %d\n%s\n" % (len(b), b)  # noqa: E731
+  stream = [b"commit refs/heads/%s\n" % branch.encode(), b"author " + GIT_IDENT + b"\n",
+            b"committer " + GIT_IDENT + b"\n", data(message.encode())]
+  if parent:
+    stream.append(b"from %s\n" % parent.encode())
+  stream.append(b"deleteall\n")
+  for path, content in sorted(files.items()):
+    stream += [b"M 100644 inline %s\n" % path.encode(), data(content)]
+  subprocess.run(["git", "--git-dir", str(git_dir), "fast-import", "--quiet"],
+                 input=b"".join(stream), check=True, capture_output=True)
+  return subprocess.run(["git", "--git-dir", str(git_dir), "rev-parse", f"refs/heads/{branch}"],
+                        check=True, capture_output=True, text=True).stdout.strip()
+
+
+def bundled_rows() -> list[dict]:
+  with open(DATA) as f:
+    return [json.loads(line) for line in f]
+
+
+def official_rows() -> list[dict]:
+  """The bundled rows as a SWE-bench dataset has them: no repo_path, no extra phrasings."""
+  return [{k: v for k, v in row.items() if k not in ("repo_path", "problem_statements")}
+          for row in bundled_rows()]
+
+
+def make_mirror(root) -> str:
+  """A directory of git mirrors of the bundled repositories (each directory committed by
+  `commit_files`); slugs is a normal clone under owner/name, the others bare owner__name.git."""
+  root = str(root)
+  for row in bundled_rows():
+    owner, name = row["repo"].split("/")
+    files = load_repo_files(os.path.join(os.path.dirname(DATA), row["repo_path"]))
+    bare = os.path.join(root, f"{owner}__{name}.git")
+    assert commit_files(bare, files) == row["base_commit"], row["instance_id"]
+    if name == "slugs":
+      subprocess.run(["git", "clone", "-q", bare, os.path.join(root, owner, name)], check=True)
+      subprocess.run(["rm", "-rf", bare], check=True)
+  return root
+
+
+@pytest.fixture(scope="module")
+def mirror(tmp_path_factory):
+  return make_mirror(tmp_path_factory.mktemp("mirror"))
 
 
 def write_lines(path, lines):
@@ -41,14 +107,29 @@ def swe_dir(tmp_path):
 
 def test_bundled_instances_load():
   tasks = load_swe_jsonl(DATA)
-  assert [t.instance_id for t in tasks] == ["intervals-1", "roman-1", "textstats-1"]
-  for t in tasks:
+  assert [t.instance_id for t in tasks] == BUNDLED
+  for row, t in zip(bundled_rows(), tasks):
+    assert OFFICIAL <= set(row) and isinstance(row["FAIL_TO_PASS"], str)  # as SWE-bench has it
     assert t.kind == "swe" and os.path.isdir(t.repo_path) and len(t.problem_statements) == 3
-    assert t.fail_to_pass and t.pass_to_pass and t.patch
-    assert t.pytest_command() == ("python3", ["-q", t.fail_to_pass[0].split("::")[0]])
-    assert t.metadata["repo"].startswith("arbor-examples/")
+    assert t.fail_to_pass and t.pass_to_pass and t.patch and t.test_patch
+    assert t.repo.startswith("arbor-examples/") and len(t.base_commit) == 40
+    assert t.metadata["environment_setup_commit"] == t.base_commit
     files = load_repo_files(t)
     assert reference_files(t) != files and set(reference_files(t)) == set(files)
+    # The failing tests come with the test patch: the agent's checkout does not have them.
+    with_tests = apply_patch(files, t.test_patch)
+    for test in t.fail_to_pass:
+      name = test.split("::")[-1].split(" ")[0].encode()
+      assert not any(name in data for data in files.values()), test
+      assert any(name in data for data in with_tests.values()), test
+  runners = {t.instance_id: (t.test_runner, t.test_command) for t in tasks}
+  assert runners["intervals-1"] == ("pytest", "python3 -m pytest -rA tests/test_merge.py")
+  # SWE-bench's Django command, with the test patch's module as a label relative to tests/.
+  assert runners["slugs-1"] == ("django", "python3 tests/runtests.py --verbosity 2 "
+                                "--settings=test_sqlite --parallel 1 slugs_tests.tests")
+  units = tasks[BUNDLED.index("units-1")]
+  assert "@pytest.mark.xfail" in load_repo_files(units)["tests/test_convert.py"].decode()
+  assert "tests/test_convert.py::test_kelvin" in units.pass_to_pass
 
 
 def test_swe_records_round_trip(tmp_path):
@@ -71,12 +152,14 @@ def test_swe_bench_style_fields(swe_dir):
   # SWE-bench stores the test lists as JSON strings; the test command defaults to pytest on
   # the files of the test ids; unknown fields are kept as metadata.
   rec = {**GOOD_SWE, "FAIL_TO_PASS": json.dumps(["tests/test_a.py::test_x"]),
-         "PASS_TO_PASS": "[]", "base_commit": "abc123", "problem_statements": ["Again."]}
+         "PASS_TO_PASS": "[]", "base_commit": "abc123", "problem_statements": ["Again."],
+         "hints_text": "", "version": "0.1", "image_name": "img:1"}
   (task,) = load_swe_jsonl(write_lines(swe_dir / "t.jsonl", [rec]))
   assert task.fail_to_pass == ("tests/test_a.py::test_x",) and task.pass_to_pass == ()
-  assert task.test_command == "python3 -m pytest -q tests/test_a.py"
+  assert task.test_command == "python3 -m pytest -rA tests/test_a.py"
   assert task.problem_statements == ("Fix it.", "Again.")
-  assert task.metadata == {"base_commit": "abc123"}
+  assert (task.base_commit, task.image_name) == ("abc123", "img:1")
+  assert task.metadata == {"hints_text": "", "version": "0.1"}
   assert task.repo_path == str(swe_dir / "repo")
 
 
@@ -95,8 +178,15 @@ def test_swe_bench_style_fields(swe_dir):
     ({**GOOD_SWE, "timeout": -1}, "'timeout'"),
     ({**GOOD_SWE, "timeout": True}, "'timeout'"),
     (GOOD_SWE, "'instance_id': 't-1' already used on line 1"),
+    ({**GOOD_SWE, "log_parser": "parse_log_gotest"}, "'log_parser': 'parse_log_gotest'"),
+    ({**GOOD_SWE, "log_parser": "parse_log_django", "test_command": "python3 -m pytest"},
+     "'test_command'"),
+    ({k: v for k, v in GOOD_SWE.items() if k != "repo_path"}, "'repo_path': missing"),
+    ({k: v for k, v in GOOD_SWE.items() if k != "repo_path"} | {"repo": "a/b"},
+     "'repo': 'a/b' needs a mirror"),
 ])
-def test_bad_swe_lines_name_file_line_and_field(swe_dir, line, field):
+def test_bad_swe_lines_name_file_line_and_field(swe_dir, monkeypatch, line, field):
+  monkeypatch.delenv("ARBOR_SWE_MIRROR", raising=False)
   path = write_lines(swe_dir / "t.jsonl", [GOOD_SWE, line])
   with pytest.raises(TaskFormatError) as e:
     load_swe_jsonl(path)
@@ -167,6 +257,40 @@ def test_test_commands():
               "python3; rm -rf / -m pytest"):
     with pytest.raises(ValueError, match="test_command="):
       pytest_command(bad)
+  assert script_command("PYTHONWARNINGS='ignore::UserWarning' bin/test -C a.py") == (
+      {"PYTHONWARNINGS": "ignore::UserWarning"}, "python3", "bin/test", ["-C", "a.py"])
+  assert script_command("/venv/bin/python ./tests/runtests.py --verbosity 2") == (
+      {}, "/venv/bin/python", "tests/runtests.py", ["--verbosity", "2"])
+  for bad in ("python3 -m pytest", "python3 ../x.py", "/abs/runtests.py", "A=1", "python3"):
+    with pytest.raises(ValueError, match="test_command="):
+      script_command(bad)
+
+
+def _touching(*paths):
+  return "".join(f"diff --git a/{p} b/{p}\n--- a/{p}\n+++ b/{p}\n@@ -1 +1 @@\n-a\n+b\n"
+                 for p in paths)
+
+
+def test_default_commands_are_swebench_s():
+  """The commands of SWE-bench's evaluation scripts (django__django-11848 runs
+  `./tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1 utils_tests.test_http`,
+  sympy__sympy-20590 `PYTHONWARNINGS='ignore::UserWarning,ignore::SyntaxWarning' bin/test -C
+  --verbose sympy/core/tests/test_basic.py`), with the sandbox's python3 named."""
+  django = _touching("django/utils/http.py", "tests/utils_tests/test_http.py",
+                     "docs/releases/3.1.txt")
+  assert default_test_command([], "django", django) == (
+      "python3 tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1 "
+      "utils_tests.test_http")
+  assert default_test_command([], "django", django, "1.9") == (
+      "python3 tests/runtests.py --verbosity 2 utils_tests.test_http")
+  assert default_test_command([], "sympy", _touching("sympy/core/tests/test_basic.py")) == (
+      "PYTHONWARNINGS='ignore::UserWarning,ignore::SyntaxWarning' python3 bin/test -C "
+      "--verbose sympy/core/tests/test_basic.py")
+  # pytest: the test patch's files (data files left out), else the files of the test ids
+  assert default_test_command(["a/test_x.py::t"], "pytest", _touching(
+      "tests/test_io.py", "tests/data/x.json")) == "python3 -m pytest -rA tests/test_io.py"
+  assert default_test_command(["a/test_x.py::t", "b c.py::u"]) == (
+      "python3 -m pytest -rA a/test_x.py 'b c.py'")
 
 
 def test_task_validation_names_the_field():
@@ -178,6 +302,136 @@ def test_task_validation_names_the_field():
     Task("x", "swe", ("p",), repo_path="/r", test_command="pytest")
   with pytest.raises(ValueError, match="test_command='tox'"):
     Task("x", "swe", ("p",), repo_path="/r", fail_to_pass=("a.py::t",), test_command="tox")
+  with pytest.raises(ValueError, match="repo_path=None"):
+    Task("x", "swe", ("p",), mirror="/m", fail_to_pass=("a.py::t",), test_command="pytest")
+  with pytest.raises(ValueError, match="test_runner='nose'"):
+    Task("x", "swe", ("p",), repo_path="/r", fail_to_pass=("a.py::t",), test_command="pytest",
+         test_runner="nose")
+  with pytest.raises(ValueError, match="pytest node ids"):
+    Task("x", "swe", ("p",), repo_path="/r", fail_to_pass=("test_a (m.C)",),
+         test_command="pytest")
+  assert Task("x", "swe", ("p",), repo_path="/r", fail_to_pass=("test_a (m.C)",),
+              test_command="python3 tests/runtests.py", test_runner="django").test_runner == "django"
+
+
+# ----------------------------------------------------------------------------- mirrors
+
+
+def test_official_rows_check_out_from_a_mirror(mirror, tmp_path):
+  """Rows as SWE-bench publishes them (no repo_path) read from a git mirror give the same tasks
+  as the bundled directories, from JSONL, from dicts and from Parquet (list-typed columns)."""
+  cache = tmp_path / "cache"
+  rows = official_rows()
+  tasks = load_swe_jsonl(write_lines(tmp_path / "rows.jsonl", rows), mirror=mirror,
+                         cache_dir=str(cache))
+  fields = ("fail_to_pass", "pass_to_pass", "test_command", "test_runner", "patch",
+            "test_patch", "base_commit", "repo")
+  for task, bundled in zip(tasks, load_swe_jsonl(DATA)):
+    assert task.repo_path is None and task.mirror.startswith(mirror)
+    assert [getattr(task, f) for f in fields] == [getattr(bundled, f) for f in fields]
+    assert load_repo_files(task) == load_repo_files(bundled)
+    assert reference_files(task) == reference_files(bundled)
+  # One checkout per (repo, commit), renamed into place: no temporary directory is left.
+  assert sorted(os.listdir(cache)) == sorted(r["repo"].replace("/", "__") for r in rows)
+  for row in rows:
+    assert os.listdir(cache / row["repo"].replace("/", "__")) == [row["base_commit"]]
+  # Reused, not redone: a file added to the cached checkout shows up.
+  (cache / "arbor-examples__roman" / rows[1]["base_commit"] / "marker.txt").write_text("m")
+  assert "marker.txt" in load_repo_files(tasks[1])
+  assert load_swe_rows(rows, mirror=mirror, cache_dir=str(cache)) == tasks
+  # Parquet / Hugging Face datasets rows: test lists as list columns (SWE-Gym, SWE-smith).
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  columns = sorted(set().union(*rows))  # a row without a column reads None: not given
+  listed = [{**{k: r.get(k) for k in columns}, "FAIL_TO_PASS": json.loads(r["FAIL_TO_PASS"]),
+             "PASS_TO_PASS": json.loads(r["PASS_TO_PASS"])} for r in rows]
+  pq.write_table(pa.Table.from_pylist(listed), tmp_path / "rows.parquet")
+  from_parquet = load_tasks(str(tmp_path / "rows.parquet"), mirror=mirror, cache_dir=str(cache))
+  assert from_parquet == load_swe_parquet(str(tmp_path / "rows.parquet"), mirror=mirror,
+                                          cache_dir=str(cache))
+  strip = lambda t: dataclasses_replace(t, metadata={})  # noqa: E731
+  assert [strip(t) for t in from_parquet] == [strip(t) for t in tasks]
+  numpy_lists = [{**r, "FAIL_TO_PASS": np.array(r["FAIL_TO_PASS"])} for r in listed]
+  assert [t.fail_to_pass for t in load_swe_rows(numpy_lists, mirror=mirror,
+                                                cache_dir=str(cache))] == [
+      t.fail_to_pass for t in tasks]
+
+
+def test_mirror_errors_name_the_field(mirror, tmp_path, monkeypatch):
+  monkeypatch.delenv("ARBOR_SWE_MIRROR", raising=False)
+  row = official_rows()[0]
+  kw = dict(mirror=mirror, cache_dir=str(tmp_path))
+  for bad, kwargs, message in [
+      (row, {}, "field 'repo': 'arbor-examples/intervals' needs a mirror"),
+      ({**row, "repo": "arbor-examples/nowhere"}, kw,
+       "field 'repo': 'arbor-examples/nowhere': no git mirror of it"),
+      ({**row, "repo": "../etc"}, kw, "field 'repo': '../etc': expected 'owner/name'"),
+      ({**row, "base_commit": "0" * 40}, kw, f"field 'base_commit': '{'0' * 40}': no such"),
+      ({**row, "base_commit": "--output=/tmp/x"}, kw, "field 'base_commit': '--output"),
+      ({k: v for k, v in row.items() if k != "base_commit"}, kw, "field 'base_commit': missing")]:
+    with pytest.raises(TaskFormatError) as e:
+      load_swe_rows([bad], source="split", **kwargs)
+    assert str(e.value).startswith("split[0]: ") and message in str(e.value), str(e.value)
+  # The environment names the mirror and the cache when the loader is not told.
+  monkeypatch.setenv("ARBOR_SWE_MIRROR", mirror)
+  monkeypatch.setenv("ARBOR_SWE_CACHE", str(tmp_path / "env-cache"))
+  (task,) = load_swe_rows([row])
+  assert task.cache_dir == str(tmp_path / "env-cache") and load_repo_files(task)
+
+
+def test_concurrent_checkouts_agree(mirror, tmp_path):
+  (task,) = load_swe_rows([official_rows()[3]], mirror=mirror, cache_dir=str(tmp_path))
+  got = []
+  threads = [threading.Thread(target=lambda: got.append(
+      checkout(task.mirror, task.base_commit, task.cache_dir, task.repo))) for _ in range(4)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert len(got) == 4 and len(set(got)) == 1
+  assert os.listdir(tmp_path / "arbor-examples__slugs") == [task.base_commit]
+  assert load_repo_files(got[0]) == load_repo_files(
+      os.path.join(os.path.dirname(DATA), "repos", "slugs-1"))
+
+
+def make_smith_mirror(root, removal: bool = True):
+  """A SWE-smith style mirror of textstats: "main" is the fixed code; the branch named after the
+  instance holds the "Bug Patch" commit and (with `removal`) "Remove F2P Tests", which deletes
+  the test file. Returns (the row as SWE-smith publishes it, the files of each commit)."""
+  bundled = load_swe_jsonl(DATA)[BUNDLED.index("textstats-1")]
+  buggy = apply_patch(load_repo_files(bundled), bundled.test_patch)
+  clean = apply_patch(buggy, bundled.patch)
+  hidden = {p: d for p, d in buggy.items() if p != "tests/test_stats.py"}
+  git_dir = os.path.join(str(root), "swesmith__arbor-examples__textstats.441e99b4.git")
+  instance_id = "arbor-examples__textstats.441e99b4.func_pm_op_change__" + (
+      "k2x9" if removal else "a0b1")
+  clean_id = commit_files(git_dir, clean, "main", "Initial commit")
+  head = commit_files(git_dir, buggy, instance_id, "Bug Patch", clean_id)
+  if removal:
+    head = commit_files(git_dir, hidden, instance_id, "Remove F2P Tests", head)
+  row = {"instance_id": instance_id, "repo": "swesmith/arbor-examples__textstats.441e99b4",
+         "patch": make_patch(clean, buggy), "FAIL_TO_PASS": list(bundled.fail_to_pass),
+         "PASS_TO_PASS": list(bundled.pass_to_pass),
+         "image_name": "jyangballin/swesmith.x86_64.arbor-examples_1776_textstats.441e99b4",
+         "problem_statement": bundled.problem_statement}
+  return row, dict(clean=clean, buggy=buggy, hidden=hidden, head=head)
+
+
+def test_swe_smith_rows(tmp_path):
+  """SWE-smith: no base_commit (the branch named after the instance), the row's patch brings
+  the bug (its reverse is the fix), the failing tests come back from the parent commit."""
+  row, c = make_smith_mirror(tmp_path)
+  kw = dict(mirror=str(tmp_path), cache_dir=str(tmp_path / "cache"))
+  (task,) = load_swe_rows([row], **kw)
+  assert task.base_commit == c["head"] and task.image_name == row["image_name"]
+  assert load_repo_files(task) == c["hidden"]                       # the agent's checkout
+  assert apply_patch(c["hidden"], task.test_patch) == c["buggy"]    # the verifier's tests
+  assert reference_files(task) == {p: d for p, d in c["clean"].items() if p in c["hidden"]}
+  assert load_swe_rows([task_to_swe_dict(task)], **kw) == [task]    # written back, read again
+  # A branch without the removal commit starts from the bug with its tests in place.
+  row, c = make_smith_mirror(tmp_path, removal=False)
+  (task,) = load_swe_rows([row], **kw)
+  assert task.test_patch == "" and load_repo_files(task) == c["buggy"]
 
 
 # ----------------------------------------------------------------------------- snapshots
@@ -223,6 +477,20 @@ def test_make_and_apply_patch_round_trip():
   assert "\\ No newline at end of file" in patch and "same.py" not in patch
   assert apply_patch(old, patch) == new
   assert apply_patch(old, "") == old
+
+
+def test_reverse_patch_undoes():
+  old = {"a.py": b"1\n2\n3\n4\n5\n", "gone.py": b"bye\n", "t.txt": b"no newline"}
+  new = {"a.py": b"1\nTWO\n3\n4\n5\n6\n", "n/f.py": b"hi\n", "t.txt": b"no newline!"}
+  patch = make_patch(old, new)
+  assert apply_patch(new, reverse_patch(patch)) == old and reverse_patch(reverse_patch(patch)) == patch
+  # git's headers: a created file becomes a deleted one, the blob ids swap
+  git_style = ("diff --git a/x.py b/x.py\nnew file mode 100644\nindex 0000000..7898192\n"
+               "--- /dev/null\n+++ b/x.py\n@@ -0,0 +1 @@\n+a\n")
+  assert reverse_patch(git_style) == (
+      "diff --git a/x.py b/x.py\ndeleted file mode 100644\nindex 7898192..0000000\n"
+      "--- a/x.py\n+++ /dev/null\n@@ -1 +0,0 @@\n-a\n")
+  assert apply_patch(apply_patch({}, git_style), reverse_patch(git_style)) == {}
 
 
 def test_apply_patch_hand_written_diff_with_offset():

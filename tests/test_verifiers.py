@@ -1,25 +1,39 @@
 """Verifiers: rewards from real sandbox runs, and the reward hacks they must refuse.
 
-The `tests` verifier runs in the bwrap backend (the real one). Every attack below is first a
-submission that does not fix the bug; the verifier must give it 0 for the stated reason.
+The `tests` verifier runs in the bwrap backend (the real one). Its grades are checked against
+the `swebench` package's own log parsers and grading on the logs of the very runs that were
+graded. Every attack below is first a submission that does not fix the bug; the verifier must
+give it 0 for the stated reason.
 """
 
 import asyncio
 import dataclasses
 import json
 import os
+import random
 
 import pytest
+from swebench.harness import grading as swebench_grading
+from swebench.harness.constants import (END_TEST_OUTPUT, FAIL_TO_PASS, PASS_TO_PASS,
+                                        START_TEST_OUTPUT, TEST_EXIT_CODE)
+from swebench.harness.log_parsers import PARSER_REGISTRY
+from swebench import types as swebench_types
 
 from envs import taskgen
+from envs.chat import make_chat
+from envs.chat.tokenizer import HFTokenizer
+from envs.episode import make_react_episode, make_sandbox_factory
 from envs.policy import Generation
 from envs.sandbox import Limits, create_sandbox
-from envs.tasks import (Task, load_problems_jsonl, load_repo_files, load_swe_jsonl, make_patch,
-                        reference_files)
+from envs.scaffold import ScaffoldConfig, ScriptedPolicy
+from envs.tasks import (Task, apply_patch, load_problems_jsonl, load_repo_files, load_swe_jsonl,
+                        load_swe_rows, make_patch, reference_files)
 from envs.verifiers import (Verdict, extract_answer, junit_key, merge_submission,
-                            normalize_answer, parse_junit, parse_scores, verify,
+                            normalize_answer, parse_junit, parse_scores, swe, swe_logs, verify,
                             verify_exact, verify_judge, verify_python_io, verify_tests,
                             workspace_files)
+from tests.test_chat import _tiny_bpe
+from tests.test_tasks import bundled_rows, make_mirror, make_smith_mirror, official_rows
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "envs", "data", "swe", "tasks.jsonl")
 PROBLEMS = os.path.join(os.path.dirname(__file__), "..", "envs", "data", "problems.jsonl")
@@ -40,6 +54,44 @@ def check(task, submission, **kw) -> Verdict:
   return run(verify_tests(task, submission, bwrap, **kw))
 
 
+@pytest.fixture
+def runs(monkeypatch):
+  """The results of the test runs that verify_tests grades (full logs included)."""
+  got = []
+  for name in ("run_pytest", "run_log_tests"):
+    async def wrapped(*args, _run=getattr(swe, name), **kwargs):
+      got.append(await _run(*args, **kwargs))
+      return got[-1]
+    monkeypatch.setattr(swe, name, wrapped)
+  return got
+
+
+def swebench_report(task: Task, log_parser: str, run, path) -> dict:
+  """swebench's verdict (get_eval_report) on a run's log, written as its eval script would."""
+  spec = swebench_types.TestSpec(instance_id=task.instance_id, image="", eval_script_list=[],
+                                 repo=task.repo or "arbor/example", version="1.0",
+                                 FAIL_TO_PASS=list(task.fail_to_pass),
+                                 PASS_TO_PASS=list(task.pass_to_pass), log_parser=log_parser,
+                                 eval_type="pass_and_fail")
+  path.write_text(f"{START_TEST_OUTPUT}\n{run.output}\n{END_TEST_OUTPUT}\n"
+                  f"{TEST_EXIT_CODE}: {run.exit_code}\n")
+  return swebench_grading.get_eval_report(spec, {"instance_id": task.instance_id,
+                                                 "model_patch": "diff"}, str(path), True
+                                          )[task.instance_id]
+
+
+def assert_agrees_with_swebench(verdict: Verdict, report: dict):
+  """Same resolution, and the same tests graded a success."""
+  assert report["resolved"] == (verdict.reward == 1.0), (report, verdict.details)
+  status = report.get("tests_status")
+  assert status, report  # swebench read the log
+  for key, ok in ((FAIL_TO_PASS, {"passed", "xfail"}),
+                  (PASS_TO_PASS, {"passed", "xfail", "skipped"})):
+    ours = verdict.details[key.lower()]
+    assert set(status[key]["success"]) == {t for t, s in ours.items() if s in ok}, key
+    assert set(status[key]["failure"]) == {t for t, s in ours.items() if s not in ok}, key
+
+
 def with_code(extra: str, path="intervals/merge.py", files=MERGE_FILES) -> dict:
   """The unfixed repository with `extra` appended to a module the tests import."""
   return {**files, path: files[path] + b"\n" + extra.encode()}
@@ -49,15 +101,28 @@ def with_code(extra: str, path="intervals/merge.py", files=MERGE_FILES) -> dict:
 
 
 @pytest.mark.parametrize("instance_id", sorted(TASKS))
-def test_reference_fix_gets_1_and_unchanged_repo_gets_0(instance_id):
+def test_reference_fix_gets_1_and_unchanged_repo_gets_0(instance_id, runs, tmp_path):
+  """Every bundled instance (pytest, the Django-style runner, an xfail test in PASS_TO_PASS):
+  the gold patch resolves it, the unchanged repository does not, as swebench grades the logs."""
   task = TASKS[instance_id]
+  parser = {r["instance_id"]: r.get("log_parser", "parse_log_pytest") for r in bundled_rows()}
   fixed = check(task, reference_files(task))
   assert fixed.reward == 1.0, fixed.details
   assert set(fixed.details["fail_to_pass"].values()) == {"passed"}
   empty = check(task, load_repo_files(task))
   assert empty.reward == 0.0
   assert set(empty.details["fail_to_pass"].values()) == {"failed"}   # F2P really fail before
-  assert set(empty.details["pass_to_pass"].values()) == {"passed"}   # P2P pass before
+  assert set(empty.details["pass_to_pass"].values()) <= {"passed", "xfail"}  # P2P pass before
+  for verdict, run, name in ((fixed, runs[0], "gold"), (empty, runs[1], "empty")):
+    report = swebench_report(task, parser[instance_id], run, tmp_path / f"{name}.log")
+    assert_agrees_with_swebench(verdict, report)
+
+
+def test_xfail_in_pass_to_pass_is_kept():
+  """An expected failure in PASS_TO_PASS counts as passing (SWE-bench's XFAIL)."""
+  v = check(TASKS["units-1"], TASKS["units-1"].patch)
+  assert v.reward == 1.0 and v.details["pass_to_pass"]["tests/test_convert.py::test_kelvin"] == (
+      "xfail")
 
 
 def test_diff_submissions():
@@ -123,7 +188,8 @@ def test_conftest_forcing_passes_is_a_real_attack():
   """Without the verifier's refusal this conftest would turn the failing tests green."""
   async def main():
     async with await bwrap(MERGE) as sb:
-      for path, data in {**MERGE_FILES, "conftest.py": FORCE_PASS}.items():
+      files = apply_patch(MERGE_FILES, MERGE.test_patch)
+      for path, data in {**files, "conftest.py": FORCE_PASS}.items():
         await sb.write_file(path, data)
       return await sb.exec("python3 -m pytest -q -p no:cacheprovider tests/test_merge.py",
                            timeout=60)

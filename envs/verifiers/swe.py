@@ -1,35 +1,54 @@
 """The `tests` verifier of "swe" tasks: the agent's changes to non-test files are applied to a
-clean copy of the task's repository in a FRESH sandbox, the task's pytest command runs with a
-JUnit XML report written outside the repository, and the reward comes from that report (never
-from stdout): 1 iff every FAIL_TO_PASS test passes and every PASS_TO_PASS test still passes.
+clean copy of the task's repository (with the task's test patch) in a FRESH sandbox, the task's
+test command runs under a trusted runner, and the reward is SWE-bench's verdict on the per-test
+statuses (`envs.verifiers.swe_logs.grade`): 1 iff every FAIL_TO_PASS test passes (or is an
+expected failure) and no PASS_TO_PASS test fails.
+
+Where the statuses come from depends on the task's `test_runner`:
+- pytest: a JUnit XML report that pytest writes to a memfd of the runner (never stdout).
+  `<skipped type="pytest.xfail">` is an expected failure ("xfail"); a non-strict xfail test
+  that passes carries a property of the runner's and reads "xpass"; an xfail without an xfail
+  marker (a `pytest.xfail()` call, which code under test could make) reads "xfail_unmarked".
+- django / sympy: the log of the repository's own runner (tests/runtests.py, bin/test), parsed
+  as SWE-bench parses it (`swe_logs.parse_django_log`, `parse_sympy_log`).
 
 Threat model of `verify_tests`. The agent controls the files it submits, and its code runs in
-the same sandbox, and in the same Python process, as pytest. Defences:
-1. What is applied: test files (those named by the task's test ids and test patch, and any path
-   matching test patterns: test_*.py, *_test.py, tests/, test/, testing/) are restored from the
-   original, new ones dropped; changes to conftest.py, pytest.ini/.pytest.ini/tox.ini/setup.cfg/
-   pyproject.toml/setup.py, sitecustomize.py, usercustomize.py and *.pth are refused: reward 0
-   with the reason. Byte-code caches (an unchecked-hash .pyc replaces its source) and package
-   metadata (*.dist-info, *.egg-info: entry points can load pytest plugins) are dropped.
-2. How pytest starts: a trusted runner arrives on stdin (`python3 -I -B -`), so neither argv
-   nor the environment shows the nonce. It imports pytest and all its built-in plugins
-   BEFORE the workspace joins sys.path (a `pytest.py` or `xml/` in the repo cannot shadow
-   them), disables plugin auto-loading, and passes `--rootdir` so node ids are stable.
-3. The report: pytest writes it to an anonymous in-memory file (memfd) of the runner: outside
-   the repository, with no path on disk that other code could find or overwrite. Right after
-   pytest returns, the runner hashes it, copies it into the workspace under a random name,
-   prints one line "NONCE rc sha256 size" (the nonce is random per run) to a saved copy of its
-   stdout (pytest's own output goes to a log), and leaves with `os._exit` (no atexit handler
-   or thread of the agent's code runs after it). The verifier accepts exactly one such line
-   and a copy with that hash: a report written or rewritten by anyone else (a fake XML
-   anywhere, a "PASSED" line, an atexit handler, a surviving daemon) does not count, a run
-   killed or exited early prints no line, and a test missing from the report fails.
-4. After the run, the test modules, conftest and config files in the sandbox must still be
-   byte-identical to what was written (code that rewrites tests on disk gets 0).
-Residual risk: code under test runs inside the pytest process and could, by a targeted attack
-on this runner (reading the nonce from the interpreter's memory, patching pytest objects), forge
-a result; no in-process reporter can prevent that. Generated tests compare with exact types, so
-objects whose __eq__ always answers True fail them.
+the same sandbox, and in the same Python process, as the test runner. Defences:
+1. What is applied: test files (those named by the task's test ids and test patch, the runner's
+   own files, and any path matching test patterns: test_*.py, *_test.py, tests.py, tests/,
+   test/, testing/) are restored from the original, new ones dropped; changes to conftest.py,
+   pytest.ini/.pytest.ini/tox.ini/setup.cfg/pyproject.toml/setup.py, sitecustomize.py,
+   usercustomize.py and *.pth are refused: reward 0 with the reason. Byte-code caches (an
+   unchecked-hash .pyc replaces its source) and package metadata (*.dist-info, *.egg-info:
+   entry points can load pytest plugins) are dropped.
+2. How the tests start: a trusted runner arrives on stdin (`python3 -I -B -`), so neither argv
+   nor the environment shows its nonce. The pytest runner imports pytest and all its built-in
+   plugins BEFORE the workspace joins sys.path (a `pytest.py` or `xml/` in the repo cannot
+   shadow them), disables plugin auto-loading, and passes `--rootdir` so node ids are stable.
+   The log runner makes itself non-dumpable (other processes of the sandbox's uid cannot read
+   its memory or file descriptors) and starts the repository's runner as a child process whose
+   stdout and stderr go to a memfd.
+3. The results: right after the tests return, the runner hashes the report and the log, copies
+   them into the workspace under random names, prints one line "NONCE rc sha256 size sha256
+   size" (the nonce is random per run) to its saved stdout, and leaves with `os._exit` (no
+   atexit handler or thread of the agent's code runs after it). The verifier accepts exactly
+   one such line and copies with those hashes: a result written or rewritten by anyone else (a
+   fake XML anywhere, a "PASSED" line on the sandbox's stdout, an atexit handler, a surviving
+   daemon) does not count, a run killed or exited early prints no line, and a test missing from
+   the results fails. As in SWE-bench, a log run that exits non-zero while reporting no failure
+   is not trusted.
+4. After the run, the test modules, runner, conftest and config files in the sandbox must still
+   be byte-identical to what was written (code that rewrites tests on disk gets 0).
+Residual risk: code under test runs inside the test runner's process. With pytest it could, by
+a targeted attack on this runner (reading the nonce from the interpreter's memory, patching
+pytest objects), forge a result; no in-process reporter can prevent that. With the django and
+sympy runners the risk is larger and simpler: the log is the runner's own output, which the
+code under test shares, so code that prints fake "... ok" lines and then exits with status 0,
+or that replaces sys.stdout to hide failures, is graded on what it printed (SWE-bench's
+grading has the same weakness). Restored tests and runner files mean such code must sit in the
+non-test files of the submission, where a reviewer of the diff sees it; prefer pytest tasks for
+RL where the choice exists. Generated tests compare with exact types, so objects whose __eq__
+always answers True fail them.
 """
 
 from __future__ import annotations
@@ -44,7 +63,8 @@ import xml.etree.ElementTree as ET
 from typing import Mapping, Optional, Sequence, Union
 
 from envs.sandbox.base import Sandbox
-from envs.tasks import Task, apply_patch, is_cache_path, load_repo_files
+from envs.tasks import Task, apply_patch, is_cache_path, load_repo_files, patch_files
+from envs.verifiers import swe_logs
 from envs.verifiers.base import SandboxFactory, Verdict, start_sandbox
 
 log = logging.getLogger(__name__)
@@ -53,7 +73,9 @@ log = logging.getLogger(__name__)
 CONFIG_FILES = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg",
                           "pyproject.toml", "setup.py", "sitecustomize.py", "usercustomize.py"})
 TEST_DIRS = frozenset({"test", "tests", "testing"})
-LOG_TAIL = 3000  # bytes of pytest's output kept in details (debugging only, never scored)
+# Runner code outside the test patterns, restored like tests (besides the command's script).
+RUNNER_FILES = {"sympy": ("bin/test", "sympy/utilities/runtests.py")}
+LOG_TAIL = 3000  # bytes of the tests' output kept in details (debugging only, never scored)
 
 
 async def workspace_files(sandbox: Sandbox) -> dict[str, bytes]:
@@ -79,7 +101,8 @@ async def workspace_files(sandbox: Sandbox) -> dict[str, bytes]:
 
 
 def task_test_files(task: Task) -> set[str]:
-  """Files the task names as tests: modules of its test ids and files of its test patch.
+  """Files the task names as tests: modules of its pytest ids, files of its test patch, and the
+  test runner's own files (Django's tests/runtests.py, sympy's bin/test and its runner module).
 
   Args:
     task: a "swe" task.
@@ -87,10 +110,12 @@ def task_test_files(task: Task) -> set[str]:
   Returns:
     Workspace-relative paths.
   """
-  files = {i.split("::", 1)[0] for i in task.fail_to_pass + task.pass_to_pass}
-  for line in task.test_patch.splitlines():
-    if line.startswith(("--- a/", "+++ b/")):
-      files.add(line[6:].split("\t", 1)[0].strip())
+  files = set(patch_files(task.test_patch))
+  if task.test_runner == "pytest":
+    files |= {i.split("::", 1)[0] for i in task.fail_to_pass + task.pass_to_pass}
+  else:
+    files.add(task.script_command()[2])
+    files |= set(RUNNER_FILES.get(task.test_runner, ()))
   return files
 
 
@@ -230,8 +255,13 @@ def junit_key(node_id: str) -> tuple[str, str]:
   return ".".join(names[:-1]), names[-1]
 
 
+_XPASS_MESSAGE = "xfail-marked test passes unexpectedly"  # older pytest's xpass element
+_RANK = {swe_logs.PASSED: 0, swe_logs.XFAIL: 1, swe_logs.XPASS: 1, swe_logs.SKIPPED: 1,
+         swe_logs.XFAIL_UNMARKED: 2, swe_logs.FAILED: 2, swe_logs.ERROR: 3}
+
+
 def parse_junit(xml: bytes) -> dict[tuple[str, str], str]:
-  """The per-test statuses of a JUnit XML report.
+  """The per-test statuses of a JUnit XML report (pytest's, with the runner's properties).
 
   A test reported more than once (e.g. a passing call and a failing teardown) takes the worst.
 
@@ -239,7 +269,8 @@ def parse_junit(xml: bytes) -> dict[tuple[str, str], str]:
     xml: the report.
 
   Returns:
-    {(classname, name): status}, status one of passed | failed | error | skipped.
+    {(classname, name): status}, status one of passed | failed | error | skipped | xfail |
+    xpass | xfail_unmarked (see `envs.verifiers.swe_logs`).
 
   Raises:
     ValueError: the root element is not testsuites / testsuite.
@@ -247,17 +278,54 @@ def parse_junit(xml: bytes) -> dict[tuple[str, str], str]:
   root = ET.fromstring(xml)
   if root.tag not in ("testsuites", "testsuite"):
     raise ValueError(f"not a JUnit report: root element <{root.tag}>")
-  rank = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
   out: dict[tuple[str, str], str] = {}
   for case in root.iter("testcase"):
-    tags = {child.tag for child in case}
-    status = ("error" if "error" in tags else "failed" if "failure" in tags
-              else "skipped" if "skipped" in tags else "passed")
+    children = {child.tag: child for child in case}
+    outcome = {p.get("name"): p.get("value") for p in case.iter("property")}.get(
+        "arbor_outcome")
+    skipped = children.get("skipped")
+    if "error" in children:
+      status = swe_logs.ERROR
+    elif "failure" in children:
+      status = swe_logs.FAILED
+    elif skipped is not None and skipped.get("message") == _XPASS_MESSAGE:
+      status = swe_logs.XPASS
+    elif skipped is not None and skipped.get("type") == "pytest.xfail":
+      status = swe_logs.XFAIL_UNMARKED if outcome == "xfail_unmarked" else swe_logs.XFAIL
+    elif skipped is not None:
+      status = swe_logs.SKIPPED
+    else:
+      status = swe_logs.XPASS if outcome == "xpass" else swe_logs.PASSED
     key = (case.get("classname", ""), case.get("name", ""))
-    if rank[status] >= rank.get(out.get(key, "passed"), 0):
+    if _RANK[status] >= _RANK[out.get(key, swe_logs.PASSED)]:
       out[key] = status
   return out
 
+
+# The end of both runners: copy the report (pytest's JUnit XML, or None) and the log into the
+# workspace under random names and print their hashes under the nonce on the saved stdout.
+_FINISH = r'''
+def _copy(name, data):
+  fd = os.open(os.path.join(WS, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+               0o600)
+  view = memoryview(data)
+  while view:
+    view = view[os.write(fd, view):]
+  os.close(fd)
+  return "%s %d" % (hashlib.sha256(data).hexdigest(), len(data))
+
+def _finish(rc, report, log_fd):
+  import sys
+  for stream in (sys.stdout, sys.stderr):  # what the tests printed is still in their buffers
+    try:
+      stream.flush()
+    except Exception:
+      pass
+  out = os.pread(log_fd, os.fstat(log_fd).st_size, 0)
+  words = [NONCE, str(rc), _copy(COPY + "r", report) if report else "none 0", _copy(COPY + "l", out)]
+  os.write(OUT, out[-TAIL:] + ("\n" + " ".join(words) + "\n").encode())
+  os._exit(0)
+'''
 
 _PYTEST_RUNNER = r'''
 import hashlib, importlib, os, sys
@@ -271,44 +339,101 @@ for _name in _pytest.config.default_plugins:
   importlib.import_module("_pytest." + _name)
 import xml.etree.ElementTree
 WS = os.getcwd()
+
+class _Outcomes:
+  """Marks in the JUnit report what its elements cannot tell: an xfail test that passed, and
+  an xfail without an xfail marker (a pytest.xfail() call, which code under test can make)."""
+
+  @pytest.hookimpl(hookwrapper=True, tryfirst=True)
+  def pytest_runtest_makereport(self, item, call):
+    rep = (yield).get_result()
+    if hasattr(rep, "wasxfail") and rep.when == "call" and rep.passed:
+      item.user_properties.append(("arbor_outcome", "xpass"))
+    elif hasattr(rep, "wasxfail") and rep.skipped and not any(item.iter_markers("xfail")):
+      item.user_properties.append(("arbor_outcome", "xfail_unmarked"))
+
 # The report goes to an anonymous in-memory file: outside the repository, with no path on disk.
 _report = os.memfd_create("m")
 _log = os.memfd_create("l")
-_out = os.dup(1)
+OUT = os.dup(1)
 os.dup2(_log, 1)
 os.dup2(_log, 2)
 sys.path.insert(0, WS)
 try:
   rc = int(pytest.main(ARGS + ["--rootdir", WS, "--junitxml", "/proc/self/fd/%d" % _report,
-                               "-p", "no:cacheprovider"]))
+                               "-p", "no:cacheprovider"], plugins=[_Outcomes()]))
 except BaseException:
   rc = -1
-data = os.pread(_report, os.fstat(_report).st_size, 0)
-digest = hashlib.sha256(data).hexdigest() if data else "none"
-if data:
-  fd = os.open(os.path.join(WS, COPY), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
-               0o600)
-  os.write(fd, data)
-  os.close(fd)
-size = os.fstat(_log).st_size
-tail = os.pread(_log, TAIL, max(0, size - TAIL))
-os.write(_out, tail + ("\n%s %d %s %d\n" % (NONCE, rc, digest, len(data))).encode())
-os._exit(0)
+_finish(rc, os.pread(_report, os.fstat(_report).st_size, 0), _log)
+'''
+
+_LOG_RUNNER = r'''
+import ctypes, hashlib, os, subprocess
+try:  # PR_SET_DUMPABLE 0: the tests' processes cannot read this one's memory or descriptors
+  ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)
+except Exception:
+  pass
+WS = os.getcwd()
+OUT = 1
+_log = os.memfd_create("l")
+env = {**os.environ, **ENV, "PYTHONDONTWRITEBYTECODE": "1"}
+try:
+  rc = subprocess.Popen([PYTHON, SCRIPT] + ARGS, cwd=WS, stdin=subprocess.DEVNULL, stdout=_log,
+                        stderr=_log, env=env).wait()
+except OSError as e:
+  os.write(_log, ("cannot run %s: %s\n" % (SCRIPT, e)).encode())
+  rc = -1
+_finish(rc, None, _log)
 '''
 
 
 @dataclasses.dataclass
-class PytestRun:
-  """One trusted pytest run: per-test statuses from the JUnit report, or why there are none."""
+class RunResult:
+  """One trusted test run: per-test statuses, or why there are none."""
 
-  statuses: dict[tuple[str, str], str]
+  statuses: dict  # pytest: {(classname, name): status}; log runners: {test name: status}
   exit_code: Optional[int]
-  log: str
-  error: Optional[str] = None  # set when there is no trustworthy report
+  log: str                     # the output's tail (LOG_TAIL bytes)
+  error: Optional[str] = None  # set when there is no trustworthy result
+  output: str = ""             # the whole output (the log runners' statuses come from it)
+
+
+PytestRun = RunResult  # the name pytest runs were first known by
+
+
+async def _run(sandbox: Sandbox, python: str, program: str, timeout: float,
+               **header) -> tuple[Optional[int], str, Optional[bytes], str, Optional[str]]:
+  """Runs a runner program fed on stdin; (rc, output, report, log tail, error)."""
+  nonce = secrets.token_hex(16)
+  copy = f".arbor-result-{secrets.token_hex(16)}"  # no .xml: generic sprayers pass it by
+  header.update(COPY=copy, NONCE=nonce, TAIL=LOG_TAIL)
+  code = "".join(f"{k} = {v!r}\n" for k, v in header.items()) + _FINISH + program
+  res = await sandbox.exec(f"{shlex.quote(python)} -I -B -", timeout=timeout, stdin=code)
+  lines = re.findall(rf"^{nonce} (-?\d+) ([0-9a-f]{{64}}|none) (\d+) ([0-9a-f]{{64}}) (\d+)$",
+                     res.stdout, re.M)
+  tail = res.stdout.split(nonce)[0][-LOG_TAIL:] + res.stderr[-LOG_TAIL:]
+  if res.timed_out:
+    return None, "", None, tail, f"the test run timed out after {timeout:g}s"
+  if len(lines) != 1:
+    return None, "", None, tail, ("the test run did not finish (no result line from the "
+                                  "runner: it crashed, exited early, or its output was flooded)")
+  rc, *hashes = lines[0]
+  data = {}
+  for suffix, digest, size in (("r", hashes[0], hashes[1]), ("l", hashes[2], hashes[3])):
+    if digest == "none":
+      data[suffix] = None
+      continue
+    try:
+      data[suffix] = await sandbox.read_file(copy + suffix)
+    except (OSError, ValueError) as e:  # PathError is a ValueError
+      return int(rc), "", None, tail, f"the run's results could not be read: {e}"
+    if len(data[suffix]) != int(size) or hashlib.sha256(data[suffix]).hexdigest() != digest:
+      return int(rc), "", None, tail, "the run's results were changed after the run wrote them"
+  return int(rc), data["l"].decode("utf-8", errors="replace"), data["r"], tail, None
 
 
 async def run_pytest(sandbox: Sandbox, args: Sequence[str], timeout: float,
-                     python: str = "python3") -> PytestRun:
+                     python: str = "python3") -> RunResult:
   """Runs pytest in a sandbox's workspace and reads its JUnit report (see the module docstring).
 
   Args:
@@ -318,34 +443,45 @@ async def run_pytest(sandbox: Sandbox, args: Sequence[str], timeout: float,
     python: the interpreter in the sandbox.
 
   Returns:
-    The statuses, or the reason there is no trustworthy report in `error`.
+    The statuses {(classname, name): status}, or the reason there are none in `error`.
   """
-  nonce = secrets.token_hex(16)
-  copy = f".arbor-result-{secrets.token_hex(16)}"  # no .xml: generic sprayers pass it by
-  header = f"ARGS = {list(args)!r}\nCOPY = {copy!r}\nNONCE = {nonce!r}\nTAIL = {LOG_TAIL}\n"
-  res = await sandbox.exec(f"{shlex.quote(python)} -I -B -", timeout=timeout,
-                           stdin=header + _PYTEST_RUNNER)
-  lines = re.findall(rf"^{nonce} (-?\d+) ([0-9a-f]{{64}}|none) (\d+)$", res.stdout, re.M)
-  log = res.stdout.split(nonce)[0][-LOG_TAIL:] + res.stderr[-LOG_TAIL:]
-  if res.timed_out:
-    return PytestRun({}, None, log, f"the test run timed out after {timeout:g}s")
-  if len(lines) != 1:
-    return PytestRun({}, None, log, "the test run did not finish (no result line from the "
-                     "runner: it crashed, exited early, or its output was flooded)")
-  rc, digest, size = int(lines[0][0]), lines[0][1], int(lines[0][2])
-  if digest == "none":
-    return PytestRun({}, rc, log, "pytest wrote no JUnit report")
+  rc, output, report, tail, error = await _run(sandbox, python, _PYTEST_RUNNER, timeout,
+                                               ARGS=list(args))
+  if error is None and report is None:
+    error = "pytest wrote no JUnit report"
+  if error is not None:
+    return RunResult({}, rc, tail, error, output)
   try:
-    data = await sandbox.read_file(copy)
-  except (OSError, ValueError) as e:  # PathError is a ValueError
-    return PytestRun({}, rc, log, f"the report copy could not be read: {e}")
-  if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
-    return PytestRun({}, rc, log, "the JUnit report was changed after pytest wrote it")
-  try:
-    statuses = parse_junit(data)
+    statuses = parse_junit(report)
   except (ET.ParseError, ValueError) as e:
-    return PytestRun({}, rc, log, f"the JUnit report does not parse: {e}")
-  return PytestRun(statuses, rc, log)
+    return RunResult({}, rc, tail, f"the JUnit report does not parse: {e}", output)
+  return RunResult(statuses, rc, tail, None, output)
+
+
+async def run_log_tests(sandbox: Sandbox, runner: str, script: str, args: Sequence[str],
+                        timeout: float, python: str = "python3",
+                        env: Optional[Mapping[str, str]] = None) -> RunResult:
+  """Runs a repository's own test runner script and parses its log (module docstring).
+
+  Args:
+    sandbox: holds the files to test.
+    runner: "django" or "sympy": which log format to parse.
+    script: the runner script, workspace-relative (tests/runtests.py, bin/test).
+    args: its arguments.
+    timeout: seconds for the whole run.
+    python: the interpreter in the sandbox.
+    env: variables set for the runner (e.g. PYTHONWARNINGS).
+
+  Returns:
+    The statuses {test name: status}, or the reason there are none in `error`.
+  """
+  parse = swe_logs.LOG_PARSERS[runner]
+  rc, output, _, tail, error = await _run(sandbox, python, _LOG_RUNNER, timeout,
+                                          PYTHON=python, SCRIPT=script, ARGS=list(args),
+                                          ENV=dict(env or {}))
+  if error is not None:
+    return RunResult({}, rc, tail, error, output)
+  return RunResult(parse(output), rc, tail, None, output)
 
 
 async def verify_tests(task: Task, submission: Union[Mapping[str, Union[bytes, str]], str],
@@ -359,13 +495,13 @@ async def verify_tests(task: Task, submission: Union[Mapping[str, Union[bytes, s
       unified diff against the original repository.
     make_sandbox: make_sandbox(task) gives a fresh sandbox (or an awaitable of one); this
       function closes it.
-    partial: reward = fraction of FAIL_TO_PASS + PASS_TO_PASS tests passing instead of
-      all-or-nothing.
+    partial: reward = fraction of FAIL_TO_PASS + PASS_TO_PASS tests graded a success instead
+      of all-or-nothing.
     original: the repository files, if the caller already holds them (default:
       `load_repo_files(task)`).
 
   Returns:
-    The verdict; its details name the per-test outcomes, or the reason for reward 0.
+    The verdict; its details name the per-test statuses, or the reason for reward 0.
 
   Raises:
     ValueError: the task is not a "swe" task.
@@ -386,8 +522,13 @@ async def verify_tests(task: Task, submission: Union[Mapping[str, Union[bytes, s
         await sandbox.write_file(path, data)
       except (OSError, ValueError) as e:  # too large, or a file where a directory must be
         return Verdict.fail(f"cannot write {path!r} into the sandbox: {e}", **changes)
-    python, args = task.pytest_command()
-    run = await run_pytest(sandbox, args, task.timeout, python)
+    if task.test_runner == "pytest":
+      python, args = task.pytest_command()
+      run = await run_pytest(sandbox, args, task.timeout, python)
+    else:
+      env, python, script, args = task.script_command()
+      run = await run_log_tests(sandbox, task.test_runner, script, args, task.timeout, python,
+                                env)
     # Tests and configuration must be exactly what we wrote, whatever the run did on disk.
     named = task_test_files(task)
     guarded = [p for p in sorted(files) if p in named or p.rsplit("/", 1)[-1] in CONFIG_FILES]
@@ -402,17 +543,21 @@ async def verify_tests(task: Task, submission: Union[Mapping[str, Union[bytes, s
     await sandbox.close()
   if run.error is not None:
     return Verdict.fail(run.error, exit_code=run.exit_code, log=run.log, **changes)
-
-  def outcome(node_id):
-    return run.statuses.get(junit_key(node_id), "missing")
-  f2p = {i: outcome(i) for i in task.fail_to_pass}
-  p2p = {i: outcome(i) for i in task.pass_to_pass}
-  outcomes = list(f2p.values()) + list(p2p.values())
-  n_pass = sum(s == "passed" for s in outcomes)
-  solved = n_pass == len(outcomes)
-  reward = 1.0 if solved else (n_pass / len(outcomes) if partial else 0.0)
-  details = dict(fail_to_pass=f2p, pass_to_pass=p2p, passed=n_pass, total=len(outcomes),
-                 solved=solved, exit_code=run.exit_code, log=run.log, **changes)
-  if not solved:
-    details["reason"] = "some FAIL_TO_PASS / PASS_TO_PASS tests do not pass"
-  return Verdict(reward, details)
+  if task.test_runner == "pytest":
+    by_key = {f"{c}::{n}": s for (c, n), s in run.statuses.items()}
+    result = swe_logs.grade(task.fail_to_pass, task.pass_to_pass,
+                            lambda t: swe_logs.find_status("::".join(junit_key(t)), by_key))
+  else:
+    result = swe_logs.grade(task.fail_to_pass, task.pass_to_pass,
+                            lambda t: swe_logs.find_status(t, run.statuses))
+  details = dict(fail_to_pass=result.fail_to_pass, pass_to_pass=result.pass_to_pass,
+                 passed=result.successes, total=result.total, solved=result.resolved,
+                 exit_code=run.exit_code, log=run.log, **changes)
+  if not swe_logs.log_is_consistent(run.exit_code, run.statuses):
+    details["solved"] = False
+    return Verdict.fail(f"the tests exited with status {run.exit_code} but reported no "
+                        "failing test: the results are not trusted", **details)
+  if result.resolved:
+    return Verdict(1.0, details)
+  details["reason"] = "some FAIL_TO_PASS / PASS_TO_PASS tests do not pass"
+  return Verdict(result.successes / result.total if partial else 0.0, details)

@@ -9,14 +9,6 @@ def test_word_count_punctuation():
     assert word_count("Hello, world!") == 2
 
 
-def test_word_count_newlines_and_tabs():
-    assert word_count("one\ntwo\tthree") == 3
-
-
-def test_longest_word_across_lines():
-    assert longest_word("a bb\nccc") == "ccc"
-
-
 def test_average_word_length():
     assert average_word_length("ab abcd") == 3.0
     assert average_word_length("") == 0.0

@@ -1,0 +1,5 @@
+"""URL slugs from titles."""
+
+from slugs.text import slugify
+
+__all__ = ["slugify"]
