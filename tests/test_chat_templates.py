@@ -153,7 +153,7 @@ def test_ids_equal_apply_chat_template(checkpoints, name):
             try:
               want = hf_ids(hf, msgs[:end], tools, generation, kwargs)
             except Exception:  # the template itself refuses the conversation: so must Arbor
-              with pytest.raises(Exception):
+              with pytest.raises(ValueError, match="cannot render"):
                 chat.render(msgs[:end], tools, generation, template_kwargs=kwargs)
               continue
             got = chat.render(msgs[:end], tools, generation, template_kwargs=kwargs)
@@ -374,11 +374,16 @@ def test_template_environment_matches_transformers(tmp_path):
                                   add_generation_prompt=False, **hf.special_tokens_map, **kwargs)
   assert chat.tokenizer.decode(chat.render(msgs, TOOLS, False, kwargs).ids) == text[0]
   assert chat.render(msgs, TOOLS, False, kwargs).ids == hf_ids(hf, msgs, TOOLS, False, kwargs)
-  raising = "{{ raise_exception('roles must alternate') }}"
+  raising = JinjaChat(chat.tokenizer, "{{ raise_exception('roles must alternate') }}")
   with pytest.raises(ValueError, match="roles must alternate"):
-    JinjaChat(chat.tokenizer, raising)
-  with pytest.raises(Exception, match="underscore"):
-    JinjaChat(chat.tokenizer, "{% set ns = namespace(_x=1) %}{{ messages[0].content }}<|im_end|>")
+    raising.render(msgs)
+  assert not raising.extends_history and raising.end_id == chat.tokenizer.eos_id
+  sneaky = JinjaChat(chat.tokenizer, "{% set ns = namespace(_x=1) %}{{ messages[0].content }}")
+  with pytest.raises(ValueError, match="underscore"):
+    sneaky.render(msgs)
+  fromkeys = JinjaChat(chat.tokenizer, "{{ dict.fromkeys(['a', 'b'], 1) | tojson }}"
+                                       "{{ strftime_now('%Y') | length }}")
+  assert chat.tokenizer.decode(fromkeys.render(msgs).ids) == '{"a": 1, "b": 1}4'
   with pytest.raises(ValueError, match="reserved"):
     chat.render(msgs, template_kwargs={"messages": []})
   with pytest.raises(ValueError, match="line 1"):

@@ -43,9 +43,11 @@ import re
 from datetime import datetime
 from typing import Any, Optional, Sequence, Union
 
-from envs.chat.formats import (ChatFormat, RenderedChat, check_messages, parse_deepseek_calls,
-                               DeepSeekV3)
-from envs.chat.tokenizer import Tokenizer, _name, _read_config
+import jinja2
+
+from envs.chat.formats import (ChatFormat, DeepSeekV3, RenderedChat, check_messages, make_chat,
+                               parse_deepseek_calls)
+from envs.chat.tokenizer import Tokenizer, _name, _read_config, load_tokenizer
 from envs.chat.toolcalls import ParsedTurn, ToolCall, make_call, parse_hermes, tool_schemas
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"       # transformers' file for the default template
@@ -130,7 +132,6 @@ def compile_template(source: str):
   Raises:
     ValueError: the template does not compile (the message names the line).
   """
-  import jinja2
   import jinja2.ext
   from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -177,9 +178,15 @@ def compile_template(source: str):
   env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                       extensions=[Generation, jinja2.ext.loopcontrols])
   env.filters["tojson"] = tojson
-  env.globals.update(raise_exception=raise_exception, namespace=Namespace,
-                     strftime_now=lambda fmt: datetime.now().strftime(fmt),
-                     dict=lambda *a, **k: dict(*a, **k))
+  class Dict:  # dict(...) and dict.fromkeys(...), without the type itself
+    def __call__(self, *args, **kwargs):
+      return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+      return dict.fromkeys(*args, **kwargs)
+
+  env.globals.update(raise_exception=raise_exception, namespace=Namespace, dict=Dict(),
+                     strftime_now=lambda fmt: datetime.now().strftime(fmt))
   try:
     return env.from_string(source)
   except jinja2.TemplateSyntaxError as e:
@@ -245,8 +252,8 @@ class JinjaChat(ChatFormat):
     name: the format's name.
 
   Raises:
-    ValueError: the template does not compile or cannot render a short conversation, a dict
-      has no "default", the tokenizer lacks the family's tool-call tokens or `encode_special`.
+    ValueError: the template does not compile, a dict has no "default", the tokenizer lacks
+      the family's tool-call tokens or `encode_special`.
   """
 
   def __init__(self, tokenizer: Tokenizer, template: Union[str, dict[str, str]], *,
@@ -306,8 +313,11 @@ class JinjaChat(ChatFormat):
     try:
       return template.render(messages=msgs, tools=_plain(tools, self._marker, "tools"),
                              documents=None, add_generation_prompt=generation, **variables)
-    except _TemplateError as e:
+    except _TemplateError as e:  # raise_exception(message)
       raise ValueError(f"chat template {self.name!r}: {e}") from e
+    except (jinja2.TemplateError, TypeError) as e:  # e.g. a key the template needs is missing
+      raise ValueError(f"chat template {self.name!r} cannot render this conversation: "
+                       f"{type(e).__name__}: {e}") from e
 
   def _encode(self, text: str) -> list[int]:
     """Ids of a rendering: template text with its special tokens, wrapped strings as text."""
@@ -318,11 +328,10 @@ class JinjaChat(ChatFormat):
         ids += self.tokenizer.encode(part) if i % 2 else self.tokenizer.encode_special(part)
     return ids
 
-  def _turn_text(self, message: dict, kwargs: dict,
-                 context: Sequence[dict] = ()) -> Optional[tuple[str, str]]:
-    """(P, G): the prompt before an assistant message and what the template writes for it when
-    it is the last message (up to its end-of-turn token); None if P is not a prefix."""
-    context = list(context) or [{"role": "user", "content": "x"}]
+  def _turn_text(self, message: dict, kwargs: dict) -> Optional[tuple[str, str]]:
+    """(P, G): the prompt after a user message and what the template writes for an assistant
+    message when it is the last one (up to its end-of-turn token); None if P is not a prefix."""
+    context = [{"role": "user", "content": "x"}]
     prompt = self._text(context, None, True, kwargs)
     full = self._text(context + [message], None, False, kwargs)
     if not full.startswith(prompt):
@@ -334,17 +343,23 @@ class JinjaChat(ChatFormat):
   def _find_turn_end(self) -> None:
     """Finds the end-of-turn token: the last control token the template writes after a short
     assistant reply."""
-    pair = self._turn_text({"role": "assistant", "content": "Hi"}, self.template_kwargs)
-    ids = self._encode(pair[1]) if pair else []  # no pair: a template without turns (EOS then)
+    try:
+      pair = self._turn_text({"role": "assistant", "content": "Hi"}, self.template_kwargs)
+    except ValueError:  # the template refuses a bare user/assistant exchange
+      pair = None
+    ids = self._encode(pair[1]) if pair else []  # no turn to read: the end token is EOS
     ends = [i for i in ids if i in self.tokenizer.special_ids]
     self.end_id = ends[-1] if ends else self.tokenizer.eos_id
     self._end_text = self.tokenizer.decode([self.end_id])
     eos = self.tokenizer.eos_id
     self.stop_token_ids = (self.end_id,) + ((eos,) if eos not in (None, self.end_id) else ())
-    gen = self._text([{"role": "user", "content": "x"}], None, True, self.template_kwargs)
-    bare = self._text([{"role": "user", "content": "x"}], None, False, self.template_kwargs)
     # A prompt that opens <think> (Qwen3 Thinking-2507): the reply starts inside the reasoning.
-    self._opens_think = gen.startswith(bare) and gen[len(bare):].rstrip().endswith("<think>")
+    try:
+      gen = self._text([{"role": "user", "content": "x"}], None, True, self.template_kwargs)
+      bare = self._text([{"role": "user", "content": "x"}], None, False, self.template_kwargs)
+      self._opens_think = gen.startswith(bare) and gen[len(bare):].rstrip().endswith("<think>")
+    except ValueError:
+      self._opens_think = False
 
   def render(self, messages: Sequence[dict], tools: Optional[Sequence[Any]] = None,
              add_generation_prompt: bool = True,
@@ -466,7 +481,7 @@ class JinjaChat(ChatFormat):
                self.continuation(msgs[a + 1:b], out, add_generation_prompt=not last))
         if got != want:
           return False
-    except (ValueError, TypeError, KeyError):
+    except ValueError:
       return False
     return True
 
@@ -585,9 +600,6 @@ def load_chat(directory: str, tokenizer: Optional[Tokenizer] = None, name: Optio
     ValueError: no template and no name, template kwargs for a hand-written format, or what
       JinjaChat / make_chat raise.
   """
-  from envs.chat.formats import make_chat
-  from envs.chat.tokenizer import load_tokenizer
-
   tokenizer = tokenizer if tokenizer is not None else load_tokenizer(directory)
   templates = read_chat_templates(directory)
   if templates is not None:
