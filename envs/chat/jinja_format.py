@@ -109,8 +109,14 @@ def read_chat_templates(directory: str) -> Union[None, str, dict[str, str]]:
 
 
 def special_tokens_from_config(directory: str) -> dict[str, str]:
-  """The special-token strings a template sees (bos_token, eos_token, ...), from
-  tokenizer_config.json, as transformers' `special_tokens_map`."""
+  """The special-token strings a template sees, as transformers' `special_tokens_map`.
+
+  Args:
+    directory: holds tokenizer_config.json (missing: no special tokens).
+
+  Returns:
+    bos_token, eos_token, unk_token, ... -> their strings, for those the config sets.
+  """
   config = _read_config(directory)
   return {k: _name(config[k]) for k in SPECIAL_TOKEN_NAMES if _name(config.get(k)) is not None}
 
