@@ -19,6 +19,7 @@ import concurrent.futures
 import http.client
 import json
 import os
+import re
 import ssl
 import subprocess
 import sys
@@ -30,9 +31,9 @@ import urllib.request
 import numpy as np
 import openai
 import pytest
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from envs.chat import make_chat
+from envs.chat import load_chat, make_chat
 from envs.chat.formats import Plain
 from envs.chat.tokenizer import HFTokenizer
 from envs.net import check_bind
@@ -41,6 +42,7 @@ from models import transformer
 from models.engine import Completion, Engine, EngineConfig
 from tests.conftest import TINY_DENSE
 from tests.test_chat import QWEN25_TEMPLATE, _tiny_bpe, hf_render
+from tests import test_chat_templates as templates
 from tests.test_engine import check_logprobs, teacher
 from trainer.serve import EnginePolicy, PolicyServer, ServerConfig, build, parse_args
 
@@ -114,9 +116,12 @@ def assemble(chunks):
   for c in chunks:
     for ch in c.choices:
       g = got.setdefault(ch.index, {"role": None, "content": "", "calls": {}, "logprobs": [],
-                                    "finish_reason": None, "content_chunks": 0})
+                                    "finish_reason": None, "content_chunks": 0,
+                                    "reasoning_content": None})
       d = ch.delta
       g["role"] = g["role"] or d.role
+      if getattr(d, "reasoning_content", None):
+        g["reasoning_content"] = (g["reasoning_content"] or "") + d.reasoning_content
       if d.content:
         g["content"] += d.content
         g["content_chunks"] += 1
@@ -667,6 +672,66 @@ def test_multi_turn_agent_request(scripted, hf_tok):
            {"role": "tool", "content": "def add(a, b):"}]
   assert srv.engine.submitted[-1][0] == hf_render(hf_tok, QWEN25_TEMPLATE, plain, TOOLS)
   assert srv.engine.submitted[-2][0] == hf_render(hf_tok, QWEN25_TEMPLATE, plain[:2], TOOLS)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "kimi-k2-thinking"])
+def test_checkpoint_templates_end_to_end(tmp_path, name):
+  """A checkpoint's own Jinja template (envs.chat.load_chat) behind the server: reasoning,
+  content and tool calls read back, streamed one token at a time and assembled to the reply
+  (Kimi K2's own call ids kept); the next turn, sent as an agent sends it, reaches the engine as
+  transformers' apply_chat_template renders it; template kwargs reach the forced opening."""
+  d = templates.save_checkpoint(tmp_path, templates.template(name),
+                                **templates.FIXTURES[name][0])
+  chat, hf = load_chat(d), AutoTokenizer.from_pretrained(d)
+  engine = ScriptedEngine(chat.tokenizer.vocab_size)
+  # the reply as sampled one token at a time, its reasoning tags written in two pieces each
+  ids = chat.assistant_ids(templates.REPLY)
+  pieces = re.split("(</?think>)", chat.tokenizer.decode(ids[:-1]))
+  engine.replies = [[i for p in pieces for part in ((p[:4], p[4:]) if "think>" in p else (p,))
+                     for i in chat.tokenizer.encode(part)] + ids[-1:]]
+  engine.step = 1
+  srv = PolicyServer(engine, ServerConfig(port=0), tokenizer=chat.tokenizer, chat=chat)
+  client = openai.OpenAI(base_url=srv.start_in_thread() + "/v1", api_key="-", max_retries=0)
+  try:
+    tools, messages = templates.TOOLS, templates.CONVERSATIONS["no_system"][:1]
+    reply = client.chat.completions.create(model="arbor", messages=messages, tools=tools)
+    got = assemble(client.chat.completions.create(model="arbor", messages=messages,
+                                                  tools=tools, stream=True))[0]
+    message = reply.choices[0].message
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
+    assert calls == [("read_file", {"path": "src/app.py", "start_line": 3}),
+                     ("bash", {"command": "pytest -q"})]
+    assert (message.reasoning_content, message.content) == ("Check the file.", "Let me look.")
+    assert (got["reasoning_content"], got["content"]) == ("Check the file.", "Let me look.")
+    assert [(c["name"], json.loads(c["arguments"])) for c in got["calls"].values()] == calls
+    if name == "kimi-k2-thinking":  # Kimi answers a call by its own id
+      assert [c.id for c in message.tool_calls] == ["functions.read_file:0", "functions.bash:1"]
+    follow = messages + [message] + [
+        {"role": "tool", "tool_call_id": c.id, "name": c.function.name, "content": "ok"}
+        for c in message.tool_calls]
+    client.chat.completions.create(model="arbor", messages=follow, tools=tools)
+    plain = messages + [{"role": "assistant", "content": "Let me look.",
+                         "reasoning_content": "Check the file.",
+                         "tool_calls": [{"id": c.id, "type": "function", "function": {
+                             "name": c.function.name, "arguments": c.function.arguments}}
+                                        for c in message.tool_calls]}] + [
+        {"role": "tool", "tool_call_id": c.id, "name": c.function.name, "content": "ok"}
+        for c in message.tool_calls]
+    assert engine.submitted[-1][0] == templates.hf_ids(hf, plain, tools, True, {})
+    if name == "qwen3":
+      kwargs = {"enable_thinking": False}
+      engine.replies = [chat.tokenizer.encode('{"command": "ls"}}\n</tool_call>')
+                        + [chat.end_id]]
+      forced = client.chat.completions.create(
+          model="arbor", messages=messages, tools=tools,
+          tool_choice={"type": "function", "function": {"name": "bash"}},
+          extra_body={"chat_template_kwargs": kwargs}).choices[0].message
+      assert [(c.function.name, json.loads(c.function.arguments))
+              for c in forced.tool_calls] == [("bash", {"command": "ls"})]
+      assert engine.submitted[-1][0] == templates.hf_ids(hf, messages, tools, True, kwargs) + \
+          chat.tool_call_prefix_ids("bash", template_kwargs=kwargs)
+  finally:
+    srv.stop()
 
 
 def test_chat_template_kwargs_reach_a_renderer_that_takes_them(tok):

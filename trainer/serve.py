@@ -223,12 +223,12 @@ def sampling_params(body: dict, *, max_tokens: int, stop_token_ids: Sequence[int
 
 
 def normalize_messages(messages: Any) -> list[dict]:
-  """OpenAI chat messages as envs.chat messages (role, content, tool_calls only).
+  """OpenAI chat messages in the shape envs.chat formats render.
 
   Content given as a list of parts keeps its text parts, joined by "\\n" (as vLLM does); the
-  developer role is the system role; an assistant message keeps its tool calls' names and
-  arguments and its reasoning_content; other fields (name, tool_call_id, refusal, ...) are
-  ignored as OpenAI ignores them for rendering.
+  developer role is the system role. What chat templates read is kept: name, tool_call_id,
+  an assistant message's tool calls (id, name, arguments as given) and its reasoning
+  ("reasoning_content" or "reasoning"); other fields (refusal, audio, ...) are dropped.
 
   Args:
     messages: the request's "messages".
@@ -265,8 +265,11 @@ def normalize_messages(messages: Any) -> list[dict]:
       raise HTTPError(400, f"{where}.content={content!r:.100}: expected a string or a list of "
                            "text parts", f"{where}.content")
     message = {"role": role, "content": content}
-    if role == "assistant" and isinstance(m.get("reasoning_content"), str):
-      message["reasoning_content"] = m["reasoning_content"]  # what thinking templates read
+    # what templates may read (the hand-written formats ignore them)
+    message.update({k: m[k] for k in ("name", "tool_call_id") if isinstance(m.get(k), str)})
+    reasoning = m.get("reasoning_content", m.get("reasoning"))
+    if role == "assistant" and isinstance(reasoning, str):
+      message["reasoning_content"] = reasoning
     calls = m.get("tool_calls")
     if calls and role == "assistant":
       if not isinstance(calls, list):
@@ -279,8 +282,9 @@ def normalize_messages(messages: Any) -> list[dict]:
           raise HTTPError(400, f"{where}.tool_calls[{j}]={call!r:.100}: expected "
                                '{"function": {"name": str, "arguments": str}}',
                           f"{where}.tool_calls[{j}]")
-        message["tool_calls"].append({"function": {"name": fn["name"],
-                                                   "arguments": fn.get("arguments", "{}")}})
+        message["tool_calls"].append({
+            "type": "function", **({"id": call["id"]} if isinstance(call.get("id"), str) else {}),
+            "function": {"name": fn["name"], "arguments": fn.get("arguments", "{}")}})
     out.append(message)
   return out
 
@@ -343,21 +347,20 @@ def _cut_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
   return (text[:min(found)], True) if found else (text, False)
 
 
-def _settled(text: str, stops: Sequence[str], marker: str = "") -> str:
+def _settled(text: str, stops: Sequence[str], markers: Sequence[str] = ()) -> str:
   """The part of a growing text that more tokens cannot change.
 
   It holds back an incomplete UTF-8 tail (decoded as U+FFFD), the last len(longest stop) - 1
-  characters (a stop string may be starting there), and a tail that may be the start of the
-  tool-call marker.
+  characters (a stop string may be starting there), and a tail that may be the start of a
+  marker (a tool-call opening or a reasoning tag, which the parse would take out of the text).
   """
   text, found = _cut_stop(text, stops)
   if stops and not found:
     text = text[:max(0, len(text) - max(map(len, stops)) + 1)]
   text = text.rstrip("\ufffd")
-  for k in range(min(len(marker) - 1, len(text)), 0, -1):
-    if text.endswith(marker[:k]):
-      return text[:-k]
-  return text
+  hold = max((k for m in markers for k in range(1, min(len(m), len(text) + 1))
+              if text.endswith(m[:k])), default=0)
+  return text[:len(text) - hold]
 
 
 class _TextDeltas:
@@ -395,14 +398,16 @@ class _ChatReader:
     parallel: parallel_tool_calls (False: only the first call is kept).
     prefix: the forced tool-call opening appended to the prompt ([] when none).
     stops: the request's stop strings.
+    opening: the format's tool-call opening (`tool_call_prefix_ids(None)`).
   """
 
   def __init__(self, chat, tools, mode: str, parallel: bool, prefix: list[int],
-               stops: Sequence[str]):
+               stops: Sequence[str], opening: list[int]):
     self.chat, self.tools, self.mode, self.parallel = chat, tools, mode, parallel
     self.prefix, self.stops = prefix, stops
-    self.marker = "" if mode == "none" else chat.tokenizer.decode(
-        chat.tool_call_prefix_ids(None)).strip().split("\n")[0]
+    # The lines of a tool-call opening (e.g. "<tool_call>") and reasoning tags.
+    lines = [] if mode == "none" else chat.tokenizer.decode(opening).split("\n")
+    self.markers = [m for m in map(str.strip, lines + ["<think>", "</think>"]) if m]
 
   def read(self, output_ids: Sequence[int], final: bool = True):
     """(reasoning or None, content, well-formed calls, errors of malformed calls).
@@ -421,11 +426,16 @@ class _ChatReader:
       calls = turn.valid_calls if self.parallel else turn.valid_calls[:1]
     if final:
       return reasoning, _cut_stop(content, self.stops)[0], calls, errors
-    return (None if reasoning is None else _settled(reasoning, ()).rstrip(),
-            _settled(content, self.stops, self.marker).rstrip(), calls, errors)
+    return (None if reasoning is None else _settled(reasoning, (), self.markers).rstrip(),
+            _settled(content, self.stops, self.markers).rstrip(), calls, errors)
 
 
-def _call_id() -> str:
+def _call_id(call=None) -> str:
+  """A unique id for a tool call; the model's own id where its format writes one (Kimi K2's
+  "functions.NAME:0", which its template shows again with the result), not the parser's
+  positional "call_0"."""
+  if call is not None and call.id and not re.fullmatch(r"call_\d+", call.id):
+    return call.id
   return "call_" + uuid.uuid4().hex[:24]
 
 
@@ -870,18 +880,29 @@ class PolicyServer:
                              f"({self.chat.name}) takes no template kwargs",
                         "chat_template_kwargs")
       kwargs["template_kwargs"] = template_kwargs
+    # The forced opening is written as after this prompt (e.g. with thinking off).
+    opening_kwargs = kwargs if "template_kwargs" in inspect.signature(
+        self.chat.tool_call_prefix_ids).parameters else {}
     try:
       rendered = self.chat.render(messages, None if mode == "none" else tools,
                                   add_generation_prompt=True, **kwargs).ids
     except (ValueError, KeyError, TypeError) as e:
       param = "chat_template_kwargs" if kwargs and "template kwargs" in str(e) else "messages"
       raise HTTPError(400, f"{param}: {e}", param) from None
-    prefix = self.chat.tool_call_prefix_ids(name) if mode in ("required", "named") else []
+    try:
+      opening = [] if mode == "none" else self.chat.tool_call_prefix_ids(None, **opening_kwargs)
+    except ValueError as e:  # a template that writes no tool calls cannot be forced into one
+      if mode in ("required", "named"):
+        raise HTTPError(400, f"tool_choice: {e}", "tool_choice") from None
+      opening = []
+    prefix = opening if mode == "required" else []  # the forced opening, part of the prompt
+    if mode == "named":
+      prefix = self.chat.tool_call_prefix_ids(name, **opening_kwargs)
     input_ids = rendered + prefix
     n, params, stream, include_usage = self._common(body, [len(input_ids)], 1,
                                                     self.chat.stop_token_ids)
     self._reserve(session, [len(input_ids)], n, params)
-    reader = _ChatReader(self.chat, tools, mode, parallel, prefix, params.stop)
+    reader = _ChatReader(self.chat, tools, mode, parallel, prefix, params.stop, opening)
     samples, queue = self._samples([input_ids], n, params, stream)
     logged = {"n": n, "tool_choice": body.get("tool_choice", mode)}
     logprobs = top_n if want_logprobs else None
@@ -898,7 +919,7 @@ class PolicyServer:
       if reasoning is not None:
         message["reasoning_content"] = reasoning
       if calls:
-        message["tool_calls"] = [_call_json(c, _call_id()) for c in calls]
+        message["tool_calls"] = [_call_json(c, _call_id(c)) for c in calls]
       choice = {"index": i, "message": message, "logprobs": None,
                 "finish_reason": _finish_reason(out.finish_reason, calls)}
       if logprobs is not None:
@@ -939,7 +960,7 @@ class PolicyServer:
       out = [chunk(k, {"reasoning_content": reasoning})] if reasoning else []
       out += [chunk(k, {"content": content})] if content else []
       for c in calls[len(call_ids[k]):]:
-        index, cid = len(call_ids[k]), _call_id()
+        index, cid = len(call_ids[k]), _call_id(c)
         call_ids[k].append(cid)
         args = _call_json(c, cid)["function"]["arguments"]
         out.append(chunk(k, {"tool_calls": [{"index": index, "id": cid, "type": "function",
