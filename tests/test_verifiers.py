@@ -92,6 +92,16 @@ def assert_agrees_with_swebench(verdict: Verdict, report: dict):
     assert set(status[key]["failure"]) == {t for t, s in ours.items() if s not in ok}, key
 
 
+def assert_same_statuses(task: Task, log_parser: str, run):
+  """Our per-test statuses are swebench's parser's on the same run's log (pytest: for every
+  test the log names; JUnit knows xfail from xpass, which the log parser leaves out)."""
+  theirs = {k: v.lower() for k, v in PARSER_REGISTRY[log_parser](run.output, None).items()}
+  if task.test_runner == "pytest":
+    assert theirs and {k: run.statuses[junit_key(k)] for k in theirs} == theirs
+  else:
+    assert run.statuses == theirs
+
+
 def with_code(extra: str, path="intervals/merge.py", files=MERGE_FILES) -> dict:
   """The unfixed repository with `extra` appended to a module the tests import."""
   return {**files, path: files[path] + b"\n" + extra.encode()}
@@ -116,6 +126,7 @@ def test_reference_fix_gets_1_and_unchanged_repo_gets_0(instance_id, runs, tmp_p
   for verdict, run, name in ((fixed, runs[0], "gold"), (empty, runs[1], "empty")):
     report = swebench_report(task, parser[instance_id], run, tmp_path / f"{name}.log")
     assert_agrees_with_swebench(verdict, report)
+    assert_same_statuses(task, parser[instance_id], run)
 
 
 def test_xfail_in_pass_to_pass_is_kept():
@@ -123,6 +134,178 @@ def test_xfail_in_pass_to_pass_is_kept():
   v = check(TASKS["units-1"], TASKS["units-1"].patch)
   assert v.reward == 1.0 and v.details["pass_to_pass"]["tests/test_convert.py::test_kelvin"] == (
       "xfail")
+
+
+@pytest.fixture(scope="module")
+def chat():
+  return make_chat("qwen2.5", HFTokenizer(_tiny_bpe(), eos_token="<|im_end|>"))
+
+
+def tc(name, **args):
+  return {"role": "assistant", "content": None,
+          "tool_calls": [{"function": {"name": name, "arguments": args}}]}
+
+
+def test_official_rows_end_to_end(chat, runs, tmp_path):
+  """Rows with only SWE-bench's fields, their repositories in a local git mirror: checkout, an
+  episode in bwrap (a scripted agent writes the gold patch, or does nothing), verification in a
+  fresh sandbox. Gold is resolved, nothing is not, and swebench grades each run's log alike."""
+  rows = official_rows()
+  tasks = load_swe_rows(rows, mirror=make_mirror(tmp_path / "mirror"),
+                        cache_dir=str(tmp_path / "cache"))
+  make = make_sandbox_factory("bwrap")
+  config = ScaffoldConfig(max_turns=4, max_new_tokens=4096)
+
+  async def main():
+    out = []
+    for task in tasks:
+      original = load_repo_files(task)
+      gold = [tc("write_file", path=p, content=d.decode())
+              for p, d in reference_files(task).items() if original.get(p) != d]
+      for name, script in (("gold", gold + [tc("submit")]), ("nothing", [tc("submit")])):
+        episode = make_react_episode(ScriptedPolicy(chat, script), chat, make, config)
+        out.append((task, name, await episode(task, 0, 0)))
+    return out
+  results = run(main())
+  assert len(runs) == len(results) == 2 * len(rows)
+  for (task, name, trajectory), test_run, row in zip(results, runs, [r for r in rows
+                                                                     for _ in "ab"]):
+    verdict = Verdict(trajectory.reward, trajectory.metadata["verdict"])
+    assert trajectory.termination == "submitted"
+    assert verdict.reward == (name == "gold"), (task.instance_id, name, verdict.details)
+    parser = row.get("log_parser", "parse_log_pytest")
+    assert_agrees_with_swebench(verdict, swebench_report(
+        task, parser, test_run, tmp_path / f"{task.instance_id}-{name}.log"))
+    assert_same_statuses(task, parser, test_run)
+
+
+def test_swe_smith_row(tmp_path, runs):
+  """A SWE-smith row (bug patch, failing tests hidden by the branch's last commit): the reverse
+  of its patch resolves it, the checkout as is does not."""
+  row, _ = make_smith_mirror(tmp_path)
+  (task,) = load_swe_rows([row], mirror=str(tmp_path), cache_dir=str(tmp_path / "cache"))
+  gold, empty = check(task, task.patch), check(task, "")
+  assert gold.reward == 1.0 and empty.reward == 0.0, (gold.details, empty.details)
+  for verdict, test_run in zip((gold, empty), runs):
+    assert_agrees_with_swebench(verdict, swebench_report(task, "parse_log_pytest", test_run,
+                                                         tmp_path / "run.log"))
+
+
+# A runner with the interface and output of sympy's bin/test --verbose.
+SYMPY_STYLE_BIN_TEST = r'''"""Runs the test_* functions of the given files; sympy's report."""
+import importlib.util
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.getcwd())
+counts, failures, start = {"passed": 0, "failed": 0, "exceptions": 0}, [], time.time()
+print(" test process starts ".center(80, "="))
+for path in [a for a in sys.argv[1:] if not a.startswith("-")]:
+    spec = importlib.util.spec_from_file_location("tested", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    names = [n for n in vars(module) if n.startswith("test_")]
+    print(f"{path}[{len(names)}] ")
+    for name in names:
+        try:
+            getattr(module, name)()
+            mark, kind = "ok", "passed"
+        except AssertionError:
+            mark, kind = "F", "failed"
+        except Exception:
+            mark, kind = "E", "exceptions"
+        counts[kind] += 1
+        if kind != "passed":
+            failures.append((path, name, traceback.format_exc()))
+        print(f"{name} {mark}")
+for path, name, text in failures:
+    print("_" * 80)
+    print(f" {path}:{name} ".center(80, "_"))
+    print(text)
+done = ", ".join(f"{n} {kind}" for kind, n in counts.items() if n)
+print(f" tests finished: {done}, in {time.time() - start:.2f} seconds ".center(80, "="))
+sys.exit(1 if failures else 0)
+'''
+
+
+def test_sympy_style_runner(tmp_path, runs):
+  """A repository tested with a sympy-style bin/test: graded from its log as swebench's sympy
+  parser reads it (a test erroring in both runs, listed nowhere, is in the log too)."""
+  repo = {"bin/test": SYMPY_STYLE_BIN_TEST, "calc/__init__.py": "",
+          "calc/ops.py": "def double(x):\n    return x + x\n\n\ndef square(x):\n    return x * 2\n",
+          "calc/tests/__init__.py": "",
+          "calc/tests/test_ops.py": "from calc.ops import double\n\n\ndef test_double():\n"
+                                    "    assert double(3) == 6\n"}
+  for path, text in repo.items():
+    (tmp_path / "repo" / path).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "repo" / path).write_text(text)
+  original = load_repo_files(str(tmp_path / "repo"))
+  tests = original["calc/tests/test_ops.py"] + (
+      b"\n\ndef test_square():\n    from calc.ops import square\n    assert square(3) == 9\n"
+      b"\n\ndef test_divide_by_zero():\n    1 / 0\n")
+  fixed = original["calc/ops.py"].replace(b"x * 2", b"x * x")
+  row = {"instance_id": "calc-1", "repo": "arbor-examples/calc", "repo_path": "repo",
+         "log_parser": "parse_log_sympy", "problem_statement": "square(3) is 6",
+         "FAIL_TO_PASS": '["test_square"]', "PASS_TO_PASS": '["test_double"]',
+         "patch": make_patch(original, {**original, "calc/ops.py": fixed}),
+         "test_patch": make_patch(original, {**original, "calc/tests/test_ops.py": tests})}
+  (task,) = load_swe_rows([row], base_dir=str(tmp_path))
+  assert task.script_command() == ({"PYTHONWARNINGS": "ignore::UserWarning,ignore::SyntaxWarning"},
+                                   "python3", "bin/test", ["-C", "--verbose",
+                                                           "calc/tests/test_ops.py"])
+  gold, empty = check(task, task.patch), check(task, "")
+  assert gold.reward == 1.0 and empty.reward == 0.0, (gold.details, empty.details)
+  assert runs[0].statuses["test_divide_by_zero"] == "error"
+  for verdict, test_run in zip((gold, empty), runs):
+    assert_agrees_with_swebench(verdict, swebench_report(task, "parse_log_sympy", test_run,
+                                                         tmp_path / "run.log"))
+    assert_same_statuses(task, "parse_log_sympy", test_run)
+  # Its runner is restored like the tests: a bin/test that reports success is not run.
+  fake = {**original, "bin/test": "print('test_square ok')\nprint('test_double ok')\n"}
+  v = check(task, fake)
+  assert v.reward == 0.0 and v.details["restored"] == ["bin/test"]
+
+
+def _xfail_repo(tmp_path):
+  repo = tmp_path / "repo"
+  (repo / "pkg").mkdir(parents=True)
+  (repo / "tests").mkdir()
+  (repo / "pkg" / "__init__.py").write_text("")
+  (repo / "pkg" / "m.py").write_text("def answer():\n    return 41\n")
+  (repo / "tests" / "test_m.py").write_text(
+      "import pytest\n\nfrom pkg.m import answer\n\n\ndef test_plain():\n    assert True\n"
+      "\n\n@pytest.mark.xfail(reason='known')\ndef test_marked_but_passes():\n    assert True\n")
+  original = load_repo_files(str(repo))
+  test_patch = make_patch(original, {**original, "tests/test_m.py": original["tests/test_m.py"]
+                                     + b"\n\ndef test_answer():\n    assert answer() == 42\n"})
+  return original, test_patch
+
+
+def test_xpass_and_xfail_calls(tmp_path, runs):
+  """An xfail-marked PASS_TO_PASS test that passes (XPASS) is no success, as in SWE-bench; an
+  xfail raised by the code under test (pytest.xfail()) is no success either, where swebench's
+  grading would count the FAIL_TO_PASS test as resolved."""
+  original, test_patch = _xfail_repo(tmp_path)
+  base = {"repo_path": "repo", "problem_statement": "answer() is 41",
+          "FAIL_TO_PASS": ["tests/test_m.py::test_answer"], "test_patch": test_patch}
+  xpass, plain = load_swe_rows([
+      {**base, "instance_id": "xpass", "PASS_TO_PASS": ["tests/test_m.py::test_marked_but_passes"]},
+      {**base, "instance_id": "plain", "PASS_TO_PASS": ["tests/test_m.py::test_plain"]}],
+      base_dir=str(tmp_path))
+  fixed = {**original, "pkg/m.py": b"def answer():\n    return 42\n"}
+  v = check(xpass, fixed)
+  assert v.reward == 0.0 and v.details["pass_to_pass"] == {
+      "tests/test_m.py::test_marked_but_passes": "xpass"}
+  report = swebench_report(xpass, "parse_log_pytest", runs[-1], tmp_path / "xpass.log")
+  assert_agrees_with_swebench(v, report)
+  assert check(plain, fixed).reward == 1.0
+  hack = {**original, "pkg/m.py": b"import pytest\n\n\ndef answer():\n    pytest.xfail('later')\n"}
+  v = check(plain, hack)
+  assert v.reward == 0.0 and v.details["fail_to_pass"] == {
+      "tests/test_m.py::test_answer": "xfail_unmarked"}
+  assert swebench_report(plain, "parse_log_pytest", runs[-1], tmp_path / "hack.log")["resolved"]
 
 
 def test_diff_submissions():
@@ -317,12 +500,15 @@ def test_fake_report_then_early_exit_gets_0():
   assert v.reward == 0.0 and "did not finish" in v.details["reason"]
 
 
-def test_report_rewritten_after_the_run_gets_0():
+@pytest.mark.parametrize("instance_id", ["intervals-1", "slugs-1"])
+def test_results_rewritten_after_the_run_get_0(instance_id):
   """A process that survives the run (possible where a backend has no PID namespace) rewrites
-  the report copy: the hash printed by the runner no longer matches."""
+  the report and log copies: the hashes printed by the runner no longer match."""
+  task = TASKS[instance_id]
+  ids = task.fail_to_pass + task.pass_to_pass
   fake = ('<testsuites><testsuite name="pytest">' + "".join(
-      f'<testcase classname="{c}" name="{n}" />' for c, n in map(
-          junit_key, MERGE.fail_to_pass + MERGE.pass_to_pass)) + "</testsuite></testsuites>")
+      f'<testcase classname="{c}" name="{n}" />' for c, n in map(junit_key, ids))
+      + "</testsuite></testsuites>\n" + "".join(f"{i} ... ok\n" for i in ids))
 
   class Tampering:
     def __init__(self, inner):
@@ -340,8 +526,50 @@ def test_report_rewritten_after_the_run_gets_0():
 
   async def tampering(task):
     return Tampering(await bwrap(task))
-  v = run(verify_tests(MERGE, MERGE_FILES, tampering))
+  v = run(verify_tests(task, load_repo_files(task), tampering))
   assert v.reward == 0.0 and "changed after" in v.details["reason"]
+
+
+SLUGS = TASKS["slugs-1"]  # the Django-style instance: graded from its runner's log
+SLUGS_FILES = load_repo_files(SLUGS)
+
+
+def test_log_runner_fake_results_and_exit_status_get_0(runs, tmp_path):
+  """Code under test prints a passing line for every test, then the run fails: as in SWE-bench,
+  a log without any failure from a run that exited non-zero is not trusted."""
+  fake = "".join(f"print({f'{i} ... ok'!r}, file=sys.stderr)\n"
+                 for i in SLUGS.fail_to_pass + SLUGS.pass_to_pass)
+  v = check(SLUGS, with_code(f"import sys\n{fake}raise SystemExit(1)\n", "slugs/text.py",
+                             SLUGS_FILES))
+  assert v.reward == 0.0 and "not trusted" in v.details["reason"], v.details
+  assert set(runs[-1].statuses.values()) == {"passed"} and runs[-1].exit_code == 1
+  report = swebench_report(SLUGS, "parse_log_django", runs[-1], tmp_path / "fake.log")
+  assert not report["resolved"] and not report["patch_successfully_applied"]
+
+
+def test_log_runner_defences():
+  """The runner script is restored like the tests, rewriting it during the run gets 0, and the
+  tests' processes cannot open the trusted runner's descriptors or memory (non-dumpable)."""
+  fake_runner = "import sys\nprint('test_simple (x) ... ok', file=sys.stderr)\n"
+  v = check(SLUGS, {**reference_files(SLUGS), "tests/runtests.py": fake_runner})
+  assert v.reward == 1.0 and v.details["restored"] == ["tests/runtests.py"]  # the real one ran
+  v = check(SLUGS, with_code("""
+import os
+with open(os.path.join(os.getcwd(), "tests", "runtests.py"), "a") as _f:
+    _f.write("# changed\\n")
+""", "slugs/text.py", SLUGS_FILES))
+  assert v.reward == 0.0 and "tests/runtests.py was modified" in v.details["reason"]
+  v = check(SLUGS, with_code("""
+import os, sys
+for _what in ("fd/1", "mem", "environ"):
+    try:
+        open("/proc/%d/%s" % (os.getppid(), _what), "rb").close()
+        print("OPENED", _what, file=sys.stderr)
+    except OSError as e:
+        print("DENIED", _what, e.errno, file=sys.stderr)
+""", "slugs/text.py", SLUGS_FILES))
+  for what in ("fd/1", "mem", "environ"):
+    assert f"DENIED {what}" in v.details["log"] and "OPENED" not in v.details["log"], v.details
 
 
 def test_shadowing_pytest_gets_0():
@@ -434,14 +662,107 @@ def test_junit_parsing():
   xml = b"""<?xml version="1.0"?><testsuites><testsuite name="pytest">
     <testcase classname="t" name="ok"/>
     <testcase classname="t" name="bad"><failure message="x"/></testcase>
-    <testcase classname="t" name="skip"><skipped/></testcase>
+    <testcase classname="t" name="skip"><skipped type="pytest.skip" message="no"/></testcase>
     <testcase classname="t" name="teardown"/>
     <testcase classname="t" name="teardown"><error message="boom"/></testcase>
+    <testcase classname="t" name="xf"><skipped type="pytest.xfail" message="why"/></testcase>
+    <testcase classname="t" name="xp"><properties>
+      <property name="arbor_outcome" value="xpass"/></properties></testcase>
+    <testcase classname="t" name="old_xp">
+      <skipped message="xfail-marked test passes unexpectedly"/></testcase>
+    <testcase classname="t" name="called"><properties>
+      <property name="arbor_outcome" value="xfail_unmarked"/></properties>
+      <skipped type="pytest.xfail" message=""/></testcase>
   </testsuite></testsuites>"""
   assert parse_junit(xml) == {("t", "ok"): "passed", ("t", "bad"): "failed",
-                              ("t", "skip"): "skipped", ("t", "teardown"): "error"}
+                              ("t", "skip"): "skipped", ("t", "teardown"): "error",
+                              ("t", "xf"): "xfail", ("t", "xp"): "xpass",
+                              ("t", "old_xp"): "xpass", ("t", "called"): "xfail_unmarked"}
   with pytest.raises(ValueError):
     parse_junit(b"<html/>")
+
+
+DJANGO_LOG = """Testing against Django installed in '/testbed/django'
+Found 14 test(s).
+System check identified no issues (0 silenced).
+test_a (m.tests.T.test_a) ... ok
+test_b (m.tests.T.test_b) ... FAIL
+test_c (m.tests.T.test_c) ... ERROR
+test_d (m.tests.T.test_d) ... skipped 'no database'
+test_e (m.tests.T.test_e)
+The first line of a docstring. ... ok
+test_f (m.tests.T.test_f) ... expected failure
+test_g (m.tests.T.test_g) ... unexpected success
+test_h (m.tests.T) ... printed on the way
+ok
+test_i (m.tests.T) ... System check identified no issues (0 silenced)
+ok
+test_j (m.tests.T) ... Internal Server Error: /admin/x/
+ok
+Applying sites.0002_alter_domain_unique...test_no_migrations (m.tests.T) ... ok
+test_k (m.tests.T) ...  OK
+--version is equivalent to version
+
+======================================================================
+FAIL: test_b (m.tests.T.test_b)
+----------------------------------------------------------------------
+Traceback (most recent call last):
+AssertionError: 1 != 2
+
+======================================================================
+ERROR: test_c (m.tests.T.test_c)
+----------------------------------------------------------------------
+Ran 14 tests in 0.010s
+
+FAILED (failures=1, errors=1, skipped=1, expected failures=1, unexpected successes=1)
+"""
+
+SYMPY_LOG = """============================= test process starts ==============================
+executable:         /usr/bin/python3  (3.11.2-final-0) [CPython]
+sympy/core/tests/test_basic.py[5] 
+test_a ok
+test_b F
+test_c E
+test_d f
+test_e s                                                                    [FAIL]
+
+________________________________________________________________________________
+___________________ sympy/core/tests/test_basic.py:test_b ______________________
+Traceback (most recent call last):
+AssertionError
+________________________________________________________________________________
+___________________ sympy/core/tests/test_basic.py:test_c ______________________
+ZeroDivisionError: division by zero
+= tests finished: 1 passed, 1 failed, 1 skipped, 1 expected to fail, 1 exceptions, in 0.1 seconds =
+DO *NOT* COMMIT!
+"""
+
+
+@pytest.mark.parametrize("runner,log", [("django", DJANGO_LOG), ("sympy", SYMPY_LOG)])
+def test_log_parsers_read_as_swebench(runner, log):
+  theirs = PARSER_REGISTRY[f"parse_log_{runner}"](log, None)
+  assert len(theirs) >= 5 and swe_logs.LOG_PARSERS[runner](log) == {
+      k: v.lower() for k, v in theirs.items()}
+  assert swe_logs.parse_django_log("FAIL:\n") == {}  # where swebench's parser raises
+
+
+def test_grading_rules_are_swebench_s():
+  """Random runs (every status, missing tests, ids truncated inside their parameters) graded
+  by swe_logs.grade and by swebench's get_eval_tests_report / get_resolution_status."""
+  rng = random.Random(0)
+  names = ["t1", "t2", "t3", "p[a-1]", "p[a-2]", "q[log(x)]", "q[log(y)]", "r[1]"]
+  ids = names + ["p[a", "q[log(", "r[", "s"]  # truncated, or never reported
+  for _ in range(400):
+    run = {n: rng.choice(["PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL"])
+           for n in rng.sample(names, rng.randint(0, len(names)))}
+    f2p, p2p = rng.sample(ids, rng.randint(1, 4)), rng.sample(ids, rng.randint(0, 4))
+    report = swebench_grading.get_eval_tests_report(run, {FAIL_TO_PASS: f2p, PASS_TO_PASS: p2p})
+    ours = swe_logs.grade(f2p, p2p, lambda t: swe_logs.find_status(
+        t, {k: v.lower() for k, v in run.items()}))
+    assert ours.resolved == (swebench_grading.get_resolution_status(report) == "RESOLVED_FULL")
+    assert ours.successes == sum(len(report[k]["success"]) for k in (FAIL_TO_PASS, PASS_TO_PASS))
+    assert ours.total == sum(len(report[k][o]) for k in (FAIL_TO_PASS, PASS_TO_PASS)
+                             for o in ("success", "failure"))
 
 
 # ----------------------------------------------------------------------------- python_io

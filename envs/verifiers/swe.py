@@ -322,8 +322,9 @@ def _finish(rc, report, log_fd):
     except Exception:
       pass
   out = os.pread(log_fd, os.fstat(log_fd).st_size, 0)
-  words = [NONCE, str(rc), _copy(COPY + "r", report) if report else "none 0", _copy(COPY + "l", out)]
-  os.write(OUT, out[-TAIL:] + ("\n" + " ".join(words) + "\n").encode())
+  report = _copy(COPY + "r", report) if report else "none 0"
+  line = "%s %d %s %s" % (NONCE, rc, report, _copy(COPY + "l", out))
+  os.write(OUT, out[-TAIL:] + ("\n" + line + "\n").encode())
   os._exit(0)
 '''
 
@@ -398,7 +399,7 @@ class RunResult:
   output: str = ""             # the whole output (the log runners' statuses come from it)
 
 
-PytestRun = RunResult  # the name pytest runs were first known by
+PytestRun = RunResult  # the name envs.verifiers exports
 
 
 async def _run(sandbox: Sandbox, python: str, program: str, timeout: float,

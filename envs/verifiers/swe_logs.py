@@ -120,11 +120,11 @@ LOG_PARSERS: dict[str, Callable[[str], dict[str, str]]] = {
 
 
 def find_status(test: str, statuses: Mapping[str, str]) -> Optional[str]:
-  """The status of `test`, or None when the run did not report it.
+  """The status of `test` in a run, or None when the run did not report it.
 
-  Only SWE-bench's statuses count (others read as missing). An id cut off inside its
-  parameters (more "[" than "]") takes the status of the tests it prefixes when they agree on
-  passing vs not.
+  An id cut off inside its parameters (more "[" than "]") and absent from the run takes the
+  status of the tests it prefixes when they agree on passing vs not (SWE-bench statuses only:
+  the ones its log parsers record).
 
   Args:
     test: a FAIL_TO_PASS / PASS_TO_PASS id.
@@ -137,7 +137,7 @@ def find_status(test: str, statuses: Mapping[str, str]) -> Optional[str]:
     matches = [s for k, s in statuses.items() if s in SWEBENCH_STATUSES and k.startswith(test)]
     if matches and len({s in _PASSING for s in matches}) == 1:
       return matches[0]
-  return None
+  return status
 
 
 @dataclasses.dataclass
@@ -158,7 +158,8 @@ def grade(fail_to_pass: Sequence[str], pass_to_pass: Sequence[str],
   Args:
     fail_to_pass: the task's FAIL_TO_PASS ids.
     pass_to_pass: the task's PASS_TO_PASS ids.
-    status: test id -> its status in the run, or None when missing (`find_status`).
+    status: test id -> its status in the run, or None when missing (`find_status`);
+      statuses SWE-bench does not record (xpass, xfail_unmarked) grade as missing.
 
   Returns:
     The grade.
