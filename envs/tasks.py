@@ -303,8 +303,14 @@ def _statements(d: Mapping, main_field: str) -> tuple[str, ...]:
 
 
 def patch_files(patch: str) -> list[str]:
-  """The files a unified diff touches ("diff --git a/X b/Y" and "--- a/X" / "+++ b/Y" lines),
-  in order of appearance, without duplicates."""
+  """The files a unified diff touches.
+
+  Args:
+    patch: the diff ("diff --git a/X b/Y", "--- a/X" and "+++ b/Y" lines name files).
+
+  Returns:
+    The paths in order of appearance, without duplicates.
+  """
   out = []
   for line in patch.splitlines():
     m = re.match(r"^diff --git a/.* b/(.*)$", line)
@@ -317,8 +323,10 @@ def patch_files(patch: str) -> list[str]:
 
 
 def patch_directives(test_patch: str, runner: str = "pytest") -> list[str]:
-  """What SWE-bench passes to the test command: the test patch's files (data files left out);
-  for Django, test modules as labels relative to tests/ ("tests/a/tests.py" -> "a.tests").
+  """What SWE-bench passes to the test command.
+
+  The test patch's files, data files left out; for Django, its test modules as labels
+  relative to tests/ ("tests/a/tests.py" -> "a.tests").
 
   Args:
     test_patch: the task's test patch.
@@ -770,7 +778,7 @@ def resolve_commit(git_dir: str, ref: str) -> str:
 
 def _smith_test_patch(git_dir: str, commit: str) -> str:
   """SWE-smith's test patch: when `commit` is its "Remove F2P Tests" commit, the diff that
-  brings back the failing tests from its parent (the "Bug Patch" commit); "" otherwise."""
+  brings the failing tests back from its parent (the "Bug Patch" commit); else ""."""
   if _git(git_dir, "log", "-1", "--format=%s", commit).decode().strip() != _SMITH_REMOVAL:
     return ""
   return _git(git_dir, "-c", "core.quotePath=false", "diff", "--no-color", "--no-ext-diff",
