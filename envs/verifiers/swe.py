@@ -35,8 +35,8 @@ the same sandbox, and in the same Python process, as the test runner. Defences:
    one such line and copies with those hashes: a result written or rewritten by anyone else (a
    fake XML anywhere, a "PASSED" line on the sandbox's stdout, an atexit handler, a surviving
    daemon) does not count, a run killed or exited early prints no line, and a test missing from
-   the results fails. As in SWE-bench, a log run that exits non-zero while reporting no failure
-   is not trusted.
+   the results fails. As in SWE-bench, a run that exits non-zero while reporting no failure is
+   not trusted.
 4. After the run, the test modules, runner, conftest and config files in the sandbox must still
    be byte-identical to what was written (code that rewrites tests on disk gets 0).
 Residual risk: code under test runs inside the test runner's process. With pytest it could, by
@@ -348,9 +348,12 @@ class _Outcomes:
   @pytest.hookimpl(hookwrapper=True, tryfirst=True)
   def pytest_runtest_makereport(self, item, call):
     rep = (yield).get_result()
-    if hasattr(rep, "wasxfail") and rep.when == "call" and rep.passed:
+    if not hasattr(rep, "wasxfail"):
+      return
+    if rep.when == "call" and rep.passed:
       item.user_properties.append(("arbor_outcome", "xpass"))
-    elif hasattr(rep, "wasxfail") and rep.skipped and not any(item.iter_markers("xfail")):
+    elif rep.skipped and not (any(item.iter_markers("xfail")) if hasattr(item, "iter_markers")
+                              else item.get_marker("xfail")):  # pytest < 3.6
       item.user_properties.append(("arbor_outcome", "xfail_unmarked"))
 
 # The report goes to an anonymous in-memory file: outside the repository, with no path on disk.
