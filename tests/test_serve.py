@@ -43,7 +43,7 @@ from models.engine import Completion, Engine, EngineConfig
 from tests.conftest import TINY_DENSE
 from tests.test_chat import QWEN25_TEMPLATE, _tiny_bpe, hf_render
 from tests import test_chat_templates as templates
-from tests.test_engine import check_logprobs, teacher
+from tests.test_engine import check_logprobs
 from trainer.serve import EnginePolicy, PolicyServer, ServerConfig, build, parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -364,6 +364,16 @@ def test_completions_every_prompt_form(server, client, tok):
       got[ch.index] += ch.text
   assert got == [t + r for t, r in zip(texts, ref_text)] and chunks[-1].usage.total_tokens == \
       echo.usage.total_tokens
+  # streamed log-probs, assembled, are the reply's
+  kw["max_tokens"] = 30
+  reply = client.completions.create(prompt=ids, logprobs=2, **kw)
+  got = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+         for _ in ids]
+  for c in client.completions.create(prompt=ids, logprobs=2, stream=True, **kw):
+    for ch in c.choices:
+      for key in (got[ch.index] if ch.logprobs else ()):
+        got[ch.index][key] += getattr(ch.logprobs, key)
+  assert got == [c.logprobs.model_dump() for c in reply.choices]
   with pytest.raises(openai.BadRequestError, match="echo") as e:
     client.completions.create(prompt="Hi", echo=True, logprobs=1, **kw)
   assert e.value.param == "echo"

@@ -52,7 +52,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import uvicorn
 from starlette.applications import Starlette
@@ -768,8 +768,8 @@ class PolicyServer:
             "system_fingerprint": f"arbor-policy-{self.engine.version}"}
 
   async def _events(self, samples: list[_Sample], queue: asyncio.Queue, on_tokens, on_done):
-    """Yields (k, chunks) as the samples progress: on_tokens(k, ids, lps, top) while one
-    runs, on_done(k, completion) once it is finished; stops after the last one."""
+    """Yields lists of chunks as the samples progress: on_tokens(k, ids, lps, top) while
+    sample k runs, on_done(k, completion) once it is finished; stops after the last one."""
     left = len(samples)
     while left:
       event = await queue.get()
