@@ -22,7 +22,8 @@ setup(
         ]
     ),
     # Bundled example tasks (SWE-format repositories and code problems).
-    package_data={"envs": ["data/*.jsonl", "data/swe/*.jsonl", "data/swe/repos/**/*"]},
+    package_data={"envs": ["data/*.jsonl", "data/swe/*.jsonl", "data/swe/repos/**/*",
+                           "chat/templates/*.jinja"]},
     install_requires=[
         JAX,
         "flax>=0.12.8,<0.13",

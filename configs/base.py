@@ -19,7 +19,7 @@ placeholder = ml_collections.config_dict.placeholder
 
 FAMILIES = {  # Hugging Face family -> (chat format, example checkpoint: a placeholder path)
     "qwen2.5-coder": ("qwen2.5", "/path/to/Qwen2.5-Coder-7B-Instruct"),
-    "qwen3": ("chatml", "/path/to/Qwen3-8B"),
+    "qwen3": ("template", "/path/to/Qwen3-8B"),  # its own template: thinking, history rules
     "deepseek-v3": ("deepseek_v3", "/path/to/Moonlight-16B-A3B-Instruct"),
 }
 
@@ -111,7 +111,10 @@ def _tokenizer() -> ml_collections.ConfigDict:
   # tokenizer dir or file (tokenizer.json / tokenizer.model / tiktoken); "" = the trained demo
   # tokenizer (train_vocab_size > 0), else the checkpoint's (hf:DIR, ckpt:DIR)
   s.path = ""
-  s.chat_format = "chatml"  # envs.chat: "chatml" | "qwen2.5" | "deepseek_v3" | "plain"
+  # envs.chat: "template" (the checkpoint's own Jinja chat_template, run as transformers does)
+  # or a built-in format: "chatml" | "qwen2.5" | "deepseek_v3" | "plain"
+  s.chat_format = "chatml"
+  s.template_kwargs = {}  # for "template": e.g. {"enable_thinking": False} (Qwen3)
   # > 0 (and path ""): train a sentencepiece BPE of this size on demo text into <workdir>/tokenizer
   s.train_vocab_size = 0
   s.train_episodes = 64  # scripted demo episodes whose text trains that tokenizer
@@ -313,4 +316,5 @@ def _serve() -> ml_collections.ConfigDict:
   s.served_name = "arbor"  # the "model" field of chat replies
   s.slots = 16  # sequences decoded together
   s.max_seq_len = 4096  # longest input + output
+  s.top_logprobs = 20  # most alternatives per token a request may ask for (OpenAI's limit)
   return s

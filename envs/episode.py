@@ -165,7 +165,8 @@ def make_sandbox_factory(backend: str, *, limits: Optional[Limits] = None,
     allow_unsafe: permits "local", which runs code without isolation.
 
   Returns:
-    `async make(task) -> Sandbox`; bwrap honours a task's `rootfs`.
+    `async make(task) -> Sandbox`; bwrap honours a task's `rootfs`, docker its `image_name`
+    (SWE-bench / SWE-smith rows name the prepared image of their repository).
 
   Raises:
     ValueError: an unknown backend, or remote without url or token_file.
@@ -188,6 +189,8 @@ def make_sandbox_factory(backend: str, *, limits: Optional[Limits] = None,
       return await create_sandbox("local", limits=limits, allow_unsafe=allow_unsafe)
     if backend == "bwrap" and task.rootfs:
       return await create_sandbox("bwrap", limits=limits, rootfs=task.rootfs)
+    if backend == "docker" and getattr(task, "image_name", None):  # a SWE row's prepared image
+      return await create_sandbox("docker", limits=limits, image=task.image_name)
     return await create_sandbox(backend, limits=limits)
   return make
 

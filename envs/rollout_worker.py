@@ -30,12 +30,13 @@ import hashlib
 import json
 import logging
 import math
+import os
 import signal
 import threading
 import time
 from typing import Any, Optional, Sequence
 
-from envs.chat import load_tokenizer, make_chat
+from envs.chat import load_chat, load_tokenizer, make_chat
 from envs.episode import (EpisodeFn, load_task_file, make_react_episode, make_sandbox_factory,
                           run_task_group)
 from envs.net import read_secret
@@ -388,7 +389,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   a("--sandbox_cafile", help="CA certificate of an https sandbox server")
   a("--allow_unsafe_sandbox", action="store_true", help="permit --sandbox local")
   a("--tokenizer", required=True, help="tokenizer.json / tiktoken / sentencepiece (file or dir)")
-  a("--chat", default="chatml", help="chat format: chatml | qwen2.5 | deepseek_v3 | plain")
+  a("--chat", default="chatml", help="chat format: template (the tokenizer directory's own "
+    "Jinja chat template) | chatml | qwen2.5 | deepseek_v3 | plain")
   add_scaffold_flags(p)
   a("--partial_credit", action="store_true", help="reward = fraction of tests passing")
   a("--lease_ttl", type=float, default=120.0, help="seconds a lease lives without renewal")
@@ -422,7 +424,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if not tasks:
     log.error("%s: no valid task", args.tasks)
     return 2
-  chat = make_chat(args.chat, load_tokenizer(args.tokenizer))
+  tokenizer = load_tokenizer(args.tokenizer)
+  if args.chat == "template":
+    where = args.tokenizer if os.path.isdir(args.tokenizer) else os.path.dirname(args.tokenizer)
+    chat = load_chat(where, tokenizer)
+  else:
+    chat = make_chat(args.chat, tokenizer)
   token = read_secret(args.policy_token_file) if args.policy_token_file else None
   policy = HTTPPolicy(args.policy_url, token=token)
   make_sandbox = make_sandbox_factory(args.sandbox, url=args.sandbox_url,

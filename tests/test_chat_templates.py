@@ -400,3 +400,37 @@ def test_tool_call_prefix_follows_the_prompts_thinking_switch(checkpoints):
       .endswith("<think>\n\n</think>\n\n")
   assert dec(chat.tool_call_prefix_ids("bash", off)) == \
       '<tool_call>\n{"name": "bash", "arguments": '
+
+
+@pytest.mark.parametrize("name", ["chatml", "qwen2.5"])
+def test_builtin_templates_equal_the_formats(tmp_path, name):
+  """The template an export writes for a built-in format renders, in transformers, the ids the
+  format renders. The built-in formats read JSON-string tool-call arguments as their object (as
+  vLLM hands them to templates); transformers gives templates the string, which Qwen2.5's
+  template writes quoted: the comparison passes objects."""
+  from envs.chat.formats import builtin_template
+  d = save_checkpoint(tmp_path, builtin_template(name), **QWEN)
+  hf, hand = AutoTokenizer.from_pretrained(d), make_chat(name, load_tokenizer(d))
+  compared = 0
+  for conv, msgs in CONVERSATIONS.items():
+    msgs = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in msgs]
+    for m in msgs:
+      m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(
+          c["function"]["arguments"]) if isinstance(c["function"]["arguments"], str)
+          else c["function"]["arguments"]}} for c in m.get("tool_calls") or []] or None
+      if m["tool_calls"] is None:
+        del m["tool_calls"]
+    for end in range(1, len(msgs) + 1):
+      for generation in (True, False):
+        for tools in (None, TOOLS):
+          want = hf_ids(hf, msgs[:end], tools, generation, {})
+          assert hand.render(msgs[:end], tools, generation).ids == want, (conv, end, generation)
+          compared += 1
+  assert compared >= 40
+
+
+def test_builtin_deepseek_template_is_the_fixed_one():
+  from envs.chat.formats import builtin_template
+  from tests.test_chat import DEEPSEEK_V3_FIXED
+  assert builtin_template("deepseek_v3") == DEEPSEEK_V3_FIXED
+  assert builtin_template("plain") is None

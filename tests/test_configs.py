@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import time
 
 import ml_collections
@@ -108,6 +109,8 @@ def real_paths(tmp_path_factory):
   for family, cfg in hf_configs.items():
     hf_dirs[family] = str(root / f"hf_{family}")
     cfg.save_pretrained(hf_dirs[family])
+  template = os.path.join(os.path.dirname(__file__), "data", "chat_templates", "qwen3.jinja")
+  shutil.copy(template, os.path.join(hf_dirs["qwen3"], "chat_template.jinja"))  # its own
   data = root / "train.jsonl"
   data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
                                            {"role": "assistant", "content": "hello"}]}) + "\n")
@@ -246,7 +249,7 @@ def test_template_fails_only_on_its_placeholders(name, family, real_paths, tmp_p
   assert model.dtype == "bfloat16" and model.remat == "full"
   assert (model.attention == "mla") == (family == "deepseek-v3")
   assert config_lib.tokenizer_source(c, workdir) == real_paths["hf"][family]
-  assert c.tokenizer.chat_format == {"qwen2.5-coder": "qwen2.5", "qwen3": "chatml",
+  assert c.tokenizer.chat_format == {"qwen2.5-coder": "qwen2.5", "qwen3": "template",
                                      "deepseek-v3": "deepseek_v3"}[family]
   if name == "sft":
     return
@@ -290,3 +293,17 @@ def test_sharding_rule_overrides_replace_named_rules_and_name_bad_values():
   c.model.overrides.sharding_rules.residual = "tensor"
   with pytest.raises(ConfigError, match=r"sharding_rules.residual: no such logical axis"):
     config_lib.model_config(c)
+
+
+def test_template_chat_format_needs_a_template(real_paths, tmp_path):
+  """chat_format="template" on a checkpoint without a chat template fails naming the field."""
+  c = load("sft", "qwen3")
+  c.model.init = f"hf:{real_paths['hf']['qwen2.5-coder']}"  # config.json, no template
+  c.data.sources = c.data.eval_sources = (real_paths["data"],)
+  with pytest.raises(ConfigError, match=r"config.tokenizer.chat_format='template': expected a "
+                                        r"built-in format .* has no chat template"):
+    validate(c, str(tmp_path))
+  c.tokenizer.chat_format = "chatml"
+  c.tokenizer.template_kwargs = {"enable_thinking": False}
+  with pytest.raises(ConfigError, match="config.tokenizer.template_kwargs"):
+    validate(c, str(tmp_path))

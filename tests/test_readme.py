@@ -30,6 +30,12 @@ COMMANDS = {
                                 "test_start_from_an_hf_checkpoint_then_from_the_run",
     "python -m trainer.aot": "tests/test_aot.py compiles from the command line (v6e) and "
                              "runs the search",
+    "git clone --mirror": "a template (a mirror of a SWE-bench repository): tests/test_tasks.py::"
+                          "test_official_rows_check_out_from_a_mirror makes and reads one",
+    "export ARBOR_SWE_MIRROR=": "the mirror and checkout folders: tests/test_tasks.py::"
+                                "test_official_rows_check_out_from_a_mirror",
+    "python -m trainer.main --config=configs/rl.py --config.rl.tasks=": "a template (a SWE-bench "
+        "Parquet file): tests/test_tasks.py loads official rows, tests/test_rl.py runs RL",
     "python -m benchmarks.sizing": "run (below)",
     "python -m benchmarks.": "minutes each: docs/benchmarks.md records their runs",
 }

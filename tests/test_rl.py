@@ -173,6 +173,16 @@ def test_an_rl_run_exports_for_transformers(demo_run, tmp_path):
   with torch.no_grad():
     want = theirs.eval()(torch.from_numpy(tokens).long()).logits.float().numpy()
   np.testing.assert_allclose(arbor_logits(ours, tokens), want, atol=1e-4, rtol=1e-4)
+  # the run's own tokenizer (trained by the demo) and chat format, rendered by transformers
+  from envs.chat import load_tokenizer, make_chat
+  from tests.test_sft import assert_same_chat_rendering
+  run_cfg = ml_collections.ConfigDict(json.loads((w / "config.json").read_text()))
+  tok_dir = config_lib.tokenizer_source(run_cfg, str(w))
+  assert "tokenizer.json" in info["files"] and "chat_template.jinja" in info["files"]
+  chat = make_chat("chatml", load_tokenizer(tok_dir))
+  assert_same_chat_rendering(tmp_path / "hf", chat)
+  generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+  assert chat.end_id in np.atleast_1d(generation["eos_token_id"])  # stops at <|im_end|>
 
 
 def comparable(metrics):

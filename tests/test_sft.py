@@ -301,6 +301,33 @@ def test_a_missing_config_file_is_one_line(tmp_path):
       f"config error: --config=configs/nope.py: no such file {path!r}"]
 
 
+EXPORT_CHAT = [
+    {"role": "system", "content": "Fix the bug."},
+    {"role": "user", "content": "The tests fail:\n  AssertionError: 3 != 4"},
+    {"role": "assistant", "content": "Reading it.", "tool_calls": [
+        {"type": "function", "function": {"name": "read_file", "arguments": {"path": "a.py"}}}]},
+    {"role": "tool", "content": "def add(a, b):\n    return a - b\n"},
+    {"role": "assistant", "content": "Replace `a - b` by `a + b`."},
+    {"role": "user", "content": "Thanks! naïve ✓"},
+]
+
+
+def assert_same_chat_rendering(hf_dir, chat):
+  """transformers' AutoTokenizer on an exported directory renders conversations (tools, calls,
+  results, generation prompt) to the ids the run's chat format renders."""
+  from transformers import AutoTokenizer
+  hf_tok = AutoTokenizer.from_pretrained(str(hf_dir))
+  tools = [{"type": "function", "function": {
+      "name": "read_file", "description": "Read a file.", "parameters": {
+          "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+  for end in range(1, len(EXPORT_CHAT) + 1):
+    for generation in (True, False):
+      for t in (None, tools):
+        want = hf_tok.apply_chat_template(EXPORT_CHAT[:end], tools=t, tokenize=True,
+                                          return_dict=False, add_generation_prompt=generation)
+        assert chat.render(EXPORT_CHAT[:end], t, generation).ids == want, (end, generation, t)
+
+
 def checkpoint_dir(workdir):
   from trainer.checkpoint import Checkpointer
   return Checkpointer(workdir / "checkpoints")
@@ -375,6 +402,7 @@ def test_start_from_an_hf_checkpoint_then_from_the_run(assets, tmp_path):
       "--config.optimizer.warmup_steps=1", "--config.optimizer.learning_rate=1e-3",
       "--config.train.checkpoint_every=0", f"--config.compile_cache_dir={d / 'xla_cache'}",
       "--config.metrics.progress=False", "--config.metrics.report=False",
+      "--config.tokenizer.chat_format=chatml",  # the test tokenizer has no template of its own
       config="configs/sft.py:qwen3")
   m = read_jsonl(workdir / "sft" / "metrics.jsonl")
   assert sorted(m) == [1, 2]
@@ -417,3 +445,4 @@ def test_start_from_an_hf_checkpoint_then_from_the_run(assets, tmp_path):
   with torch.no_grad():
     want = theirs(torch.from_numpy(tokens).long()).logits.float().numpy()
   np.testing.assert_allclose(arbor_logits(ours, tokens), want, atol=1e-4, rtol=1e-4)
+  assert_same_chat_rendering(out, make_chat("chatml", load_tokenizer(str(d / "tok"))))

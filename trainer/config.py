@@ -48,7 +48,8 @@ import ml_collections
 
 from configs import base
 from envs import net, sandbox, taskgen
-from envs.chat.formats import FORMATS
+from envs.chat import load_chat, load_tokenizer, make_chat, read_chat_templates
+from envs.chat.formats import FORMATS, ChatFormat
 from models import hf
 from models.config import ModelConfig
 from models.presets import PRESETS, get_preset
@@ -398,6 +399,8 @@ def validate(config: ml_collections.ConfigDict, workdir: Optional[str] = None, *
   _validate_serve(config)
   if files and mode in ("rl", "distill", "eval", "serve"):
     tokenizer_source(config, workdir or ".")
+  if files and config.tokenizer.chat_format == "template":
+    _check_template(config, workdir or ".")
   if mode == "rl" or mode == "distill":
     _validate_rl_mode(config, files)
   if mode == "distill" and not config.distill.teachers:
@@ -602,11 +605,67 @@ def _validate_train(config, mode: str) -> None:
                       "set data.eval_sources or data.demo.eval_episodes > 0 (or eval_every=0)")
 
 
+CHAT_FORMATS = ("template",) + tuple(FORMATS)
+
+
+def make_chat_format(config, tokenizer_path: str) -> ChatFormat:
+  """The run's chat format over the tokenizer at `tokenizer_path` (`tokenizer_source`).
+
+  Args:
+    config: the experiment config (tokenizer.chat_format, tokenizer.template_kwargs).
+    tokenizer_path: a tokenizer directory or file.
+
+  Returns:
+    For chat_format "template", the checkpoint's own Jinja template (envs.chat.load_chat) with
+    the config's template kwargs; else the built-in format of that name.
+
+  Raises:
+    ConfigError: "template" for a tokenizer without a chat template.
+  """
+  tokenizer = load_tokenizer(tokenizer_path)
+  name = config.tokenizer.chat_format
+  if name != "template":
+    return make_chat(name, tokenizer)
+  kwargs = config.tokenizer.get("template_kwargs", None) or {}
+  kwargs = kwargs.to_dict() if hasattr(kwargs, "to_dict") else dict(kwargs)
+  directory = tokenizer_path if os.path.isdir(tokenizer_path) else os.path.dirname(tokenizer_path)
+  try:
+    return load_chat(directory, tokenizer, template_kwargs=kwargs)
+  except ValueError as e:
+    raise ConfigError(f"config.tokenizer.chat_format='template': {e} (or name a built-in "
+                      f"format: {', '.join(FORMATS)})") from None
+
+
+def _check_template(config, workdir: str) -> None:
+  """chat_format "template" needs a local tokenizer source that has a chat template."""
+  try:
+    source = tokenizer_source(config, workdir)
+  except ConfigError:
+    return  # nothing provides a tokenizer yet (the modes that need one say so)
+  if is_remote(source) or not os.path.exists(source):
+    return
+  directory = source if os.path.isdir(source) else os.path.dirname(source)
+  if read_chat_templates(directory) is None:
+    _fail("tokenizer.chat_format", "template", f"a built-in format ({', '.join(FORMATS)}): "
+          f"{directory} has no chat template (chat_template.jinja or tokenizer_config.json's "
+          "chat_template)")
+
+
 def _validate_tokenizer(config, mode: str, workdir: Optional[str]) -> None:
 
-  _choice(config, "tokenizer.chat_format", tuple(FORMATS))
+  fmt = _choice(config, "tokenizer.chat_format", CHAT_FORMATS)
   path = _str(config, "tokenizer.path")
   vocab = _int(config, "tokenizer.train_vocab_size", 0)
+  kwargs = config.tokenizer.get("template_kwargs", None) or {}
+  if not hasattr(kwargs, "items"):
+    _fail("tokenizer.template_kwargs", kwargs, "a dict of chat-template variables")
+  if kwargs and fmt != "template":
+    _fail("tokenizer.template_kwargs", dict(kwargs),
+          f"{{}} for the built-in chat format {fmt!r} (template kwargs are for "
+          "chat_format='template')")
+  if fmt == "template" and vocab > 0:
+    _fail("tokenizer.chat_format", fmt, "a built-in format when the run trains its own "
+          "tokenizer (tokenizer.train_vocab_size > 0): a trained tokenizer has no template")
   _int(config, "tokenizer.train_episodes", 1)
   if path and not is_remote(path) and not os.path.exists(path):
     raise ConfigError(f"config.tokenizer.path={path!r}: no such file or directory")
@@ -698,6 +757,7 @@ def _validate_serve(config) -> None:
   _str(config, "serve.served_name")
   _int(config, "serve.slots", 1)
   _int(config, "serve.max_seq_len", 128)
+  _int(config, "serve.top_logprobs", 0)
   if config.mode == "serve":
     try:
       net.check_bind(host, os.environ.get("ARBOR_SERVE_TOKEN") or None)

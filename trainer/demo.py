@@ -19,7 +19,6 @@ import time
 import ml_collections
 from matplotlib.figure import Figure
 
-from envs.chat import load_tokenizer, make_chat
 from trainer import config as config_lib
 from trainer import evaluate, harness, rl, rollouts, sft
 from trainer.metrics import JSONL, read_jsonl, say
@@ -76,7 +75,7 @@ def held_out_eval(rl_cfg, run_dir: str, out: str, mesh) -> dict:
   cfg.model.init, cfg.model.preset = f"ckpt:{run_dir}", ""
   model_cfg = config_lib.model_config(cfg)
   model = harness.initial_model(cfg, model_cfg)
-  chat = make_chat(cfg.tokenizer.chat_format, load_tokenizer(cfg.tokenizer.path))
+  chat = config_lib.make_chat_format(cfg, cfg.tokenizer.path)
   tasks = held_out_tasks(cfg, os.path.join(os.path.dirname(out), "eval_tasks"))
   scaffold = rollouts.scaffold_config(cfg, temperature=cfg.eval.temperature)
   t0 = time.perf_counter()

@@ -45,7 +45,6 @@ import numpy as np
 import tqdm
 from etils import epath
 
-from envs.chat import load_tokenizer, make_chat
 from envs.scaffold import ScaffoldConfig
 from models.engine import Engine, EngineConfig
 from trainer import config as config_lib
@@ -391,8 +390,7 @@ def run(config, workdir: str, mesh=None) -> dict:
     sub.model.init, sub.model.preset = ckpt, ""
     model_cfg = config_lib.model_config(sub)
     model = harness.initial_model(sub, model_cfg)
-    chat = make_chat(config.tokenizer.chat_format,
-                     load_tokenizer(_tokenizer_for(config, sub, workdir)))
+    chat = config_lib.make_chat_format(config, _tokenizer_for(config, sub, workdir))
     result = evaluate(model, model_cfg, chat, tasks, samples=ev.samples, k=ev.k,
                       temperature=ev.temperature, selection=ev.selection, seed=config.seed,
                       engine_cfg=rollouts_lib.engine_config(config), scaffold=scaffold,

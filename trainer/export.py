@@ -11,7 +11,10 @@ generation files of the run's tokenizer source (`config.tokenizer_source`: token
 the checkpoint the run started from) and its token ids; a generation_config.json is written
 from those ids when the source has none. A tokenizer Arbor trained itself (the demos'
 sentencepiece model) is converted to a tokenizer.json with the same ids
-(`tokenizer_train.hf_tokenizer`), so `AutoTokenizer` loads every exported run. (`python -m
+(`tokenizer_train.hf_tokenizer`), so `AutoTokenizer` loads every exported run. A run that
+rendered with a built-in chat format gets that format's Jinja template as chat_template.jinja
+(envs/chat/templates), so `apply_chat_template` renders the ids the run trained on; a run with
+chat_format "template" keeps the checkpoint's own. (`python -m
 models.hf export` converts `models.hf import` directories.)
 """
 
@@ -29,6 +32,7 @@ import jax
 import ml_collections
 from flax import nnx
 
+from envs.chat.formats import builtin_template
 from models import hf
 from trainer import config as config_lib
 from trainer import harness
@@ -92,13 +96,19 @@ def export_run(ckpt: str, out: str, dtype: str = "float32") -> dict:
     names.append(os.path.basename(path))
   if spm_model:
     names += _write_hf_tokenizer(spm_model, out)
+  if _write_chat_template(config.tokenizer.get("chat_format", "template"), out):
+    names.append("chat_template.jinja")
   if "generation_config.json" not in names and ids:
+    generation = dict(ids)
+    stops = _stop_token_ids(config, source)
+    if stops:  # generation ends with the chat format's end of turn, as the run's sampler did
+      generation["eos_token_id"] = stops if len(stops) > 1 else stops[0]
     with open(os.path.join(out, "generation_config.json"), "w") as f:
-      json.dump(ids, f, indent=2)
+      json.dump(generation, f, indent=2)
     names.append("generation_config.json")
   params_count = sum(int(v.size) for v in jax.tree.leaves(params))
   has_tokenizer = any(n in ("tokenizer.json", "tokenizer.model", "vocab.json") for n in names)
-  return {"step": step, "tensors": tensors, "params": params_count, "files": sorted(names),
+  return {"step": step, "tensors": tensors, "params": params_count, "files": sorted(set(names)),
           "tokenizer": source if has_tokenizer else None,
           "total_s": round(time.time() - t0, 2)}
 
@@ -138,6 +148,38 @@ def _write_hf_tokenizer(model_path: str, out: str) -> list[str]:
   with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
     json.dump(tokenizer_config, f, indent=2, ensure_ascii=False)
   return ["tokenizer.json", "tokenizer_config.json"]
+
+
+def _stop_token_ids(config, source: Optional[str]) -> list[int]:
+  """The ids that end the run's sampling (its chat format's), or [] without a tokenizer."""
+  if not source or not os.path.exists(source):
+    return []
+  try:
+    return list(config_lib.make_chat_format(config, source).stop_token_ids)
+  except (config_lib.ConfigError, ValueError, OSError):
+    return []
+
+
+def _write_chat_template(chat_format: str, out: str) -> bool:
+  """Writes the run's built-in chat format as out/chat_template.jinja (replacing the starting
+  checkpoint's template, which the run did not use); returns whether it did. A run with
+  chat_format "template" keeps the checkpoint's own, copied with the tokenizer files."""
+  template = builtin_template(chat_format)
+  if template is None:
+    return False
+  with open(os.path.join(out, "chat_template.jinja"), "w", encoding="utf-8") as f:
+    f.write(template)
+  config_path = os.path.join(out, "tokenizer_config.json")
+  if os.path.isfile(config_path):  # one template only: transformers would prefer either
+    with open(config_path, encoding="utf-8") as f:
+      tokenizer_config = json.load(f)
+    if tokenizer_config.pop("chat_template", None) is not None:
+      with open(config_path, "w", encoding="utf-8") as f:
+        json.dump(tokenizer_config, f, indent=2, ensure_ascii=False)
+  for stale in ("chat_template.json",):
+    if os.path.isfile(os.path.join(out, stale)):
+      os.remove(os.path.join(out, stale))
+  return True
 
 
 def _companions(config, workdir: str) -> tuple[dict, list[str], Optional[str]]:

@@ -45,7 +45,6 @@ import jax
 import ml_collections
 import numpy as np
 
-from envs.chat import load_tokenizer, make_chat
 from models.engine import Engine
 from rl import corrections
 from trainer import batches as batches_lib
@@ -172,8 +171,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
   run = harness.Run(config, workdir, mesh)
   model_cfg = run.model_cfg
   loss_cfg = loss_config(config)
-  chat = make_chat(config.tokenizer.chat_format,
-                   load_tokenizer(config_lib.tokenizer_source(config, workdir)))
+  chat = config_lib.make_chat_format(config, config_lib.tokenizer_source(config, workdir))
 
   # --- state (this workdir's latest checkpoint, or the initial weights), reference, teachers
   needs_initial = run.restored is None or (loss_cfg.kl_coef and rl_cfg.reference == "initial")

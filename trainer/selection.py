@@ -255,7 +255,7 @@ async def self_play_scores(task, submissions: Sequence, make_sandbox, *,
     visible test arguments, "generated": the samples' test files, "runs": distinct runs}.
 
   Raises:
-    ValueError: the task's kind is not "swe".
+    ValueError: the task's kind is not "swe", or its tests do not run with pytest.
 
   References:
     Kimi-Dev: Agentless training as skill prior for SWE-agents (Moonshot AI, 2025).
@@ -263,6 +263,9 @@ async def self_play_scores(task, submissions: Sequence, make_sandbox, *,
   if task.kind != "swe":
     raise ValueError(f"self_play_scores: task {task.instance_id!r} has kind={task.kind!r}, "
                      "expected 'swe'")
+  if task.test_runner != "pytest":  # generated tests are pytest files
+    raise ValueError(f"self_play_scores: task {task.instance_id!r} runs its tests with "
+                     f"{task.test_runner!r}; self-play selection needs a pytest task")
   original = load_repo_files(task) if original is None else original
   split, sample_tests = [], []  # per sample: code changes (None: failed or refused), tests
   for sub in submissions:

@@ -61,7 +61,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from envs.chat import load_tokenizer, make_chat
+from envs.chat import load_chat, load_tokenizer, make_chat
 from envs.net import check_bind
 from envs.policy import Generation, SamplingParams
 from models import hf, transformer
@@ -1217,7 +1217,11 @@ def build(args) -> PolicyServer:
       "tokenizer.json", "tiktoken.model", "tokenizer.model"))):
     tokenizer = load_tokenizer(tok_path)
     check_vocab(tokenizer, model.cfg.vocab_size)
-    chat = make_chat(args.chat_format or default_chat_format(model.cfg), tokenizer)
+    if args.chat_format:
+      chat = make_chat(args.chat_format, tokenizer)
+    else:  # the checkpoint's own template, as transformers and vLLM use it; else by family
+      chat = load_chat(tok_path if os.path.isdir(tok_path) else os.path.dirname(tok_path),
+                       tokenizer, name=default_chat_format(model.cfg))
   engine = Engine(model, EngineConfig(
       slots=args.slots, max_seq_len=args.max_seq_len, prefix_cache_rows=args.prefix_cache_rows,
       steps_per_call=args.steps_per_call, prefill_chunk=args.prefill_chunk,
@@ -1250,12 +1254,12 @@ def run(config, workdir: str) -> dict:
   token = os.environ.get("ARBOR_SERVE_TOKEN") or None
   check_bind(config.serve.host, token)
   model_cfg = config_lib.model_config(config)
-  tokenizer = load_tokenizer(config_lib.tokenizer_source(config, workdir))
+  chat = config_lib.make_chat_format(config, config_lib.tokenizer_source(config, workdir))
+  tokenizer = chat.tokenizer
   check_vocab(tokenizer, model_cfg.vocab_size)
   model = (harness.initial_model(config, model_cfg)
            or transformer.init(model_cfg, seed=config.seed))
-  chat = make_chat(config.tokenizer.chat_format, tokenizer)
-  top_logprobs = config.serve.get("top_logprobs", ServerConfig.top_logprobs)
+  top_logprobs = config.serve.top_logprobs
   engine = Engine(model, EngineConfig(slots=config.serve.slots,
                                       max_seq_len=config.serve.max_seq_len,
                                       prefix_cache_rows=config.serve.slots, seed=config.seed,

@@ -43,7 +43,6 @@ import jax
 import ml_collections
 import numpy as np
 
-from envs.chat import load_tokenizer, make_chat
 from trainer import config as config_lib
 from trainer import harness, metrics
 from trainer import step as step_lib
@@ -89,7 +88,7 @@ def prepare_demo(config: ml_collections.ConfigDict, workdir: str) -> None:
   todo = [t for t in todo if t[1] and not os.path.isfile(os.path.join(workdir, "data", t[0]))]
   if not todo:
     return
-  chat = make_chat(fmt, load_tokenizer(config_lib.tokenizer_source(config, workdir)))
+  chat = config_lib.make_chat_format(config, config_lib.tokenizer_source(config, workdir))
   os.makedirs(os.path.join(workdir, "data"), exist_ok=True)
   for name, n, split in todo:
     t0 = time.perf_counter()
@@ -208,8 +207,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
 
   # --- inputs: the demo's generated data (if any), the tokenizer, the data pipelines
   prepare_demo(config, workdir)
-  chat = make_chat(config.tokenizer.chat_format,
-                   load_tokenizer(config_lib.tokenizer_source(config, workdir)))
+  chat = config_lib.make_chat_format(config, config_lib.tokenizer_source(config, workdir))
   if chat.tokenizer.vocab_size > model_cfg.vocab_size:
     raise config_lib.ConfigError(
         f"config.tokenizer: its vocabulary ({chat.tokenizer.vocab_size} tokens) is larger than "

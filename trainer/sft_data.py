@@ -195,7 +195,7 @@ def conversation_calls(chat: ChatFormat, messages: Sequence[dict],
   ids: list[int] = []
   for k, i in enumerate(turns):
     m = messages[i]
-    if k == 0:
+    if k == 0 or not chat.extends_history:  # a template that rewrites history: render anew
       ids = chat.render(messages[:i], tools, add_generation_prompt=True).ids
     else:
       prev = calls[-1]

@@ -23,7 +23,11 @@ Formats: `chatml` / `qwen2.5` (Hermes/Qwen `<tool_call>` JSON, Qwen's tools syst
 Which official templates they equal: `qwen2.5` is Qwen2.5-Instruct's (and Qwen2.5-Coder-Instruct's)
 template, token for token; `chatml` is the same template without the default system prompt;
 `deepseek_v3` is DeepSeek-V3's published template with its multi-round tool-use fixes (see
-`DeepSeekV3`). A checkpoint's own Jinja template is rendered by `envs.chat.jinja_format`.
+`DeepSeekV3`). JSON-string tool-call arguments are read as their object first (as vLLM hands
+them to templates; transformers passes the string, which Qwen2.5's template writes quoted).
+Those Jinja equivalents ship in envs/chat/templates (`builtin_template`): an exported run
+carries its format's. A checkpoint's own Jinja template is rendered by
+`envs.chat.jinja_format`.
 
 These formats take no template kwargs (`render(..., template_kwargs=...)` with any raises
 ValueError naming them).
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from typing import Any, Optional, Sequence, Union
 
@@ -576,6 +581,19 @@ FORMATS = {
     "deepseek_v3": DeepSeekV3,
     "plain": Plain,
 }
+
+
+TEMPLATES_DIR = os.path.join(os.path.dirname(__file__), "templates")
+
+
+def builtin_template(name: str) -> Optional[str]:
+  """The Jinja chat template that renders as the built-in format `name` (token for token, with
+  transformers' apply_chat_template), or None where there is none (templates/README.md)."""
+  path = os.path.join(TEMPLATES_DIR, f"{name}.jinja")
+  if name not in FORMATS or not os.path.isfile(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    return f.read()
 
 
 def make_chat(name: str, tokenizer: Tokenizer) -> ChatFormat:

@@ -1,7 +1,10 @@
 """Verifiers: turn what an agent produced into a reward, a `Verdict(reward, details)`.
 
 - `verify_tests` ("swe" tasks, swe.py): the agent's non-test changes, applied to a clean copy of
-  the repository in a fresh sandbox, rewarded by a trusted pytest run's JUnit report.
+  the repository in a fresh sandbox (the task's test patch applied there only), graded with
+  SWE-bench's rules from a trusted pytest run's JUnit report, or for repositories with their
+  own runner (Django's tests/runtests.py, sympy's bin/test) from the runner's hash-checked log
+  read by the parsers of swe_logs.py.
 - `verify_python_io` ("code", python_io.py): function tests or stdin/stdout tests, in a sandbox.
 - `verify_exact` ("exact", exact.py): normalised answer match.
 - `verify_judge` ("judge", judge.py): a policy scores the response on a weighted rubric.
@@ -20,12 +23,14 @@ from envs.verifiers.judge import (JUDGE_PROMPT, judge_prompt, parse_scores, rubr
                                   verify_judge)
 from envs.verifiers.python_io import (extract_code, normalize_output, values_equal,
                                       verify_python_io)
-from envs.verifiers.swe import (CONFIG_FILES, LOG_TAIL, TEST_DIRS, PytestRun, Refused,
-                                is_ignored_path, is_test_path, junit_key, merge_submission,
-                                parse_junit, refused_reason, run_pytest, task_test_files,
-                                verify_tests, workspace_files)
+from envs.verifiers import swe_logs
+from envs.verifiers.swe import (CONFIG_FILES, LOG_TAIL, RUNNER_FILES, TEST_DIRS, PytestRun,
+                                Refused, RunResult, is_ignored_path, is_test_path, junit_key,
+                                merge_submission, parse_junit, refused_reason, run_log_tests,
+                                run_pytest, task_test_files, verify_tests, workspace_files)
 
-__all__ = ["CONFIG_FILES", "JUDGE_PROMPT", "LOG_TAIL", "TEST_DIRS", "PytestRun", "Refused",
+__all__ = ["CONFIG_FILES", "JUDGE_PROMPT", "LOG_TAIL", "RUNNER_FILES", "TEST_DIRS", "PytestRun",
+           "Refused", "RunResult", "run_log_tests", "swe_logs",
            "SandboxFactory", "Verdict", "extract_answer", "extract_code", "is_ignored_path",
            "is_test_path", "judge_prompt", "junit_key", "merge_submission", "normalize_answer",
            "normalize_output", "parse_junit", "parse_scores", "refused_reason", "rubric_reward",
