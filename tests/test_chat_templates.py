@@ -48,6 +48,7 @@ FIXTURES = {
     "deepseek-v3": (dict(bos_token="<｜begin▁of▁sentence｜>", eos_token="<｜end▁of▁sentence｜>"),
                     [{}]),
     "kimi-k2-thinking": (dict(bos_token="[BOS]", eos_token="[EOS]"), [{}]),
+    "kimi-k2-instruct": (dict(bos_token="[BOS]", eos_token="[EOS]"), [{}]),
 }
 
 
@@ -218,7 +219,7 @@ def test_extends_history_and_continuation(checkpoints):
   render adds after the sampled ids."""
   assert {n: c.extends_history for n, (c, _) in checkpoints.items()} == {
       "qwen2.5-instruct": True, "qwen3": False, "qwen3-thinking-2507": False,
-      "deepseek-v3": False, "kimi-k2-thinking": False}
+      "deepseek-v3": False, "kimi-k2-thinking": False, "kimi-k2-instruct": True}
   chat = checkpoints["qwen2.5-instruct"][0]
   msgs = CONVERSATIONS["agent"]
   turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
