@@ -44,7 +44,8 @@ from tests.conftest import TINY_DENSE
 from tests.test_chat import QWEN25_TEMPLATE, _tiny_bpe, hf_render
 from tests import test_chat_templates as templates
 from tests.test_engine import check_logprobs
-from trainer.serve import EnginePolicy, PolicyServer, ServerConfig, build, parse_args
+from trainer.serve import (EnginePolicy, PolicyServer, ServerConfig, build, checkpoint_chat,
+                           parse_args)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = EngineConfig(slots=8, max_seq_len=192, prefix_cache_rows=8, min_prefix=4,
@@ -824,3 +825,24 @@ def test_non_loopback_bind_needs_a_token():
                          "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True,
                         timeout=120, cwd=ROOT, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ROOT})
   assert proc.returncode == 2 and "refusing to bind" in proc.stderr
+
+
+def test_the_cli_serves_a_checkpoints_own_template(tmp_path, tok_dir):
+  """Without --chat_format the checkpoint's template renders (as in transformers); a named
+  built-in format overrides it; a tokenizer without a template gets the family's format."""
+  d = templates.save_checkpoint(tmp_path, templates.template("qwen3"), **templates.QWEN)
+  tok = load_chat(d).tokenizer
+  chat = checkpoint_chat(d, tok, None, TINY_DENSE)
+  msgs = [{"role": "user", "content": "Hello world"}]
+  assert chat.render(msgs).ids == AutoTokenizer.from_pretrained(d).apply_chat_template(
+      msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+  assert checkpoint_chat(d, tok, "chatml", TINY_DENSE).name == "chatml"
+  plain_dir = str(tmp_path / "no_template")
+  os.makedirs(plain_dir)
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    with open(os.path.join(d, name)) as f:
+      config = json.load(f)
+    config.pop("chat_template", None)
+    with open(os.path.join(plain_dir, name), "w") as f:
+      json.dump(config, f)
+  assert checkpoint_chat(plain_dir, tok, None, TINY_DENSE).name == "qwen2.5"  # dense: Qwen

@@ -4,7 +4,8 @@
     python -m trainer.serve --preset tiny-dense          # random weights (tests, demos)
 
 DIR is a checkpoint written by `python -m models.hf import` (its `hf_extra/` tokenizer files
-enable the OpenAI endpoints). Endpoints:
+enable the OpenAI endpoints, and its chat template renders them, as transformers and vLLM do,
+unless --chat_format names a built-in format). Endpoints:
 
   POST /generate              {"input_ids", "max_tokens", "temperature", "top_p", "top_k",
                                "stop_token_ids", "stop", "seed"} -> {"output_ids", "logprobs",
@@ -1192,6 +1193,25 @@ def default_chat_format(model_cfg) -> str:
   return "deepseek_v3" if model_cfg.attention == "mla" else "qwen2.5"
 
 
+def checkpoint_chat(tokenizer_path: str, tokenizer, chat_format: Optional[str], model_cfg):
+  """The chat format the CLI serves with.
+
+  Args:
+    tokenizer_path: the tokenizer directory or file.
+    tokenizer: the tokenizer loaded from it.
+    chat_format: a built-in format name (--chat_format), or None.
+    model_cfg: the served model's config (its family picks the fallback format).
+
+  Returns:
+    The named built-in format; with no name, the checkpoint's own chat template (as
+    transformers and vLLM use it), else `default_chat_format(model_cfg)`.
+  """
+  if chat_format:
+    return make_chat(chat_format, tokenizer)
+  directory = tokenizer_path if os.path.isdir(tokenizer_path) else os.path.dirname(tokenizer_path)
+  return load_chat(directory, tokenizer, name=default_chat_format(model_cfg))
+
+
 def build(args) -> PolicyServer:
   """Builds the model, tokenizer, engine and server from parsed command-line arguments.
 
@@ -1217,11 +1237,7 @@ def build(args) -> PolicyServer:
       "tokenizer.json", "tiktoken.model", "tokenizer.model"))):
     tokenizer = load_tokenizer(tok_path)
     check_vocab(tokenizer, model.cfg.vocab_size)
-    if args.chat_format:
-      chat = make_chat(args.chat_format, tokenizer)
-    else:  # the checkpoint's own template, as transformers and vLLM use it; else by family
-      chat = load_chat(tok_path if os.path.isdir(tok_path) else os.path.dirname(tok_path),
-                       tokenizer, name=default_chat_format(model.cfg))
+    chat = checkpoint_chat(tok_path, tokenizer, args.chat_format, model.cfg)
   engine = Engine(model, EngineConfig(
       slots=args.slots, max_seq_len=args.max_seq_len, prefix_cache_rows=args.prefix_cache_rows,
       steps_per_call=args.steps_per_call, prefill_chunk=args.prefill_chunk,
@@ -1289,7 +1305,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
   p.add_argument("--port", type=int, default=8000, help="port (0 = any free port)")
   p.add_argument("--token", default=None, help="bearer token (default: $ARBOR_SERVE_TOKEN)")
   p.add_argument("--tokenizer", default=None, help="tokenizer path (default: CKPT/hf_extra)")
-  p.add_argument("--chat_format", default=None, help="envs.chat format (default: by model)")
+  p.add_argument("--chat_format", default=None, help="a built-in envs.chat format (default: the "
+                 "checkpoint's own chat template, else by model family)")
   p.add_argument("--served_name", default="arbor", help="the model's id in the OpenAI API")
   p.add_argument("--slots", type=int, default=16, help="sequences decoded together")
   p.add_argument("--max_seq_len", type=int, default=4096, help="longest input + output")
