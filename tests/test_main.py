@@ -2,6 +2,7 @@
 field, the value and the valid choices; the shipped configs validate."""
 
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -223,6 +224,9 @@ def test_shipped_configs_validate(tmp_path):
     validate(load("sft", "qwen3"), str(tmp_path))  # placeholders until given real paths
   hf_dir = tmp_path / "hf"
   hf.save(transformer.init(presets.get_preset("tiny-qwen3"), seed=0), hf_dir)
+  # the qwen3 family renders with the checkpoint's own template (chat_format "template")
+  (hf_dir / "chat_template.jinja").write_text(
+      (pathlib.Path(__file__).parent / "data" / "chat_templates" / "qwen3.jinja").read_text())
   data = tmp_path / "train.jsonl"
   data.write_text("")
   for family in ("qwen2.5-coder", "qwen3", "deepseek-v3"):
