@@ -280,7 +280,11 @@ def _rl() -> ml_collections.ConfigDict:
   s.queue_password_file = ""  # file holding the Redis password ("" = none)
   # queue: a group still short this long after its first member arrived is dropped
   s.group_deadline_s = 600.0
-  s.tasks = ""  # task JSONL file (envs.tasks); "" = generated tasks (envs.taskgen)
+  s.tasks = ""  # task JSONL / SWE Parquet file (envs.tasks); "" = generated tasks (envs.taskgen)
+  # SWE-bench rows (repo + base_commit) check out from this directory of git mirrors into the
+  # cache ("" = $ARBOR_SWE_MIRROR / $ARBOR_SWE_CACHE, else ~/.cache/arbor/swe); eval.tasks too
+  s.swe_mirror = ""
+  s.swe_cache = ""
   s.task_level = 0  # generated tasks: taskgen level 0 | 1 | 2 | 3
   s.task_seed = 1  # generated tasks: taskgen seed (disjoint from the SFT demo's)
   return s

@@ -265,15 +265,19 @@ def make_react_episode(policy: Policy, chat: ChatFormat, make_sandbox: SandboxMa
   return episode
 
 
-def load_task_file(path: str) -> tuple[list[Task], int]:
-  """The tasks of a JSONL file (SWE or problem format, per line), skipping bad lines.
+def load_task_file(path: str, *, mirror: Optional[str] = None,
+                   cache_dir: Optional[str] = None) -> tuple[list[Task], int]:
+  """The tasks of a JSONL file (SWE or problem format, per line) or a Parquet file of SWE rows,
+  skipping bad lines.
 
   Args:
     path: the task file.
+    mirror: the directory of git mirrors SWE rows check out from (None: $ARBOR_SWE_MIRROR).
+    cache_dir: where their checkouts go (None: $ARBOR_SWE_CACHE, else ~/.cache/arbor/swe).
 
   Returns:
     (tasks, number of bad lines); bad lines are logged with file:line and skipped.
   """
   errors: list = []
-  tasks = load_tasks(path, skip_bad=True, errors=errors)
+  tasks = load_tasks(path, skip_bad=True, errors=errors, mirror=mirror, cache_dir=cache_dir)
   return tasks, len(errors)

@@ -379,7 +379,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   a("--queue_password_file", help="file holding the Redis password (AUTH)")
   a("--queue_ca_file", help="CA certificate for a rediss:// server")
   a("--queue_prefix", default="arbor", help="key prefix of the queue (one per run)")
-  a("--tasks", required=True, help="task JSONL (SWE or problem format); bad lines are skipped")
+  a("--tasks", required=True, help="task JSONL (SWE or problem format) or SWE Parquet; bad "
+    "lines are skipped")
+  a("--swe_mirror", default="", help="directory of git mirrors SWE rows check out from "
+    "(default: $ARBOR_SWE_MIRROR)")
+  a("--swe_cache", default="", help="where their checkouts go (default: $ARBOR_SWE_CACHE)")
   a("--group_size", type=int, default=8, help="episodes per task draw (G)")
   a("--concurrency", type=int, default=8, help="episodes in flight")
   a("--sandbox", choices=("remote", "bwrap", "local"), default="bwrap",
@@ -418,7 +422,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     raise SystemExit(f"--queue={args.queue!r}: expected redis:// or rediss:// (a worker process "
                      "cannot share an in-memory queue)")
 
-  tasks, bad = load_task_file(args.tasks)
+  tasks, bad = load_task_file(args.tasks, mirror=args.swe_mirror or None,
+                              cache_dir=args.swe_cache or None)
   if bad:
     log.warning("%s: %d bad task line(s) skipped", args.tasks, bad)
   if not tasks:

@@ -565,3 +565,24 @@ def test_cli_writes_jsonl_and_repos(tmp_path):
   assert all(os.path.isdir(t.repo_path) and t.metadata["level"] == 2 for t in tasks)
   with pytest.raises(ValueError, match="level=7"):
     taskgen.generate(7, 0, 0)
+
+
+def test_run_configs_name_the_mirror(mirror, tmp_path):
+  """config.rl.swe_mirror / swe_cache reach the loader of rl.tasks and eval.tasks (a Parquet
+  file of official rows here), as the rollout worker's --swe_mirror does."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  from configs.base import base_config
+  from trainer.tasks import TaskSource, held_out_tasks
+  path = str(tmp_path / "rows.parquet")
+  pq.write_table(pa.Table.from_pylist(official_rows()), path)
+  config = base_config()
+  config.rl.tasks = config.eval.tasks = path
+  config.rl.swe_mirror, config.rl.swe_cache = mirror, str(tmp_path / "cache")
+  config.rl.prompts_per_step, config.eval.num_tasks = 2, 2
+  tasks = TaskSource(config, str(tmp_path / "work")).for_step(1)
+  assert [t.base_commit for t in tasks] == [r["base_commit"] for r in official_rows()[:2]]
+  assert held_out_tasks(config, str(tmp_path)) == tasks
+  assert load_repo_files(tasks[0])  # checked out (on first use) where the config says
+  assert os.listdir(tmp_path / "cache") == [official_rows()[0]["repo"].replace("/", "__")]

@@ -428,6 +428,8 @@ def _validate_rl_mode(config, files: bool) -> None:
           "'queue'")
   if files and rl.tasks and not os.path.isfile(rl.tasks):
     _fail("rl.tasks", rl.tasks, "a task JSONL file (envs.tasks) or '' (generated tasks)")
+  if files and rl.get("swe_mirror") and not os.path.isdir(rl.swe_mirror):
+    _fail("rl.swe_mirror", rl.swe_mirror, "a directory of git mirrors (owner__name.git) or ''")
   if rl.max_new_tokens >= rl.max_context_tokens:
     _fail("rl.max_new_tokens", rl.max_new_tokens, f"fewer than rl.max_context_tokens="
           f"{rl.max_context_tokens}")
@@ -737,6 +739,8 @@ def _validate_rl(config) -> None:
     _fail("rl.queue_url", url, "'' | 'memory' | 'redis://host:port[/db]' | 'rediss://...'")
   _str(config, "rl.queue_password_file")
   _str(config, "rl.tasks")
+  _str(config, "rl.swe_mirror")
+  _str(config, "rl.swe_cache")
   _choice(config, "rl.task_level", taskgen.LEVELS)
   _int(config, "rl.task_seed", 0)
 

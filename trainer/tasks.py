@@ -45,7 +45,7 @@ class TaskSource:
     self._dir = (tempfile.mkdtemp(prefix="arbor-rl-tasks-") if config_lib.is_remote(workdir)
                  else os.path.join(workdir, "tasks"))
     if config.rl.tasks:
-      self._file = load_task_file(config.rl.tasks)[0]
+      self._file = load_task_file(config.rl.tasks, **swe_sources(config))[0]
       if not self._file:
         raise config_lib.ConfigError(f"config.rl.tasks={config.rl.tasks!r}: no tasks")
 
@@ -59,6 +59,12 @@ class TaskSource:
                                split="train")
 
 
+def swe_sources(config: ml_collections.ConfigDict) -> dict:
+  """{"mirror", "cache_dir"} of SWE rows from config.rl (None where unset: the environment's)."""
+  return {"mirror": config.rl.get("swe_mirror") or None,
+          "cache_dir": config.rl.get("swe_cache") or None}
+
+
 def held_out_tasks(config: ml_collections.ConfigDict, directory: str) -> list[Task]:
   """The eval tasks.
 
@@ -69,6 +75,6 @@ def held_out_tasks(config: ml_collections.ConfigDict, directory: str) -> list[Ta
     directory: where generated tasks are written.
   """
   if config.eval.tasks:
-    return load_task_file(config.eval.tasks)[0][:config.eval.num_tasks]
+    return load_task_file(config.eval.tasks, **swe_sources(config))[0][:config.eval.num_tasks]
   return taskgen.write_tasks(directory, config.eval.num_tasks, config.rl.task_level,
                              config.rl.task_seed, split="eval", unique=True)
