@@ -281,10 +281,9 @@ def _rl() -> ml_collections.ConfigDict:
   # queue: a group still short this long after its first member arrived is dropped
   s.group_deadline_s = 600.0
   s.tasks = ""  # task JSONL / SWE Parquet file (envs.tasks); "" = generated tasks (envs.taskgen)
-  # SWE-bench rows (repo + base_commit) check out from this directory of git mirrors into the
-  # cache ("" = $ARBOR_SWE_MIRROR / $ARBOR_SWE_CACHE, else ~/.cache/arbor/swe); eval.tasks too
-  s.swe_mirror = ""
-  s.swe_cache = ""
+  # SWE-bench rows (repo + base_commit) of rl.tasks and eval.tasks check out from git mirrors
+  s.swe_mirror = ""  # dir of owner__name.git mirrors ("" = $ARBOR_SWE_MIRROR)
+  s.swe_cache = ""  # where checkouts go ("" = $ARBOR_SWE_CACHE, else ~/.cache/arbor/swe)
   s.task_level = 0  # generated tasks: taskgen level 0 | 1 | 2 | 3
   s.task_seed = 1  # generated tasks: taskgen seed (disjoint from the SFT demo's)
   return s
