@@ -220,8 +220,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"({args.dtype}), {info['params']:,} parameters, files: {', '.join(info['files'])}; "
         f"{info['total_s']:.1f}s")
   if info["tokenizer"] is None:
-    print("note: the run's tokenizer has no Hugging Face files (e.g. a tokenizer Arbor "
-          "trained): AutoTokenizer will not load the folder")
+    print("note: the run's tokenizer has no Hugging Face files (e.g. a tiktoken file, or a "
+          "sentencepiece model Arbor did not train): AutoTokenizer will not load the folder")
   return 0
 
 
