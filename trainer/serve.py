@@ -943,6 +943,27 @@ class PolicyServer:
                               for j, v in (top[k][:top_n] if top_n else [])]}
             for k in range(start, len(ids))]
 
+  async def _sse_stream(self, what: str, samples, queue, opening, on_tokens, on_done, usage):
+    """The Server-Sent Events of a streamed reply: opening() chunks, the samples' chunks as they
+    progress (`_events`), the usage() chunk (None: none), then [DONE]; an error after the
+    status line is sent becomes an error event."""
+    try:
+      for c in opening():
+        yield _sse(c)
+      async for chunks in self._events(samples, queue, on_tokens, on_done):
+        for c in chunks:
+          yield _sse(c)
+      if usage is not None:
+        yield _sse(usage())
+      yield "data: [DONE]\n\n"
+    except Exception as e:  # the status line is sent: report the error as an event
+      logger.exception("%s stream failed", what)
+      yield _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error",
+                            "param": None, "code": None}})
+    finally:
+      for s in samples:
+        s.future.cancel()  # a client gone early frees the samples still queued
+
   async def _chat_stream(self, samples, queue, reader: _ChatReader, session, logged,
                          logprobs: Optional[int], include_usage: bool):
     head = self._head("chat.completion.chunk")
@@ -995,23 +1016,15 @@ class PolicyServer:
           chunk(k, {}, _finish_reason(out.finish_reason, calls))]
       return with_logprobs(chunks, k, out.output_ids, out.logprobs, out.top_logprobs)
 
-    try:
-      for k in range(len(samples)):
-        yield _sse(chunk(k, {"role": "assistant", "content": ""}))
-      async for chunks in self._events(samples, queue, on_tokens, on_done):
-        for c in chunks:
-          yield _sse(c)
-      if include_usage:
-        yield _sse({**head, "choices": [],
-                    "usage": _usage([len(samples[0].input_ids)], outs)})
-      yield "data: [DONE]\n\n"
-    except Exception as e:  # the status line is sent: report the error as an event
-      logger.exception("chat stream failed")
-      yield _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error",
-                            "param": None, "code": None}})
-    finally:
-      for s in samples:
-        s.future.cancel()  # a client gone early frees the samples still queued
+    def opening():
+      return [chunk(k, {"role": "assistant", "content": ""}) for k in range(len(samples))]
+
+    def usage():
+      return {**head, "choices": [], "usage": _usage([len(samples[0].input_ids)], outs)}
+
+    async for event in self._sse_stream("chat", samples, queue, opening, on_tokens, on_done,
+                                        usage if include_usage else None):
+      yield event
 
   # --- completions
   async def _completions(self, request: Request) -> Response:
@@ -1124,24 +1137,16 @@ class PolicyServer:
       return [chunk(k, rest, out.output_ids, out.logprobs, out.top_logprobs,
                     out.finish_reason)]
 
-    try:
-      for k, e in enumerate(echoed):
-        if e:
-          yield _sse(chunk(k, texts[k].delta(e)))
-      async for chunks in self._events(samples, queue, on_tokens, on_done):
-        for c in chunks:
-          yield _sse(c)
-      if include_usage:
-        prompts = {s.prompt: len(s.input_ids) for s in samples}
-        yield _sse({**head, "choices": [], "usage": _usage(list(prompts.values()), outs)})
-      yield "data: [DONE]\n\n"
-    except Exception as e:  # the status line is sent: report the error as an event
-      logger.exception("completion stream failed")
-      yield _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error",
-                            "param": None, "code": None}})
-    finally:
-      for s in samples:
-        s.future.cancel()
+    def opening():
+      return [chunk(k, texts[k].delta(e)) for k, e in enumerate(echoed) if e]
+
+    def usage():
+      prompts = {s.prompt: len(s.input_ids) for s in samples}
+      return {**head, "choices": [], "usage": _usage(list(prompts.values()), outs)}
+
+    async for event in self._sse_stream("completion", samples, queue, opening, on_tokens,
+                                        on_done, usage if include_usage else None):
+      yield event
 
 
 def _usage(prompt_lens: list[int], outs) -> dict:
