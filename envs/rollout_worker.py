@@ -30,7 +30,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import signal
 import threading
 import time
@@ -431,8 +430,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 2
   tokenizer = load_tokenizer(args.tokenizer)
   if args.chat == "template":
-    where = args.tokenizer if os.path.isdir(args.tokenizer) else os.path.dirname(args.tokenizer)
-    chat = load_chat(where, tokenizer)
+    chat = load_chat(args.tokenizer, tokenizer)
   else:
     chat = make_chat(args.chat, tokenizer)
   token = read_secret(args.policy_token_file) if args.policy_token_file else None

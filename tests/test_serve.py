@@ -837,6 +837,8 @@ def test_the_cli_serves_a_checkpoints_own_template(tmp_path, tok_dir):
   assert chat.render(msgs).ids == AutoTokenizer.from_pretrained(d).apply_chat_template(
       msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
   assert checkpoint_chat(d, tok, "chatml", TINY_DENSE).name == "chatml"
+  by_file = checkpoint_chat(os.path.join(d, "tokenizer.json"), tok, None, TINY_DENSE)
+  assert by_file.render(msgs).ids == chat.render(msgs).ids  # a tokenizer file names its folder
   plain_dir = str(tmp_path / "no_template")
   os.makedirs(plain_dir)
   for name in ("tokenizer.json", "tokenizer_config.json"):

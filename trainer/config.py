@@ -630,9 +630,8 @@ def make_chat_format(config, tokenizer_path: str) -> ChatFormat:
     return make_chat(name, tokenizer)
   kwargs = config.tokenizer.get("template_kwargs", None) or {}
   kwargs = kwargs.to_dict() if hasattr(kwargs, "to_dict") else dict(kwargs)
-  directory = tokenizer_path if os.path.isdir(tokenizer_path) else os.path.dirname(tokenizer_path)
   try:
-    return load_chat(directory, tokenizer, template_kwargs=kwargs)
+    return load_chat(tokenizer_path, tokenizer, template_kwargs=kwargs)
   except ValueError as e:
     raise ConfigError(f"config.tokenizer.chat_format='template': {e} (or name a built-in "
                       f"format: {', '.join(FORMATS)})") from None
@@ -646,10 +645,9 @@ def _check_template(config, workdir: str) -> None:
     return  # nothing provides a tokenizer yet (the modes that need one say so)
   if is_remote(source) or not os.path.exists(source):
     return
-  directory = source if os.path.isdir(source) else os.path.dirname(source)
-  if read_chat_templates(directory) is None:
+  if read_chat_templates(source) is None:
     _fail("tokenizer.chat_format", "template", f"a built-in format ({', '.join(FORMATS)}): "
-          f"{directory} has no chat template (chat_template.jinja or tokenizer_config.json's "
+          f"{source} has no chat template (chat_template.jinja or tokenizer_config.json's "
           "chat_template)")
 
 

@@ -1213,8 +1213,7 @@ def checkpoint_chat(tokenizer_path: str, tokenizer, chat_format: Optional[str], 
   """
   if chat_format:
     return make_chat(chat_format, tokenizer)
-  directory = tokenizer_path if os.path.isdir(tokenizer_path) else os.path.dirname(tokenizer_path)
-  return load_chat(directory, tokenizer, name=default_chat_format(model_cfg))
+  return load_chat(tokenizer_path, tokenizer, name=default_chat_format(model_cfg))
 
 
 def build(args) -> PolicyServer:

@@ -76,7 +76,7 @@ def read_chat_templates(directory: str) -> Union[None, str, dict[str, str]]:
   {"name", "template"}.
 
   Args:
-    directory: the checkpoint or tokenizer directory.
+    directory: the checkpoint or tokenizer directory (or a tokenizer file in it).
 
   Returns:
     The template, a dict name -> template, or None when the directory has none.
@@ -85,6 +85,7 @@ def read_chat_templates(directory: str) -> Union[None, str, dict[str, str]]:
     ValueError: tokenizer_config.json's "chat_template" is neither a string nor a list of
       {"name", "template"}.
   """
+  directory = directory if os.path.isdir(directory) else os.path.dirname(directory)
   templates = {}
   path = os.path.join(directory, CHAT_TEMPLATE_FILE)
   if os.path.exists(path):
@@ -594,7 +595,7 @@ def load_chat(directory: str, tokenizer: Optional[Tokenizer] = None, name: Optio
 
   Args:
     directory: the checkpoint or tokenizer directory (chat_template.jinja,
-      additional_chat_templates/, tokenizer_config.json).
+      additional_chat_templates/, tokenizer_config.json), or a tokenizer file in it.
     tokenizer: its tokenizer; None: `load_tokenizer(directory)`.
     name: a key of envs.chat.FORMATS, used when the directory has no template.
     template_kwargs: default template kwargs of the checkpoint's template.
@@ -607,6 +608,7 @@ def load_chat(directory: str, tokenizer: Optional[Tokenizer] = None, name: Optio
       JinjaChat / make_chat raise.
   """
   tokenizer = tokenizer if tokenizer is not None else load_tokenizer(directory)
+  directory = directory if os.path.isdir(directory) else os.path.dirname(directory)
   templates = read_chat_templates(directory)
   if templates is not None:
     return JinjaChat(tokenizer, templates, special_tokens=special_tokens_from_config(directory),
