@@ -12,7 +12,8 @@ c <= `moe_dispatch_chunk` tokens (one round when that is 0 or >= t), and per rou
      c·k rows per device at most (padding copies stay home): device j receives device i's
      segment after those of devices < i. Each segment being sorted by expert, the received
      rows are ep·(E / ep) back-to-back (device, expert) groups;
-  3. sorts the received rows by local expert, SwiGLU experts with `jax.lax.ragged_dot`;
+  3. sorts the received rows by local expert, SwiGLU experts with `grouped_matmul`
+     (`jax.lax.ragged_dot`, differentiable under vmap);
   4. the reverse ragged all-to-all brings each result back to its copy's row; the gates weight
      them and each token's copies are summed.
 
@@ -50,6 +51,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from models.config import ModelConfig
+from models.grouped_matmul import grouped_matmul
 from models.kernels.attention import target_platform
 from models.sharding import logical_to_spec
 
@@ -72,8 +74,8 @@ def grouped_ffn(xs: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Ar
   Returns:
     [rows, hidden].
   """
-  h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)
-  return jax.lax.ragged_dot(h, w_down, sizes)
+  h = jax.nn.silu(grouped_matmul(xs, w_gate, sizes)) * grouped_matmul(xs, w_up, sizes)
+  return grouped_matmul(h, w_down, sizes)
 
 
 class Layout(NamedTuple):
