@@ -39,7 +39,8 @@ class CachePool:
       prefill_tokens, prefill_padded_tokens).
   """
 
-  def __init__(self, model, num_rows: int, capacity: int, count: Callable[..., None]):
+  def __init__(self, model, num_rows: int, capacity: int, count: Callable[..., None],
+               experts: bool = False):
     self.num_rows, self.capacity = num_rows, capacity
     self._init_cache = lambda: model.init_cache(num_rows, capacity)
     self._count = count
@@ -49,6 +50,10 @@ class CachePool:
     self.version = np.full(num_rows, -1, np.int64)  # weights version that computed the row
     self.used = np.zeros(num_rows, np.int64)  # last use, for LRU eviction
     self.owner: list[Any] = [None] * num_rows  # the request running on each row
+    # MoE routing of every cached position (routing replay), kept on the host beside the
+    # cache so that reused prefixes bring their experts along; int16 holds any expert count.
+    self.experts = np.zeros((num_rows, capacity, model.cfg.num_moe_layers,
+                             model.cfg.experts_per_token), np.int16) if experts else None
     self._tick = 0
 
   def reset(self) -> None:
@@ -108,6 +113,8 @@ class CachePool:
       if src is not None and dst != src:
         self.caches = sampler.copy_row(self.caches, np.int32(src), np.int32(dst))
         self.tokens[dst, :m] = self.tokens[src, :m]
+        if self.experts is not None:
+          self.experts[dst, :m] = self.experts[src, :m]
         self._count(row_copies=1)
     self.owner[dst] = owner
     self.length[dst] = m
@@ -144,9 +151,16 @@ class CachePool:
       for i, ((row, target, start), n) in enumerate(zip(batch, chunks)):
         rows[i], starts[i] = row, start
         tokens[i, :n] = target[start:start + n]
-      self.caches = sampler.prefill(graphdef, state, self.caches, rows, tokens, starts)
-      for item, n in zip(batch, chunks):
+      if self.experts is None:
+        self.caches = sampler.prefill(graphdef, state, self.caches, rows, tokens, starts)
+      else:
+        self.caches, ids = sampler.prefill(graphdef, state, self.caches, rows, tokens, starts,
+                                           experts=True)
+        ids = np.asarray(ids).transpose(1, 2, 0, 3)  # [b, p, moe_layers, k]
+      for i, (item, n) in enumerate(zip(batch, chunks)):
         row, target, start = item
+        if self.experts is not None:
+          self.experts[row, start:start + n] = ids[i, :n]
         self.tokens[row, start:start + n] = target[start:start + n]
         self.length[row] = start + n
         item[2] = start + n

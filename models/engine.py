@@ -73,7 +73,7 @@ class EngineConfig:
   steps_per_call: int = 16        # decode steps per jitted call (one host round trip each)
   max_stop_token_ids: int = 8     # stop token ids a request may give
   top_logprobs: int = 0           # top-n log-probs returned per token (0 = none)
-  return_expert_ids: bool = False  # MoE: return the experts chosen per token per layer
+  return_expert_ids: bool = False  # MoE: return the experts of every position (routing replay)
   on_update: str = "finish"       # in-flight requests at update_params: "finish" (drain on old
                                   # weights) | "resubmit" (keep tokens, continue on new weights)
                                   # | "restart" (drop tokens, start again on new weights)
@@ -93,8 +93,10 @@ class Completion:
   cached_tokens: int              # prefix tokens reused from the cache (last admission)
   # per token: (id, log-prob) pairs, best first
   top_logprobs: Optional[list[list[tuple[int, float]]]] = None
-  expert_ids: Optional[np.ndarray] = None  # [tokens, moe_layers, k]: experts at the position
-                                           # that predicted each token
+  # MoE routing replay: [len(input_ids) + len(output_ids) - 1, moe_layers, k] int16, the
+  # experts that position p went through (prefilled, copied from a reused prefix, or decoded);
+  # the last output token was never fed to the model.
+  expert_ids: Optional[np.ndarray] = None
 
 
 class _Request:
@@ -110,7 +112,6 @@ class _Request:
     self.logprobs: list[float] = []
     self.versions: list[int] = []
     self.top: list[list[tuple[int, float]]] = []
-    self.experts: list[np.ndarray] = []
     self.cached = 0
     self.started = False  # its Future is running
     self.checked = 0  # output tokens already searched for stop strings
@@ -169,7 +170,8 @@ class Engine:
     model = model if _is_unstacked(model) else transformer.unstack(model)
     self._graphdef, self._state = nnx.split(model)
     self.version = 0
-    self._pool = CachePool(model, self.num_rows, self.capacity, self._count)
+    self._pool = CachePool(model, self.num_rows, self.capacity, self._count,
+                           experts=c.return_expert_ids)
     # Decode batch: the request in each slot.
     self._slots: list[Optional[_Request]] = [None] * c.slots
     self._queue: collections.deque[_Request] = collections.deque()
@@ -434,7 +436,7 @@ class Engine:
         self._release(req)
         self._slots[i] = None
         if on_update == "restart":
-          req.output, req.logprobs, req.versions, req.top, req.experts = [], [], [], [], []
+          req.output, req.logprobs, req.versions, req.top = [], [], [], []
           req.checked = 0
     self._queue.extendleft(reversed(running))
     with self._lock:
@@ -518,14 +520,15 @@ class Engine:
         continue
       n = int(new_counts[i]) - len(req.output)
       emitted += n
+      if c.return_expert_ids:  # step t fed the token at position seq_len - 1 + t
+        fed = len(req.input_ids) + len(req.output) - 1
+        self._pool.experts[req.row, fed:fed + n] = out["expert_ids"][:n, :, i]
       req.output.extend(out["tokens"][:n, i].tolist())
       req.logprobs.extend(out["logprobs"][:n, i].tolist())
       req.versions.extend([self.version] * n)
       if c.top_logprobs:
         req.top.extend([list(zip(out["top_ids"][t, i].tolist(), out["top_logprobs"][t, i].tolist()))
                         for t in range(n)])
-      if c.return_expert_ids:
-        req.experts.extend(out["expert_ids"][t, :, i] for t in range(n))
       reason = None
       if req.output and req.output[-1] in req.params.stop_token_ids:
         reason = "stop"
@@ -569,9 +572,12 @@ class Engine:
       req.on_tokens = None
 
   def _truncate(self, req: _Request, n: int) -> None:
-    del req.output[n:], req.logprobs[n:], req.versions[n:], req.top[n:], req.experts[n:]
+    del req.output[n:], req.logprobs[n:], req.versions[n:], req.top[n:]
 
   def _finish(self, slot: int, req: _Request, reason: str) -> None:
+    experts = None
+    if self.cfg.return_expert_ids:  # the row holds seq[:-1]
+      experts = self._pool.experts[req.row, :len(req.seq()) - 1].copy()
     self._release(req)
     self._slots[slot] = None
     self._count(finished=1)
@@ -580,4 +586,4 @@ class Engine:
         token_versions=list(req.versions), policy_version=req.versions[0],
         prompt_tokens=len(req.input_ids), cached_tokens=req.cached,
         top_logprobs=list(req.top) if self.cfg.top_logprobs else None,
-        expert_ids=np.stack(req.experts) if self.cfg.return_expert_ids else None))
+        expert_ids=experts))

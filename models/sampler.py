@@ -81,9 +81,10 @@ def _forward(graphdef, state, tokens, positions, cache, index):
   return model.hidden(tokens, positions, None, cache=cache, index=index)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("experts",),
+                   donate_argnums=(2,))
 def prefill(graphdef, state, pool: dict, rows: jax.Array, tokens: jax.Array,
-            starts: jax.Array) -> dict:
+            starts: jax.Array, *, experts: bool = False):
   """Write the cache of tokens into pool rows.
 
   Args:
@@ -93,15 +94,17 @@ def prefill(graphdef, state, pool: dict, rows: jax.Array, tokens: jax.Array,
     rows: [b] pool row of each batch row; out-of-range rows are padding.
     tokens: [b, p] int32 tokens to prefill.
     starts: [b] cache slot of each row's first token.
+    experts: also return the MoE expert choices of every prefilled token (static).
 
   Returns:
-    The updated pool.
+    The updated pool; with `experts`, (pool, expert_ids [moe_layers, b, p, k] int32).
   """
   TRACES["prefill"] += 1
   sub = _gather_rows(pool, rows)
   positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-  _, _, sub = _forward(graphdef, state, tokens, positions, sub, starts)
-  return _scatter_rows(pool, rows, sub)
+  _, aux, sub = _forward(graphdef, state, tokens, positions, sub, starts)
+  pool = _scatter_rows(pool, rows, sub)
+  return (pool, aux["expert_ids"]) if experts else pool
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
