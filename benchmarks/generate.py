@@ -1,5 +1,5 @@
-"""Generation throughput of models/engine.py against transformers and google/tunix, prefill
-sharing, and the train/inference mismatch KL in bf16 and on the absorbed MLA decode path.
+"""Generation throughput of models/engine.py against transformers and google/tunix, and prefill
+sharing. (The sampler/trainer log-prob mismatch is benchmarks/mismatch.py's.)
 
     python -m benchmarks.generate [--repeats=5 --update_docs --out=x.json]
 
@@ -24,13 +24,10 @@ import subprocess
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
-from flax import nnx
 
-from benchmarks.common import MOE_MLA, machine, today, write_section
+from benchmarks.common import machine, today, write_section
 from envs.policy import SamplingParams
 from models import transformer
 from models.config import ModelConfig
@@ -41,7 +38,6 @@ flags.DEFINE_bool("update_docs", False,
                   "also rewrite the generate section of docs/benchmarks.md")
 flags.DEFINE_string("out", None, "also write the JSON result to this path")
 flags.DEFINE_string("worker", None, "internal: run as the 'transformers' worker process")
-flags.DEFINE_bool("kl", True, "measure the mismatch KL (bf16, absorbed MLA)")
 FLAGS = flags.FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -167,71 +163,6 @@ class ArborRunner:
             "prefill_tokens_shared": tokens["shared"]}
 
 
-# ----------------------------------------------------------------------------- mismatch
-
-
-def mismatch(cfg, trainer_dtype: str, n: int = 8, prompt_len: int = 64, new: int = 64) -> dict:
-  """KL(sampler || trainer) on tokens the engine sampled at temperature 1.
-
-  The trainer side is a teacher-forced full forward pass (no cache, no absorption) of the same
-  weights in `trainer_dtype`. With d = log p_train - log p_sampler per sampled token,
-  k1 = mean(-d) and k3 = mean(exp(d) - 1 - d) (Schulman's estimators; k3 >= 0).
-  """
-  model = transformer.init(cfg, seed=0)
-  engine = Engine(model, EngineConfig(slots=n, max_seq_len=prompt_len + new, prefix_cache_rows=0,
-                                      prefill_chunk=prompt_len, prefill_bucket=prompt_len,
-                                      steps_per_call=new, return_expert_ids=cfg.is_moe))
-  inputs = np.random.default_rng(7).integers(1, cfg.vocab_size, (n, prompt_len)).tolist()
-  outs = engine.generate(inputs, [SamplingParams(max_tokens=new, temperature=1.0, seed=i)
-                                  for i in range(n)])
-  trainer = nnx.merge(nnx.graphdef(transformer.abstract(cfg.replace(dtype=trainer_dtype))),
-                      nnx.state(model))
-  seqs = np.array([x + o.output_ids for x, o in zip(inputs, outs)], np.int32)
-  length = seqs.shape[1]
-
-  @nnx.jit
-  def logprobs(m, tokens):
-    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens.shape)
-    logits, aux = m(tokens, positions, jnp.full(tokens.shape, length, jnp.int32))
-    logp = jax.nn.log_softmax(logits[:, prompt_len - 1:-1].astype(jnp.float32), -1)
-    entropy = -(jnp.exp(logp) * logp).sum(-1)
-    experts = aux.get("expert_ids", jnp.zeros((0,), jnp.int32))
-    return jnp.take_along_axis(logp, tokens[:, prompt_len:, None], -1)[..., 0], entropy, experts
-
-  train, entropy, experts = logprobs(trainer, jnp.asarray(seqs))
-  train, entropy = np.asarray(train, np.float64), np.asarray(entropy, np.float64)
-  flips = None
-  if cfg.is_moe:  # expert sets at the predicting positions: sampler vs trainer
-    trainer_ids = np.sort(np.asarray(experts)[:, :, prompt_len - 1:-1], -1)  # [layers, n, new, k]
-    sampler_ids = np.sort(np.stack([o.expert_ids for o in outs], 1), -1)   # [new, n, layers, k]
-    sampler_ids = np.transpose(sampler_ids, (2, 1, 0, 3))
-    flips = float(np.mean(np.any(trainer_ids != sampler_ids, -1)))
-  sampler = np.array([o.logprobs for o in outs], np.float64)
-  d = train - sampler
-  return {"sampler_dtype": cfg.dtype, "trainer_dtype": trainer_dtype,
-          "attention": cfg.attention, "tokens": int(d.size),
-          "kl_k3": float(np.mean(np.expm1(d) - d)), "kl_k1": float(np.mean(-d)),
-          "max_abs_logprob_diff": float(np.abs(d).max()), "mean_entropy": float(entropy.mean()),
-          "routing_flips": flips}
-
-
-def mismatch_table() -> list[dict]:
-  # initializer_range 0.1: next-token distributions far from uniform (entropy reported)
-  dense = qwen3_like().replace(initializer_range=0.1)
-  moe_mla = MOE_MLA.replace(initializer_range=0.1)
-  mla = moe_mla.replace(num_experts=0, first_k_dense_replace=0)  # MLA without MoE routing
-  bf16 = lambda c: c.replace(dtype="bfloat16")
-  rows = []
-  for name, cfg, trainer_dtype in (
-      ("dense GQA", dense, "float32"), ("dense GQA", bf16(dense), "bfloat16"),
-      ("dense GQA", bf16(dense), "float32"), ("dense MLA (absorbed decode)", bf16(mla), "bfloat16"),
-      ("MoE + MLA (absorbed decode)", moe_mla, "float32"),
-      ("MoE + MLA (absorbed decode)", bf16(moe_mla), "bfloat16")):
-    rows.append({"model": name, **mismatch(cfg, trainer_dtype)})
-    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-  return rows
-
-
 # ----------------------------------------------------------------------------- main
 
 
@@ -239,7 +170,7 @@ def markdown(result: dict, machine_name: str) -> str:
   r = result
   runs = lambda k: ", ".join(f"{x:,.0f}" for x in r["runs"][k])
   lines = [
-      "## generate: engine throughput, prefill sharing, mismatch KL", "",
+      "## generate: engine throughput, prefill sharing", "",
       f"{r['date']}, {machine_name}. 16 prompts × 192 random tokens → 64 new tokens each "
       "(greedy, no EOS), Qwen3-like config (vocab 2048, hidden 256, 4 layers, 4 heads, 2 KV "
       "heads, head_dim 64, MLP 1024, fp32, random weights); tokens/s = 1,024 / wall time of a "
@@ -269,26 +200,8 @@ def markdown(result: dict, machine_name: str) -> str:
       f"{p['shared_s']:.3f} s ({p['prefill_tokens_shared']:,} tokens prefilled, the rest "
       f"copied): ratio {p['ratio']:.3f} (goal ≈ 1/{G} = {1 / G:.3f}; both include the "
       "first decode step, the shared one also the row copies).", ""]
-  if r.get("mismatch"):
-    lines += [
-        "**Train/inference mismatch** on tokens the engine sampled (temperature 1, 8 prompts × "
-        "64 → 64 tokens): KL(sampler ‖ trainer) by the k3 and k1 estimators from per-token "
-        "log-probs; the trainer side is a teacher-forced full forward pass of the same weights "
-        "(no cache; MLA without the absorbed projections). Dense GQA = the config above; "
-        "MoE + MLA = benchmarks/common.py MOE_MLA; dense MLA = MOE_MLA without experts; "
-        "initializer_range 0.1. fp32 agrees to rounding: the sampler's log-probs are the "
-        "trainer's. In bf16 the absorbed MLA path mismatches no more than GQA; the MoE + MLA "
-        "row's larger KL comes from expert choices that flip between the two computations "
-        "(routing flips: share of (token, MoE layer) pairs whose expert set differs; what "
-        "routing replay with the engine's `return_expert_ids` is for).", "",
-        "| model | sampler | trainer | KL k3 | KL k1 | max abs Δ log-prob | mean entropy | "
-        "routing flips |", "|---|---|---|---|---|---|---|---|"]
-    for m in r["mismatch"]:
-      lines.append(f"| {m['model']} | {m['sampler_dtype']} | {m['trainer_dtype']} | "
-                   f"{m['kl_k3']:.2e} | {m['kl_k1']:.2e} | {m['max_abs_logprob_diff']:.2e} | "
-                   f"{m['mean_entropy']:.2f} | "
-                   f"{'-' if m['routing_flips'] is None else format(m['routing_flips'], '.2%')} |")
-    lines.append("")
+  lines += ["The sampler/trainer log-prob mismatch is measured by benchmarks/mismatch.py "
+            "(section `mismatch` below).", ""]
   lines += ["```", "bash benchmarks/setup_tunix.sh   # once: the tunix virtualenv",
             f"python -m benchmarks.generate --update_docs --repeats={r['repeats']}", "```"]
   return "\n".join(lines)
@@ -336,8 +249,6 @@ def main(argv) -> None:
       "versions": {"transformers": transformers.__version__},
       "prefill_sharing": arbor.prefill_sharing(FLAGS.repeats),
   }
-  if FLAGS.kl:
-    result["mismatch"] = mismatch_table()
   print(json.dumps(result))
   if FLAGS.out:
     with open(FLAGS.out, "w") as f:

@@ -66,8 +66,33 @@ def dtype_of(cfg: ModelConfig):
   return jnp.dtype(cfg.dtype)
 
 
+def round_to(x: jax.Array, dtype) -> jax.Array:
+  """x cast to `dtype`, with a rounding XLA keeps wherever the program puts it.
+
+  XLA may skip a narrowing cast inside a fusion (`xla_allow_excess_precision`, on by default)
+  and fuses the decode step and the full forward pass differently, so a plain `astype` can
+  round in one and not in the other: the engine and the trainer then compute different
+  functions. `reduce_precision` is never skipped. A no-op for fp32.
+
+  Args:
+    x: any array.
+    dtype: the target dtype.
+
+  Returns:
+    x in `dtype`, rounded to it.
+  """
+  y = x.astype(dtype)
+  if jnp.finfo(y.dtype).bits >= 32:
+    return y
+  info = jnp.finfo(y.dtype)
+  return jax.lax.reduce_precision(y, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
 class RMSNorm(nnx.Module):
   """y = scale * x / sqrt(mean(x^2) + eps), computed in fp32 (as Hugging Face does).
+
+  As in Hugging Face, the normalised x is rounded to x's dtype before the gain multiplies it;
+  both roundings are kept by XLA (`round_to`), so a decode step and a full pass round alike.
 
   Args:
     dim: size of the normalised (last) axis.
@@ -85,7 +110,7 @@ class RMSNorm(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-    return (self.scale[...] * xf.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+    return round_to(self.scale[...] * round_to(xf, x.dtype).astype(jnp.float32), x.dtype)
 
 
 class Dense(nnx.Module):
@@ -94,6 +119,11 @@ class Dense(nnx.Module):
   `kernel` has shape `in_shape + out_shape`; `bias` (optional) has shape `out_shape`.
   Example: the GQA query projection maps [.., embed] to [.., heads, head_dim] with
   `Dense((hidden,), (heads, head_dim), ("embed",), ("heads", "kv"))`.
+
+  The matmul accumulates in fp32 and the bias is added in fp32; the sum is rounded once to the
+  compute dtype (`round_to`). A bf16-output dot leaves its accumulation to the backend (on
+  XLA:CPU its result depends on the number of rows, so one decode token and a full row of
+  the same token differed); an fp32 accumulator is what TPUs and GPUs use anyway.
 
   Args:
     in_shape: the trailing input dimensions it contracts.
@@ -118,11 +148,12 @@ class Dense(nnx.Module):
     size_in = math.prod(w.shape[:self.n_in])
     # One 2-D matmul [tokens, in] @ [in, out]: XLA:CPU runs it, and the transposed matmuls of
     # its gradient, much faster than a dot_general with several free dimensions.
-    y = jnp.dot(x.astype(self.dtype).reshape(-1, size_in), w.reshape(size_in, -1))
+    y = jnp.dot(x.astype(self.dtype).reshape(-1, size_in), w.reshape(size_in, -1),
+                preferred_element_type=jnp.float32)
     y = y.reshape(lead + out_shape)
     if self.bias is not None:
-      y = y + self.bias[...].astype(self.dtype)
-    return y
+      y = y + self.bias[...]
+    return round_to(y, self.dtype)
 
 
 class MLP(nnx.Module):

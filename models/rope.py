@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig, yarn_get_mscale
+from models.layers import round_to
 
 
 def inv_freq_and_factor(cfg: ModelConfig) -> tuple[np.ndarray, float]:
@@ -103,4 +104,4 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool) 
     half = x.shape[-1] // 2
     x1, x2 = xf[..., :half], xf[..., half:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
+  return round_to(out, x.dtype)

@@ -24,7 +24,7 @@ from flax import nnx
 
 from models.attention import GQA, MLA
 from models.config import ModelConfig
-from models.layers import MLP, RMSNorm, dtype_of, initial_value, param
+from models.layers import MLP, RMSNorm, dtype_of, initial_value, param, round_to
 from models.moe import MoE, update_router_bias
 from models.rope import cos_sin
 from models.sharding import constrain, state_shardings
@@ -84,14 +84,16 @@ class Block(nnx.Module):
     """
     h, max_logits, cache = self.attn(self.attn_norm(x), inputs.cos, inputs.sin, inputs.end,
                                      cache, inputs.index)
-    x = x + h
+    # Residual sums are rounded where the program says (`round_to`): XLA may otherwise feed
+    # the next norm an unrounded sum in one program and the rounded stream in another.
+    x = round_to(x + h, x.dtype)
     aux = {"max_logits": max_logits}
     if isinstance(self.mlp, MoE):
       h, moe_aux = self.mlp(self.mlp_norm(x), inputs.token_weights, expert_ids)
       aux.update(moe_aux)
     else:
       h = self.mlp(self.mlp_norm(x))
-    return x + h, aux, cache
+    return round_to(x + h, x.dtype), aux, cache
 
 
 def _stacked_blocks(cfg: ModelConfig, moe: bool, n: int) -> Block:
