@@ -276,11 +276,10 @@ def markdown(result: dict, machine_name: str) -> str:
       "Dense GQA = benchmarks/generate.py's Qwen3-like config, MoE + MLA = "
       "benchmarks/common.py MOE_MLA, dense MLA = MOE_MLA without experts; initializer_range "
       "0.1. Routing flips: share of (token, MoE layer) pairs whose expert set differs between "
-      "the engine and the trainer's own routing, over every position the engine reports "
-      "(today the last prompt token and every output but the last: the positions that "
-      "predicted an output token). Replay on: the trainer's forward takes the engine's "
-      "`Completion.expert_ids` at every position the engine reports (positions "
-      f"{r['replayed_positions']} of each sequence here) and routes the others (the prompt's) "
+      "the engine (`Completion.expert_ids`) and the trainer's own routing, over every position "
+      f"the engine reports (positions {r['replayed_positions']} of each sequence here). Replay "
+      "on: the trainer's forward takes the engine's expert ids at every position the engine "
+      "reports and routes the positions it does not report (none here) "
       "itself. Why the rest differs, operation by operation: docs/numerics.md.", "",
       "| model | sampler | trainer | replay | KL k3 | KL k1 | max abs Δ log-prob | "
       "mean entropy | routing flips | tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
