@@ -263,7 +263,7 @@ def _rl() -> ml_collections.ConfigDict:
   s.correction = "none"  # mismatch correction: rl.corrections.KINDS
   s.mcla_passes = 0  # MCLA scoring passes averaged for π_old (0 = off)
   s.mcla_mode = "logprob"  # MCLA average: "logprob" | "prob"
-  s.routing_replay = False  # MoE: replay the engine's expert choices in the training forward
+  s.routing_replay = True  # MoE policies: the training forward replays the engine's experts
   s.temperature = 1.0  # sampling temperature (0 = greedy)
   s.top_p = 1.0  # nucleus mass (1 = off)
   s.top_k = 0  # top-k (0 = off)

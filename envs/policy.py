@@ -7,11 +7,14 @@ a rollout worker on a CPU VM needs no JAX.
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import json
 import urllib.error
 import urllib.request
 from typing import Optional, Protocol, Sequence
+
+import numpy as np
 
 FINISH_REASONS = ("stop", "length")
 
@@ -44,6 +47,9 @@ class Generation:
   finish_reason: str                    # "stop" (a stop token/string) or "length"
   policy_version: int = 0               # the version that produced the first token
   token_versions: Optional[list[int]] = None  # per-token versions, when the engine tags them
+  # MoE routing replay: [len(input) + len(output) - 1, moe_layers, k] experts of every position
+  # the engine fed to the model, when it records them
+  expert_ids: Optional[np.ndarray] = None
 
 
 class Policy(Protocol):
@@ -62,6 +68,21 @@ class Policy(Protocol):
     ...
 
 
+def encode_expert_ids(ids: Optional[np.ndarray]) -> Optional[dict]:
+  """Expert ids [positions, moe_layers, k] as JSON: {"shape": [...], "int16": base64}."""
+  if ids is None:
+    return None
+  return {"shape": list(ids.shape),
+          "int16": base64.b64encode(np.asarray(ids, "<i2").tobytes()).decode()}
+
+
+def decode_expert_ids(data: Optional[dict]) -> Optional[np.ndarray]:
+  """Inverse of `encode_expert_ids`."""
+  if data is None:
+    return None
+  return np.frombuffer(base64.b64decode(data["int16"]), "<i2").reshape(data["shape"])
+
+
 class PolicyError(RuntimeError):
   """The policy could not answer (server unreachable, 4xx/5xx, malformed reply)."""
 
@@ -70,7 +91,8 @@ class HTTPPolicy:
   """Client of `POST {url}/generate` (the policy server of trainer.serve).
 
   Request JSON: {"input_ids": [...], **SamplingParams.to_dict()}; reply JSON: {"output_ids",
-  "logprobs", "finish_reason", "policy_version"[, "token_versions"]}.
+  "logprobs", "finish_reason", "policy_version"[, "token_versions"][, "expert_ids"]}, with
+  expert_ids as `encode_expert_ids` writes it.
 
   Args:
     url: the server's base URL (a trailing "/" is ignored).
@@ -117,6 +139,7 @@ class HTTPPolicy:
                         logprobs=[float(x) for x in reply["logprobs"]],
                         finish_reason=str(reply["finish_reason"]),
                         policy_version=int(reply.get("policy_version", 0)),
-                        token_versions=reply.get("token_versions"))
+                        token_versions=reply.get("token_versions"),
+                        expert_ids=decode_expert_ids(reply.get("expert_ids")))
     except (KeyError, TypeError, ValueError) as e:
       raise PolicyError(f"{self.url}/generate: malformed reply {reply!r:.500}") from e

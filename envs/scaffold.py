@@ -221,7 +221,7 @@ class _Episode:
     gen = await self.policy.generate(list(ids), params)
     call = LLMCall(input_ids=list(ids), output_ids=list(gen.output_ids),
                    output_logprobs=list(gen.logprobs), policy_version=gen.policy_version,
-                   token_versions=gen.token_versions, meta=meta)
+                   token_versions=gen.token_versions, meta=meta, expert_ids=gen.expert_ids)
     self.calls.append(call)
     self.sampled += len(call.output_ids)
     return gen, call

@@ -12,6 +12,7 @@ import uuid
 from typing import Any, Optional
 
 import msgpack
+import numpy as np
 
 TERMINATIONS = ("submitted", "max_turns", "token_budget", "timeout", "sandbox_error")
 
@@ -29,6 +30,8 @@ class LLMCall:
     token_versions: optional [n_out] version of every sampled token.
     meta: JSON-like extras, e.g. {"tool_error": True} when the call's tool call failed
       (error-masked SFT).
+    expert_ids: optional [n_in + n_out - 1, moe_layers, k] int MoE experts of every position
+      the engine fed to the model (routing replay; the last sampled token was never fed).
 
   Raises:
     ValueError: output_logprobs or token_versions do not have n_out entries.
@@ -40,8 +43,15 @@ class LLMCall:
   policy_version: int = 0
   token_versions: Optional[list[int]] = None
   meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+  expert_ids: Optional[np.ndarray] = None
 
   def __post_init__(self):
+    if self.expert_ids is not None:
+      self.expert_ids = np.asarray(self.expert_ids)
+      want = len(self.input_ids) + len(self.output_ids) - 1
+      if self.expert_ids.ndim != 3 or len(self.expert_ids) != want:
+        raise ValueError(f"LLMCall.expert_ids has shape {self.expert_ids.shape}; expected "
+                         f"[{want} (input + output tokens - 1), moe_layers, k]")
     if len(self.output_logprobs) != len(self.output_ids):
       raise ValueError(f"LLMCall.output_logprobs has {len(self.output_logprobs)} entries for "
                        f"{len(self.output_ids)} output_ids")
@@ -81,13 +91,27 @@ class Trajectory:
     return min((c.policy_version for c in self.calls), default=0)
 
   def to_dict(self) -> dict:
-    """The record as plain dicts and lists (calls included)."""
-    return dataclasses.asdict(self)
+    """The record as plain dicts and lists (calls included); a call's expert_ids becomes
+    {"shape": [...], "int16": bytes} (compact: one number per position, layer and choice)."""
+    d = dataclasses.asdict(dataclasses.replace(self, calls=[]))
+    d["calls"] = []
+    for c in self.calls:
+      call = dataclasses.asdict(dataclasses.replace(c, expert_ids=None))
+      if c.expert_ids is not None:
+        call["expert_ids"] = {"shape": list(c.expert_ids.shape),
+                              "int16": c.expert_ids.astype("<i2").tobytes()}
+      d["calls"].append(call)
+    return d
 
   @classmethod
   def from_dict(cls, d: dict) -> "Trajectory":
     """Inverse of `to_dict`."""
-    calls = [LLMCall(**c) for c in d["calls"]]
+    calls = []
+    for c in d["calls"]:
+      ids = c.get("expert_ids")
+      if isinstance(ids, dict):
+        ids = np.frombuffer(ids["int16"], "<i2").reshape(ids["shape"])
+      calls.append(LLMCall(**{**c, "expert_ids": ids}))
     return cls(**{**d, "calls": calls})
 
   def to_bytes(self) -> bytes:

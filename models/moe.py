@@ -18,6 +18,8 @@ tokens under a mesh), load statistics and shared experts are the same for every 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -37,7 +39,8 @@ def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array | None,
       `norm_topk_prob`, `routed_scaling_factor`).
     logits: [tokens, experts] fp32 router logits.
     bias: [experts] selection bias, or None.
-    expert_ids: [tokens, k] given choices (routing replay); None = choose.
+    expert_ids: [tokens, k] given choices (routing replay); a token whose ids are negative
+      (not recorded) chooses its own. None = every token chooses.
 
   Returns:
     (expert_ids [tokens, k] int32, gate weights [tokens, k] fp32, scores [tokens, experts]).
@@ -49,21 +52,35 @@ def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array | None,
     scores = jax.nn.softmax(logits, axis=-1)
   else:
     scores = jax.nn.sigmoid(logits)
-  if expert_ids is None:
-    choice = scores if bias is None else scores + bias
-    if cfg.n_group > 1:
-      t = choice.shape[0]
-      grouped = choice.reshape(t, cfg.n_group, -1)
-      group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [t, n_group]
-      _, keep = jax.lax.top_k(group_scores, cfg.topk_group)
-      group_mask = jnp.zeros_like(group_scores, bool).at[jnp.arange(t)[:, None], keep].set(True)
-      choice = jnp.where(group_mask[:, :, None], grouped, -jnp.inf).reshape(t, -1)
-    _, expert_ids = jax.lax.top_k(choice, cfg.experts_per_token)
-  expert_ids = expert_ids.astype(jnp.int32)
+  choice = scores if bias is None else scores + bias
+  if cfg.n_group > 1:
+    t = choice.shape[0]
+    grouped = choice.reshape(t, cfg.n_group, -1)
+    group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [t, n_group]
+    _, keep = jax.lax.top_k(group_scores, cfg.topk_group)
+    group_mask = jnp.zeros_like(group_scores, bool).at[jnp.arange(t)[:, None], keep].set(True)
+    choice = jnp.where(group_mask[:, :, None], grouped, -jnp.inf).reshape(t, -1)
+  _, chosen = jax.lax.top_k(choice, cfg.experts_per_token)
+  if expert_ids is not None:
+    recorded = jnp.all(expert_ids >= 0, axis=-1, keepdims=True)
+    chosen = jnp.where(recorded, expert_ids, chosen)
+  expert_ids = chosen.astype(jnp.int32)
   weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
   if cfg.norm_topk_prob:
     weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
   return expert_ids, weights * cfg.routed_scaling_factor, scores
+
+
+def _route_and_flips(cfg: ModelConfig, logits, given, bias):
+  """`route`, plus under replay a per-token [tokens, 2] (own choice differs from the recorded
+  one, the token has a recording): how often the trainer would have routed differently."""
+  ids, gates, scores = route(cfg, logits, bias, given)
+  if given is None:
+    return ids, gates, scores
+  own = route(cfg, logits, bias)[0]
+  recorded = jnp.all(given >= 0, axis=-1)
+  flipped = recorded & jnp.any(jnp.sort(own, -1) != jnp.sort(ids, -1), axis=-1)
+  return ids, gates, scores, jnp.stack([flipped, recorded], -1).astype(jnp.float32)
 
 
 class MoE(nnx.Module):
@@ -98,7 +115,9 @@ class MoE(nnx.Module):
 
     Returns:
       (y [batch, seq, hidden], aux) with aux holding `load` [experts] (weighted share of
-      assignments), `balance_loss` and `expert_ids` [batch, seq, k].
+      assignments), `balance_loss`, `expert_ids` [batch, seq, k] and, when replaying,
+      `replay_flips` [2]: logical tokens whose own choice differs from the replayed one, and
+      tokens replayed (those with a recording).
     """
     cfg = self.cfg
     b, s, d = x.shape
@@ -107,8 +126,8 @@ class MoE(nnx.Module):
     bias = None if self.router_bias is None else self.router_bias[...]
     bias = None if bias is None else jax.lax.stop_gradient(bias)
     given = None if expert_ids is None else expert_ids.reshape(b * s, -1)
-    ids, gates, scores = expert_parallel.token_local(
-        cfg, lambda logits, given, bias: route(cfg, logits, bias, given), (logits, given), (bias,))
+    ids, gates, scores, *flips = expert_parallel.token_local(
+        cfg, functools.partial(_route_and_flips, cfg), (logits, given), (bias,))
     dt = dtype_of(cfg)
     w_gate, w_up, w_down = (p[...].astype(dt) for p in (self.gate_proj, self.up_proj,
                                                         self.down_proj))
@@ -129,6 +148,9 @@ class MoE(nnx.Module):
       y = y + self.shared(x)
     aux = _statistics(cfg, ids.reshape(b, s, -1), scores.reshape(b, s, -1), token_weights)
     aux["expert_ids"] = ids.reshape(b, s, -1)
+    if flips:  # replay: (flipped, recorded) logical tokens of this layer
+      aux["replay_flips"] = jax.lax.stop_gradient(
+          (flips[0] * token_weights.reshape(-1, 1).astype(jnp.float32)).sum(0))
     return constrain(y.astype(x.dtype), ("batch", "seq", "act_embed"), cfg), aux
 
 

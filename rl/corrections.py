@@ -334,6 +334,7 @@ def mismatch_metrics(train_logprobs: Array, sampler_logprobs: Array, mask: Array
     mismatch_kl_k1         mean(−log k): the k1 estimate of the same KL (can be negative)
     mismatch_abs_log_ratio mean |log k|
     mismatch_max_ratio     max k over loss tokens (0 if there are none)
+    mismatch_max_abs_log_ratio  max |log k| = max |Δ log-prob| over loss tokens (0 if none)
   and, when `weights` is given:
     masked_token_frac      fraction of loss tokens with weight 0
     masked_seq_frac        fraction of live sequences (>= 1 loss token) whose every loss token
@@ -364,6 +365,7 @@ def mismatch_metrics(train_logprobs: Array, sampler_logprobs: Array, mask: Array
       "mismatch_kl_k1": mean(-lk),
       "mismatch_abs_log_ratio": mean(jnp.abs(lk)),
       "mismatch_max_ratio": jnp.max(jnp.where(live, k, 0.0)),
+      "mismatch_max_abs_log_ratio": jnp.max(jnp.where(live, jnp.abs(lk), 0.0)),
   }
   if weights is not None:
     w = jax.lax.stop_gradient(jnp.asarray(weights, jnp.float32))

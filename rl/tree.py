@@ -13,6 +13,8 @@ Flattened arrays (docs/design.md §3), n = number of nodes:
   pred [n]       index of the node whose logits predict this token (its parent); -1 for roots
   seqs           one `Seq` per trajectory: the node index of every token it sampled, in order
                  (a token repeated as context by later calls is not repeated), with its fields
+  experts [n, moe_layers, k]  (optional) the MoE experts the sampler routed each node through,
+                 -1 where no call recorded them (routing replay; a node's first recording wins)
 """
 
 from __future__ import annotations
@@ -32,11 +34,14 @@ class CallTokens:
     output_ids: the sampled token ids.
     fields: per output token values (e.g. "logprobs", "loss_mask", "teacher_logprobs"), each
       of len(output_ids).
+    expert_ids: optional [len(input_ids) + len(output_ids) - 1, moe_layers, k] int experts the
+      engine routed each position through (routing replay).
   """
 
   input_ids: Sequence[int]
   output_ids: Sequence[int]
   fields: Mapping[str, Sequence[float]] = dataclasses.field(default_factory=dict)
+  expert_ids: Optional[np.ndarray] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +77,7 @@ class Tree:
   end: np.ndarray
   pred: np.ndarray
   seqs: list[Seq]
+  experts: Optional[np.ndarray] = None
 
   def __len__(self) -> int:
     return len(self.tokens)
@@ -129,8 +135,16 @@ def from_trajectory(trajectory: Any, *, scalars: Optional[Mapping[str, float]] =
         raise ValueError(f"calls[{i}] has no output_logprobs (pass logprobs=False to adapt a "
                          "record without them)")
       fields["logprobs"] = list(sampled)
-    calls.append(CallTokens(list(_get(c, "input_ids")), output_ids, fields))
+    calls.append(CallTokens(list(_get(c, "input_ids")), output_ids, fields,
+                            _expert_ids(_get(c, "expert_ids"))))
   return TrajectoryTokens(calls, {k: float(v) for k, v in (scalars or {}).items()})
+
+
+def _expert_ids(ids: Any) -> Optional[np.ndarray]:
+  """A call's expert ids: an array, or a record's {"shape", "int16"} bytes (envs.trajectory)."""
+  if isinstance(ids, Mapping):
+    return np.frombuffer(ids["int16"], "<i2").reshape(ids["shape"])
+  return None if ids is None else np.asarray(ids)
 
 
 def build_tree(trajectories: Sequence[TrajectoryTokens]) -> Tree:
@@ -141,11 +155,12 @@ def build_tree(trajectories: Sequence[TrajectoryTokens]) -> Tree:
 
   Returns:
     The `Tree` in pre-order. Each Seq has the fields "loss_mask" (1 unless a call gives it),
-    "turn" (the call's index) and every field of its calls (0 for calls that lack it).
+    "turn" (the call's index) and every field of its calls (0 for calls that lack it). When
+    any call has expert_ids, `experts` holds every node's (-1 where no call recorded it).
 
   Raises:
-    ValueError: for a call that samples tokens with empty input_ids, or a field whose length
-      differs from the call's output_ids.
+    ValueError: for a call that samples tokens with empty input_ids, a field whose length
+      differs from the call's output_ids, or expert_ids of the wrong shape.
   """
   parent: list[int] = []
   token: list[int] = []
@@ -162,6 +177,7 @@ def build_tree(trajectories: Sequence[TrajectoryTokens]) -> Tree:
     return table[tok]
 
   sampled: list[tuple[list[int], dict[str, np.ndarray]]] = []
+  routed: dict[int, np.ndarray] = {}  # node -> its experts, first recording wins
   for t, traj in enumerate(trajectories):
     nodes: list[int] = []
     per_call: list[dict[str, np.ndarray]] = []
@@ -179,9 +195,16 @@ def build_tree(trajectories: Sequence[TrajectoryTokens]) -> Tree:
         fields[name] = np.asarray(values, np.float32)
       per_call.append(fields)
       node = -1
-      for tok in list(call.input_ids) + list(call.output_ids):
+      ids = None if call.expert_ids is None else np.asarray(call.expert_ids)
+      length = len(call.input_ids) + m
+      if ids is not None and (ids.ndim != 3 or len(ids) != length - 1):
+        raise ValueError(f"trajectory {t} call {c}: expert_ids has shape {ids.shape}, expected "
+                         f"[{length - 1} (input + output tokens - 1), moe_layers, k]")
+      for p, tok in enumerate(list(call.input_ids) + list(call.output_ids)):
         node = child(node, int(tok))
         nodes.append(node)
+        if ids is not None and p < len(ids):
+          routed.setdefault(node, ids[p])
       del nodes[len(nodes) - len(call.output_ids) - len(call.input_ids):len(nodes) - m]
     names = sorted({"loss_mask", "turn"} | {name for fields in per_call for name in fields})
     # a field some calls lack is 0 for their tokens
@@ -199,7 +222,15 @@ def build_tree(trajectories: Sequence[TrajectoryTokens]) -> Tree:
   seqs = [Seq(index=new[np.asarray(nodes, np.int64)].astype(np.int32), fields=fields,
               scalars={k: float(v) for k, v in traj.scalars.items()})
           for (nodes, fields), traj in zip(sampled, trajectories)]
-  return Tree(tokens=tokens, positions=depth, end=end, pred=pred, seqs=seqs)
+  experts = None
+  if routed:
+    shape = next(iter(routed.values())).shape
+    if any(x.shape != shape for x in routed.values()):
+      raise ValueError(f"expert_ids: calls disagree on [moe_layers, k] (first {shape})")
+    experts = np.full((n,) + shape, -1, np.int32)
+    for node, x in routed.items():
+      experts[new[node]] = x
+  return Tree(tokens=tokens, positions=depth, end=end, pred=pred, seqs=seqs, experts=experts)
 
 
 def _pre_order(parent, children, roots):

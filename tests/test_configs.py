@@ -258,7 +258,7 @@ def test_template_fails_only_on_its_placeholders(name, family, real_paths, tmp_p
   assert loss.name not in config_lib.RL_LOSSES_EXCLUDED
   rl = c.rl
   assert rl.loop == "async" and rl.max_staleness == 1 and rl.group_size in (8, 16)
-  assert rl.routing_replay is False  # refused by validation for now
+  assert rl.routing_replay is True  # MoE policies train through the sampler's experts
   assert rl.max_new_tokens < rl.max_context_tokens <= c.data.row_len
   assert rl.rollout_workers == "queue" and rl.queue_url.startswith("redis://")
   if name == "distill":
@@ -269,13 +269,16 @@ def test_template_fails_only_on_its_placeholders(name, family, real_paths, tmp_p
     assert [t.split("=")[0] for t in c.distill.teachers] == ["swe", "terminal"]
 
 
-def test_templates_refuse_routing_replay(real_paths, tmp_path):
+def test_rollout_engine_records_experts_for_moe_policies_with_replay():
+  from models.presets import get_preset
+  from trainer.rollouts import engine_config
   c = load("rl", "deepseek-v3")
-  for field in placeholders(c):
-    set_field(c, field, real_value(field, "deepseek-v3", real_paths))
-  c.rl.routing_replay = True
-  with pytest.raises(ConfigError, match=r"config\.rl\.routing_replay=True"):
-    validate(c, str(tmp_path))
+  moe, dense = get_preset("tiny-moe-mla"), get_preset("tiny-dense")
+  assert engine_config(c, moe).return_expert_ids
+  assert not engine_config(c, dense).return_expert_ids
+  assert not engine_config(c).return_expert_ids  # evaluation engines: no model config
+  c.rl.routing_replay = False
+  assert not engine_config(c, moe).return_expert_ids
 
 
 def test_sharding_rule_overrides_replace_named_rules_and_name_bad_values():

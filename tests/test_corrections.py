@@ -78,6 +78,7 @@ def ref_metrics(train, sampler, mask, w):
       "mismatch_kl_k1": np.mean(-lk),
       "mismatch_abs_log_ratio": np.mean(np.abs(lk)),
       "mismatch_max_ratio": k.max(),
+      "mismatch_max_abs_log_ratio": np.abs(lk).max(),
       "masked_token_frac": np.mean(ws == 0),
       "masked_seq_frac": len(dropped) / len(live),
       "mean_weight": ws.mean(),
@@ -244,7 +245,8 @@ def test_metrics_hand_case():
   assert float(m["masked_seq_frac"]) == 1.0 and float(m["masked_token_frac"]) == 1.0
   assert float(m["mean_weight"]) == 0.0
   assert set(C.mismatch_metrics(*args)) == {
-      "mismatch_kl_k3", "mismatch_kl_k1", "mismatch_abs_log_ratio", "mismatch_max_ratio"}
+      "mismatch_kl_k3", "mismatch_kl_k1", "mismatch_abs_log_ratio", "mismatch_max_ratio",
+      "mismatch_max_abs_log_ratio"}
 
 
 def test_none_kind():

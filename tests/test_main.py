@@ -170,7 +170,6 @@ def test_rl_mode_checks_its_own_fields(sft_config, tmp_path):
       ("rl.max_staleness", -1, "config.rl.max_staleness=-1"),
       ("rl.advantage", "ppo", "config.rl.advantage='ppo': expected one of ('grpo'"),
       ("rl.rollout_workers", "queue", "config.rl.queue_url='': expected 'memory' or a redis"),
-      ("rl.routing_replay", True, "config.rl.routing_replay=True"),
       ("rl.sandbox", "remote", "config.rl.sandbox_url='': expected the sandbox server's"),
       ("rl.max_new_tokens", 9000, "config.rl.max_new_tokens=9000: expected fewer than")):
     bad = sft_config.copy_and_resolve_references()

@@ -233,7 +233,7 @@ def engine_programs(config, model_cfg: ModelConfig, mesh,
   Raises:
     ValueError: a cache layout `CACHE_AXES` does not describe.
   """
-  e = engine_cfg or rollouts.engine_config(config)
+  e = engine_cfg or rollouts.engine_config(config, model_cfg)
   graphdef, state = abstract_model(model_cfg, mesh)
   pool = abstract_pool(model_cfg, e, mesh)
   i32, f32 = jnp.int32, jnp.float32

@@ -58,7 +58,8 @@ class MicroBatches:
                                    (groups concatenated); -1 for padding sequences
     scalars                 dict name -> f32 [M, S] (always "group": the group's index in the
                                    input, -1 for padding; "advantage", "reward", ...)
-  expert_ids  int32 [M, moe_layers, R, L, k] or None: routing to replay in the forward pass.
+  expert_ids  int32 [M, moe_layers, R, L, k] or None: routing to replay in the forward pass
+                                   (-1: the position routes itself).
   """
 
   tokens: Array
@@ -199,8 +200,9 @@ def make_micro_batches(groups: Sequence[Union[Sequence[TrajectoryTokens], Tree]]
       built `Tree`; every group lands whole in one micro-batch.
     shape: the fixed shapes; a None field is sized from the data (next power of two).
     expert_ids: per group, [num_nodes, moe_layers, k] int expert choices of every tree node (in
-      the tree's pre-order, e.g. from the engine's recorded routing), laid out for replay as
-      `MicroBatches.expert_ids`; None: no routing replay.
+      the tree's pre-order, e.g. `Tree.experts` from the engine's recorded routing; -1: the
+      node routes itself), laid out for replay as `MicroBatches.expert_ids`; None: no routing
+      replay.
 
   Returns:
     MicroBatches of shape [M, R, L] per position and [M, S, T] per sequence.
@@ -265,7 +267,7 @@ def make_micro_batches(groups: Sequence[Union[Sequence[TrajectoryTokens], Tree]]
         raise ValueError(f"expert_ids[{g}]: shape {x.shape}, expected [num_nodes={len(trees[g])},"
                          f" moe_layers, k] like expert_ids[0] {expert_ids[0].shape}")
     layers, k = expert_ids[0].shape[1:]
-    ids = np.zeros((M, layers, R, L, k), np.int32)  # padding positions route to expert 0
+    ids = np.full((M, layers, R, L, k), -1, np.int32)  # padding positions route themselves
     for i, b in enumerate(batches):
       for g in np.unique(b.group[b.group >= 0]):
         here = b.group == g  # copies too: they are forwarded like their owner

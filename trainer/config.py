@@ -420,9 +420,6 @@ def _validate_rl_mode(config, files: bool) -> None:
     # remote workers go on sampling while the trainer trains: their groups are >= 1 behind
     _fail("rl.max_staleness", rl.max_staleness, "an integer >= 1 with rl.rollout_workers="
           "'queue' (workers sample while the trainer trains)")
-  if rl.routing_replay:
-    _fail("rl.routing_replay", True, "False: the engine returns the experts of sampled tokens "
-          "only, not of prompt tokens, so replay is not wired into the loop yet")
   if rl.rollout_workers == "queue" and not rl.queue_url:
     _fail("rl.queue_url", rl.queue_url, "'memory' or a redis:// URL with rl.rollout_workers="
           "'queue'")

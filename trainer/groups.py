@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from rl import advantages, filters
-from rl.tree import from_trajectory
+from rl.tree import build_tree, from_trajectory
 from trainer import batches as batches_lib
 
 
@@ -126,7 +126,7 @@ def split_minibatches(items: list, n: int) -> list[list]:
 
 
 def micro_batches(groups: list[list], group_advantages: Sequence[np.ndarray],
-                  shape: batches_lib.BatchShape, minibatches: int
+                  shape: batches_lib.BatchShape, minibatches: int, replay: bool = False
                   ) -> list[tuple[list[list], batches_lib.MicroBatches]]:
   """The groups as `minibatches` optimizer updates' worth of packed micro-batches.
 
@@ -135,6 +135,8 @@ def micro_batches(groups: list[list], group_advantages: Sequence[np.ndarray],
     group_advantages: per group, its trajectories' advantages (`advantages_of`).
     shape: the fixed BatchShape (row length, rows per micro-batch).
     minibatches: optimizer updates per pass (`rl.minibatches`).
+    replay: routing replay: the calls' recorded experts (`LLMCall.expert_ids`) go into
+      `MicroBatches.expert_ids`; positions without a recording route themselves.
 
   Returns:
     [(the groups of the update, their MicroBatches)]; fields "logprobs" (the sampler's) and
@@ -145,7 +147,15 @@ def micro_batches(groups: list[list], group_advantages: Sequence[np.ndarray],
     trees = [[from_trajectory(t, scalars={"advantage": float(a), "reward": float(t.reward)},
                               mask_tool_errors=False) for t, a in zip(g, adv)]
              for g, adv in part]
-    mb = batches_lib.make_micro_batches(trees, shape)
+    experts = None
+    if replay:
+      built = [build_tree(g) for g in trees]
+      recorded = [t.experts for t in built if t.experts is not None]
+      if recorded:
+        experts = [t.experts if t.experts is not None else
+                   np.full((len(t),) + recorded[0].shape[1:], -1, np.int32) for t in built]
+      trees = built
+    mb = batches_lib.make_micro_batches(trees, shape, expert_ids=experts)
     out.append(([g for g, _ in part], mb.with_fields(old_logprobs=mb.fields["logprobs"])))
   return out
 

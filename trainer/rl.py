@@ -59,8 +59,8 @@ from trainer.teachers import Teachers
 log = logging.getLogger(__name__)
 
 REPORT_KEYS = ("reward_mean", "pass_rate", "loss", "kl", "entropy", "clip_fraction",
-               "mismatch_kl_k3", "grad_norm", "tree_token_ratio", "response_tokens",
-               "time/*")
+               "mismatch_kl_k3", "mismatch_max_abs_log_ratio", "routing_flips", "grad_norm",
+               "tree_token_ratio", "response_tokens", "time/*")
 
 
 def loss_config(config: ml_collections.ConfigDict):
@@ -114,8 +114,9 @@ class Scorer:
                step_tasks: list) -> batches_lib.MicroBatches:
     """`mb` (packing the groups `part`) with the scored fields added."""
     extra = {}
-    if self.reference is not None:
-      extra["ref_logprobs"] = np.asarray(jax.device_get(self.score(self.reference, mb)))
+    if self.reference is not None:  # the reference routes itself: the sampler was the policy
+      extra["ref_logprobs"] = np.asarray(jax.device_get(self.score(
+          self.reference, mb.replace(expert_ids=None))))
     if self.rl.mcla_passes:
       extra["old_logprobs"] = np.asarray(jax.device_get(step_lib.mcla_logprobs(
           self.score, state, mb, self.rl.mcla_passes, self.rl.mcla_mode)))
@@ -183,7 +184,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
                   Teachers(config, mesh) if config.mode == "distill" else None, mesh)
 
   # --- the engine (the policy's weights, updated in memory) and where the groups come from
-  engine = Engine(state.model(model_cfg), rollouts.engine_config(config),
+  engine = Engine(state.model(model_cfg), rollouts.engine_config(config, model_cfg),
                   detokenize=chat.tokenizer.decode)
   version = int(state.policy_version)
   engine.update_params(state.model(model_cfg), version)
@@ -196,6 +197,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
                                  seqs=None, seq_len=None, micro_batches=None)
   # async loops and remote workers sample while the trainer trains: bound their staleness
   overlapped = rl_cfg.loop == "async" or rl_cfg.rollout_workers == "queue"
+  replay = bool(rl_cfg.routing_replay and model_cfg.is_moe)  # train through the sampler's experts
 
   def resume_data() -> dict:
     return {"policy_version": version, "consumed_ids": sorted(consumed),
@@ -222,7 +224,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
         # 3-5. pack, score, train
         with run.timer.phase("pack"):
           parts = groups_lib.micro_batches(kept, groups_lib.advantages_of(kept, rl_cfg.advantage),
-                                           shape, rl_cfg.minibatches)
+                                           shape, rl_cfg.minibatches, replay=replay)
           line.update(groups_lib.batch_stats([mb for _, mb in parts]))
         with run.timer.phase("score"):
           mbs = [scorer(state, part, mb, step_tasks) for part, mb in parts]

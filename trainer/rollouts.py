@@ -219,18 +219,23 @@ def scaffold_config(config: ml_collections.ConfigDict,
                         top_p=rl.top_p, top_k=rl.top_k)
 
 
-def engine_config(config: ml_collections.ConfigDict) -> EngineConfig:
+def engine_config(config: ml_collections.ConfigDict, model_cfg=None) -> EngineConfig:
   """The engine of a run's rollouts.
 
   A slot per concurrent episode (`rl.concurrency`), as many rows for prefix reuse, rows long
-  enough for `rl.max_context_tokens` (rounded up to a multiple of 128).
+  enough for `rl.max_context_tokens` (rounded up to a multiple of 128); it records every
+  position's experts when the policy is MoE and `rl.routing_replay` is on.
 
   Args:
-    config: the run's config (`rl.concurrency`, `rl.max_context_tokens`, `seed`).
+    config: the run's config (`rl.concurrency`, `rl.max_context_tokens`, `seed`,
+      `rl.routing_replay`).
+    model_cfg: the policy's ModelConfig; None: no expert recording (evaluation).
 
   Returns:
     The EngineConfig.
   """
   rl = config.rl
+  replay = bool(model_cfg is not None and model_cfg.is_moe and rl.routing_replay)
   return EngineConfig(slots=rl.concurrency, max_seq_len=-(-rl.max_context_tokens // 128) * 128,
-                      prefix_cache_rows=rl.concurrency, prefill_chunk=512, seed=config.seed)
+                      prefix_cache_rows=rl.concurrency, prefill_chunk=512, seed=config.seed,
+                      return_expert_ids=replay)

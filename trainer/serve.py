@@ -64,7 +64,7 @@ from starlette.routing import Route
 
 from envs.chat import load_chat, load_tokenizer, make_chat
 from envs.net import check_bind
-from envs.policy import Generation, SamplingParams
+from envs.policy import Generation, SamplingParams, encode_expert_ids
 from models import hf, transformer
 from models.engine import Engine, EngineConfig
 from models.presets import get_preset
@@ -826,7 +826,7 @@ class PolicyServer:
     if out.top_logprobs is not None:
       reply["top_logprobs"] = out.top_logprobs
     if out.expert_ids is not None:
-      reply["expert_ids"] = out.expert_ids.tolist()
+      reply["expert_ids"] = encode_expert_ids(out.expert_ids)
     return JSONResponse(reply)
 
   def _common(self, body: dict, prompt_lens: list[int], n_prompts: int, stop_token_ids):
@@ -1182,12 +1182,13 @@ class EnginePolicy:
       params: the envs.policy.SamplingParams.
 
     Returns:
-      The envs.policy.Generation: output ids, log-probs, finish reason and policy versions.
+      The envs.policy.Generation: output ids, log-probs, finish reason, policy versions and
+      (an engine with return_expert_ids) the experts of every position.
     """
     out = await asyncio.wrap_future(self.engine.submit(list(input_ids), params))
     return Generation(output_ids=out.output_ids, logprobs=out.logprobs,
                       finish_reason=out.finish_reason, policy_version=out.policy_version,
-                      token_versions=out.token_versions)
+                      token_versions=out.token_versions, expert_ids=out.expert_ids)
 
 
 # ----------------------------------------------------------------------------- CLI

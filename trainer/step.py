@@ -428,6 +428,9 @@ class TrainStep:
       else:
         m = corrections.mismatch_metrics(train, seq.sampler_logprobs, seq.mask)
       metrics.update(m)
+    if "replay_flips" in aux:  # share of replayed (token, MoE layer) pairs routed differently
+      flips = aux["replay_flips"]
+      metrics["routing_flips"] = flips[..., 0].sum() / jnp.maximum(flips[..., 1].sum(), 1.0)
     loss, loss_metrics = losses.compute(seq, loss_cfg)
     metrics.update(loss_metrics)
     if self.entropy:
