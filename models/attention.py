@@ -14,7 +14,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.kernels.attention import attention
-from models.layers import Dense, RMSNorm, dtype_of
+from models.layers import Dense, RMSNorm, dtype_of, round_to
 from models.rope import apply_rope
 from models.sharding import constrain, logical_to_spec
 
@@ -222,7 +222,15 @@ class MLA(nnx.Module):
     q_nope, q_rope = self._query(x, cos, sin)
     c_kv, k_rope = self._latent(x, cos, sin)
     if cache is not None:
-      return self._absorbed(q_nope, q_rope, c_kv, k_rope, cache, index)
+      cache = {"c_kv": write_cache(cache["c_kv"], c_kv, index),
+               "k_rope": write_cache(cache["k_rope"], k_rope, index)}
+      q_index, end = cache_view(index, x.shape[1], cache["c_kv"].shape[1])
+      out, max_logits = self._absorbed(q_nope, q_rope, cache["c_kv"], cache["k_rope"], end,
+                                       q_index)
+      return self.o_proj(out), max_logits, cache
+    if cfg.mla_absorbed_training:
+      out, max_logits = self._absorbed(q_nope, q_rope, c_kv, k_rope, end)
+      return self.o_proj(out), max_logits, None
     kv = self.kv_b_proj(c_kv)  # [b, s, h, nope + v]
     k_nope, v = kv[..., :cfg.qk_nope_head_dim], kv[..., cfg.qk_nope_head_dim:]
     k_rope = jnp.broadcast_to(k_rope[:, :, None], k_nope.shape[:-1] + k_rope.shape[-1:])
@@ -232,22 +240,37 @@ class MLA(nnx.Module):
                                 partition=_partition(cfg))
     return self.o_proj(out), max_logits, None
 
-  def _absorbed(self, q_nope, q_rope, c_kv, k_rope, cache, index):
+  def _absorbed(self, q_nope, q_rope, c_kv, k_rope, end, q_index=None):
     """Attention in latent space: MQA with key [c_kv; k_rope] and value c_kv, shared by heads.
 
     q_nope·k_nope = (W_UK^T q_nope)·c_kv, and the output up-projection W_UV is applied after
     the softmax-weighted sum of latents, so the cache never holds per-head keys or values.
+    Both products accumulate in fp32 and round once, as `Dense` does.
+
+    Args:
+      q_nope, q_rope: [b, s, h, d_nope], [b, s, h, d_rope] queries.
+      c_kv, k_rope: [b, t, r], [b, t, d_rope] latents and rotary keys (the cache, or the row).
+      end: [b, t] the tree-rule end of each key.
+      q_index: [b, s] the queries' slots in a cache; None: the row itself (full pass).
+
+    Returns:
+      (out [b, s, h, d_v] before o_proj, max_logits [h]).
     """
     cfg = self.cfg
-    cache = {"c_kv": write_cache(cache["c_kv"], c_kv, index),
-             "k_rope": write_cache(cache["k_rope"], k_rope, index)}
-    w = self.kv_b_proj.kernel[...].astype(q_nope.dtype)  # [r, h, nope + v]
+    dt = q_nope.dtype
+    w = self.kv_b_proj.kernel[...].astype(dt)  # [r, h, nope + v]
     w_uk, w_uv = w[..., :cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim:]
-    q_latent = jnp.einsum("bshn,rhn->bshr", q_nope, w_uk)
+    q_latent = round_to(jnp.einsum("bshn,rhn->bshr", q_nope, w_uk,
+                                   preferred_element_type=jnp.float32), dt)
     q = jnp.concatenate([q_latent, q_rope], -1)
-    k = jnp.concatenate([cache["c_kv"], cache["k_rope"]], -1)[:, :, None]
-    q_index, end = cache_view(index, q.shape[1], k.shape[1])
-    out_latent, max_logits = attention(q, k, cache["c_kv"][:, :, None], end,
-                                       scale=cfg.softmax_scale, q_index=q_index)
-    out = jnp.einsum("bshr,rhv->bshv", out_latent, w_uv)
-    return self.o_proj(out), max_logits, cache
+    k = jnp.concatenate([c_kv, k_rope], -1)[:, :, None]
+    if q_index is None:
+      q = constrain(q, ("batch", "seq", "act_heads", None), cfg)
+      out_latent, max_logits = attention(q, k, c_kv[:, :, None], end, scale=cfg.softmax_scale,
+                                         impl=cfg.attention_impl, partition=_partition(cfg))
+    else:
+      out_latent, max_logits = attention(q, k, c_kv[:, :, None], end, scale=cfg.softmax_scale,
+                                         q_index=q_index)
+    out = round_to(jnp.einsum("bshr,rhv->bshv", out_latent, w_uv,
+                              preferred_element_type=jnp.float32), dt)
+    return out, max_logits

@@ -88,6 +88,10 @@ class ModelConfig:
   v_head_dim: int = 16  # MLA per-head value width
   # MLA: rotate interleaved pairs (x0,x1),(x2,x3)... as DeepSeek weights
   rope_interleave: bool = True
+  # MLA: the full forward pass attends in latent space like the decode path (W_UK absorbed into
+  # the query, W_UV applied after the weighted sum), so a bf16 sampler and trainer compute the
+  # same products; costs r/d_nope (QK) and r/d_v (PV) times the attention FLOPs (docs/numerics.md)
+  mla_absorbed_training: bool = False
   # --- mixture of experts
   num_experts: int = 0  # routed experts; 0 = dense model
   # always-active shared experts (one MLP of width n * moe_intermediate_size)
@@ -143,6 +147,8 @@ class ModelConfig:
              f"must divide num_heads={self.num_heads}")
       if self.head_dim <= 0 or self.head_dim % 2:
         fail("head_dim", self.head_dim, "must be positive and even (RoPE rotates pairs)")
+      if self.mla_absorbed_training:
+        fail("mla_absorbed_training", True, "False for attention='gqa' (an MLA option)")
     else:
       if self.qk_rope_head_dim <= 0 or self.qk_rope_head_dim % 2:
         fail("qk_rope_head_dim", self.qk_rope_head_dim, "must be positive and even")

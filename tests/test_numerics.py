@@ -4,13 +4,14 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from envs.policy import SamplingParams
 from models import transformer
 from models.engine import Engine, EngineConfig
 from models.layers import Dense, RMSNorm, round_to
-from tests.conftest import TINY_DENSE
+from tests.conftest import TINY_DENSE, TINY_MOE_MLA
 
 BF16 = jnp.bfloat16
 
@@ -65,16 +66,47 @@ def test_rmsnorm_rounds_where_hugging_face_does():
   assert np.mean(got != want) < 0.01  # equal but for fp32 reduction-order ties
 
 
-def test_bf16_engine_logprobs_match_the_trainer(dense_model):
-  """The engine's log-probs of its sampled tokens equal the trainer's, in bf16.
+def test_mla_absorbed_training_is_the_same_function_in_fp32(moe_mla_model):
+  """The full pass in latent space (`mla_absorbed_training`) equals the standard one in fp32,
+  in logits and in gradients."""
+  cfg = TINY_MOE_MLA.replace(mla_absorbed_training=True)
+  absorbed = nnx.merge(nnx.graphdef(transformer.abstract(cfg)), nnx.state(moe_mla_model))
+  tokens = jnp.asarray(np.random.default_rng(4).integers(0, 128, (2, 24)), jnp.int32)
+  pos, end = jnp.broadcast_to(jnp.arange(24), tokens.shape), jnp.full(tokens.shape, 24)
+
+  def loss(params, m):
+    graphdef, rest = nnx.graphdef(m), nnx.state(m, nnx.Not(nnx.Param))
+    logits, _ = nnx.merge(graphdef, params, rest)(tokens, pos, end)
+    return jax.nn.log_softmax(logits).mean(), logits
+
+  outs = [jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(
+      nnx.state(m, nnx.Param), m) for m in (moe_mla_model, absorbed)]
+  (_, ref_logits), ref_grads = outs[0]
+  (_, logits), grads = outs[1]
+  np.testing.assert_allclose(logits, ref_logits, atol=2e-5)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    np.testing.assert_allclose(a, b, atol=2e-6 + 1e-4 * float(jnp.abs(b).max()))
+  with pytest.raises(ValueError, match="mla_absorbed_training"):
+    TINY_DENSE.replace(mla_absorbed_training=True)
+
+
+@pytest.mark.parametrize("family", ["dense", "moe_mla_absorbed"])
+def test_bf16_engine_logprobs_match_the_trainer(request, family):
+  """The engine's log-probs of its sampled tokens equal the trainer's, in bf16 (MLA: with the
+  full pass in latent space, as the decode path attends).
 
   Both paths compute the same bf16 function, so their final hidden states are equal and only
   the fp32 log-softmax of the logits differs (an fp32 reduction over a different number of
   rows: ~1e-7 here, as in fp32). One bf16 rounding that differs anywhere upstream moves
   log-probs by ~1e-3 (a bf16 ulp is 2^-8 relative), hence the bound 1e-5.
   """
-  cfg = TINY_DENSE.replace(dtype="bfloat16")
-  model = nnx.merge(nnx.graphdef(transformer.abstract(cfg)), nnx.state(dense_model))
+  if family == "dense":
+    cfg, base = TINY_DENSE, request.getfixturevalue("dense_model")
+  else:
+    cfg, base = TINY_MOE_MLA.replace(mla_absorbed_training=True), \
+        request.getfixturevalue("moe_mla_model")
+  cfg = cfg.replace(dtype="bfloat16")
+  model = nnx.merge(nnx.graphdef(transformer.abstract(cfg)), nnx.state(base))
   prompt, new, slots = 24, 24, 8
   engine = Engine(model, EngineConfig(slots=slots, max_seq_len=prompt + new, prefix_cache_rows=0,
                                       prefill_chunk=prompt, prefill_bucket=8,
