@@ -17,11 +17,13 @@ docs/benchmarks.md with `--update_docs`.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -55,9 +57,13 @@ def families() -> dict:
   dense = ModelConfig(vocab_size=2048, hidden_size=256, num_layers=4, num_heads=4,
                       num_kv_heads=2, head_dim=64, intermediate_size=1024, qk_norm=True,
                       rope_theta=1e6, max_position_embeddings=512, initializer_range=0.1)
+  mla = moe_mla.replace(num_experts=0, first_k_dense_replace=0)
   return {"dense GQA": dense,
-          "dense MLA (absorbed decode)": moe_mla.replace(num_experts=0, first_k_dense_replace=0),
-          "MoE + MLA (absorbed decode)": moe_mla}
+          "dense MLA (absorbed decode)": mla,
+          "MoE + MLA (absorbed decode)": moe_mla,
+          "dense MLA (absorbed decode and training)": mla.replace(mla_absorbed_training=True),
+          "MoE + MLA (absorbed decode and training)": moe_mla.replace(
+              mla_absorbed_training=True)}
 
 
 def replay_ids(own: np.ndarray, reported: np.ndarray) -> np.ndarray:
@@ -145,7 +151,8 @@ def table(n: int, prompt_len: int, new: int) -> list[dict]:
   """Every row: family × (sampler, trainer) dtypes × routing replay (MoE)."""
   rows = []
   for name, cfg in families().items():
-    pairs = [(F32, F32), (BF16, BF16)] + ([] if cfg.is_moe else [(BF16, F32)])
+    mixed = not cfg.is_moe and not cfg.mla_absorbed_training
+    pairs = [(F32, F32), (BF16, BF16)] + ([(BF16, F32)] if mixed else [])
     for sampler, trainer in pairs:
       for replay in ((False, True) if cfg.is_moe else (False,)):
         row = {"model": name, **measure(cfg.replace(dtype=sampler), trainer, replay, n,
@@ -153,6 +160,67 @@ def table(n: int, prompt_len: int, new: int) -> list[dict]:
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)
   return rows
+
+
+# ----------------------------------------------------------------------------- replay cost
+
+
+def _median_time(fn, repeats: int) -> float:
+  """Median wall seconds of fn() (which blocks on its result) after one warm-up call."""
+  fn()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def replay_cost(n: int, prompt_len: int, new: int, repeats: int = 5) -> dict:
+  """What routing replay costs on the bf16 MoE + MLA config: the engine recording every
+  position's experts (`return_expert_ids`) vs not, and the trainer's forward + backward with
+  replayed expert ids vs its own routing (the same sequences), and with replay and
+  `mla_absorbed_training` on; medians of `repeats`."""
+  cfg = families()["MoE + MLA (absorbed decode)"].replace(dtype=BF16)
+  model = transformer.init(cfg, seed=0)
+  inputs = np.random.default_rng(7).integers(1, cfg.vocab_size, (n, prompt_len)).tolist()
+  params = [SamplingParams(max_tokens=new, temperature=1.0, seed=i) for i in range(n)]
+  out, outs = {}, None
+  for record in (False, True):
+    engine = Engine(model, EngineConfig(slots=n, max_seq_len=prompt_len + new,
+                                        prefix_cache_rows=0, prefill_chunk=prompt_len,
+                                        prefill_bucket=prompt_len, steps_per_call=new,
+                                        return_expert_ids=record))
+    box = []
+    out[f"engine_s_{'record' if record else 'plain'}"] = _median_time(
+        lambda: box.append(engine.generate(inputs, params)), repeats)
+    outs = box[-1] if record else outs
+  length = prompt_len + new
+  tokens = jnp.asarray([x + o.output_ids for x, o in zip(inputs, outs)], jnp.int32)
+  ids = jnp.asarray(np.stack([np.concatenate([np.transpose(o.expert_ids, (1, 0, 2)), np.full(
+      (cfg.num_moe_layers, 1, cfg.experts_per_token), -1, np.int16)], 1) for o in outs], 1))
+  graphdef, state = nnx.split(model)
+  absorbed = nnx.graphdef(transformer.abstract(cfg.replace(mla_absorbed_training=True)))
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def step(graphdef, state, expert_ids):
+    def loss(state):
+      m = nnx.merge(graphdef, state)
+      positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens.shape)
+      logits, _ = m(tokens, positions, jnp.full(tokens.shape, length, jnp.int32),
+                    expert_ids=expert_ids)
+      logp = jax.nn.log_softmax(logits[:, prompt_len - 1:-1], -1)
+      return -jnp.take_along_axis(logp, tokens[:, prompt_len:, None], -1).mean()
+    return jax.grad(loss)(state)
+
+  for name, g, expert_ids in (("own", graphdef, None), ("replay", graphdef, ids),
+                              ("absorbed", absorbed, ids)):
+    out[f"train_s_{name}"] = _median_time(
+        lambda: jax.block_until_ready(step(g, state, expert_ids)), repeats)
+  out["engine_ratio"] = out["engine_s_record"] / out["engine_s_plain"]
+  out["train_ratio"] = out["train_s_replay"] / out["train_s_own"]
+  out["absorbed_ratio"] = out["train_s_absorbed"] / out["train_s_replay"]
+  return out
 
 
 # ----------------------------------------------------------------------------- bisection
@@ -271,11 +339,12 @@ def markdown(result: dict, machine_name: str) -> str:
       f"{r['prompt_len']}-token prompts and records their log-probs (prefill of the prompt but "
       "its last token, then one token at a time against the KV cache); the trainer scores the "
       "same tokens with a teacher-forced full forward pass of the same weights (no cache; MLA "
-      "without the absorbed projections). KL(sampler ‖ trainer) by the k3 and k1 estimators of "
-      "the per-token differences; mean entropy of the trainer's next-token distributions. "
+      "without the absorbed projections unless `mla_absorbed_training`). KL(sampler ‖ "
+      "trainer) by the k3 and k1 estimators of the per-token differences; mean entropy of the trainer's next-token distributions. "
       "Dense GQA = benchmarks/generate.py's Qwen3-like config, MoE + MLA = "
       "benchmarks/common.py MOE_MLA, dense MLA = MOE_MLA without experts; initializer_range "
-      "0.1. Routing flips: share of (token, MoE layer) pairs whose expert set differs between "
+      "0.1; \"absorbed decode and training\": `mla_absorbed_training=True`, the full pass "
+      "attends in latent space as the decode path does. Routing flips: share of (token, MoE layer) pairs whose expert set differs between "
       "the engine (`Completion.expert_ids`) and the trainer's own routing, over every position "
       f"the engine reports (positions {r['replayed_positions']} of each sequence here). Replay "
       "on: the trainer's forward takes the engine's expert ids at every position the engine "
@@ -289,6 +358,20 @@ def markdown(result: dict, machine_name: str) -> str:
         f"| {m['model']} | {m['sampler_dtype']} | {m['trainer_dtype']} | {replay} | "
         f"{m['kl_k3']:.2e} | {m['kl_k1']:.2e} | {m['max_abs_logprob_diff']:.2e} | "
         f"{m['mean_entropy']:.2f} | {_fmt(m['routing_flips'], '.2%')} | {m['tokens']:,} |")
+  if r.get("replay_cost"):
+    c = r["replay_cost"]
+    lines += ["", f"**Cost of routing replay** (bf16 MoE + MLA, the same {r['prompts']} "
+              f"prompts; medians of 5 after a warm-up): the engine recording every position's "
+              f"experts {c['engine_s_record']:.3f} s vs {c['engine_s_plain']:.3f} s a "
+              f"`generate` call ({c['engine_ratio']:.2f}×: the ids come back to the host after "
+              f"each prefill and decode call); the trainer's forward + backward over the "
+              f"sequences with replayed ids {c['train_s_replay']:.3f} s vs its own routing "
+              f"{c['train_s_own']:.3f} s ({c['train_ratio']:.2f}×: replay still computes the "
+              "router's own choice, for the `routing_flips` metric); with "
+              f"`mla_absorbed_training` as well {c['train_s_absorbed']:.3f} s "
+              f"({c['absorbed_ratio']:.2f}× the replayed step; this config's latent width "
+              "r = 128 is 4× its d_nope and d_v, as DeepSeek-V3's 512 is 4× its 128: 3× the "
+              "attention's QK and 4× its PV FLOPs)."]
   lines += ["", "```", "python -m benchmarks.mismatch --update_docs", "```"]
   return "\n".join(lines)
 
@@ -306,6 +389,8 @@ def main(argv) -> None:
   replayed = next((m["replayed_positions"] for m in rows if m["replayed_positions"]), "-")
   result = {"date": today(), "prompts": n, "prompt_len": p, "new": new, "rows": rows,
             "replayed_positions": replayed}
+  result["replay_cost"] = replay_cost(n, p, new)
+  print(json.dumps(result["replay_cost"]), file=sys.stderr, flush=True)
   if FLAGS.bisect:
     result["bisect"] = bisect(n, p, new)
   print(json.dumps(result))
