@@ -69,6 +69,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.correction = "tis_token"  # token weight min(π_old/μ, 2): sampler mismatch and staleness
   c.rl.mcla_passes = 0  # no MCLA averaging of π_old
   c.rl.routing_replay = True  # MoE: train through the experts the sampler used (dense: no-op)
+  # MLA in bf16: c.model.overrides.mla_absorbed_training = True makes the trainer attend in
+  # latent space as the sampler does (same function; 3-4x the attention FLOPs, docs/numerics.md)
   c.rl.temperature = 1.0  # sampling temperature of the rollouts
   c.rl.top_p = 1.0  # no nucleus truncation (keeps the sampler's log-probs the policy's)
   c.rl.top_k = 0  # no top-k truncation
