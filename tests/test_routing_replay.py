@@ -13,14 +13,21 @@ from __future__ import annotations
 
 import asyncio
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
-from envs.policy import Generation, SamplingParams, decode_expert_ids, encode_expert_ids
+from envs.policy import (Generation, HTTPPolicy, SamplingParams, decode_expert_ids,
+                         encode_expert_ids)
 from envs.trajectory import LLMCall, Trajectory
+from models import transformer
+from models.engine import Engine, EngineConfig
 from rl.tree import CallTokens, TrajectoryTokens, build_tree, from_trajectory
 from trainer import batches as B
 from trainer import groups as groups_lib
+from trainer import step as step_lib
+from trainer.serve import EnginePolicy, PolicyServer, ServerConfig
 
 
 def _ids(rng, n, layers=2, k=2, experts=8):
@@ -90,14 +97,6 @@ def test_micro_batches_lay_out_each_nodes_experts():
 def test_replay_makes_the_trainer_route_as_the_bf16_sampler(moe_mla_model):
   """bf16 MoE + MLA: with replay the trainer's routing equals the engine's on every recorded
   position (routing flips 0 by construction of the forward), and the sampler/trainer KL drops."""
-  import jax
-  from flax import nnx
-
-  from models import transformer
-  from models.engine import Engine, EngineConfig
-  from trainer import step as step_lib
-  from trainer.serve import EnginePolicy
-
   cfg = moe_mla_model.cfg.replace(dtype="bfloat16")
   model = nnx.merge(nnx.graphdef(transformer.abstract(cfg)), nnx.state(moe_mla_model))
   engine = Engine(model, EngineConfig(slots=8, max_seq_len=128, prefix_cache_rows=8,
@@ -105,11 +104,18 @@ def test_replay_makes_the_trainer_route_as_the_bf16_sampler(moe_mla_model):
   policy = EnginePolicy(engine)
   rng = np.random.default_rng(3)
   prompt = rng.integers(1, cfg.vocab_size, 16).tolist()
+  server = PolicyServer(engine, ServerConfig(port=0))
   try:
     gens = [asyncio.run(policy.generate(prompt, SamplingParams(max_tokens=64, seed=i)))
             for i in range(8)]
+    # a remote rollout worker gets the same experts through the policy server's JSON
+    remote = asyncio.run(HTTPPolicy(server.start_in_thread(), timeout=120).generate(
+        prompt, SamplingParams(max_tokens=64, seed=0)))
   finally:
+    server.stop()
     engine.stop()
+  assert remote.output_ids == gens[0].output_ids
+  np.testing.assert_array_equal(remote.expert_ids, gens[0].expert_ids)
   assert all(isinstance(g, Generation) and g.expert_ids.shape == (16 + 64 - 1, 2, 2)
              for g in gens)
   group = [Trajectory([LLMCall(prompt, g.output_ids, g.logprobs, expert_ids=g.expert_ids)],
