@@ -182,6 +182,16 @@ class EpisodeResult:
                       termination=self.termination, metadata=meta)
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+  """The length of the longest common prefix of two token lists."""
+  n = 0
+  for x, y in zip(a, b):
+    if x != y:
+      break
+    n += 1
+  return n
+
+
 class _Episode:
   """The mutable state of one run_episode call (kept outside the loop so that a timeout, which
   cancels the loop, still leaves every finished call recorded)."""
@@ -219,9 +229,16 @@ class _Episode:
                             top_k=c.top_k, stop_token_ids=tuple(self.chat.stop_token_ids),
                             seed=None if c.seed is None else c.seed + len(self.calls))
     gen = await self.policy.generate(list(ids), params)
+    experts, start = gen.expert_ids, 0
+    if experts is not None and self.calls:  # positions the previous call recorded stay there
+      prev = self.calls[-1]
+      start = min(_common_prefix(prev.input_ids + prev.output_ids, ids),
+                  len(prev.input_ids) + len(prev.output_ids) - 1)
+      experts = experts[start:]
     call = LLMCall(input_ids=list(ids), output_ids=list(gen.output_ids),
                    output_logprobs=list(gen.logprobs), policy_version=gen.policy_version,
-                   token_versions=gen.token_versions, meta=meta, expert_ids=gen.expert_ids)
+                   token_versions=gen.token_versions, meta=meta, expert_ids=experts,
+                   expert_start=start)
     self.calls.append(call)
     self.sampled += len(call.output_ids)
     return gen, call

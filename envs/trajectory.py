@@ -30,8 +30,12 @@ class LLMCall:
     token_versions: optional [n_out] version of every sampled token.
     meta: JSON-like extras, e.g. {"tool_error": True} when the call's tool call failed
       (error-masked SFT).
-    expert_ids: optional [n_in + n_out - 1, moe_layers, k] int MoE experts of every position
-      the engine fed to the model (routing replay; the last sampled token was never fed).
+    expert_ids: optional [n_in + n_out - 1 - expert_start, moe_layers, k] int MoE experts of
+      the positions from `expert_start` on that the engine fed to the model (routing replay;
+      the last sampled token was never fed).
+    expert_start: the first position `expert_ids` covers: a call whose context extends an
+      earlier call of the episode leaves that call's positions to its record (the trie keeps a
+      node's first recording), so a record grows with the new tokens only.
 
   Raises:
     ValueError: output_logprobs or token_versions do not have n_out entries.
@@ -44,14 +48,16 @@ class LLMCall:
   token_versions: Optional[list[int]] = None
   meta: dict[str, Any] = dataclasses.field(default_factory=dict)
   expert_ids: Optional[np.ndarray] = None
+  expert_start: int = 0
 
   def __post_init__(self):
     if self.expert_ids is not None:
       self.expert_ids = np.asarray(self.expert_ids)
-      want = len(self.input_ids) + len(self.output_ids) - 1
+      want = len(self.input_ids) + len(self.output_ids) - 1 - self.expert_start
       if self.expert_ids.ndim != 3 or len(self.expert_ids) != want:
         raise ValueError(f"LLMCall.expert_ids has shape {self.expert_ids.shape}; expected "
-                         f"[{want} (input + output tokens - 1), moe_layers, k]")
+                         f"[{want} (input + output tokens - 1 - expert_start="
+                         f"{self.expert_start}), moe_layers, k]")
     if len(self.output_logprobs) != len(self.output_ids):
       raise ValueError(f"LLMCall.output_logprobs has {len(self.output_logprobs)} entries for "
                        f"{len(self.output_ids)} output_ids")

@@ -34,14 +34,17 @@ class CallTokens:
     output_ids: the sampled token ids.
     fields: per output token values (e.g. "logprobs", "loss_mask", "teacher_logprobs"), each
       of len(output_ids).
-    expert_ids: optional [len(input_ids) + len(output_ids) - 1, moe_layers, k] int experts the
-      engine routed each position through (routing replay).
+    expert_ids: optional [len(input_ids) + len(output_ids) - 1 - expert_start, moe_layers, k]
+      int experts the engine routed positions expert_start, expert_start + 1, ... through
+      (routing replay).
+    expert_start: the first position `expert_ids` covers (earlier ones: an earlier call's).
   """
 
   input_ids: Sequence[int]
   output_ids: Sequence[int]
   fields: Mapping[str, Sequence[float]] = dataclasses.field(default_factory=dict)
   expert_ids: Optional[np.ndarray] = None
+  expert_start: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +139,7 @@ def from_trajectory(trajectory: Any, *, scalars: Optional[Mapping[str, float]] =
                          "record without them)")
       fields["logprobs"] = list(sampled)
     calls.append(CallTokens(list(_get(c, "input_ids")), output_ids, fields,
-                            _expert_ids(_get(c, "expert_ids"))))
+                            _expert_ids(_get(c, "expert_ids")), int(_get(c, "expert_start", 0))))
   return TrajectoryTokens(calls, {k: float(v) for k, v in (scalars or {}).items()})
 
 
@@ -196,15 +199,17 @@ def build_tree(trajectories: Sequence[TrajectoryTokens]) -> Tree:
       per_call.append(fields)
       node = -1
       ids = None if call.expert_ids is None else np.asarray(call.expert_ids)
-      length = len(call.input_ids) + m
-      if ids is not None and (ids.ndim != 3 or len(ids) != length - 1):
+      start = call.expert_start
+      want = len(call.input_ids) + m - 1 - start
+      if ids is not None and (ids.ndim != 3 or len(ids) != want):
         raise ValueError(f"trajectory {t} call {c}: expert_ids has shape {ids.shape}, expected "
-                         f"[{length - 1} (input + output tokens - 1), moe_layers, k]")
+                         f"[{want} (input + output tokens - 1 - expert_start={start}), "
+                         "moe_layers, k]")
       for p, tok in enumerate(list(call.input_ids) + list(call.output_ids)):
         node = child(node, int(tok))
         nodes.append(node)
-        if ids is not None and p < len(ids):
-          routed.setdefault(node, ids[p])
+        if ids is not None and start <= p < start + len(ids):
+          routed.setdefault(node, ids[p - start])
       del nodes[len(nodes) - len(call.output_ids) - len(call.input_ids):len(nodes) - m]
     names = sorted({"loss_mask", "turn"} | {name for fields in per_call for name in fields})
     # a field some calls lack is 0 for their tokens

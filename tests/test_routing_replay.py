@@ -57,6 +57,10 @@ def test_tree_nodes_take_the_first_recording():
       assert (got == -1).all()
   assert (tree.experts[node_of[(1, 2, 3, 9)]] == -1).all()  # call 1's experts, not `other`'s
   assert (tree.experts[node_of[(1, 2, 10)]] == -1).all()
+  # the second call records only what the first did not (as the scaffold does): same tree
+  short = [TrajectoryTokens([trajs[0].calls[0], CallTokens(
+      prompt + out1 + more, out2, expert_ids=e2[len(e1):], expert_start=len(e1))])] + trajs[1:]
+  np.testing.assert_array_equal(build_tree(short).experts, tree.experts)
   with pytest.raises(ValueError, match=r"expert_ids has shape \(4, 2, 2\), expected \[5"):
     build_tree([TrajectoryTokens([CallTokens(prompt, [4, 5, 6], expert_ids=e1[:4])])])
 
@@ -65,12 +69,16 @@ def test_records_carry_expert_ids():
   rng = np.random.default_rng(1)
   ids = _ids(rng, 3 + 2 - 1)
   call = LLMCall([1, 2, 3], [4, 5], [-0.5, -0.25], expert_ids=ids)
-  traj = Trajectory([call], reward=1.0, task_id="t", group_id="g", termination="submitted")
+  later = LLMCall([1, 2, 3, 4, 5, 6], [7], [-1.0], expert_ids=_ids(rng, 2), expert_start=4)
+  traj = Trajectory([call, later], reward=1.0, task_id="t", group_id="g",
+                    termination="submitted")
   back = Trajectory.from_bytes(traj.to_bytes())
   np.testing.assert_array_equal(back.calls[0].expert_ids, ids)
   for record in (back, traj.to_dict()):  # objects and raw dict records alike
-    (c,) = from_trajectory(record).calls
+    c, d = from_trajectory(record).calls
     np.testing.assert_array_equal(c.expert_ids, ids)
+    np.testing.assert_array_equal(d.expert_ids, later.expert_ids)
+    assert (c.expert_start, d.expert_start) == (0, 4)
   np.testing.assert_array_equal(decode_expert_ids(encode_expert_ids(ids)), ids)
   assert decode_expert_ids(encode_expert_ids(None)) is None
   with pytest.raises(ValueError, match=r"LLMCall.expert_ids has shape \(3, 2, 2\)"):

@@ -4,7 +4,9 @@ previous call's full sequence (or, with a template that rewrites history, is the
 rendering of the context), each termination reason, errors as observations, ReSum."""
 
 import asyncio
+import dataclasses
 
+import numpy as np
 import pytest
 
 from envs.chat import load_chat, make_chat
@@ -264,6 +266,46 @@ def test_tool_output_truncated_to_budget(tok):
   assert "tokens truncated ...]" in shown
   head = shown.split("\n[...")[0]
   assert len(tok.encode(head)) <= 15
+
+
+class RoutedPolicy(ScriptedPolicy):
+  """A ScriptedPolicy that also reports MoE experts, each position's own index (one layer,
+  k = 1), as an engine with `return_expert_ids` reports every position it fed."""
+
+  async def generate(self, input_ids, params):
+    gen = await super().generate(input_ids, params)
+    n = len(input_ids) + len(gen.output_ids) - 1
+    return dataclasses.replace(gen, expert_ids=np.arange(n, dtype=np.int16)[:, None, None])
+
+
+def test_calls_record_the_experts_of_new_positions_only(tok):
+  """A call whose context extends the previous call's sequence records experts from where the
+  previous record stopped (a restart after a summary records everything); the trie still gets
+  every fed position's experts."""
+  chat = make_chat("qwen2.5", tok)
+  big = say(None, tc("bash", command="python3 -c \"print('y' * 300)\""))
+  script = [big, big, "Summary: printed y's.", say(None, tc("read_file", path="calc.py")),
+            say("Done.", tc("submit"))]
+  dry, _, _ = episode(chat, script[:2], ScaffoldConfig(max_turns=2))
+  cfg = ScaffoldConfig(summary_at_tokens=len(dry.calls[1].input_ids), max_summaries=1)
+  result, _, _ = episode(chat, script, cfg, policy=RoutedPolicy(chat, script))
+  starts = []
+  for c in result.calls:
+    n = len(c.input_ids) + len(c.output_ids) - 1
+    np.testing.assert_array_equal(c.expert_ids[:, 0, 0], np.arange(c.expert_start, n))
+    starts.append(c.expert_start)
+  assert starts[0] == 0
+  for p, c, start in zip(result.calls, result.calls[1:], starts[1:]):
+    seq = p.input_ids + p.output_ids
+    if c.meta["context"] == p.meta["context"]:  # an extension: everything p fed is p's
+      assert start == len(seq) - 1
+    else:  # the restart shares the system prompt and tools only
+      shared = next(i for i, (a, b) in enumerate(zip(seq, c.input_ids)) if a != b)
+      assert start == shared < len(p.input_ids)
+  tree = build_tree([from_trajectory(result.to_trajectory(1.0, "t", "g"))])
+  fed = tree.experts[:, 0, 0] >= 0
+  np.testing.assert_array_equal(tree.experts[fed, 0, 0], tree.positions[fed])
+  assert (~fed).sum() == 2  # the last token of each context's final call was never fed
 
 
 def test_resum_summarises_and_restarts_as_a_branch(tok):
