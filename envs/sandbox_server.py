@@ -1,7 +1,7 @@
 """Sandbox server: sandboxes of one backend behind a small authenticated HTTP/JSON API.
 
     python -m envs.sandbox_server --host 127.0.0.1 --port 8910 --backend bwrap \\
-        --max_sandboxes 64 --token-file /etc/arbor/sandbox.token [--tls-cert C --tls-key K]
+        --max_sandboxes 64 --token_file /etc/arbor/sandbox.token [--tls_cert C --tls_key K]
 
 Every request carries `Authorization: Bearer <token>` (compared in constant time) or gets 401.
 Routes (JSON bodies; bytes as base64):
@@ -15,12 +15,21 @@ Routes (JSON bodies; bytes as base64):
   POST   /sandboxes/ID/list         {"path"?}                 -> {"files"}
   DELETE /sandboxes/ID                                        -> {}
 
-Errors are `{"error": message, "type": name}` with 400 (bad input, PathError), 401, 404
-(unknown sandbox or file), 405, 411, 413 (body over --max_request_bytes), 429 (capacity),
-500 (sandbox failure). Requested limits may not exceed the server's (its flags). A sandbox
-untouched for --ttl seconds is closed. A warm pool of --warm sandboxes with the server's limits
-is kept ahead of demand (warm + live <= --max_sandboxes). SIGTERM/SIGINT: stop accepting, close
-every sandbox, exit. Binding a non-loopback address requires TLS. Stdlib only; no pickle.
+Errors are `{"error": message, "type": name}` with 400 (bad input, PathError, a body nested
+deeper than MAX_JSON_DEPTH), 401, 404 (unknown sandbox or file), 405, 408 (body not in within
+--body_timeout), 413 (body over --max_request_bytes), 429 (capacity), 500 (sandbox failure).
+Requested limits may not exceed the server's (its flags). A sandbox untouched for --ttl
+seconds is closed. A warm pool of --warm sandboxes with the server's limits is kept ahead of
+demand (warm + live <= --max_sandboxes). SIGTERM/SIGINT: stop accepting, close every sandbox,
+exit. Binding a non-loopback address requires TLS. No pickle.
+
+HTTP runs on Starlette under uvicorn (h11 parsing, one event loop; the sandboxes run on a
+second loop so their work never delays accepting and parsing). Against idle or slow clients:
+the TLS handshake must finish within --handshake_timeout, each request's headers within
+--header_timeout of the connection opening (or of the previous response), its body within
+--body_timeout; idle keep-alive connections close after --keep_alive; beyond
+--max_connections open connections the oldest idle one is closed, those that never carried a
+valid token first. Flags are spelled with `_`; the `-` spellings are aliases.
 """
 
 from __future__ import annotations
@@ -30,18 +39,25 @@ import asyncio
 import base64
 import binascii
 import dataclasses
+import functools
 import hmac
-import http.server
 import json
 import logging
 import os
+import resource
 import secrets
 import signal
 import ssl
-import sys
 import threading
 import time
 from typing import Optional
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from envs.net import is_loopback, read_secret
 from envs.sandbox import create_sandbox
@@ -313,107 +329,321 @@ class SandboxService:
     self._thread.join(10)
 
 
-class Handler(http.server.BaseHTTPRequestHandler):
-  """The HTTP routes of the module docstring (bound to a service and token by `make_server`)."""
-  server_version = "arbor-sandbox/1"
-  timeout = 60  # seconds of socket inactivity while reading a request (slow clients)
+MAX_JSON_DEPTH = 32  # request bodies are flat objects; deeper nesting is refused with 400
 
-  # set on the subclass made by make_server
-  service: SandboxService
-  token: bytes
-  max_request_bytes: int
 
-  def setup(self):
-    super().setup()
-    if isinstance(self.request, ssl.SSLSocket):
-      self.request.do_handshake()  # here, on this connection's thread, not in accept()
+def _depth_ok(value, limit: int) -> bool:
+  """Whether `value` nests at most `limit` containers deep (iteratively: no recursion)."""
+  stack = [(value, 1)]
+  while stack:
+    v, d = stack.pop()
+    if isinstance(v, (dict, list)):
+      if d > limit:
+        return False
+      stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+  return True
 
-  def log_message(self, fmt, *args):
-    log.debug("%s " + fmt, self.address_string(), *args)
 
-  def _reply(self, status: int, obj: dict) -> None:
-    data = json.dumps(obj).encode()
-    self.send_response(status)
-    self.send_header("Content-Type", "application/json")
-    self.send_header("Content-Length", str(len(data)))
-    self.end_headers()
-    self.wfile.write(data)
+def parse_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
+  """A request body: a JSON object nested at most `max_depth` deep ({} when empty).
 
-  def _authorized(self) -> bool:
-    got = self.headers.get("Authorization", "")
-    scheme, _, value = got.partition(" ")
+  Args:
+    raw: the body's bytes.
+    max_depth: the deepest nesting of objects/arrays accepted.
+
+  Returns:
+    The object.
+
+  Raises:
+    HTTPError: 400 naming what is wrong (not JSON, not an object, nested too deep).
+  """
+  if not raw:
+    return {}
+  too_deep = HTTPError(400, f"body nests deeper than max_json_depth={max_depth}", "ValueError")
+  try:
+    body = json.loads(raw)
+  except RecursionError:  # the decoder's own guard: far deeper than max_depth
+    raise too_deep from None
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise HTTPError(400, f"body is not valid JSON: {e}", "ValueError")
+  if not isinstance(body, dict):
+    raise HTTPError(400, "body must be a JSON object", "ValueError")
+  if not _depth_ok(body, max_depth):
+    raise too_deep
+  return body
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectionLimits:
+  """What one client may hold of the HTTP front (each field's meaning beside it)."""
+  max_connections: int = 256       # open connections; a new one beyond evicts an idle one
+  handshake_s: float = 10.0        # TLS handshake must finish within this
+  header_s: float = 10.0           # a request's line + headers must arrive within this
+  body_s: float = 30.0             # a request's body must arrive within this once headers did
+  keep_alive_s: int = 5            # an idle keep-alive connection closes after this
+  max_header_bytes: int = 16 << 10  # request line + headers
+
+
+class _Connections:
+  """The open connections of one server, oldest first, and which ever carried a valid token."""
+
+  def __init__(self):
+    self.open: dict = {}            # protocol -> None, in connection order
+    self.by_peer: dict = {}         # (host, port) -> protocol: the app's scope names the peer
+    self.authenticated: set = set()  # protocols that carried a valid token
+    self.evicted = 0
+
+
+class _Protocol(H11Protocol):
+  """uvicorn's h11 protocol plus what it lacks against slow or idle clients.
+
+  uvicorn gives: h11 parsing with a header size cap, `timeout_keep_alive` between requests,
+  503 beyond `limit_concurrency`. It has no deadline for a connection's first request, none for
+  a request's headers once bytes started coming, and 503s a real client while idle sockets
+  hold every slot. Here: every request's headers must be complete `header_s` after the
+  connection opened or the previous response ended, and beyond `max_connections` the oldest
+  idle connection is closed, those that never carried a valid token first (the body deadline
+  is the app's; the TLS handshake's is asyncio's `ssl_handshake_timeout`).
+  """
+
+  conns: _Connections
+  limits: ConnectionLimits
+
+  def connection_made(self, transport) -> None:
+    super().connection_made(transport)
+    conns = self.conns
+    conns.open[self] = None
+    if self.client:
+      conns.by_peer[tuple(self.client)] = self
+    self._arm_header_deadline()
+    while len(conns.open) > self.limits.max_connections:
+      victim = self._victim()
+      if victim is None:  # every other one has a request in flight: refuse the newcomer
+        victim = self
+      conns.evicted += 1
+      victim.transport.close()
+      victim._forget()
+      if victim is self:
+        return
+
+  def _victim(self):
+    idle = [p for p in self.conns.open if p is not self
+            and (p.cycle is None or p.cycle.response_complete)]
+    fresh = [p for p in idle if p not in self.conns.authenticated]
+    return (fresh or idle or [None])[0]
+
+  def _forget(self) -> None:
+    self.conns.open.pop(self, None)
+    self.conns.authenticated.discard(self)
+    if self.client and self.conns.by_peer.get(tuple(self.client)) is self:
+      del self.conns.by_peer[tuple(self.client)]
+
+  def connection_lost(self, exc) -> None:
+    self._forget()
+    super().connection_lost(exc)
+
+  def _arm_header_deadline(self) -> None:
+    scope = self.scope  # a new request replaces it; the same one at expiry means none came
+    def expire():
+      if self.scope is scope and not self.transport.is_closing():
+        self.transport.close()
+    self.loop.call_later(self.limits.header_s, expire)
+
+  def on_response_complete(self) -> None:
+    super().on_response_complete()
+    if not self.transport.is_closing():
+      self._arm_header_deadline()
+
+
+class SandboxHTTP:
+  """The HTTP(S) front of a `SandboxService`: Starlette under uvicorn (h11) on its own thread.
+
+  Args:
+    service: the sandboxes.
+    token: the bearer token every request must carry (>= 16 characters).
+    host: the bind address (a non-loopback one needs TLS).
+    port: the TCP port (0: any free port).
+    tls_cert: PEM certificate chain (with tls_key: HTTPS, TLS 1.2 at least).
+    tls_key: PEM private key.
+    max_request_bytes: larger bodies get 413.
+    connections: connection caps and deadlines.
+
+  Raises:
+    ValueError: a short token, only one of tls_cert/tls_key, or a non-loopback host without TLS.
+  """
+
+  def __init__(self, service: SandboxService, token: str, host: str = "127.0.0.1",
+               port: int = 0, tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
+               max_request_bytes: int = 16 << 20,
+               connections: ConnectionLimits = ConnectionLimits()):
+    if len(token) < 16:
+      raise ValueError("token: expected at least 16 characters")
+    if (tls_cert is None) != (tls_key is None):
+      raise ValueError("tls_cert and tls_key go together")
+    if tls_cert is None and not is_loopback(host):
+      raise ValueError(f"host={host!r} is not loopback: exposing the sandbox server needs "
+                       "--tls-cert/--tls-key (and the token)")
+    if connections.max_connections < 1:
+      raise ValueError(f"max_connections={connections.max_connections}: expected >= 1")
+    self.service, self.token, self.max_request_bytes = service, token.encode(), max_request_bytes
+    self.limits, self.conns, self.tls = connections, _Connections(), tls_cert is not None
+    methods = ["GET", "POST", "DELETE", "PUT", "PATCH", "HEAD", "OPTIONS"]
+    self.app = Starlette(routes=[Route("/{path:path}", self._handle, methods=methods)])
+    protocol = type("BoundProtocol", (_Protocol,), {"conns": self.conns, "limits": connections})
+    self.config = uvicorn.Config(
+        self.app, host=host, port=port, http=protocol, loop="asyncio", ws="none",
+        lifespan="off", log_config=None, access_log=False, server_header=False,
+        # a backstop only: _Protocol keeps the connections at max_connections
+        limit_concurrency=connections.max_connections + 1,
+        timeout_keep_alive=connections.keep_alive_s,
+        h11_max_incomplete_event_size=connections.max_header_bytes,
+        timeout_graceful_shutdown=10)
+    self.config.load()
+    if tls_cert is not None:
+      ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+      ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+      ctx.load_cert_chain(tls_cert, tls_key)
+      self.config.ssl = ctx
+    self.server = uvicorn.Server(self.config)
+    self.port: Optional[int] = None
+    self._thread: Optional[threading.Thread] = None
+
+  async def _serve(self) -> None:
+    if self.tls:  # uvicorn passes no handshake deadline; asyncio's default is 60 s
+      loop = asyncio.get_running_loop()
+      loop.create_server = functools.partial(loop.create_server,
+                                             ssl_handshake_timeout=self.limits.handshake_s)
+    await self.server.serve()
+
+  def start(self) -> int:
+    """Serves from a daemon thread with its own event loop.
+
+    Returns:
+      The bound port.
+
+    Raises:
+      RuntimeError: the server did not start within 30 s (e.g. the port is taken).
+    """
+    failure: list[BaseException] = []
+
+    def run():
+      try:
+        asyncio.run(self._serve())
+      except BaseException as e:  # uvicorn exits (SystemExit) when it cannot bind
+        failure.append(e)
+
+    self._thread = threading.Thread(target=run, name="sandbox-http", daemon=True)
+    self._thread.start()
+    deadline = time.monotonic() + 30
+    while not self.server.started and not failure and time.monotonic() < deadline:
+      time.sleep(0.01)
+    if not self.server.started:
+      raise RuntimeError(f"sandbox server did not start on {self.config.host}:"
+                         f"{self.config.port}" + (f" ({failure[0]!r})" if failure else ""))
+    self.port = self.server.servers[0].sockets[0].getsockname()[1]
+    return self.port
+
+  def stop_accepting(self) -> None:
+    """Closes the listener; requests in flight finish (or are cut after 10 s)."""
+    self.server.should_exit = True
+
+  def join(self, timeout: float = 30.0) -> None:
+    """Waits for the serving thread to end (after `stop_accepting`)."""
+    if self._thread is not None:
+      self._thread.join(timeout)
+
+  # --- requests
+  def _authorized(self, request: Request) -> bool:
+    scheme, _, value = request.headers.get("authorization", "").partition(" ")
     return scheme == "Bearer" and hmac.compare_digest(value.strip().encode(), self.token)
 
-  def _body(self) -> dict:
-    if self.command == "GET" or self.command == "DELETE":
+  async def _body(self, request: Request) -> dict:
+    if request.method in ("GET", "DELETE"):
       return {}
-    length = self.headers.get("Content-Length")
-    if length is None:
-      raise HTTPError(411, "Content-Length required", "ValueError")
-    try:
-      n = int(length)
-    except ValueError:
-      raise HTTPError(400, f"Content-Length={length!r}: not an integer", "ValueError")
-    if n < 0 or n > self.max_request_bytes:
-      raise HTTPError(413, f"body of {n} bytes > max_request_bytes={self.max_request_bytes}",
-                      "ValueError")
-    raw = self.rfile.read(n)
-    try:
-      body = json.loads(raw) if raw else {}
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise HTTPError(400, f"body is not valid JSON: {e}", "ValueError")
-    if not isinstance(body, dict):
-      raise HTTPError(400, "body must be a JSON object", "ValueError")
-    return body
+    limit = self.max_request_bytes
+    too_large = HTTPError(413, f"body over max_request_bytes={limit}", "ValueError")
+    declared = request.headers.get("content-length")
+    if declared is not None:
+      if not declared.isdigit():
+        raise HTTPError(400, f"Content-Length={declared[:40]!r}: not an integer", "ValueError")
+      if int(declared) > limit:
+        raise too_large
+    parts, size = [], 0
 
-  def _handle(self) -> None:
+    async def read():
+      nonlocal size
+      async for part in request.stream():  # chunked bodies are counted as they arrive
+        size += len(part)
+        if size > limit:
+          raise too_large
+        parts.append(part)
     try:
-      if not self._authorized():
-        self.close_connection = True  # never read an unauthenticated body
+      await asyncio.wait_for(read(), self.limits.body_s)
+    except asyncio.TimeoutError:
+      raise HTTPError(408, f"body not received within body_timeout={self.limits.body_s} s",
+                      "ValueError") from None
+    return parse_body(b"".join(parts))
+
+  async def _call(self, coro):
+    """Runs a service coroutine on the service's loop (sandbox work never blocks this one)."""
+    return await asyncio.wrap_future(
+        asyncio.run_coroutine_threadsafe(coro, self.service.loop))
+
+  async def _handle(self, request: Request) -> Response:
+    close = False
+    try:
+      if not self._authorized(request):
+        close = True  # never read an unauthenticated body
         raise HTTPError(401, "missing or wrong token (Authorization: Bearer ...)", "AuthError")
-      body = self._body()
-      self._reply(200, self._route(body))
+      if request.client is not None:
+        proto = self.conns.by_peer.get((request.client.host, request.client.port))
+        if proto is not None:
+          self.conns.authenticated.add(proto)
+      if request.method not in ("GET", "POST", "DELETE"):
+        close = True
+        raise HTTPError(405, f"method {request.method} not allowed", "HTTPError")
+      body = await self._body(request)
+      status, reply = 200, await self._route(request, body)
     except HTTPError as e:
-      self.close_connection = self.close_connection or e.status in (411, 413)
-      self._reply(e.status, {"error": str(e), "type": e.type})
+      close = close or e.status in (408, 413)
+      status, reply = e.status, {"error": str(e), "type": e.type}
     except SandboxFull as e:
-      self._reply(429, {"error": str(e), "type": "SandboxFull"})
+      status, reply = 429, {"error": str(e), "type": "SandboxFull"}
     except PathError as e:
-      self._reply(400, {"error": str(e), "type": "PathError"})
+      status, reply = 400, {"error": str(e), "type": "PathError"}
     except FileNotFoundError as e:
-      self._reply(404, {"error": str(e), "type": "FileNotFoundError"})
+      status, reply = 404, {"error": str(e), "type": "FileNotFoundError"}
+    except RecursionError:  # a listing deeper than the interpreter's stack
+      status, reply = 400, {"error": "directory tree too deep to list", "type": "ValueError"}
     except (ValueError, TypeError) as e:
-      self._reply(400, {"error": str(e), "type": "ValueError"})
+      status, reply = 400, {"error": str(e), "type": "ValueError"}
     except SandboxError as e:
-      self._reply(500, {"error": str(e), "type": "SandboxError"})
+      status, reply = 500, {"error": str(e), "type": "SandboxError"}
     except OSError as e:  # e.g. ENOSPC when the workspace quota is full
-      self._reply(400, {"error": str(e), "type": "OSError", "errno": e.errno})
+      status, reply = 400, {"error": str(e), "type": "OSError", "errno": e.errno}
     except Exception as e:
-      log.exception("internal error on %s %s", self.command, self.path)
-      self._reply(500, {"error": f"internal error: {type(e).__name__}", "type": "SandboxError"})
+      log.exception("internal error on %s %s", request.method, request.url.path)
+      status, reply = 500, {"error": f"internal error: {type(e).__name__}",
+                            "type": "SandboxError"}
+    return JSONResponse(reply, status_code=status,
+                        headers={"Connection": "close"} if close else None)
 
-  do_GET = do_POST = do_DELETE = _handle
-
-  def do_PUT(self):
-    self.close_connection = True
-    self._reply(405, {"error": f"method {self.command} not allowed", "type": "HTTPError"})
-
-  do_PATCH = do_HEAD = do_PUT
-
-  def _route(self, body: dict) -> dict:
-    svc, parts = self.service, [p for p in self.path.split("?")[0].split("/") if p]
-    if self.command == "GET" and parts == ["health"]:
+  async def _route(self, request: Request, body: dict) -> dict:
+    svc, method = self.service, request.method
+    path = request.url.path
+    parts = [p for p in path.split("/") if p]
+    if method == "GET" and parts == ["health"]:
       return {"ok": True, "backend": svc.backend, "live": len(svc.live), "warm": len(svc.warm),
               "max_sandboxes": svc.max_sandboxes}
-    if self.command == "POST" and parts == ["sandboxes"]:
+    if method == "POST" and parts == ["sandboxes"]:
       limits = svc.check_limits(body.get("limits"))
-      sid = svc.run(svc.create(limits))
+      sid = await self._call(svc.create(limits))
       return {"id": sid, "limits": dataclasses.asdict(limits)}
-    if len(parts) == 2 and parts[0] == "sandboxes" and self.command == "DELETE":
-      svc.run(svc.close(parts[1]))
+    if len(parts) == 2 and parts[0] == "sandboxes" and method == "DELETE":
+      await self._call(svc.close(parts[1]))
       return {}
-    if len(parts) != 3 or parts[0] != "sandboxes" or self.command != "POST":
-      raise HTTPError(404, f"no route {self.command} {self.path[:100]!r}", "NotFound")
+    if len(parts) != 3 or parts[0] != "sandboxes" or method != "POST":
+      raise HTTPError(404, f"no route {method} {path[:100]!r}", "NotFound")
     sid, op = parts[1], parts[2]
     if op == "exec":
       timeout = _field(body, "timeout", (int, float), None)
@@ -424,72 +654,20 @@ class Handler(http.server.BaseHTTPRequestHandler):
       stdin = _field(body, "stdin", str, None)
       if "stdin_b64" in body:
         stdin = _b64(_field(body, "stdin_b64", str), "stdin_b64")
-      result = svc.run(svc.use(sid, "exec", _field(body, "cmd", str), timeout=timeout,
-                               stdin=stdin, env=env))
+      result = await self._call(svc.use(sid, "exec", _field(body, "cmd", str), timeout=timeout,
+                                        stdin=stdin, env=env))
       return result.to_dict()
     if op == "write":
       data = _b64(_field(body, "content_b64", str), "content_b64")
-      svc.run(svc.use(sid, "write_file", _field(body, "path", str), data))
+      await self._call(svc.use(sid, "write_file", _field(body, "path", str), data))
       return {}
     if op == "read":
-      data = svc.run(svc.use(sid, "read_file", _field(body, "path", str)))
+      data = await self._call(svc.use(sid, "read_file", _field(body, "path", str)))
       return {"content_b64": base64.b64encode(data).decode()}
     if op == "list":
-      return {"files": svc.run(svc.use(sid, "list_files", _field(body, "path", str, ".")))}
+      return {"files": await self._call(svc.use(sid, "list_files",
+                                                _field(body, "path", str, ".")))}
     raise HTTPError(404, f"no operation {op!r}", "NotFound")
-
-
-class _Server(http.server.ThreadingHTTPServer):
-  daemon_threads = True
-  ssl_context: Optional[ssl.SSLContext] = None
-
-  def handle_error(self, request, client_address):  # e.g. a failed TLS handshake
-    log.warning("connection from %s failed: %s", client_address[0],
-                sys.exc_info()[1] or "unknown error")
-
-  def get_request(self):
-    sock, addr = super().get_request()
-    if self.ssl_context is not None:  # handshake later, in the connection's thread
-      sock = self.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-    return sock, addr
-
-
-def make_server(service: SandboxService, token: str, host: str = "127.0.0.1", port: int = 0,
-                tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
-                max_request_bytes: int = 16 << 20) -> _Server:
-  """An HTTP(S) server for `service` (not yet serving: call serve_forever()).
-
-  Args:
-    service: the sandboxes.
-    token: the bearer token every request must carry (>= 16 characters).
-    host: the bind address (a non-loopback one needs TLS).
-    port: the TCP port (0: any free port).
-    tls_cert: PEM certificate chain (with tls_key: HTTPS).
-    tls_key: PEM private key.
-    max_request_bytes: larger bodies get 413.
-
-  Returns:
-    The server.
-
-  Raises:
-    ValueError: a short token, only one of tls_cert/tls_key, or a non-loopback host without TLS.
-  """
-  if len(token) < 16:
-    raise ValueError("token: expected at least 16 characters")
-  if (tls_cert is None) != (tls_key is None):
-    raise ValueError("tls_cert and tls_key go together")
-  if tls_cert is None and not is_loopback(host):
-    raise ValueError(f"host={host!r} is not loopback: exposing the sandbox server needs "
-                     "--tls-cert/--tls-key (and the token)")
-  handler = type("BoundHandler", (Handler,), {
-      "service": service, "token": token.encode(), "max_request_bytes": max_request_bytes})
-  server = _Server((host, port), handler)
-  if tls_cert is not None:
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(tls_cert, tls_key)
-    server.ssl_context = ctx
-  return server
 
 
 def read_token(path: str) -> str:
@@ -514,27 +692,37 @@ def read_token(path: str) -> str:
 
 def main(argv=None) -> None:
   """The command line (see the module docstring and `--help`)."""
-  d = Limits()
+  d, c = Limits(), ConnectionLimits()
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs TLS)")
-  p.add_argument("--port", type=int, default=8910, help="TCP port (0: any free port)")
-  p.add_argument("--backend", default="bwrap", choices=("bwrap", "docker", "local"))
-  p.add_argument("--allow_unsafe_local", action="store_true", help="allow --backend local")
-  p.add_argument("--max_sandboxes", type=int, default=32, help="live + warm sandboxes at most")
-  p.add_argument("--warm", type=int, default=0, help="sandboxes pre-created ahead of demand")
-  p.add_argument("--ttl", type=float, default=3600.0, help="close a sandbox idle this many s")
-  p.add_argument("--token-file", "--token_file", dest="token_file", required=True,
-                 help="file holding the shared bearer token (>= 16 characters)")
-  p.add_argument("--tls-cert", "--tls_cert", dest="tls_cert", help="PEM certificate chain")
-  p.add_argument("--tls-key", "--tls_key", dest="tls_key", help="PEM private key")
-  p.add_argument("--max_request_bytes", type=int, default=16 << 20, help="413 above this")
-  p.add_argument("--max_timeout", type=float, default=600.0, help="largest exec timeout, s")
-  p.add_argument("--port_file", help="write the bound port here once listening")
-  p.add_argument("--uid_base", type=int, default=2_000_000_000, help="bwrap: first pool uid")
-  p.add_argument("--uid_count", type=int, default=256, help="bwrap: number of pool uids")
+
+  def flag(name: str, **kw):  # --a_b, with --a-b kept as an alias
+    names = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+    p.add_argument(*names, dest=name, **kw)
+
+  flag("host", default="127.0.0.1", help="bind address (non-loopback needs TLS)")
+  flag("port", type=int, default=8910, help="TCP port (0: any free port)")
+  flag("backend", default="bwrap", choices=("bwrap", "docker", "local"))
+  flag("allow_unsafe_local", action="store_true", help="allow --backend local")
+  flag("max_sandboxes", type=int, default=32, help="live + warm sandboxes at most")
+  flag("warm", type=int, default=0, help="sandboxes pre-created ahead of demand")
+  flag("ttl", type=float, default=3600.0, help="close a sandbox idle this many s")
+  flag("token_file", required=True, help="file holding the shared bearer token (>= 16 chars)")
+  flag("tls_cert", help="PEM certificate chain")
+  flag("tls_key", help="PEM private key")
+  flag("max_request_bytes", type=int, default=16 << 20, help="413 above this")
+  flag("max_timeout", type=float, default=600.0, help="largest exec timeout, s")
+  flag("max_connections", type=int, default=c.max_connections,
+       help="open connections; beyond, the oldest idle one is closed (tokenless first)")
+  flag("handshake_timeout", type=float, default=c.handshake_s, help="TLS handshake deadline, s")
+  flag("header_timeout", type=float, default=c.header_s, help="request headers deadline, s")
+  flag("body_timeout", type=float, default=c.body_s, help="request body deadline, s (408)")
+  flag("keep_alive", type=int, default=c.keep_alive_s, help="idle keep-alive close, s")
+  flag("port_file", help="write the bound port here once listening")
+  flag("uid_base", type=int, default=2_000_000_000, help="bwrap: first pool uid")
+  flag("uid_count", type=int, default=256, help="bwrap: number of pool uids")
   for f in dataclasses.fields(Limits):
-    p.add_argument(f"--{f.name}", type=type(getattr(d, f.name)), default=getattr(d, f.name),
-                   help=f"largest (and default) per-sandbox {f.name}")
+    flag(f.name, type=type(getattr(d, f.name)), default=getattr(d, f.name),
+         help=f"largest (and default) per-sandbox {f.name}")
   a = p.parse_args(argv)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
   limits = Limits(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Limits)})
@@ -547,36 +735,58 @@ def main(argv=None) -> None:
   except (OSError, ValueError) as e:
     p.error(str(e))
   if a.tls_cert is None and not is_loopback(a.host):
-    p.error(f"--host {a.host} is not loopback: exposing the sandbox server needs --tls-cert "
-            "and --tls-key (and the token)")
+    p.error(f"--host {a.host} is not loopback: exposing the sandbox server needs --tls_cert "
+            "and --tls_key (TLS) and the token")
+  for name in ("max_connections", "handshake_timeout", "header_timeout", "body_timeout",
+               "keep_alive"):
+    if not getattr(a, name) > 0:
+      p.error(f"--{name}={getattr(a, name)}: expected > 0")
+  conn = ConnectionLimits(max_connections=a.max_connections, handshake_s=a.handshake_timeout,
+                          header_s=a.header_timeout, body_s=a.body_timeout,
+                          keep_alive_s=a.keep_alive)
+  _raise_fd_limit(a.max_connections)
   service = SandboxService(a.backend, max_sandboxes=a.max_sandboxes, limits=limits, ttl=a.ttl,
                            warm=a.warm, max_timeout=a.max_timeout, backend_kw=backend_kw)
   try:
-    server = make_server(service, token, a.host, a.port, a.tls_cert, a.tls_key,
-                         a.max_request_bytes)
+    http = SandboxHTTP(service, token, a.host, a.port, a.tls_cert, a.tls_key,
+                       a.max_request_bytes, conn)
+    port = http.start()
   except Exception:
     service.stop()
     raise
+  stop = threading.Event()
 
   def on_signal(signum, _frame):
     log.info("signal %d: shutting down", signum)
-    threading.Thread(target=server.shutdown, daemon=True).start()
+    stop.set()
 
   signal.signal(signal.SIGTERM, on_signal)
   signal.signal(signal.SIGINT, on_signal)
-  port = server.server_address[1]
   if a.port_file:
     with open(a.port_file + ".tmp", "w") as f:
       f.write(str(port))
     os.replace(a.port_file + ".tmp", a.port_file)
   log.info("serving %s sandboxes on %s://%s:%d", a.backend, "https" if a.tls_cert else "http",
            a.host, port)
+  while not stop.wait(0.5):
+    if not http._thread.is_alive():
+      log.error("the HTTP server stopped on its own")
+      break
+  http.stop_accepting()
   try:
-    server.serve_forever(poll_interval=0.2)
+    service.stop()  # closing the sandboxes ends the execs in flight, so their replies go out
   finally:
-    server.server_close()
-    service.stop()
+    http.join(15)
     log.info("stopped; every sandbox closed")
+
+
+def _raise_fd_limit(max_connections: int) -> None:
+  """Raises the soft open-file limit toward the hard one: every connection holds a socket."""
+  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  want = max_connections * 2 + 1024  # a connection, a TLS handshake in flight, sandbox pipes
+  if soft != resource.RLIM_INFINITY and soft < want:
+    new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
 
 
 if __name__ == "__main__":

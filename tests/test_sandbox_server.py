@@ -1,0 +1,163 @@
+"""Sandbox server front: idle, slow and flooding clients, request parsing limits, flag names.
+
+The HTTP contract itself (auth, capacity, ttl, warm pool, TLS) is in tests/test_sandbox.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+import ssl
+import subprocess
+import time
+
+import pytest
+
+from envs.sandbox import create_sandbox
+from envs.sandbox_server import MAX_JSON_DEPTH, HTTPError, parse_body
+from tests.test_sandbox import start_server
+
+
+def run(coro):
+  return asyncio.run(coro)
+
+
+def closed_by_server(sock: socket.socket, within: float) -> bool:
+  """Whether the server closes `sock` (EOF or reset) within `within` seconds."""
+  sock.settimeout(within)
+  try:
+    while True:
+      data = sock.recv(65536)
+      if not data:
+        return True
+  except (ConnectionResetError, ssl.SSLError):
+    return True
+  except socket.timeout:
+    return False
+
+
+def health(sock: socket.socket, token: str) -> int:
+  """Sends GET /health on an open connection and reads the whole reply; its status."""
+  sock.sendall(f"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\r\n"
+               .encode())
+  data = b""
+  while b"\r\n\r\n" not in data:
+    data += sock.recv(65536)
+  head, _, body = data.partition(b"\r\n\r\n")
+  length = int(next(l.split(b":")[1] for l in head.split(b"\r\n")
+                    if l.lower().startswith(b"content-length:")))
+  while len(body) < length:
+    body += sock.recv(65536)
+  return int(head.split(b" ")[1])
+
+
+def connect(url: str) -> socket.socket:
+  host, port = url.rsplit("/", 1)[1].split(":")
+  return socket.create_connection((host, int(port)), timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+  s = start_server(str(tmp_path_factory.mktemp("front")), "--max_sandboxes", "2",
+                   "--max_connections", "24", "--header_timeout", "1", "--body_timeout", "1",
+                   "--keep_alive", "30", "--max_request_bytes", "1000000")
+  yield s
+  assert s.stop() == 0
+
+
+def test_parse_body_depth_limit():
+  def nested(depth: int) -> bytes:  # `depth` containers, alternating objects and arrays
+    v = 0
+    for i in range(depth - 1):
+      v = {"k": v} if i % 2 else [v]
+    return json.dumps({"x": v}).encode()
+  assert parse_body(nested(MAX_JSON_DEPTH))["x"] is not None
+  for depth in (MAX_JSON_DEPTH + 1, 5000):
+    with pytest.raises(HTTPError, match=f"max_json_depth={MAX_JSON_DEPTH}") as e:
+      parse_body(nested(depth) if depth < 1000 else b"[" * 100_000 + b"]" * 100_000)
+    assert e.value.status == 400
+  assert parse_body(b"") == {}
+  with pytest.raises(HTTPError, match="JSON object"):
+    parse_body(b"[1]")
+
+
+def test_deep_json_body_is_a_400(server):
+  for raw in (b'{"limits": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+              b'{"a": ' + b'{"a": ' * 40 + b"1" + b"}" * 41):
+    status, body = server.request("POST", "/sandboxes", raw=raw)
+    assert status == 400 and "max_json_depth" in body["error"], body
+  assert server.request("GET", "/health")[0] == 200
+
+
+def test_silent_and_slow_header_connections_are_closed(server):
+  silent = connect(server.url)
+  slow = connect(server.url)
+  slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+  t0 = time.monotonic()
+  assert closed_by_server(silent, 5) and closed_by_server(slow, 5)
+  assert 0.5 < time.monotonic() - t0 < 5  # --header_timeout 1, not at once, not never
+  # a keep-alive connection that sent a complete request gets the same deadline for the next
+  ka = connect(server.url)
+  assert health(ka, server.token) == 200
+  ka.sendall(b"GET /health HTTP/1.1\r\n")
+  assert closed_by_server(ka, 5)
+
+
+def test_slow_body_gets_408(server):
+  sock = connect(server.url)
+  sock.sendall(f"POST /sandboxes HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.token}\r\n"
+               f"Content-Length: 100\r\n\r\n{{\"limits\"".encode())
+  sock.settimeout(5)
+  reply = b""
+  while chunk := sock.recv(65536):  # the server closes the connection after the reply
+    reply += chunk
+  assert b" 408 " in reply.split(b"\r\n")[0] and b"body_timeout=1.0" in reply
+
+
+def test_flood_of_idle_connections_does_not_starve_clients(server):
+  """60 idle tokenless sockets against --max_connections 24: the oldest idle ones are closed,
+  an authenticated keep-alive connection outlives the tokenless ones, real calls go through."""
+  keep = connect(server.url)
+  assert health(keep, server.token) == 200
+  flood = [connect(server.url) for _ in range(60)]
+  time.sleep(0.3)
+  closed = sum(closed_by_server(s, 0.01) for s in flood)
+  assert closed >= 60 - 24  # at most max_connections stay open
+
+  async def go():
+    async with await create_sandbox("remote", url=server.url, token=server.token) as sb:
+      assert (await sb.exec("echo through")).stdout == "through\n"
+  run(go())
+  assert health(keep, server.token) == 200  # the authenticated one survived
+  for s in flood + [keep]:
+    s.close()
+
+
+def test_old_flag_spellings_still_work(tmp_path):
+  s = start_server(str(tmp_path), "--max-sandboxes", "1", "--max-connections", "8",
+                   "--header-timeout", "2")
+  try:
+    status, body = s.request("GET", "/health")
+    assert status == 200 and body["max_sandboxes"] == 1
+  finally:
+    assert s.stop() == 0
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI absent (makes the cert)")
+def test_tls_handshake_deadline(tmp_path):
+  cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
+  subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                  "-subj", "/CN=localhost", "-keyout", key, "-out", cert], check=True,
+                 capture_output=True, timeout=60)
+  s = start_server(str(tmp_path), "--tls_cert", cert, "--tls_key", key, "--max_sandboxes", "1",
+                   "--handshake_timeout", "1")
+  try:
+    stalled = connect(s.url)  # TCP only: never starts the handshake
+    half = connect(s.url)
+    half.sendall(b"\x16\x03\x01\x00\x05")  # a ClientHello record header, then nothing
+    t0 = time.monotonic()
+    assert closed_by_server(stalled, 6) and closed_by_server(half, 6)
+    assert 0.5 < time.monotonic() - t0 < 6
+  finally:
+    assert s.stop() == 0
