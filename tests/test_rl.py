@@ -148,6 +148,8 @@ def test_demo_runs_every_stage_on_real_sandbox_rewards(demo_run):
     assert {"loss", "reward_mean", "pass_rate", "response_tokens", "tree_token_ratio",
             "time/rollout", "time/train", "mismatch_kl_k3"} <= set(step)
     assert abs(step["mismatch_kl_k3"]) < 1e-4  # fp32 sampler = trainer
+    # the MoE policy trains through the sampler's experts (routing replay, on by default)
+    assert step["routing_flips"] == 0.0 and step["mismatch_max_abs_log_ratio"] < 1e-3
   before, after = _params(w / "seed_0" / "sft"), _params(w / "seed_0" / "rl")
   assert any(not np.array_equal(a, b) for a, b in zip(before, after)), "RL changed nothing"
 
