@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -27,7 +28,9 @@ from rl.tree import CallTokens, TrajectoryTokens, build_tree, from_trajectory
 from trainer import batches as B
 from trainer import groups as groups_lib
 from trainer import step as step_lib
+from trainer.rl import Scorer
 from trainer.serve import EnginePolicy, PolicyServer, ServerConfig
+from trainer.teachers import Teachers
 
 
 def _ids(rng, n, layers=2, k=2, experts=8):
@@ -149,3 +152,26 @@ def test_replay_makes_the_trainer_route_as_the_bf16_sampler(moe_mla_model):
       flips = np.asarray(aux["replay_flips"])
       assert flips[:, 1].sum() > 0 and flips[:, 0].sum() > 0  # bf16 routes differently
   assert out[True] < out[False], out
+
+
+def test_reference_and_teachers_route_themselves():
+  """Replay is the policy's sampler routing: models scoring the same batch for other reasons
+  (the KL reference, distillation teachers) route with their own routers."""
+  rng = np.random.default_rng(4)
+  group = [Trajectory([LLMCall([1, 2, 3], [4 + t, 5], [-1.0] * 2, expert_ids=_ids(rng, 4))],
+                      1.0, "t", "g", "submitted") for t in range(2)]
+  shape = B.BatchShape(row_len=128, rows=1, seqs=None, seq_len=None, micro_batches=None)
+  ((_, mb),) = groups_lib.micro_batches([group], [np.zeros(2)], shape, 1, replay=True)
+  assert mb.expert_ids is not None
+  seen = []
+  score = lambda model, batch: seen.append(batch.expert_ids) or np.zeros(
+      np.shape(batch.seq_valid), np.float32)
+  teachers = Teachers.__new__(Teachers)
+  teachers.by_domain = {"swe": (score, None)}
+  teachers.logprobs(mb, np.full(np.shape(mb.seq_valid)[:2], "swe"))
+  scorer = Scorer.__new__(Scorer)
+  scorer.rl, scorer.reference, scorer.teachers = ml_collections.ConfigDict(
+      {"mcla_passes": 0, "recompute_old": False}), object(), None
+  scorer.score = score
+  scorer(None, [], mb, [])
+  assert seen == [None, None]

@@ -67,6 +67,7 @@ class Teachers:
       [M, S, T] f32 teacher log-probs (0 where no teacher scored).
     """
     out = np.zeros(np.shape(mb.seq_valid), np.float32)
+    mb = mb.replace(expert_ids=None)  # a teacher routes itself (replay is the student's routing)
     for domain, (score, model) in self.by_domain.items():
       here = domain_per_seq == domain
       if here.any():
