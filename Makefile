@@ -24,7 +24,9 @@ venv: $(VENV)/.stamp
 # Rebuilt whenever the dependency lists change, or a top-level package appears (the editable
 # install maps package names when it is made).
 $(VENV)/.stamp: setup.py requirements-lock.txt $(wildcard */__init__.py)
-	@# Sandboxes run in bubblewrap (the verifier runs the sandbox's system python3 with pytest);
+	@# Sandboxes run in bubblewrap (the verifier runs the sandbox's system python3 with pytest)
+	@# under a seccomp filter compiled with libseccomp, each exec in a fresh session keyring
+	@# (a one-line perl launcher);
 	@# the RL queue tests start their own redis-server; openssl makes their TLS certificates.
 	@# Only what is missing is installed (--no-upgrade: nothing already there changes), and the
 	@# redis-server service is neither started nor enabled at boot.
@@ -33,6 +35,9 @@ $(VENV)/.stamp: setup.py requirements-lock.txt $(wildcard */__init__.py)
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	command -v openssl >/dev/null || missing="$$missing openssl"; \
 	command -v unshare >/dev/null || missing="$$missing util-linux"; \
+	command -v perl >/dev/null || missing="$$missing perl-base"; \
+	{ ls /usr/lib/*/libseccomp.so.2 || ls /lib/*/libseccomp.so.2; } >/dev/null 2>&1 || \
+		missing="$$missing libseccomp2"; \
 	/usr/bin/python3 -c "import pytest" 2>/dev/null || missing="$$missing python3-pytest"; \
 	if [ -n "$$missing" ]; then \
 		echo "Installing the missing Debian packages:$$missing"; \

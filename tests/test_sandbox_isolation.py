@@ -9,18 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
+import errno
 import glob
 import os
 import secrets
+import platform
 import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
-from envs.sandbox import Limits, PathError, SandboxError, create_sandbox
+from envs.sandbox import Limits, PathError, SandboxError, create_sandbox, seccomp
 from envs.sandbox.bwrap import BASE_ENV, BwrapSandbox
 from tests.test_sandbox import REPO, TEST_UIDS, pool_processes, start_server
 
@@ -32,13 +37,39 @@ CANARY_ENV = "ARBOR_CANARY_" + secrets.token_hex(4).upper()
 CANARY_VALUE = secrets.token_hex(12)
 os.environ[CANARY_ENV] = CANARY_VALUE
 SECRET = secrets.token_hex(16)
+KEY_DESC = "arbor-canary-key-" + secrets.token_hex(4)
+_libc = ctypes.CDLL(None, use_errno=True)
+KEY_SPEC_SESSION_KEYRING, KEYCTL_SEARCH, KEYCTL_INVALIDATE = -3, 10, 21
 LIMITS = Limits(memory_mb=64, pids=32, cpus=0.25, disk_mb=4, output_bytes=4096,
                 default_timeout=10)
 
 
+def add_session_key(desc: str, payload: bytes) -> int:
+  """add_key("user", desc, payload, @s) through libc's syscall(2) (x86_64 number 248)."""
+  nr = {"x86_64": 248, "aarch64": 217}[platform.machine()]
+  key = _libc.syscall(nr, b"user", desc.encode(), payload, len(payload),
+                      KEY_SPEC_SESSION_KEYRING)
+  assert key > 0, os.strerror(ctypes.get_errno())
+  return key
+
+
+# Looks up KEY_DESC from the caller's session keyring; prints the key id, or the errno name.
+FIND_KEY = f"""
+import ctypes, errno, os, platform
+libc = ctypes.CDLL(None, use_errno=True)
+nr = {{"x86_64": 250, "aarch64": 219}}[platform.machine()]  # keyctl
+key = libc.syscall(nr, {KEYCTL_SEARCH}, {KEY_SPEC_SESSION_KEYRING}, b"user", b"{KEY_DESC}", 0)
+print("found", key) if key > 0 else print(errno.errorcode[ctypes.get_errno()])
+"""
+
+
 @pytest.fixture(scope="module")
 def canaries(tmp_path_factory):
-  """A secret in our tmp dir, a 0600 root file visible in /etc, an inheritable open fd."""
+  """A secret in our tmp dir, a 0600 root file in /etc, an inheritable open fd, and a key in
+  this process's session keyring (before the server starts, so that it inherits it too)."""
+  if platform.machine() not in ("x86_64", "aarch64"):
+    pytest.skip(f"syscall numbers of {platform.machine()} not in the tests")
+  key = add_session_key(KEY_DESC, SECRET.encode())
   d = tmp_path_factory.mktemp("secrets")
   secret_file = d / "secret.txt"
   secret_file.write_text(SECRET)
@@ -53,6 +84,7 @@ def canaries(tmp_path_factory):
   finally:
     os.close(fd)
     os.unlink(root_file)
+    _libc.syscall({"x86_64": 250, "aarch64": 219}[platform.machine()], KEYCTL_INVALIDATE, key)
 
 
 @pytest.fixture(scope="module")
@@ -245,8 +277,8 @@ def test_secrets_unreadable(make, canaries):
         assert r.exit_code != 0 and r.stdout == "", (p, r)
       r = await sb.exec("ls /root; ls /work; ls /home")
       assert r.exit_code != 0 and r.stdout == "", r
-      r = await sb.exec(f"ls -l {canaries['root_file']}")  # visible but owned by root, 0600
-      assert r.exit_code == 0 and r.stdout.startswith("-rw-------"), r
+      r = await sb.exec(f"ls -l {canaries['root_file']}")  # the host's /etc is not in view
+      assert r.exit_code != 0 and r.stdout == "", r
       assert SECRET not in (await sb.exec("grep -rs arbor /etc 2>/dev/null | head")).stdout
       # Through the file API (root on the host!): symlinks and hard links to host files.
       r = await sb.exec(f"ln -s /etc/shadow s; ln -s {canaries['root_file']} c; ln -s / r; "
@@ -448,3 +480,190 @@ def test_requests_without_token_refused(server):
     sb._client.token = server.token
     await sb.close()
   run(go())
+
+
+# --- kernel keyring, seccomp, /etc ----------------------------------------------------------
+
+def test_keyring_of_the_starter_not_reachable(make, canaries):
+  host = subprocess.run([sys.executable, "-c", FIND_KEY], capture_output=True, text=True)
+  assert host.stdout.startswith("found"), host  # a child of ours finds the planted key
+
+  async def go():
+    async with await make() as sb:
+      r = await sb.exec(py(FIND_KEY) + "\ncat /proc/keys")
+      assert r.stdout.startswith("EPERM"), r  # seccomp: keyctl is denied
+      assert KEY_DESC not in r.stdout and SECRET not in r.stdout, r.stdout
+  run(go())
+
+
+def test_fresh_session_keyring_per_exec_without_seccomp(canaries):
+  """The keyring layer on its own (filter off): the planted key is out of reach, and a key that
+  one exec adds is gone for the next exec and for another sandbox."""
+  add = f"""
+import ctypes, errno, os, platform
+libc = ctypes.CDLL(None, use_errno=True)
+nr = {{"x86_64": 248, "aarch64": 217}}[platform.machine()]  # add_key
+key = libc.syscall(nr, b"user", b"{KEY_DESC}", b"from-a", 6, {KEY_SPEC_SESSION_KEYRING})
+print("added", key) if key > 0 else print(errno.errorcode[ctypes.get_errno()])
+"""
+
+  async def go():
+    kw = dict(uids=TEST_UIDS, seccomp_filter=False)
+    async with await BwrapSandbox.create(LIMITS, **kw) as a, \
+        await BwrapSandbox.create(LIMITS, **kw) as b:
+      r = await a.exec(py(FIND_KEY))
+      assert r.stdout.startswith("ENOKEY"), r  # keyctl works, the key is not there
+      r = await a.exec(py(add) + "\n" + py(FIND_KEY))
+      assert r.stdout.startswith("added") and "found" in r.stdout, r  # the probe can succeed
+      assert (await a.exec(py(FIND_KEY))).stdout.startswith("ENOKEY")  # next exec: fresh
+      assert (await b.exec(py(FIND_KEY))).stdout.startswith("ENOKEY")  # other sandbox
+  run(go())
+
+
+# x86_64 numbers, written out here so that a wrong table in the code under test cannot hide.
+X86_64 = {"add_key": 248, "request_key": 249, "keyctl": 250, "io_uring_setup": 425,
+          "io_uring_enter": 426, "io_uring_register": 427, "bpf": 321, "userfaultfd": 323,
+          "perf_event_open": 298, "ptrace": 101, "process_vm_readv": 310,
+          "process_vm_writev": 311, "init_module": 175, "finit_module": 313,
+          "delete_module": 176, "kexec_load": 246, "kexec_file_load": 320, "reboot": 169,
+          "swapon": 167, "swapoff": 168, "acct": 163, "clock_settime": 227,
+          "clock_adjtime": 305, "settimeofday": 164, "adjtimex": 159, "mount": 165,
+          "umount2": 166, "pivot_root": 155, "move_mount": 429, "open_tree": 428, "fsopen": 430,
+          "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
+          "open_by_handle_at": 304}
+# Harmless arguments that fail (or do nothing) without the filter, for an unprivileged caller.
+ARGS = {"keyctl": (0, KEY_SPEC_SESSION_KEYRING, 0), "userfaultfd": (1,), "io_uring_setup": (1, 0),
+        "io_uring_enter": (-1, 0, 0, 0, 0, 0), "io_uring_register": (-1, 0, 0, 0),
+        "ptrace": (3, 999999, 0, 0), "process_vm_readv": (999999, 0, 0, 0, 0, 0),
+        "process_vm_writev": (999999, 0, 0, 0, 0, 0), "perf_event_open": (0, 0, -1, -1, 0)}
+# Where the kernel itself answers something other than EPERM to the call above: with the
+# filter on, EPERM there can only come from the filter.
+NOT_EPERM_UNFILTERED = {"add_key", "request_key", "keyctl", "io_uring_setup", "io_uring_enter",
+                        "io_uring_register", "userfaultfd", "perf_event_open", "ptrace",
+                        "process_vm_readv", "process_vm_writev", "clock_settime",
+                        "clock_adjtime", "adjtimex", "socket:AF_NETLINK",
+                        "socket:AF_INET"}
+FAMILIES = {"AF_INET": 2, "AF_INET6": 10, "AF_NETLINK": 16, "AF_PACKET": 17, "AF_VSOCK": 40,
+            "AF_ALG": 38, "AF_UNIX": 1}
+PROBE = f"""
+import ctypes, errno, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+out = {{}}
+for name, nr in {X86_64!r}.items():
+  args = {ARGS!r}.get(name, (0, 0, 0, 0, 0))
+  rc = libc.syscall(nr, *[ctypes.c_long(a) for a in args])
+  out[name] = errno.errorcode.get(ctypes.get_errno(), "?") if rc < 0 else "ok"
+for fam, v in {FAMILIES!r}.items():
+  rc = libc.syscall(41, v, 2 if fam not in ("AF_NETLINK", "AF_PACKET") else 3, 0)
+  out["socket:" + fam] = errno.errorcode.get(ctypes.get_errno(), "?") if rc < 0 else "ok"
+print(json.dumps(out))
+"""
+
+
+def probe(r) -> dict:
+  assert r.exit_code == 0, r
+  return __import__("json").loads(r.stdout)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="syscall numbers are x86_64's")
+def test_seccomp_denies_each_call_with_eperm(make):
+  assert set(X86_64) == set(seccomp.denied_syscalls())  # the probe covers the whole list
+
+  async def go():
+    async with await make() as sb:
+      got = probe(await sb.exec(py(PROBE)))
+    denied = {k: v for k, v in got.items() if k != "socket:AF_UNIX" and k != "socket:AF_INET"
+              and k != "socket:AF_INET6"}
+    assert all(v == "EPERM" for v in denied.values()), denied
+    assert got["socket:AF_UNIX"] == "ok" and got["socket:AF_INET"] == "ok", got  # loopback
+    if isinstance(sb, BwrapSandbox):  # control: the same probe without the filter
+      async with await BwrapSandbox.create(LIMITS, uids=TEST_UIDS, seccomp_filter=False) as c:
+        free = probe(await c.exec(py(PROBE)))
+      differs = {k for k, v in free.items() if v != "EPERM"}
+      assert NOT_EPERM_UNFILTERED <= differs, free
+  run(go())
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="syscall numbers are x86_64's")
+def test_seccomp_network_none_denies_inet():
+  async def go():
+    async with await BwrapSandbox.create(LIMITS, uids=TEST_UIDS, network="none") as sb:
+      got = probe(await sb.exec(py(PROBE)))
+      assert got["socket:AF_INET"] == got["socket:AF_INET6"] == "EPERM", got
+      assert got["socket:AF_UNIX"] == "ok", got
+      r = await sb.exec(py("import socket; a, b = socket.socketpair(); a.send(b'x'); "
+                           "print(b.recv(1))"))  # what asyncio and multiprocessing use
+      assert r.stdout == "b'x'\n", r
+    with pytest.raises(ValueError, match="network='wifi'"):
+      await BwrapSandbox.create(LIMITS, uids=TEST_UIDS, network="wifi")
+  run(go())
+
+
+def test_minimal_etc(make, canaries):
+  host_etc = set(os.listdir("/etc"))
+
+  async def go():
+    async with await make() as sb:
+      r = await sb.exec("ls -A /etc; echo ---; id -un; id -gn; getent passwd $(id -u); "
+                        "cat /etc/hosts; ls /etc/ssl; hostname")
+      assert r.exit_code == 0, r
+      listing, rest = r.stdout.split("---\n")
+      names = set(listing.split())
+      assert "passwd" in names and "ld.so.cache" in names, names
+      for gone in ("shadow", "gshadow", "sudoers", "machine-id", "ssh", "apt", "environment",
+                   "resolv.conf", "ca-certificates", os.path.basename(canaries["root_file"])):
+        assert gone not in names, gone
+      assert len(names) < len(host_etc) / 2, names
+      user, group, pw, *hosts = rest.splitlines()
+      assert user == group == "sandbox", rest
+      assert pw.split(":")[0] == "sandbox" and pw.split(":")[5] == "/tmp", pw
+      assert not any(l.startswith("127.0.0.1") and "sandbox" not in l and "localhost" not in l
+                     for l in hosts), hosts  # not the host's own names
+      assert "openssl.cnf" in hosts and "private" not in hosts and "certs" not in hosts, hosts
+      r = await sb.exec(py("import ssl, sqlite3, pytest, locale, getpass, pwd, os, time\n"
+                           "print(getpass.getuser(), pwd.getpwuid(os.getuid()).pw_name, "
+                           "time.tzname[0] != '')"))
+      assert r.exit_code == 0 and r.stdout == "sandbox sandbox True\n", r
+  run(go())
+
+
+def test_docker_profile_and_options():
+  prof = seccomp.docker_profile(inet=True)
+  assert prof["defaultAction"] == "SCMP_ACT_ALLOW"
+  names = {n for rule in prof["syscalls"] if "args" not in rule for n in rule["names"]}
+  assert set(X86_64) <= names and {"unshare", "setns"} <= names
+  assert all(rule["action"] == "SCMP_ACT_ERRNO" and rule["errnoRet"] == errno.EPERM
+             for rule in prof["syscalls"])
+  fams = {a["value"]: a["op"] for rule in prof["syscalls"] if "args" in rule
+          for a in rule["args"]}
+  for name, v in FAMILIES.items():
+    denied = fams.get(v) == "SCMP_CMP_EQ" or v >= min(
+        k for k, op in fams.items() if op == "SCMP_CMP_GE")
+    assert denied == (name not in ("AF_UNIX", "AF_INET", "AF_INET6")), (name, fams)
+  none = {a["value"] for rule in seccomp.docker_profile(inet=False)["syscalls"]
+          if "args" in rule for a in rule["args"]}
+  assert {2, 10} <= none
+  opts = seccomp.docker_security_opt(inet=True)
+  assert opts[0] == "no-new-privileges" and opts[1].startswith("seccomp={")
+
+
+def test_docker_container_gets_profile(monkeypatch):
+  """No Docker engine here: the container options are checked on a recording fake client."""
+  from envs.sandbox import docker as docker_backend
+  seen = {}
+
+  class Containers:
+    def run(self, image, command, **kw):
+      seen.update(kw)
+      return object()
+
+  class Client:
+    containers = Containers()
+
+  monkeypatch.setattr(docker_backend, "docker_client", Client)
+  run(docker_backend.DockerSandbox.create(LIMITS))
+  opts = seen["security_opt"]
+  assert "no-new-privileges" in opts and seen["cap_drop"] == ["ALL"], seen
+  prof = __import__("json").loads(next(o for o in opts if o.startswith("seccomp="))[8:])
+  assert prof == seccomp.docker_profile(inet=True)
+  assert seen["network_mode"] == "none" and seen["read_only"] and seen["user"] != "0"

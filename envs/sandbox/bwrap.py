@@ -15,8 +15,23 @@ sandbox must never reach bwrap with root's credentials):
 - **Namespaces.** `--unshare-all` (network: only a private loopback; ipc; pid; uts; cgroup),
   `--unshare-user --disable-userns` (no nested user namespace), `--cap-drop ALL`,
   `--new-session` (no TIOCSTI into a terminal), `--die-with-parent`.
-- **File system.** Read-only binds of /usr and /etc (with the /bin, /lib... links), or of the
-  top-level entries of a per-task root filesystem; optional extra read-only binds; a fresh
+- **Keyring and seccomp.** Kernel keyrings are not namespaced: a process inherits the session
+  keyring of whoever started it. Every exec joins a fresh, empty anonymous session keyring
+  (`keyctl(KEYCTL_JOIN_SESSION_KEYRING, NULL)`, made by a one-line perl launcher as root
+  before dropping to the uid: perl-base is on every Debian/Ubuntu and starts in ~1 ms), so no
+  key of the starter or of another sandbox is reachable. bwrap then loads the seccomp filter of
+  `seccomp.py` (`--seccomp FD`) just before the command: keyring calls, io_uring, bpf,
+  userfaultfd, perf_event_open, ptrace, module/kexec/clock/mount calls and socket families
+  other than AF_UNIX (and AF_INET/AF_INET6 under `network="loopback"`) fail with EPERM.
+- **File system.** Read-only binds of /usr (with the /bin, /lib... links), or of the
+  top-level entries of a per-task root filesystem; optional extra read-only binds. /etc is not
+  the host's: it is an empty directory holding files generated per sandbox (`passwd`/`group`
+  with the sandbox uid, `hosts`, `hostname`, `nsswitch.conf`) and read-only binds of a short
+  list of host entries programs need (`ETC_FROM_HOST`: the dynamic loader's cache, the
+  alternatives links, time zone, openssl.cnf, Python's site files, ...); nothing else of the
+  host's /etc (no token or credential file put there, no /etc/ssl/private) is in view. A task
+  root filesystem keeps its own /etc, with the generated passwd, group and hosts bound over
+  the image's. A fresh
   /proc with /proc/sys bound read-only (bwrap alone leaves the namespaced ipc/pid sysctls
   writable) and a minimal /dev; `/` and `/dev` remounted read-only. The workspace, /tmp and
   /dev/shm are three host tmpfs mounts of `limits.disk_mb` each (a real quota; `nr_inodes`
@@ -49,14 +64,16 @@ import asyncio
 import contextlib
 import ctypes
 import fcntl
+import glob
 import itertools
 import os
 import shutil
 import signal
+import tempfile
 import time
 from typing import Mapping, Optional, Sequence
 
-from envs.sandbox import hostfs, process
+from envs.sandbox import hostfs, process, seccomp
 from envs.sandbox.base import ExecResult, Limits, Sandbox, SandboxError, SandboxFull
 from envs.sandbox.cgroups import Cgroup
 
@@ -65,7 +82,18 @@ DEFAULT_ROOT = "/run/arbor-sandbox"
 # uid locks live in one fixed place whatever root_dir a process uses, so two processes can
 # never hold the same uid.
 LOCK_DIR = "/run/arbor-sandbox-uids"
-SYSTEM_DIRS = ("usr", "etc", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
+SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
+# Host /etc entries a sandbox sees (read-only): what the dynamic loader, the shell, Python,
+# pytest, OpenSSL, fontconfig and `file` read. Anything else in the host's /etc (credentials,
+# tokens, service configs) stays out of view. Missing entries are skipped.
+ETC_FROM_HOST = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime",
+                 "timezone", "protocols", "services", "networks", "ethertypes", "mime.types",
+                 "os-release", "debian_version", "lsb-release", "ssl/openssl.cnf", "python3",
+                 "python3.11", "python3.12", "python3.13", "bash.bashrc", "profile", "shells",
+                 "inputrc", "locale.alias", "gai.conf", "host.conf", "magic", "magic.mime",
+                 "fonts", "matplotlibrc", "mtab")
+IDENTITY_ETC = ("passwd", "group")  # generated per sandbox (they name its uid)
+NETWORKS = ("loopback", "none")
 # Top-level entries of a task root filesystem that the sandbox provides itself.
 SKIP_IN_ROOTFS = {"proc", "dev", "sys", "tmp", "run", "workspace", "root", "home", "mnt",
                   "media", "lost+found"}
@@ -80,6 +108,10 @@ NOFILE = 4096
 _INIT = 'exec 3<&0; /bin/sh -c "$1" <&3 3<&- & wait $!; exit $?'
 # Runs as root: join the cgroups named before `--`, set rlimits, exec the rest (setpriv ...).
 _JOIN = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; '
+# Runs as root after _JOIN: join a new anonymous session keyring (KEYCTL_JOIN_SESSION_KEYRING=1,
+# name NULL), then exec the rest. %d: the native keyctl syscall number.
+_KEYRING = ('syscall(%d, 1, 0) >= 0 or die "keyctl: $!\\n"; '
+            'exec {$ARGV[0]} @ARGV; die "exec: $!\\n"')
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
@@ -211,6 +243,9 @@ def _fs_binds(rootfs: Optional[str]) -> list[str]:
   args = []
   for name in names:
     src = os.path.join(base, name)
+    if rootfs is not None and name == "etc":
+      args += ["--ro-bind", src, "/etc"]
+      continue
     if os.path.islink(src):  # e.g. bin -> usr/bin; resolved inside the sandbox
       args += ["--symlink", os.readlink(src), "/" + name]
     elif os.path.isdir(src):
@@ -218,15 +253,97 @@ def _fs_binds(rootfs: Optional[str]) -> list[str]:
   return args
 
 
+def _write(path: str, text: str) -> None:
+  with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644),
+            "w") as f:
+    f.write(text)
+  os.chmod(path, 0o644)
+
+
+_etc_bases: dict[str, str] = {}
+
+
+def _etc_base(root_dir: str) -> str:
+  """This process's copy of the host /etc entries a sandbox sees (`ETC_FROM_HOST`) plus the
+  uid-independent generated files, built once per process under `root_dir`.
+
+  A copy, not one bind per entry: every read-only bind makes bwrap re-read its mount table,
+  which cost ~8 ms per exec for the ~30 entries; one directory bind costs nothing measurable.
+  The copy is as old as the process (a package installed later updates it at the next start).
+  """
+  if root_dir in _etc_bases and os.path.isdir(_etc_bases[root_dir]):
+    return _etc_bases[root_dir]
+  for old in glob.glob(os.path.join(root_dir, ".etc-*")):  # of processes that are gone
+    with contextlib.suppress(ValueError, OSError):
+      pid = int(os.path.basename(old).split("-")[1])
+      if pid != os.getpid() and not os.path.exists(f"/proc/{pid}"):
+        shutil.rmtree(old)
+  base = tempfile.mkdtemp(prefix=f".etc-{os.getpid()}-", dir=root_dir)
+  os.chmod(base, 0o755)
+  for name in ETC_FROM_HOST:
+    src, dst = os.path.join("/etc", name), os.path.join(base, name)
+    if not os.path.lexists(src):
+      continue
+    os.makedirs(os.path.dirname(dst), mode=0o755, exist_ok=True)
+    if os.path.islink(src) and not os.path.realpath(src).startswith("/etc/"):
+      os.symlink(os.readlink(src), dst)  # e.g. localtime -> /usr/share/zoneinfo/..
+    elif os.path.isdir(src):
+      shutil.copytree(src, dst, symlinks=True)
+    elif os.path.isfile(src):
+      shutil.copy(src, dst)
+  _write(os.path.join(base, "hosts"),
+         "127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n")
+  _write(os.path.join(base, "hostname"), "sandbox\n")
+  _write(os.path.join(base, "nsswitch.conf"),
+         "passwd: files\ngroup: files\nshadow: files\nhosts: files dns\nnetworks: files\n"
+         "protocols: files\nservices: files\n")
+  for name in ("passwd", "group"):  # mount points of the per-sandbox files
+    _write(os.path.join(base, name), "")
+  for d, dirs, files in os.walk(base):  # readable by the sandbox uid whatever the host's umask
+    for n in dirs + files:
+      if not os.path.islink(os.path.join(d, n)):
+        os.chmod(os.path.join(d, n), 0o755 if n in dirs else 0o644)
+  _etc_bases[root_dir] = base
+  return base
+
+
+def _write_identity(etc_dir: str, uid: int) -> None:
+  """The sandbox's own /etc/passwd and /etc/group (root-owned, world-readable)."""
+  os.makedirs(etc_dir, mode=0o755, exist_ok=True)
+  # Host root and unmapped ids show up as 65534 inside the sandbox's user namespace.
+  _write(os.path.join(etc_dir, "passwd"),
+         f"root:x:0:0:root:/root:/usr/sbin/nologin\n"
+         f"sandbox:x:{uid}:{uid}:sandbox:/tmp:/bin/sh\n"
+         f"nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+  _write(os.path.join(etc_dir, "group"), f"root:x:0:\nsandbox:x:{uid}:\nnogroup:x:65534:\n")
+
+
+def _etc_binds(etc_dir: str, rootfs: Optional[str], root_dir: str) -> list[str]:
+  """bwrap arguments for /etc: the process's base copy with the sandbox's passwd and group
+  bound over it, or a task rootfs's own /etc with them bound over the image's."""
+  if rootfs is None:
+    args = ["--ro-bind", _etc_base(root_dir), "/etc"]
+  else:
+    args, etc = [], os.path.join(rootfs, "etc")
+  for name in IDENTITY_ETC:
+    if rootfs is None or (os.path.isfile(os.path.join(etc, name))
+                          and not os.path.islink(os.path.join(etc, name))):
+      args += ["--ro-bind", os.path.join(etc_dir, name), "/etc/" + name]
+  return args
+
+
 class BwrapSandbox(Sandbox):
   """See the module docstring. Create with `await BwrapSandbox.create(limits, ...)`."""
 
   def __init__(self, limits: Limits, uid: int, pool: UidPool, cgroup: Optional[Cgroup],
-               binds: list[str]):
+               binds: list[str], network: str = "loopback", seccomp_filter: bool = True):
     self.limits, self.uid, self._pool, self.cgroup = limits, uid, pool, cgroup
     self.host_dir = os.path.join(pool.root_dir, str(uid))
     self.workspace = os.path.join(self.host_dir, "workspace")  # host path of /workspace
     self._binds = binds
+    self.network, self._seccomp = network, seccomp_filter
+    self._perl = shutil.which("perl")
+    self._keyctl = seccomp.syscall_number("keyctl")
     self._closed = False
     self._running: set[int] = set()       # outer bwrap pids of running execs
     self._tasks: set[asyncio.Task] = set()
@@ -236,7 +353,8 @@ class BwrapSandbox(Sandbox):
   async def create(cls, limits: Limits = Limits(), *, rootfs: Optional[str] = None,
                    ro_binds: Sequence[str | tuple[str, str]] = (),
                    uids: Sequence[int] = DEFAULT_UIDS, root_dir: str = DEFAULT_ROOT,
-                   cgroups: bool = True) -> "BwrapSandbox":
+                   cgroups: bool = True, network: str = "loopback",
+                   seccomp_filter: bool = True) -> "BwrapSandbox":
     """Starts a sandbox: takes a uid, mounts its tmpfs mounts and makes its cgroups.
 
     Args:
@@ -248,22 +366,34 @@ class BwrapSandbox(Sandbox):
       uids: the uid pool.
       root_dir: where the sandbox's host directory is made.
       cgroups: False forces the rlimit fallback (for tests of it).
+      network: "loopback": a private network namespace with only a loopback, AF_INET/AF_INET6
+        sockets allowed (servers a task's tests start on localhost work); "none": the seccomp
+        filter also denies AF_INET/AF_INET6, only AF_UNIX sockets remain.
+      seccomp_filter: False leaves the seccomp filter out (for tests that check the other
+        layers on their own).
 
     Returns:
       The started sandbox.
 
     Raises:
-      SandboxError: not root, bwrap or setpriv missing, or a mount failed.
+      SandboxError: not root, bwrap, setpriv, perl or libseccomp missing, or a mount failed.
       SandboxFull: every uid of the pool is held.
-      ValueError: rootfs is not a directory, or a ro_binds entry is not an existing absolute
-        path.
+      ValueError: rootfs is not a directory, a ro_binds entry is not an existing absolute
+        path, or network is not one of NETWORKS.
     """
     if os.geteuid() != 0:
       raise SandboxError(f"bwrap backend needs root (euid={os.geteuid()}) to mount the quota "
                          "tmpfs, set up cgroups and drop to a dedicated uid")
-    for tool in ("bwrap", "setpriv"):
+    if network not in NETWORKS:
+      raise ValueError(f"network={network!r}: expected one of {NETWORKS}")
+    for tool in ("bwrap", "setpriv", "perl"):
       if shutil.which(tool) is None:
-        raise SandboxError(f"{tool} not found on PATH (Debian packages bubblewrap, util-linux)")
+        raise SandboxError(f"{tool} not found on PATH (Debian packages bubblewrap, util-linux, "
+                           "perl-base)")
+    try:
+      seccomp.bpf_program(network != "none")  # compiled once per process; fails early here
+    except seccomp.SeccompError as e:
+      raise SandboxError(f"seccomp filter: {e}") from e
     binds = _fs_binds(rootfs)
     for b in ro_binds:
       src, dst = (b, b) if isinstance(b, str) else b
@@ -282,13 +412,16 @@ class BwrapSandbox(Sandbox):
         path = os.path.join(host_dir, name)
         os.makedirs(path, mode=0o700, exist_ok=True)
         _mount_tmpfs(path, limits.disk_mb, uid)
+      etc_dir = os.path.join(host_dir, "etc")
+      _write_identity(etc_dir, uid)
       if cgroups:
         cgroup = Cgroup.create(str(uid), limits)
     except BaseException:
       cls._sweep(uid, os.path.join(root_dir, str(uid)))
       pool.release(uid)
       raise
-    return cls(limits, uid, pool, cgroup, binds)
+    return cls(limits, uid, pool, cgroup, binds + _etc_binds(etc_dir, rootfs, root_dir), network,
+               seccomp_filter)
 
   @staticmethod
   def _sweep(uid: int, host_dir: str, by_uid: bool = True) -> None:
@@ -304,10 +437,15 @@ class BwrapSandbox(Sandbox):
       _umount(os.path.join(host_dir, name))
       with contextlib.suppress(OSError):
         os.rmdir(os.path.join(host_dir, name))
+    for name in IDENTITY_ETC:
+      with contextlib.suppress(OSError):
+        os.unlink(os.path.join(host_dir, "etc", name))
+    with contextlib.suppress(OSError):
+      os.rmdir(os.path.join(host_dir, "etc"))
     with contextlib.suppress(OSError):
       os.rmdir(host_dir)
 
-  def _argv(self, cmd: str, env: Mapping[str, str]) -> list[str]:
+  def _argv(self, cmd: str, env: Mapping[str, str], seccomp_fd: Optional[int]) -> list[str]:
     lim = self.limits
     missing = self.cgroup.missing if self.cgroup else ("memory", "pids", "cpu")
     ulimits = f"ulimit -c 0 && ulimit -n {NOFILE} && ulimit -p {lim.pids}"
@@ -321,6 +459,8 @@ class BwrapSandbox(Sandbox):
     for k, v in {**BASE_ENV, **env}.items():
       bw += ["--setenv", k, v]
     bw += self._binds
+    if seccomp_fd is not None:
+      bw += ["--seccomp", str(seccomp_fd)]
     # bwrap leaves the new /proc/sys writable where the sandbox owns the namespace (ipc, pid
     # sysctls); a read-only bind of it shows the same per-namespace values, read-only.
     bw += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev",
@@ -329,7 +469,8 @@ class BwrapSandbox(Sandbox):
            "--bind", os.path.join(self.host_dir, "shm"), "/dev/shm",
            "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", WORKSPACE,
            "--as-pid-1", "/bin/sh", "-c", _INIT, "sh", cmd]
-    return (["/bin/sh", "-c", script, "arbor-sandbox", *join, "--", self._setpriv,
+    return (["/bin/sh", "-c", script, "arbor-sandbox", *join, "--",
+             self._perl, "-e", _KEYRING % self._keyctl, "--", self._setpriv,
              "--reuid", u, "--regid", u, "--clear-groups", "--no-new-privs", "--"] + bw)
 
   def _kill_exec(self, pid: int) -> None:
@@ -350,12 +491,16 @@ class BwrapSandbox(Sandbox):
                  env: Optional[Mapping[str, str]] = None) -> ExecResult:
     self._check_open()
     timeout = process.check_exec_args(cmd, timeout, stdin, self.limits.default_timeout)
-    argv = self._argv(cmd, process.check_env(env))
+    env = process.check_env(env)
+    fds = [seccomp.program_fd(self.network != "none")] if self._seccomp else []
+    argv = self._argv(cmd, env, fds[0] if fds else None)
     task = asyncio.current_task()
     self._tasks.add(task)
     pids = []
 
     def started(pid: int) -> None:
+      while fds:
+        os.close(fds.pop())  # the child holds its copy; bwrap reads it to the end
       pids.append(pid)
       self._running.add(pid)
       if self._closed:  # close() ran while we were spawning
@@ -363,8 +508,11 @@ class BwrapSandbox(Sandbox):
 
     try:
       return await process.run(argv, timeout=timeout, output_bytes=self.limits.output_bytes,
-                               stdin=stdin, kill=self._kill_exec, on_start=started)
+                               stdin=stdin, kill=self._kill_exec, on_start=started,
+                               pass_fds=tuple(fds))
     finally:
+      while fds:  # the spawn failed
+        os.close(fds.pop())
       self._running.difference_update(pids)
       self._tasks.discard(task)
 

@@ -3,8 +3,13 @@
 The container runs `sleep infinity` from `image` with no network (`network_mode="none"`), a
 read-only root file system, tmpfs /workspace and /tmp of `limits.disk_mb` (exec allowed,
 nosuid, nodev) and /dev/shm of the same size, memory = memory+swap, pids and CPU limits, a
-non-root user (default 65534:65534), every capability dropped, no-new-privileges and Docker's
-init as pid 1. Each exec is `docker exec` of `timeout -k 1 T sh -c cmd` (the image needs
+non-root user (default 65534:65534), every capability dropped, no-new-privileges, the seccomp
+profile of `seccomp.docker_profile` (the bwrap backend's deny list as a Docker profile: keyring,
+io_uring, bpf, userfaultfd, perf, ptrace, module/kexec/clock/mount calls, socket families other
+than AF_UNIX and, for the container's loopback, AF_INET/AF_INET6, plus the namespace and other
+calls Docker's default profile denies, since a custom profile replaces it) and Docker's init as
+pid 1. Keyrings: Docker gives each container a fresh session keyring, and the profile denies the
+keyring calls. Each exec is `docker exec` of `timeout -k 1 T sh -c cmd` (the image needs
 coreutils' `timeout`; the client also stops reading at the deadline); its output is streamed and
 capped. Background processes of an exec live until close() (the container is removed with
 force), unlike bwrap. The file API checks every path component for symlinks inside the container
@@ -23,7 +28,7 @@ import tarfile
 import time
 from typing import Mapping, Optional
 
-from envs.sandbox import process
+from envs.sandbox import process, seccomp
 from envs.sandbox.base import ExecResult, Limits, PathError, Sandbox, SandboxError
 
 WORKSPACE = "/workspace"
@@ -89,7 +94,8 @@ class DockerSandbox(Sandbox):
       opts = f"size={limits.disk_mb}m,mode=0700,uid={uid},gid={gid or uid},exec,nosuid,nodev"
       container = client.containers.run(
           image, ["sleep", "infinity"], detach=True, network_mode="none", user=user,
-          cap_drop=["ALL"], security_opt=["no-new-privileges"], read_only=True, init=True,
+          cap_drop=["ALL"], security_opt=seccomp.docker_security_opt(inet=True),
+          read_only=True, init=True,
           mem_limit=f"{limits.memory_mb}m", memswap_limit=f"{limits.memory_mb}m",
           pids_limit=limits.pids, nano_cpus=int(limits.cpus * 1e9),
           shm_size=f"{limits.disk_mb}m", working_dir=WORKSPACE, environment={},

@@ -102,8 +102,9 @@ async def run(argv: Sequence[str], *, timeout: float, output_bytes: int,
               stdin: Optional[str | bytes] = None, env: Optional[Mapping[str, str]] = None,
               cwd: Optional[str] = None, kill: Optional[Callable[[int], None]] = None,
               after_exit: Optional[Callable[[int], None]] = None,
-              on_start: Optional[Callable[[int], None]] = None) -> ExecResult:
-  """Runs argv with no shell, no inherited fds, in a new session, and waits for it.
+              on_start: Optional[Callable[[int], None]] = None,
+              pass_fds: Sequence[int] = ()) -> ExecResult:
+  """Runs argv with no shell, no inherited fds but `pass_fds`, in a new session, and waits.
 
   Args:
     argv: the program and its arguments.
@@ -118,6 +119,7 @@ async def run(argv: Sequence[str], *, timeout: float, output_bytes: int,
       left behind.
     on_start: called with the pid once started, so the caller can track the process (e.g. to
       kill it on close()).
+    pass_fds: file descriptors the child inherits (e.g. a seccomp program for bwrap).
 
   Returns:
     The result; exit code -1 on timeout, and truncation flags set also when the pipes stayed
@@ -130,7 +132,7 @@ async def run(argv: Sequence[str], *, timeout: float, output_bytes: int,
   transport, proto = await loop.subprocess_exec(
       lambda: _Protocol(output_bytes), *argv, stdin=asyncio.subprocess.PIPE,
       stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=dict(env or {}),
-      cwd=cwd, close_fds=True, start_new_session=True)
+      cwd=cwd, close_fds=True, start_new_session=True, pass_fds=tuple(pass_fds))
   pid = transport.get_pid()
   timed_out = cut_short = False
   try:
