@@ -667,3 +667,46 @@ def test_docker_container_gets_profile(monkeypatch):
   prof = __import__("json").loads(next(o for o in opts if o.startswith("seccomp="))[8:])
   assert prof == seccomp.docker_profile(inet=True)
   assert seen["network_mode"] == "none" and seen["read_only"] and seen["user"] != "0"
+
+
+def test_deep_and_wide_trees_listed_or_refused(make):
+  """A 1,500-level tree is refused with a clear error (not RecursionError, not a 500), a
+  shallower one is listed exactly as the sandbox's own `find` sees it."""
+  async def go():
+    async with await make(dataclasses.replace(LIMITS, disk_mb=8)) as sb:  # 2,048 inodes
+      r = await sb.exec(py("""
+import os
+os.makedirs("/".join(["d"] * 100))
+open("/".join(["d"] * 100 + ["f.txt"]), "w").close()
+open("top.txt", "w").close()
+os.mkdir("deep"); os.chdir("deep")
+for i in range(1500):  # relative steps: the whole path would pass PATH_MAX
+  os.mkdir("a"); os.chdir("a")
+open("bottom.txt", "w").close()
+"""))
+      assert r.exit_code == 0, r
+      find = await sb.exec("find d top.txt -type f | sort")
+      assert await sb.list_files("d") + await sb.list_files("top.txt") == \
+          find.stdout.split(), find
+      with pytest.raises(ValueError, match="max_depth=256"):
+        await sb.list_files(".")
+      assert len(await sb.list_files("d")) == 1  # the sandbox still works
+  run(go())
+
+
+def test_list_files_entry_cap(tmp_path):
+  from envs.sandbox import hostfs
+  for i in range(4):
+    (tmp_path / f"s{i}").mkdir()
+    (tmp_path / f"s{i}" / "f").write_text("x")
+  assert hostfs.list_files(str(tmp_path)) == [f"s{i}/f" for i in range(4)]
+  assert hostfs.list_files(str(tmp_path), max_entries=8) == [f"s{i}/f" for i in range(4)]
+  with pytest.raises(ValueError, match="max_entries=7"):
+    hostfs.list_files(str(tmp_path), max_entries=7)
+  with pytest.raises(ValueError, match="max_depth=0"):
+    hostfs.list_files(str(tmp_path), max_depth=0)
+  before = len(os.listdir("/proc/self/fd"))
+  for cap in (1, 3, 7, 100):
+    with contextlib.suppress(ValueError):
+      hostfs.list_files(str(tmp_path), max_entries=cap)
+  assert len(os.listdir("/proc/self/fd")) == before

@@ -17,6 +17,10 @@ from typing import Iterator, Optional
 from envs.sandbox.base import PathError, confine
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# list_files bounds: deeper or larger trees are refused rather than walked (a sandbox makes
+# them in a second; a real project is far below both).
+MAX_DEPTH = 256
+MAX_ENTRIES = 200_000
 
 
 def _parts(root: str, path: str) -> list[str]:
@@ -139,12 +143,18 @@ def read_file(root: str, path: str, max_bytes: int) -> bytes:
       os.close(fd)
 
 
-def list_files(root: str, path: str = ".") -> list[str]:
+def list_files(root: str, path: str = ".", max_depth: int = MAX_DEPTH,
+               max_entries: int = MAX_ENTRIES) -> list[str]:
   """Lists the regular files under root/path; symlinks and special files are skipped.
+
+  The walk is iterative (a sandbox can make a tree deeper than Python's recursion limit) and
+  holds one descriptor per level of the current branch only.
 
   Args:
     root: the workspace's host directory.
     path: workspace-relative file or directory ("." is the whole workspace).
+    max_depth: deepest directory level below `path` that is walked.
+    max_entries: most directory entries (files, directories, anything) looked at.
 
   Returns:
     The files' workspace-relative paths, sorted (just `path` when it is a regular file).
@@ -152,6 +162,7 @@ def list_files(root: str, path: str = ".") -> list[str]:
   Raises:
     PathError: the path leaves the workspace, or is a symlink or a special file.
     FileNotFoundError: no such file or directory.
+    ValueError: the tree is deeper than `max_depth` or has more than `max_entries` entries.
   """
   parts = _parts(root, path)
   prefix = "/".join(parts)
@@ -171,17 +182,54 @@ def list_files(root: str, path: str = ".") -> list[str]:
         top = os.open(parts[-1], _DIR, dir_fd=dfd)
       except OSError as e:  # replaced by a symlink after the stat
         raise PathError(f"path={path!r}: {e.strerror}") from None
-  out = []
-  try:
-    for dirpath, _, files, dirfd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
-      for name in files:
+  out, seen = [], 0
+  # Depth-first; each frame: (dir fd, its relative path, names of its subdirectories to visit).
+  stack: list[tuple[int, str, list[str]]] = []
+
+  def enter(fd: int, rel: str) -> None:
+    nonlocal seen
+    subdirs = []
+    with os.scandir(fd) as it:
+      for entry in it:
+        seen += 1
+        if seen > max_entries:
+          raise ValueError(f"list_files(path={path!r}): more than max_entries={max_entries} "
+                           "entries")
         try:
-          mode = os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode
+          mode = entry.stat(follow_symlinks=False).st_mode
         except FileNotFoundError:  # deleted by the sandbox while we walked
           continue
+        name = f"{rel}/{entry.name}" if rel else entry.name
         if stat.S_ISREG(mode):
-          rel = os.path.normpath(os.path.join(dirpath, name))
-          out.append(f"{prefix}/{rel}" if prefix else rel)
+          out.append(f"{prefix}/{name}" if prefix else name)
+        elif stat.S_ISDIR(mode):
+          subdirs.append(entry.name)
+    stack.append((fd, rel, subdirs))
+
+  try:
+    enter(top, "")
+    top = -1  # owned by the stack now
+    while stack:
+      fd, rel, subdirs = stack[-1]
+      if not subdirs:
+        os.close(stack.pop()[0])
+        continue
+      name = subdirs.pop()
+      if len(stack) > max_depth:
+        raise ValueError(f"list_files(path={path!r}): deeper than max_depth={max_depth} "
+                         f"levels at {rel!r}")
+      try:
+        sub = os.open(name, _DIR, dir_fd=fd)
+      except OSError:  # removed, or replaced by a symlink, since the listing
+        continue
+      try:
+        enter(sub, f"{rel}/{name}" if rel else name)
+      except BaseException:
+        os.close(sub)
+        raise
   finally:
-    os.close(top)
+    if top >= 0:
+      os.close(top)
+    for fd, _, _ in stack:
+      os.close(fd)
   return sorted(out)
