@@ -30,6 +30,12 @@ the TLS handshake must finish within --handshake_timeout, each request's headers
 --body_timeout; idle keep-alive connections close after --keep_alive; beyond
 --max_connections open connections the oldest idle one is closed, those that never carried a
 valid token first. Flags are spelled with `_`; the `-` spellings are aliases.
+
+bwrap backend: on start-up the server reclaims what a crashed server left for its uid pool
+(tmpfs mounts with workspace data, cgroups, uid locks; uids held by live processes are left
+alone), and with --cgroup_parent=own (the default) every sandbox's cgroup is made under the
+server's own cgroup, so the service's memory and pids limits bound all of its sandboxes (the
+fleet's unit delegates that cgroup: systemd `Delegate=yes`).
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from envs.net import is_loopback, read_secret
-from envs.sandbox import create_sandbox
+from envs.sandbox import bwrap, cgroups, create_sandbox
 from envs.sandbox.base import Limits, PathError, Sandbox, SandboxError, SandboxFull
 
 log = logging.getLogger("arbor.sandbox_server")
@@ -670,6 +676,41 @@ class SandboxHTTP:
     raise HTTPError(404, f"no operation {op!r}", "NotFound")
 
 
+def reclaim_bwrap(uids) -> list[int]:
+  """Cleans what a crashed holder of a pool uid left behind: its processes, tmpfs mounts (with
+  workspace data), cgroups and lock. Uids other live processes hold are left alone.
+
+  Args:
+    uids: the bwrap uid pool.
+
+  Returns:
+    The uids that had leftovers.
+  """
+  pool = bwrap._pool(uids, bwrap.DEFAULT_ROOT)
+  taken, stale_uids = [], []
+  try:
+    while True:
+      try:
+        uid, stale = pool.acquire()
+      except SandboxFull:  # every free uid is taken now; the rest are live elsewhere
+        break
+      taken.append(uid)
+      if not stale:
+        continue
+      stale_uids.append(uid)
+      bwrap.BwrapSandbox._sweep(uid, os.path.join(bwrap.DEFAULT_ROOT, str(uid)))
+      # under this service's cgroup, or at the top where a server before nesting put them
+      for parent in (None, cgroups.SANDBOXES):
+        group = cgroups.Cgroup.existing(str(uid), parent)
+        if group is not None:
+          group.kill()
+          group.remove()
+  finally:
+    for uid in taken:
+      pool.release(uid)  # marked clean
+  return stale_uids
+
+
 def read_token(path: str) -> str:
   """The server's bearer token from its file (warns when others may read the file).
 
@@ -720,6 +761,9 @@ def main(argv=None) -> None:
   flag("port_file", help="write the bound port here once listening")
   flag("uid_base", type=int, default=2_000_000_000, help="bwrap: first pool uid")
   flag("uid_count", type=int, default=256, help="bwrap: number of pool uids")
+  flag("cgroup_parent", default="own", choices=("own", "top"),
+       help="bwrap: sandbox cgroups under this process's own cgroup (own: the service's "
+       "limits bound them all) or at the top of the hierarchy")
   for f in dataclasses.fields(Limits):
     flag(f.name, type=type(getattr(d, f.name)), default=getattr(d, f.name),
          help=f"largest (and default) per-sandbox {f.name}")
@@ -745,6 +789,16 @@ def main(argv=None) -> None:
                           header_s=a.header_timeout, body_s=a.body_timeout,
                           keep_alive_s=a.keep_alive)
   _raise_fd_limit(a.max_connections)
+  if a.backend == "bwrap" and os.geteuid() == 0:  # else create_sandbox says what is missing
+    if a.cgroup_parent == "own":
+      try:
+        log.info("sandbox cgroups under %s", cgroups.nest_under_own_cgroup())
+      except OSError as e:
+        p.error(f"--cgroup_parent=own: cannot nest under this process's cgroup ({e}); "
+                "delegate it (systemd Delegate=yes) or pass --cgroup_parent=top")
+    stale = reclaim_bwrap(backend_kw["uids"])
+    if stale:
+      log.warning("reclaimed what a crashed server left for uids %s", stale)
   service = SandboxService(a.backend, max_sandboxes=a.max_sandboxes, limits=limits, ttl=a.ttl,
                            warm=a.warm, max_timeout=a.max_timeout, backend_kw=backend_kw)
   try:

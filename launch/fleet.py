@@ -227,6 +227,8 @@ def boot_script(f: Fleet) -> str:
       "[Unit]", "Description=Arbor sandbox server (loopback only)", "[Service]",
       f"WorkingDirectory={SRC}", "ExecStart=" + shlex.join(sandbox_argv(f)),
       "KillMode=mixed", "KillSignal=SIGTERM", "TimeoutStopSec=60", "Restart=always",
+      # the server makes its sandboxes' cgroups under its own: the unit's limits bound them all
+      "Delegate=yes",
       "RestartSec=5", "[Install]", "WantedBy=multi-user.target"])
   lines = [
       "#!/bin/bash",

@@ -5,7 +5,10 @@ The HTTP contract itself (auth, capacity, ttl, warm pool, TLS) is in tests/test_
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
+import os
+import random
 import shutil
 import socket
 import ssl
@@ -16,7 +19,7 @@ import pytest
 
 from envs.sandbox import create_sandbox
 from envs.sandbox_server import MAX_JSON_DEPTH, HTTPError, parse_body
-from tests.test_sandbox import start_server
+from tests.test_sandbox import pool_processes, start_server
 
 
 def run(coro):
@@ -161,3 +164,94 @@ def test_tls_handshake_deadline(tmp_path):
     assert 0.5 < time.monotonic() - t0 < 6
   finally:
     assert s.stop() == 0
+
+
+_CRASH_BASE = 2_003_000_000 + random.randrange(64) * 16  # apart from tests/test_sandbox.py's
+CRASH_UIDS = range(_CRASH_BASE, _CRASH_BASE + 8)
+
+
+def mounts_under(prefix: str) -> list[str]:
+  with open("/proc/self/mountinfo") as f:
+    return [l.split()[4] for l in f if l.split()[4].startswith(prefix)]
+
+
+def cgroup_dirs(name: str) -> list[str]:
+  return [d for d in glob.glob(f"/sys/fs/cgroup/**/{name}", recursive=True) if os.path.isdir(d)]
+
+
+def own_cgroup(pid, controller: str) -> str:
+  with open(f"/proc/{pid}/cgroup") as f:
+    for line in f:
+      _, names, path = line.rstrip("\n").split(":", 2)
+      if controller in names.split(",") or (controller == "" and names == ""):
+        return path
+  raise AssertionError(f"no {controller!r} line in /proc/{pid}/cgroup")
+
+
+def test_sandbox_cgroups_nest_under_the_servers_own(tmp_path):
+  s = start_server(str(tmp_path), "--max_sandboxes", "1", "--uid_base", str(CRASH_UIDS[0]),
+                   "--uid_count", str(len(CRASH_UIDS)))
+  try:
+    async def go():
+      async with await create_sandbox("remote", url=s.url, token=s.token) as sb:
+        uid = int((await sb.exec("id -u")).stdout)
+        running = asyncio.ensure_future(sb.exec("sleep 3"))
+        deadline = time.monotonic() + 3
+        while not (pids := pool_processes([CRASH_UIDS], zombies=False)):
+          assert time.monotonic() < deadline, "the exec never showed up"
+          await asyncio.sleep(0.02)
+        v2 = os.path.exists("/sys/fs/cgroup/cgroup.controllers")
+        controller = "" if v2 else "memory"
+        server = own_cgroup(s.proc.pid, controller).rstrip("/")
+        service = server.rsplit("/", 1)[0] if v2 and server.endswith("/service") else server
+        assert service, "the server runs in the root cgroup: nesting is not visible here"
+        for pid in pids:
+          assert own_cgroup(pid, controller) == f"{service}/arbor-sandbox/{uid}", (
+              own_cgroup(pid, controller), server)
+        root = "/sys/fs/cgroup" + ("" if v2 else "/memory")
+        assert not os.path.exists(f"{root}/arbor-sandbox/{uid}")  # not at the top
+        running.cancel()
+    run(go())
+  finally:
+    assert s.stop() == 0
+
+
+def test_restart_after_a_crash_reclaims_everything(tmp_path):
+  """SIGKILL the server with live sandboxes (workspace data), start it again: their mounts,
+  cgroups and uid locks are gone before it serves."""
+  from envs.sandbox.bwrap import DEFAULT_ROOT, LOCK_DIR
+  args = ("--max_sandboxes", "2", "--uid_base", str(CRASH_UIDS[0]), "--uid_count",
+          str(len(CRASH_UIDS)))
+  (tmp_path / "a").mkdir()
+  s = start_server(str(tmp_path / "a"), *args)
+
+  async def fill():
+    uids = []
+    for _ in range(2):
+      sb = await create_sandbox("remote", url=s.url, token=s.token)
+      await sb.write_file("data.txt", "workspace data")
+      uids.append(int((await sb.exec("id -u")).stdout))
+    return uids
+  uids = run(fill())
+  s.proc.kill()
+  s.proc.wait(10)
+  time.sleep(0.2)
+  left = [(uid, os.path.join(DEFAULT_ROOT, str(uid))) for uid in uids]
+  # the crash did leave things behind (else this test proves nothing); processes do not
+  # outlive an exec (its own PID namespace), so there are none to leave
+  assert all(mounts_under(d + "/") for _, d in left)
+  assert all(cgroup_dirs(str(uid)) for uid in uids)
+  assert all(open(os.path.join(LOCK_DIR, f"{uid}.lock")).read() for uid in uids)
+  (tmp_path / "b").mkdir()
+  s2 = start_server(str(tmp_path / "b"), *args)
+  try:
+    assert pool_processes([CRASH_UIDS], zombies=False) == []
+    for uid, d in left:
+      assert mounts_under(d + "/") == [], uid
+      assert cgroup_dirs(str(uid)) == [], uid
+      assert open(os.path.join(LOCK_DIR, f"{uid}.lock")).read() == ""
+    assert "reclaimed" in open(s2.log).read()
+    status, body = s2.request("POST", "/sandboxes", {})  # and it serves
+    assert status == 200
+  finally:
+    assert s2.stop() == 0
