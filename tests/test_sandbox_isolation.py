@@ -600,6 +600,10 @@ def test_seccomp_network_none_denies_inet():
 
 
 def test_minimal_etc(make, canaries):
+  token = f"/etc/arbor-token-{secrets.token_hex(4)}"  # world-readable, as in a careless setup
+  with open(token, "w") as f:
+    f.write(SECRET)
+  os.chmod(token, 0o644)
   host_etc = set(os.listdir("/etc"))
 
   async def go():
@@ -611,7 +615,8 @@ def test_minimal_etc(make, canaries):
       names = set(listing.split())
       assert "passwd" in names and "ld.so.cache" in names, names
       for gone in ("shadow", "gshadow", "sudoers", "machine-id", "ssh", "apt", "environment",
-                   "resolv.conf", "ca-certificates", os.path.basename(canaries["root_file"])):
+                   "resolv.conf", "ca-certificates", os.path.basename(canaries["root_file"]),
+                   os.path.basename(token)):
         assert gone not in names, gone
       assert len(names) < len(host_etc) / 2, names
       user, group, pw, *hosts = rest.splitlines()
@@ -624,7 +629,13 @@ def test_minimal_etc(make, canaries):
                            "print(getpass.getuser(), pwd.getpwuid(os.getuid()).pw_name, "
                            "time.tzname[0] != '')"))
       assert r.exit_code == 0 and r.stdout == "sandbox sandbox True\n", r
-  run(go())
+      r = await sb.exec(f"cat {token}; for d in /*; do case $d in /usr|/proc|/sys|/dev|/bin|"
+                        f"/sbin|/lib*) ;; *) grep -rs {SECRET} $d;; esac; done 2>/dev/null")
+      assert SECRET not in r.stdout, r
+  try:
+    run(go())
+  finally:
+    os.unlink(token)
 
 
 def test_docker_profile_and_options():

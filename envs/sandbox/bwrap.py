@@ -336,11 +336,12 @@ class BwrapSandbox(Sandbox):
   """See the module docstring. Create with `await BwrapSandbox.create(limits, ...)`."""
 
   def __init__(self, limits: Limits, uid: int, pool: UidPool, cgroup: Optional[Cgroup],
-               binds: list[str], network: str = "loopback", seccomp_filter: bool = True):
+               binds: list[str], network: str = "loopback", seccomp_filter: bool = True,
+               rootfs: Optional[str] = None):
     self.limits, self.uid, self._pool, self.cgroup = limits, uid, pool, cgroup
     self.host_dir = os.path.join(pool.root_dir, str(uid))
     self.workspace = os.path.join(self.host_dir, "workspace")  # host path of /workspace
-    self._binds = binds
+    self._binds, self._rootfs = binds, rootfs
     self.network, self._seccomp = network, seccomp_filter
     self._perl = shutil.which("perl")
     self._keyctl = seccomp.syscall_number("keyctl")
@@ -420,8 +421,7 @@ class BwrapSandbox(Sandbox):
       cls._sweep(uid, os.path.join(root_dir, str(uid)))
       pool.release(uid)
       raise
-    return cls(limits, uid, pool, cgroup, binds + _etc_binds(etc_dir, rootfs, root_dir), network,
-               seccomp_filter)
+    return cls(limits, uid, pool, cgroup, binds, network, seccomp_filter, rootfs)
 
   @staticmethod
   def _sweep(uid: int, host_dir: str, by_uid: bool = True) -> None:
@@ -459,6 +459,8 @@ class BwrapSandbox(Sandbox):
     for k, v in {**BASE_ENV, **env}.items():
       bw += ["--setenv", k, v]
     bw += self._binds
+    # Looked up per exec: the base copy is rebuilt if something removed it meanwhile.
+    bw += _etc_binds(os.path.join(self.host_dir, "etc"), self._rootfs, self._pool.root_dir)
     if seccomp_fd is not None:
       bw += ["--seccomp", str(seccomp_fd)]
     # bwrap leaves the new /proc/sys writable where the sandbox owns the namespace (ipc, pid
