@@ -576,6 +576,10 @@ def test_seccomp_denies_each_call_with_eperm(make):
               and k != "socket:AF_INET6"}
     assert all(v == "EPERM" for v in denied.values()), denied
     assert got["socket:AF_UNIX"] == "ok" and got["socket:AF_INET"] == "ok", got  # loopback
+    async with await make() as sb:  # the x32 ABI's keyctl (x86_64 + 0x40000000): killed
+      r = await sb.exec("python3 -c 'import ctypes; ctypes.CDLL(None).syscall(0x40000000 | 250, "
+                        "0, -3, 0); print(\"survived\")'; echo rc=$?")
+      assert "survived" not in r.stdout and "rc=159" in r.stdout, r  # 128 + SIGSYS
     if isinstance(sb, BwrapSandbox):  # control: the same probe without the filter
       async with await BwrapSandbox.create(LIMITS, uids=TEST_UIDS, seccomp_filter=False) as c:
         free = probe(await c.exec(py(PROBE)))

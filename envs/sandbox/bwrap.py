@@ -63,6 +63,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import fcntl
 import glob
 import itertools
@@ -109,8 +110,10 @@ _INIT = 'exec 3<&0; /bin/sh -c "$1" <&3 3<&- & wait $!; exit $?'
 # Runs as root: join the cgroups named before `--`, set rlimits, exec the rest (setpriv ...).
 _JOIN = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; '
 # Runs as root after _JOIN: join a new anonymous session keyring (KEYCTL_JOIN_SESSION_KEYRING=1,
-# name NULL), then exec the rest. %d: the native keyctl syscall number.
-_KEYRING = ('syscall(%d, 1, 0) >= 0 or die "keyctl: $!\\n"; '
+# name NULL), then exec the rest. ENOSYS (a kernel without keyrings) and EPERM (an outer seccomp
+# filter, e.g. Docker's default profile, denies keyctl to us, hence to the sandbox too, since
+# filters are inherited) leave no keyring to isolate; anything else is an error.
+_KEYRING = ('syscall(%d, 1, 0) >= 0 or $! == %d or $! == %d or die "keyctl: $!\\n"; '
             'exec {$ARGV[0]} @ARGV; die "exec: $!\\n"')
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -344,7 +347,7 @@ class BwrapSandbox(Sandbox):
     self._binds, self._rootfs = binds, rootfs
     self.network, self._seccomp = network, seccomp_filter
     self._perl = shutil.which("perl")
-    self._keyctl = seccomp.syscall_number("keyctl")
+    self._keyring = _KEYRING % (seccomp.syscall_number("keyctl"), errno.ENOSYS, errno.EPERM)
     self._closed = False
     self._running: set[int] = set()       # outer bwrap pids of running execs
     self._tasks: set[asyncio.Task] = set()
@@ -472,7 +475,7 @@ class BwrapSandbox(Sandbox):
            "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", WORKSPACE,
            "--as-pid-1", "/bin/sh", "-c", _INIT, "sh", cmd]
     return (["/bin/sh", "-c", script, "arbor-sandbox", *join, "--",
-             self._perl, "-e", _KEYRING % self._keyctl, "--", self._setpriv,
+             self._perl, "-e", self._keyring, "--", self._setpriv,
              "--reuid", u, "--regid", u, "--clear-groups", "--no-new-privs", "--"] + bw)
 
   def _kill_exec(self, pid: int) -> None:
