@@ -212,7 +212,8 @@ class SandboxService:
     """The limits a request asks for, within the server's.
 
     Args:
-      requested: the request's "limits" object (None: the server's limits).
+      requested: the request's "limits" object (None: the server's limits); fields it leaves
+        out take the server's.
 
     Returns:
       The limits.
@@ -236,7 +237,8 @@ class SandboxService:
       if isinstance(cap, int) and not isinstance(v, int):
         raise HTTPError(400, f"limits.{k}={v!r}: expected an integer", "ValueError")
       if v > cap:
-        raise HTTPError(400, f"limits.{k}={v} exceeds this server's {cap}", "ValueError")
+        raise HTTPError(400, f"limits.{k}={v} exceeds this server's cap {k}={cap} "
+                        f"(its --{k})", "ValueError")
       values[k] = type(cap)(v)
     return dataclasses.replace(self.limits, **values)
 

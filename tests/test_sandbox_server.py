@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from envs.sandbox import create_sandbox
+from envs.sandbox import Limits, create_sandbox
 from envs.sandbox_server import MAX_JSON_DEPTH, HTTPError, parse_body
 from tests.test_sandbox import pool_processes, start_server
 
@@ -255,3 +255,20 @@ def test_restart_after_a_crash_reclaims_everything(tmp_path):
     assert status == 200
   finally:
     assert s2.stop() == 0
+
+
+def test_client_limits_negotiated_with_the_servers_caps(tmp_path):
+  s = start_server(str(tmp_path), "--max_sandboxes", "2", "--memory_mb", "512", "--pids", "64")
+  try:
+    async def go():
+      async with await create_sandbox("remote", url=s.url, token=s.token) as sb:
+        assert (sb.limits.memory_mb, sb.limits.pids) == (512, 64)  # the server's caps
+        assert sb.limits.disk_mb == Limits().disk_mb
+      async with await create_sandbox("remote", limits=Limits(memory_mb=256, cpus=0.5),
+                                      url=s.url, token=s.token) as sb:
+        assert (sb.limits.memory_mb, sb.limits.cpus, sb.limits.pids) == (256, 0.5, 64)
+      with pytest.raises(ValueError, match=r"limits\.memory_mb=4096 .*cap memory_mb=512"):
+        await create_sandbox("remote", limits=Limits(memory_mb=4096), url=s.url, token=s.token)
+    run(go())
+  finally:
+    assert s.stop() == 0

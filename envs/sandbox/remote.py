@@ -89,7 +89,9 @@ class RemoteSandbox(Sandbox):
     Args:
       url: the server (http:// or https://).
       token: the server's bearer token.
-      limits: the sandbox's limits (default: the server's).
+      limits: the sandbox's limits. Fields left at `Limits()`'s defaults are not sent: the
+        server fills them with its own caps, so a server started with smaller caps still
+        grants a plain request (None: every field the server's).
       token_file: a file holding the token, read when `token` is None.
       cafile: CA certificate of an https server.
       timeout: seconds for the request.
@@ -98,14 +100,19 @@ class RemoteSandbox(Sandbox):
       The sandbox, with the limits the server granted.
 
     Raises:
-      ValueError: url is not http(s)://, or no token is given.
+      ValueError: url is not http(s)://, no token is given, or a limit exceeds the server's
+        cap (the message names the field and the cap).
       SandboxFull: the server has no capacity (429).
       SandboxError: the server is unreachable or refuses.
     """
     if token is None and token_file is not None:
       token = read_secret(token_file)
     client = _Client(url, token or "", cafile)
-    body = {} if limits is None else {"limits": dataclasses.asdict(limits)}
+    body = {}
+    if limits is not None:
+      default = Limits()
+      body["limits"] = {f.name: getattr(limits, f.name) for f in dataclasses.fields(Limits)
+                        if getattr(limits, f.name) != getattr(default, f.name)}
     r = await client.request("POST", "/sandboxes", body, timeout)
     return cls(client, r["id"], Limits(**r["limits"]))
 
