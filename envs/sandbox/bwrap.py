@@ -18,21 +18,23 @@ sandbox must never reach bwrap with root's credentials):
 - **Keyring and seccomp.** Kernel keyrings are not namespaced: a process inherits the session
   keyring of whoever started it. Every exec joins a fresh, empty anonymous session keyring
   (`keyctl(KEYCTL_JOIN_SESSION_KEYRING, NULL)`, made by a one-line perl launcher as root
-  before dropping to the uid: perl-base is on every Debian/Ubuntu and starts in ~1 ms), so no
-  key of the starter or of another sandbox is reachable. bwrap then loads the seccomp filter of
+  before dropping to the uid: perl-base is on every Debian/Ubuntu and adds ~1.5 ms per exec),
+  so no key of the starter or of another sandbox is reachable (the user keyring is per user
+  namespace, and each exec makes its own). bwrap then loads the seccomp filter of
   `seccomp.py` (`--seccomp FD`) just before the command: keyring calls, io_uring, bpf,
   userfaultfd, perf_event_open, ptrace, module/kexec/clock/mount calls and socket families
   other than AF_UNIX (and AF_INET/AF_INET6 under `network="loopback"`) fail with EPERM.
 - **File system.** Read-only binds of /usr (with the /bin, /lib... links), or of the
   top-level entries of a per-task root filesystem; optional extra read-only binds. /etc is not
-  the host's: it is an empty directory holding files generated per sandbox (`passwd`/`group`
-  with the sandbox uid, `hosts`, `hostname`, `nsswitch.conf`) and read-only binds of a short
-  list of host entries programs need (`ETC_FROM_HOST`: the dynamic loader's cache, the
-  alternatives links, time zone, openssl.cnf, Python's site files, ...); nothing else of the
-  host's /etc (no token or credential file put there, no /etc/ssl/private) is in view. A task
-  root filesystem keeps its own /etc, with the generated passwd, group and hosts bound over
-  the image's. A fresh
-  /proc with /proc/sys bound read-only (bwrap alone leaves the namespaced ipc/pid sysctls
+  the host's: it is a per-process copy (`<root_dir>/.etc-<pid>-*`) of a short list of host
+  entries programs need (`ETC_FROM_HOST`: the dynamic loader's cache, the alternatives links,
+  time zone, openssl.cnf, Python's site files, ...) plus generated `hosts`, `hostname` and
+  `nsswitch.conf`, with the sandbox's own `passwd` and `group` (naming its uid, generated in
+  `<root_dir>/<uid>/etc`) bound over it; nothing else of the host's /etc (no token or
+  credential file put there, no /etc/ssl/private) is in view. No resolv.conf or CA
+  certificates: no network policy reaches past the loopback. A task root filesystem keeps its
+  own /etc, with the generated passwd and group bound over the image's. A fresh /proc with
+  /proc/sys bound read-only (bwrap alone leaves the namespaced ipc/pid sysctls
   writable) and a minimal /dev; `/` and `/dev` remounted read-only. The workspace, /tmp and
   /dev/shm are three host tmpfs mounts of `limits.disk_mb` each (a real quota; `nr_inodes`
   bounds file counts at one per 4 KiB), owned by the sandbox uid, mounted nodev,nosuid under
@@ -61,6 +63,7 @@ sandbox must never reach bwrap with root's credentials):
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import ctypes
 import errno
@@ -71,6 +74,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from typing import Mapping, Optional, Sequence
 
@@ -263,7 +267,8 @@ def _write(path: str, text: str) -> None:
   os.chmod(path, 0o644)
 
 
-_etc_bases: dict[str, str] = {}
+_etc_bases: dict[tuple[str, int], str] = {}
+_etc_lock = threading.Lock()  # sandboxes may be created from several threads at once
 
 
 def _etc_base(root_dir: str) -> str:
@@ -274,8 +279,14 @@ def _etc_base(root_dir: str) -> str:
   which cost ~8 ms per exec for the ~30 entries; one directory bind costs nothing measurable.
   The copy is as old as the process (a package installed later updates it at the next start).
   """
-  if root_dir in _etc_bases and os.path.isdir(_etc_bases[root_dir]):
-    return _etc_bases[root_dir]
+  key = (root_dir, os.getpid())  # a forked child builds its own: the parent's may go first
+  with _etc_lock:
+    if key not in _etc_bases or not os.path.isdir(_etc_bases[key]):
+      _etc_bases[key] = _build_etc_base(root_dir)
+    return _etc_bases[key]
+
+
+def _build_etc_base(root_dir: str) -> str:
   for old in glob.glob(os.path.join(root_dir, ".etc-*")):  # of processes that are gone
     with contextlib.suppress(ValueError, OSError):
       pid = int(os.path.basename(old).split("-")[1])
@@ -283,6 +294,8 @@ def _etc_base(root_dir: str) -> str:
         shutil.rmtree(old)
   base = tempfile.mkdtemp(prefix=f".etc-{os.getpid()}-", dir=root_dir)
   os.chmod(base, 0o755)
+  # Removed at a normal exit; after a crash, by the next process that builds one.
+  atexit.register(shutil.rmtree, base, True)
   for name in ETC_FROM_HOST:
     src, dst = os.path.join("/etc", name), os.path.join(base, name)
     if not os.path.lexists(src):
@@ -306,7 +319,6 @@ def _etc_base(root_dir: str) -> str:
     for n in dirs + files:
       if not os.path.islink(os.path.join(d, n)):
         os.chmod(os.path.join(d, n), 0o755 if n in dirs else 0o644)
-  _etc_bases[root_dir] = base
   return base
 
 
