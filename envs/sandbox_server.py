@@ -7,7 +7,8 @@ Every request carries `Authorization: Bearer <token>` (compared in constant time
 Routes (JSON bodies; bytes as base64):
 
   GET    /health                    {"ok", "backend", "live", "warm", "max_sandboxes"}
-  POST   /sandboxes                 {"limits": {...}?}        -> {"id", "limits"}  (429 if full)
+  POST   /sandboxes                 {"limits": {...}?, "rootfs"?} -> {"id", "limits", "workspace"}
+                                                              (429 if full)
   POST   /sandboxes/ID/exec         {"cmd", "timeout"?, "stdin"? | "stdin_b64"?, "env"?}
                                                               -> ExecResult fields
   POST   /sandboxes/ID/write        {"path", "content_b64"}   -> {}
@@ -35,7 +36,10 @@ bwrap backend: on start-up the server reclaims what a crashed server left for it
 (tmpfs mounts with workspace data, cgroups, uid locks; uids held by live processes are left
 alone), and with --cgroup_parent=own (the default) every sandbox's cgroup is made under the
 server's own cgroup, so the service's memory and pids limits bound all of its sandboxes (the
-fleet's unit delegates that cgroup: systemd `Delegate=yes`).
+fleet's unit delegates that cgroup: systemd `Delegate=yes`). --ro_bind binds host paths
+read-only into every sandbox; --rootfs NAME=DIR lets a request ask for DIR (e.g. a task image's
+unpacked root filesystem) as its system view by "rootfs": NAME, nothing outside that allow-list.
+"workspace" is the workspace's path as the sandbox's commands see it (their working directory).
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from envs.net import is_loopback, read_secret
-from envs.sandbox import bwrap, cgroups, create_sandbox
+from envs.sandbox import bwrap, cgroups, create_sandbox, docker
+from envs.sandbox.docker import DockerSandbox
 from envs.sandbox.base import Limits, PathError, Sandbox, SandboxError, SandboxFull
 
 log = logging.getLogger("arbor.sandbox_server")
@@ -123,13 +128,17 @@ class SandboxService:
     warm: sandboxes kept created ahead of demand.
     max_timeout: the largest exec timeout, seconds.
     backend_kw: keyword arguments of the backend's `create`.
+    rootfs: bwrap: the root filesystems a request may name ({"name": host directory}); a
+      sandbox without one sees the host's system read-only.
 
   Raises:
-    ValueError: max_sandboxes < 1, or warm outside 0..max_sandboxes.
+    ValueError: max_sandboxes < 1, warm outside 0..max_sandboxes, or rootfs with another
+      backend than bwrap.
   """
 
   def __init__(self, backend: str, *, max_sandboxes: int, limits: Limits, ttl: float = 3600.0,
-               warm: int = 0, max_timeout: float = 600.0, backend_kw: Optional[dict] = None):
+               warm: int = 0, max_timeout: float = 600.0, backend_kw: Optional[dict] = None,
+               rootfs: Optional[dict[str, str]] = None):
     if max_sandboxes < 1:
       raise ValueError(f"max_sandboxes={max_sandboxes}: expected >= 1")
     if not 0 <= warm <= max_sandboxes:
@@ -137,6 +146,9 @@ class SandboxService:
     self.backend, self.max_sandboxes, self.limits = backend, max_sandboxes, limits
     self.ttl, self.warm_target, self.max_timeout = ttl, warm, max_timeout
     self.backend_kw = backend_kw or {}
+    self.rootfs = dict(rootfs or {})
+    if self.rootfs and backend != "bwrap":
+      raise ValueError(f"rootfs: only the bwrap backend binds a root filesystem, not {backend}")
     self.live: dict[str, _Entry] = {}
     self.warm: list[Sandbox] = []
     self.creating = 0  # sandboxes being created (counted against capacity)
@@ -168,10 +180,13 @@ class SandboxService:
   def _room(self) -> int:
     return self.max_sandboxes - len(self.live) - len(self.warm) - self.creating
 
-  async def _new(self, limits: Limits) -> Sandbox:
+  async def _new(self, limits: Limits, rootfs: Optional[str] = None) -> Sandbox:
     """Create a sandbox in a slot the caller reserved with `self.creating += 1`."""
+    kw = dict(self.backend_kw)
+    if rootfs is not None:
+      kw["rootfs"] = self.rootfs[rootfs]
     try:
-      return await create_sandbox(self.backend, limits=limits, **self.backend_kw)
+      return await create_sandbox(self.backend, limits=limits, **kw)
     finally:
       self.creating -= 1
 
@@ -242,11 +257,21 @@ class SandboxService:
       values[k] = type(cap)(v)
     return dataclasses.replace(self.limits, **values)
 
-  async def create(self, limits: Limits) -> str:
+  def check_rootfs(self, name) -> Optional[str]:
+    """A request's "rootfs": None or a name of the allow-list; HTTPError 400 otherwise."""
+    if name is None:
+      return None
+    if not isinstance(name, str) or name not in self.rootfs:
+      raise HTTPError(400, f"rootfs={str(name)[:80]!r}: not one this server offers (its "
+                      f"--rootfs: {sorted(self.rootfs)})", "ValueError")
+    return name
+
+  async def create(self, limits: Limits, rootfs: Optional[str] = None) -> str:
     """Makes a new live sandbox, taking a warm one when the limits match.
 
     Args:
       limits: checked by `check_limits`.
+      rootfs: a name checked by `check_rootfs` (warm sandboxes have none).
 
     Returns:
       The sandbox's id.
@@ -257,18 +282,18 @@ class SandboxService:
     """
     if self._stopping:
       raise HTTPError(503, "server is shutting down", "SandboxError")
-    if limits == self.limits and self.warm:
+    if limits == self.limits and rootfs is None and self.warm:
       sb = self.warm.pop()
     elif self._room() > 0:
       self.creating += 1
-      sb = await self._new(limits)
+      sb = await self._new(limits, rootfs)
     elif self.warm:  # other limits than the warm ones: give a warm slot to this request
       self.creating += 1
       try:
         await self.warm.pop().close()
       except Exception as e:  # the slot is free either way
         log.warning("closing a warm sandbox: %s", e)
-      sb = await self._new(limits)
+      sb = await self._new(limits, rootfs)
     else:
       raise SandboxFull(f"{self.max_sandboxes} sandboxes live (max_sandboxes)")
     sid = secrets.token_hex(8)
@@ -645,8 +670,10 @@ class SandboxHTTP:
               "max_sandboxes": svc.max_sandboxes}
     if method == "POST" and parts == ["sandboxes"]:
       limits = svc.check_limits(body.get("limits"))
-      sid = await self._call(svc.create(limits))
-      return {"id": sid, "limits": dataclasses.asdict(limits)}
+      rootfs = svc.check_rootfs(body.get("rootfs"))
+      sid = await self._call(svc.create(limits, rootfs))
+      return {"id": sid, "limits": dataclasses.asdict(limits),
+              "workspace": workspace_path(svc.live[sid].sandbox)}
     if len(parts) == 2 and parts[0] == "sandboxes" and method == "DELETE":
       await self._call(svc.close(parts[1]))
       return {}
@@ -676,6 +703,15 @@ class SandboxHTTP:
       return {"files": await self._call(svc.use(sid, "list_files",
                                                 _field(body, "path", str, ".")))}
     raise HTTPError(404, f"no operation {op!r}", "NotFound")
+
+
+def workspace_path(sb: Sandbox) -> str:
+  """Where a sandbox's workspace is as its commands see it (their working directory)."""
+  if isinstance(sb, bwrap.BwrapSandbox):
+    return bwrap.WORKSPACE
+  if isinstance(sb, DockerSandbox):
+    return docker.WORKSPACE
+  return getattr(sb, "root", "")  # local: a host directory
 
 
 def reclaim_bwrap(uids) -> list[int]:
@@ -763,6 +799,10 @@ def main(argv=None) -> None:
   flag("port_file", help="write the bound port here once listening")
   flag("uid_base", type=int, default=2_000_000_000, help="bwrap: first pool uid")
   flag("uid_count", type=int, default=256, help="bwrap: number of pool uids")
+  flag("ro_bind", action="append", default=[], metavar="HOST[:SANDBOX]",
+       help="bwrap: a host path bound read-only into every sandbox (repeatable)")
+  flag("rootfs", action="append", default=[], metavar="NAME=DIR",
+       help="bwrap: a root filesystem a request may ask for by NAME (repeatable allow-list)")
   flag("cgroup_parent", default="own", choices=("own", "top"),
        help="bwrap: sandbox cgroups under this process's own cgroup (own: the service's "
        "limits bound them all) or at the top of the hierarchy")
@@ -774,6 +814,23 @@ def main(argv=None) -> None:
   limits = Limits(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Limits)})
   backend_kw = {"local": {"allow_unsafe": True}, "docker": {},
                 "bwrap": {"uids": range(a.uid_base, a.uid_base + a.uid_count)}}[a.backend]
+  if (a.ro_bind or a.rootfs) and a.backend != "bwrap":
+    p.error(f"--ro_bind/--rootfs: only the bwrap backend binds host paths, not {a.backend}")
+  if a.ro_bind:
+    binds = []
+    for b in a.ro_bind:
+      host, _, dest = b.partition(":")
+      if not os.path.isabs(host) or not os.path.exists(host) or (dest and not
+                                                                  os.path.isabs(dest)):
+        p.error(f"--ro_bind={b!r}: expected an existing absolute host path[:absolute path]")
+      binds.append((host, dest) if dest else host)
+    backend_kw["ro_binds"] = binds
+  rootfs = {}
+  for r in a.rootfs:
+    name, _, path = r.partition("=")
+    if not name or not os.path.isdir(path):
+      p.error(f"--rootfs={r!r}: expected NAME=an existing directory")
+    rootfs[name] = path
   if a.backend == "local" and not a.allow_unsafe_local:
     p.error("--backend local runs code without isolation: add --allow_unsafe_local")
   try:
@@ -802,7 +859,8 @@ def main(argv=None) -> None:
     if stale:
       log.warning("reclaimed what a crashed server left for uids %s", stale)
   service = SandboxService(a.backend, max_sandboxes=a.max_sandboxes, limits=limits, ttl=a.ttl,
-                           warm=a.warm, max_timeout=a.max_timeout, backend_kw=backend_kw)
+                           warm=a.warm, max_timeout=a.max_timeout, backend_kw=backend_kw,
+                           rootfs=rootfs)
   try:
     http = SandboxHTTP(service, token, a.host, a.port, a.tls_cert, a.tls_key,
                        a.max_request_bytes, conn)

@@ -272,3 +272,45 @@ def test_client_limits_negotiated_with_the_servers_caps(tmp_path):
     run(go())
   finally:
     assert s.stop() == 0
+
+
+def test_read_only_binds_rootfs_allow_list_and_workspace_path(tmp_path):
+  """--ro_bind shows a host folder read-only in every sandbox; a request picks a root
+  filesystem only by a name of --rootfs; the reply says where the workspace is."""
+  base = f"/run/arbor-test-server-{os.getpid()}"  # sandbox uids must traverse it
+  data, root = os.path.join(base, "data"), os.path.join(base, "rootfs")
+  # /opt/data exists in the image: a read-only image cannot get new mount points
+  for d in (data, os.path.join(root, "usr"), os.path.join(root, "opt", "data"),
+            os.path.join(root, "etc")):
+    os.makedirs(d, exist_ok=True)
+  os.chmod(base, 0o755)
+  with open(os.path.join(data, "shared.txt"), "w") as f:
+    f.write("shared")
+  with open(os.path.join(root, "opt", "marker"), "w") as f:
+    f.write("from the image")
+  for name in ("bin", "lib", "lib64", "sbin"):  # a merged-/usr image
+    os.symlink(f"usr/{name}", os.path.join(root, name))
+  subprocess.run(["mount", "--bind", "-o", "ro", "/usr", os.path.join(root, "usr")], check=True)
+  s = None
+  try:
+    s = start_server(str(tmp_path), "--max_sandboxes", "2", "--ro_bind", f"{data}:/opt/data",
+                     "--rootfs", f"image={root}")
+
+    async def go():
+      async with await create_sandbox("remote", url=s.url, token=s.token) as sb:
+        r = await sb.exec("cat /opt/data/shared.txt; touch /opt/data/x; echo rc=$?; pwd")
+        assert r.stdout.startswith("shared") and "rc=0" not in r.stdout, r
+        assert r.stdout.splitlines()[-1] == sb.workspace == "/workspace", (r, sb.workspace)
+        assert (await sb.exec("cat /opt/marker")).exit_code != 0  # the host's system view
+      async with await create_sandbox("remote", url=s.url, token=s.token,
+                                      rootfs="image") as sb:
+        r = await sb.exec("cat /opt/marker; cat /opt/data/shared.txt")
+        assert r.stdout == "from the imageshared", r
+      with pytest.raises(ValueError, match=r"rootfs='/'.*\['image'\]"):
+        await create_sandbox("remote", url=s.url, token=s.token, rootfs="/")
+    run(go())
+  finally:
+    if s is not None:
+      assert s.stop() == 0
+    subprocess.run(["umount", os.path.join(root, "usr")], check=True)
+    shutil.rmtree(base)

@@ -77,13 +77,15 @@ class _Client:
 class RemoteSandbox(Sandbox):
   """One sandbox on a sandbox server."""
 
-  def __init__(self, client: _Client, sid: str, limits: Limits):
+  def __init__(self, client: _Client, sid: str, limits: Limits, workspace: str = ""):
     self._client, self.id, self.limits, self._closed = client, sid, limits, False
+    self.workspace = workspace  # the workspace's path inside the sandbox (the commands' cwd)
 
   @classmethod
   async def create(cls, url: str, token: Optional[str] = None, *,
                    limits: Optional[Limits] = None, token_file: Optional[str] = None,
-                   cafile: Optional[str] = None, timeout: float = 120.0) -> "RemoteSandbox":
+                   cafile: Optional[str] = None, timeout: float = 120.0,
+                   rootfs: Optional[str] = None) -> "RemoteSandbox":
     """Asks the sandbox server at `url` for a sandbox.
 
     Args:
@@ -95,6 +97,7 @@ class RemoteSandbox(Sandbox):
       token_file: a file holding the token, read when `token` is None.
       cafile: CA certificate of an https server.
       timeout: seconds for the request.
+      rootfs: the name of a root filesystem the server offers (its --rootfs allow-list).
 
     Returns:
       The sandbox, with the limits the server granted.
@@ -113,8 +116,10 @@ class RemoteSandbox(Sandbox):
       default = Limits()
       body["limits"] = {f.name: getattr(limits, f.name) for f in dataclasses.fields(Limits)
                         if getattr(limits, f.name) != getattr(default, f.name)}
+    if rootfs is not None:
+      body["rootfs"] = rootfs
     r = await client.request("POST", "/sandboxes", body, timeout)
-    return cls(client, r["id"], Limits(**r["limits"]))
+    return cls(client, r["id"], Limits(**r["limits"]), r.get("workspace", ""))
 
   def _path(self, op: str) -> str:
     if self._closed:
