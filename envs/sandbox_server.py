@@ -9,7 +9,7 @@ Routes (JSON bodies; bytes as base64):
   GET    /health                    {"ok", "backend", "live", "warm", "max_sandboxes"}
   POST   /sandboxes                 {"limits": {...}?, "rootfs"?} -> {"id", "limits", "workspace"}
                                                               (429 if full)
-  POST   /sandboxes/ID/exec         {"cmd", "timeout"?, "stdin"? | "stdin_b64"?, "env"?}
+  POST   /sandboxes/ID/exec         {"cmd": str | [argv], "timeout"?, "stdin"? | "stdin_b64"?, "env"?}
                                                               -> ExecResult fields
   POST   /sandboxes/ID/write        {"path", "content_b64"}   -> {}
   POST   /sandboxes/ID/read         {"path"}                  -> {"content_b64"}
@@ -56,6 +56,7 @@ import logging
 import os
 import resource
 import secrets
+import shlex
 import signal
 import ssl
 import threading
@@ -108,6 +109,17 @@ def _field(body: dict, name: str, types, default=...):
     raise HTTPError(400, f"field {name!r}={str(value)[:80]!r}: wrong type "
                     f"{type(value).__name__}", "ValueError")
   return value
+
+
+def _command(body: dict) -> str:
+  """An exec's "cmd": a shell string, or an argv list run exactly as given (quoted here)."""
+  cmd = _field(body, "cmd", (str, list))
+  if isinstance(cmd, list):
+    if not cmd or not all(isinstance(a, str) for a in cmd):
+      raise HTTPError(400, f"field 'cmd'={str(cmd)[:80]!r}: expected a shell string or a "
+                      "non-empty list of strings", "ValueError")
+    return shlex.join(cmd)
+  return cmd
 
 
 def _b64(text: str, name: str) -> bytes:
@@ -689,7 +701,7 @@ class SandboxHTTP:
       stdin = _field(body, "stdin", str, None)
       if "stdin_b64" in body:
         stdin = _b64(_field(body, "stdin_b64", str), "stdin_b64")
-      result = await self._call(svc.use(sid, "exec", _field(body, "cmd", str), timeout=timeout,
+      result = await self._call(svc.use(sid, "exec", _command(body), timeout=timeout,
                                         stdin=stdin, env=env))
       return result.to_dict()
     if op == "write":

@@ -314,3 +314,29 @@ def test_read_only_binds_rootfs_allow_list_and_workspace_path(tmp_path):
       assert s.stop() == 0
     subprocess.run(["umount", os.path.join(root, "usr")], check=True)
     shutil.rmtree(base)
+
+
+def test_exec_argv_and_deep_directory_tree(server):
+  async def go():
+    async with await create_sandbox("remote", url=server.url, token=server.token) as sb:
+      tricky = ["printf", "%s|", "a b", "$HOME", "'q'", ";echo no"]
+      r = await sb.exec(tricky)
+      assert r.stdout == "a b|$HOME|'q'|;echo no|", r  # each argument as given, no shell
+      with pytest.raises(ValueError, match="cmd"):
+        await sb.exec([])
+      r = await sb.exec("python3 -c \"import os\nfor _ in range(1500): os.mkdir('d'); "
+                        "os.chdir('d')\nopen('f', 'w').close()\"")
+      assert r.exit_code == 0, r
+      try:  # a listing either works or is refused as too deep: never a server failure
+        files = await sb.list_files(".")
+        assert files == ["/".join(["d"] * 1500 + ["f"])]
+      except ValueError as e:
+        assert "deep" in str(e)
+      assert (await sb.exec("echo alive")).stdout == "alive\n"
+  run(go())
+  for bad in ([1, 2], [], {"a": 1}):
+    status, body = server.request("POST", "/sandboxes", {})
+    sid = body["id"]
+    status, body = server.request("POST", f"/sandboxes/{sid}/exec", {"cmd": bad})
+    assert status == 400 and "cmd" in body["error"], body
+    server.request("DELETE", f"/sandboxes/{sid}")

@@ -20,7 +20,7 @@ import json
 import ssl
 import urllib.error
 import urllib.request
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 from envs.net import read_secret
 from envs.sandbox.base import ExecResult, Limits, PathError, Sandbox, SandboxError, SandboxFull
@@ -126,8 +126,15 @@ class RemoteSandbox(Sandbox):
       raise SandboxError(f"sandbox {self.id} is closed")
     return f"/sandboxes/{self.id}/{op}"
 
-  async def exec(self, cmd: str, timeout: Optional[float] = None, stdin: Optional[str] = None,
+  async def exec(self, cmd: str | Sequence[str], timeout: Optional[float] = None,
+                 stdin: Optional[str] = None,
                  env: Optional[Mapping[str, str]] = None) -> ExecResult:
+    """Runs a command (see `Sandbox.exec`); `cmd` may also be an argv list, run as given."""
+    if not isinstance(cmd, str):
+      if not isinstance(cmd, (list, tuple)) or not cmd or not all(isinstance(a, str)
+                                                                   for a in cmd):
+        raise ValueError(f"cmd={cmd!r}: expected a shell string or a non-empty list of strings")
+      cmd = list(cmd)
     t = self.limits.default_timeout if timeout is None else timeout
     body = {"cmd": cmd, "timeout": timeout, "env": None if env is None else dict(env)}
     if isinstance(stdin, bytes):
