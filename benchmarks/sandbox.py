@@ -262,8 +262,9 @@ def update_docs(results: dict, flood: Optional[list[dict]], load: float) -> None
         f"Machine: {machine()}. Default Limits; lifecycle = create, `echo hi`, close, "
         f"{FLAGS.n} of them {FLAGS.concurrency} at a time; latency = {FLAGS.execs} sequential "
         f"`true` execs in one sandbox. remote = sandbox server over loopback (bwrap, warm pool "
-        f"{FLAGS.warm}). Goal: >= 20 lifecycles/s for bwrap on 2 cores. Load average at the "
-        f"start: {load:.1f}.",
+        f"{FLAGS.warm}). bwrap runs with its defaults: the seccomp filter, a fresh keyring per "
+        f"exec, a generated /etc. Goal: >= 20 lifecycles/s for bwrap on 2 cores. Load average "
+        f"at the start: {load:.1f}.",
         "",
         "| date | backend | lifecycles/s | exec median ms | exec p99 ms |",
         "|---|---|---|---|---|",

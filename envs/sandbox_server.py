@@ -9,7 +9,8 @@ Routes (JSON bodies; bytes as base64):
   GET    /health                    {"ok", "backend", "live", "warm", "max_sandboxes"}
   POST   /sandboxes                 {"limits": {...}?, "rootfs"?} -> {"id", "limits", "workspace"}
                                                               (429 if full)
-  POST   /sandboxes/ID/exec         {"cmd": str | [argv], "timeout"?, "stdin"? | "stdin_b64"?, "env"?}
+  POST   /sandboxes/ID/exec         {"cmd": str | [argv], "timeout"?, "stdin"? | "stdin_b64"?,
+                                     "env"?}
                                                               -> ExecResult fields
   POST   /sandboxes/ID/write        {"path", "content_b64"}   -> {}
   POST   /sandboxes/ID/read         {"path"}                  -> {"content_b64"}
