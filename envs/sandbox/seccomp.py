@@ -1,9 +1,9 @@
 """The sandboxes' seccomp filter: one deny list, compiled for bwrap and written for Docker.
 
 Everything is allowed except the calls below, which fail with EPERM. EPERM, not a kill:
-programs probe for these features (Python's and libuv's io_uring probes, glibc's clock code,
-a test suite that tries `AF_NETLINK` to list interfaces) and fall back when told "not
-permitted"; a kill would turn a probe into a crashed test run. Most of them already fail for
+programs probe for these features (libuv tries io_uring, glibc's `getifaddrs` and
+`if_nameindex` open an `AF_NETLINK` socket, NTP-aware code calls `adjtimex`) and fall back or
+report an error when told "not permitted"; a kill would turn a probe into a crashed test run. Most of them already fail for
 lack of capabilities; the filter is there because the kernel code behind each is reachable
 without one, or because a mistake elsewhere (a capability left over, a namespace not made)
 should not be enough.
