@@ -78,7 +78,7 @@ def format_exec(result: ExecResult, timeout: float) -> str:
   if result.stderr:
     parts.append("[stderr]\n" + result.stderr.rstrip("\n"))
   if result.stdout_truncated or result.stderr_truncated:
-    parts.append("[output cut by the sandbox's output limit]")
+    parts.append("[output shortened to its beginning and end by the sandbox's output limit]")
   parts.append(f"[timed out after {timeout:g} s]" if result.timed_out else
                f"[exit code {result.exit_code}]")
   return "\n".join(parts)

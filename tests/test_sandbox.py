@@ -198,11 +198,19 @@ def test_timeout(make):
 def test_output_truncation(make):
   async def go():
     async with await make() as sb:  # output_bytes=1000
-      r = await sb.exec("head -c 5000 /dev/zero | tr '\\0' a; head -c 3000 /dev/zero >&2")
-      assert r.exit_code == 0 and r.stdout == "a" * 1000 and r.stdout_truncated
-      assert len(r.stderr) == 1000 and r.stderr_truncated
+      r = await sb.exec("head -c 5000 /dev/zero | tr '\\0' a; echo 'last line'; "
+                        "head -c 3000 /dev/zero >&2")
+      # the first and the last 500 bytes, the middle's length and the total between them
+      assert r.exit_code == 0 and r.stdout_truncated and r.stdout_bytes == 5010
+      assert r.stdout == "a" * 500 + "\n[... 4010 bytes left out of 5010 ...]\n" + \
+          "a" * 490 + "last line\n"
+      assert r.stderr_truncated and r.stderr_bytes == 3000
+      assert r.stderr.count("\0") == 1000 and "2000 bytes left out of 3000" in r.stderr
       r = await sb.exec("head -c 1000 /dev/zero | tr '\\0' b")
       assert r.stdout == "b" * 1000 and not r.stdout_truncated  # exactly the cap
+      assert r.stdout_bytes == 1000
+      r = await sb.exec("kill -TERM $$")  # one convention for signal deaths: 128 + N
+      assert r.exit_code == 128 + 15 and not r.timed_out
   run(go())
 
 

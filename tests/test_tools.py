@@ -2,13 +2,15 @@
 errors as observations, argument validation and output truncation."""
 
 import asyncio
+import re
 
 import pytest
 
 from envs.chat.toolcalls import validate
 from envs.sandbox.base import Limits
 from envs.sandbox.local import LocalSandbox
-from envs.tools import (Bash, ReadFile, Search, StrReplace, call_tool, default_tools, truncate)
+from envs.tools import (Bash, ReadFile, RunTests, Search, StrReplace, call_tool, default_tools,
+                        truncate)
 
 CALC = "def add(a, b):\n    return a - b\n\n\ndef sub(a, b):\n    return a - b\n"
 TOOLS = default_tools(test_command="python3 test_calc.py", timeout=5.0)
@@ -109,6 +111,21 @@ def test_search_bash_run_tests_submit():
   assert r["slow"].output.endswith("[timed out after 1 s]")
   assert "AssertionError: 0" in r["tests"].output and r["tests"].output.endswith("[exit code 1]")
   assert r["submit"].submitted and r["submit"].answer == "42"
+
+
+def test_run_tests_keeps_the_summary_of_an_over_long_run():
+  """A real pytest run whose output is far over the sandbox's output limit: the agent sees its
+  beginning, how much was left out, and its end, where pytest's summary line is."""
+  async def main(sb):
+    await sb.write_file("test_noisy.py", "def test_noisy():\n"
+                        "    print('x' * 20000)\n    assert False\n")
+    return await RunTests("python3 -m pytest -q -p no:cacheprovider test_noisy.py",
+                          timeout=60).run(sb)
+  out = run(main, Limits(output_bytes=4096)).output
+  head, rest = out.split("bytes left out of", 1)
+  assert head.count("\n[... ") == 1 and "test_noisy.py" in head  # the head, then the marker
+  assert re.search(r"\n1 failed in [\d.]+s\n\[output shortened .*\]\n\[exit code 1\]$", rest), \
+      out[-400:]
 
 
 def test_search_caps_matches():

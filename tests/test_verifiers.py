@@ -9,6 +9,7 @@ give it 0 for the stated reason.
 import asyncio
 import dataclasses
 import json
+import re
 import os
 import random
 
@@ -614,6 +615,20 @@ def {name}(*args, **kwargs):
 """.encode()
   v = check(task, {**files, path: cheat})
   assert v.reward == 0.0 and set(v.details["fail_to_pass"].values()) == {"failed"}
+
+
+def test_over_long_output_keeps_the_result_and_the_summary_line():
+  """A verbose test run (far more output than the sandbox keeps) is graded, and the log in the
+  details ends with pytest's summary line: the sandbox keeps an output's head and tail.
+  (Thousands of distinct warnings: pytest prints them all before its summary line.)"""
+  noisy = with_code("import warnings\nfor i in range(3000):\n"
+                    "    warnings.warn(f'noisy warning {i} ' + 'x' * 80)\n",
+                    files=reference_files(MERGE))
+  v = check(MERGE, noisy)
+  assert v.reward == 1.0, v.details
+  log = v.details["log"]
+  # ~450 KB of output, 64 KB kept: the runner's result line and the summary are in the tail
+  assert re.search(r"=+ 5 passed, 3000 warnings in [\d.]+s =+\n*$", log), log[-500:]
 
 
 def test_hanging_code_times_out_with_0():

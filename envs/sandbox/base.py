@@ -43,22 +43,27 @@ class Limits:
   pids: int = 128                # processes/threads of the sandbox
   cpus: float = 1.0              # CPU quota in cores (cgroup cpu.max where available)
   disk_mb: int = 256             # size of each tmpfs: workspace, /tmp, /dev/shm
-  output_bytes: int = 64 * 1024  # stdout and stderr are each truncated to this many bytes
+  output_bytes: int = 64 * 1024  # stdout and stderr each keep this many bytes (head and tail)
   file_bytes: int = 8 * 1024 * 1024  # largest file accepted by write_file / returned by read_file
   default_timeout: float = 60.0  # seconds, when exec() is called without one
 
 
 @dataclasses.dataclass(frozen=True)
 class ExecResult:
-  """What one command did. `stdout`/`stderr` are decoded as UTF-8 with replacement."""
+  """What one command did. `stdout`/`stderr` are decoded as UTF-8 with replacement; an output
+  longer than the sandbox's `output_bytes` keeps its first and last halves around a line
+  "[... N bytes left out of TOTAL ...]" (so a test run's closing summary survives)."""
 
-  exit_code: int              # the command's exit status; -signal if killed; -1 on timeout
+  exit_code: int              # exit status; 128 + N if killed by signal N (as shells report
+                              # it, on every backend); -1 on timeout
   stdout: str
   stderr: str
   timed_out: bool = False
   duration: float = 0.0       # seconds of wall time
   stdout_truncated: bool = False
   stderr_truncated: bool = False
+  stdout_bytes: int = 0       # bytes the command wrote to stdout in all (kept or not)
+  stderr_bytes: int = 0
 
   def to_dict(self) -> dict:
     """The fields as a JSON-ready dict."""

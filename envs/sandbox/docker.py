@@ -115,23 +115,21 @@ class DockerSandbox(Sandbox):
       raise SandboxError("sandbox is closed")
 
   def _run(self, argv: list[str], deadline: float, env: Optional[dict] = None
-           ) -> tuple[int, bytes, bytes, bool, bool]:
-    """Blocking exec with streamed, capped output: (exit, out, err, out_trunc, err_trunc)."""
+           ) -> tuple[int, process.CappedOutput, process.CappedOutput]:
+    """Blocking exec with streamed output, head and tail kept: (exit, out, err)."""
     api, cap = self._client.api, self.limits.output_bytes
     exec_id = api.exec_create(self._container.id, argv, stdout=True, stderr=True,
                               workdir=WORKSPACE, environment=env or {})["Id"]
-    out, err, n_out, n_err = [], [], 0, 0
+    out, err = process.CappedOutput(cap), process.CappedOutput(cap)
     for o, e in api.exec_start(exec_id, stream=True, demux=True):
       if o:
-        out.append(o[:max(0, cap - n_out)])
-        n_out += len(o)
+        out.add(o)
       if e:
-        err.append(e[:max(0, cap - n_err)])
-        n_err += len(e)
+        err.add(e)
       if time.monotonic() > deadline:
         break
     code = api.exec_inspect(exec_id).get("ExitCode")
-    return (-1 if code is None else code, b"".join(out), b"".join(err), n_out > cap, n_err > cap)
+    return -1 if code is None else code, out, err
 
   async def exec(self, cmd: str, timeout: Optional[float] = None, stdin: Optional[str] = None,
                  env: Optional[Mapping[str, str]] = None) -> ExecResult:
@@ -146,12 +144,13 @@ class DockerSandbox(Sandbox):
                               if isinstance(stdin, str) else stdin)
       shell = f"exec < /tmp/{name}; rm -f /tmp/{name}; {cmd}"
     argv = ["timeout", "-k", "1", f"{timeout:.3f}", "sh", "-c", shell]
-    code, out, err, ot, et = await asyncio.to_thread(self._run, argv, t0 + timeout + 5, env)
+    code, out, err = await asyncio.to_thread(self._run, argv, t0 + timeout + 5, env)
     duration = time.monotonic() - t0
     timed_out = code in (124, 137, -1) and duration >= timeout
-    return ExecResult(exit_code=-1 if timed_out else code, stdout=out.decode("utf-8", "replace"),
-                      stderr=err.decode("utf-8", "replace"), timed_out=timed_out,
-                      duration=duration, stdout_truncated=ot, stderr_truncated=et)
+    return ExecResult(exit_code=-1 if timed_out else code, stdout=out.text(), stderr=err.text(),
+                      timed_out=timed_out, duration=duration, stdout_truncated=out.truncated,
+                      stderr_truncated=err.truncated, stdout_bytes=out.total,
+                      stderr_bytes=err.total)
 
   async def _check(self, path: str, parts: list[str]) -> None:
     code, *_ = await asyncio.to_thread(self._run, ["sh", "-c", _CHECK, "check", *parts],

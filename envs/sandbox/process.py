@@ -1,9 +1,11 @@
 """Run one child process with a deadline and capped output (shared by the local and bwrap
 backends).
 
-The child's stdout/stderr are read concurrently; the first `output_bytes` of each are kept and
-the rest is read and discarded (closing the pipe instead would SIGPIPE a test run that is merely
-verbose). On timeout the caller's `kill` callback must make the process exit (and take its
+The child's stdout/stderr are read concurrently; of each, the first and the last
+`output_bytes / 2` bytes are kept (a test run's summary is its last line), the middle is read and
+discarded (closing the pipe instead would SIGPIPE a test run that is merely verbose) and marked
+with the number of bytes left out. A process killed by signal N reports exit code 128 + N, as
+shells (and bwrap, for what runs inside it) do, so every backend reports signal deaths alike. On timeout the caller's `kill` callback must make the process exit (and take its
 descendants with it); we then wait for it, so no zombie and no open pipe outlives the call.
 """
 
@@ -61,20 +63,39 @@ def check_exec_args(cmd, timeout, stdin, default_timeout: float) -> float:
   return float(timeout)
 
 
-class _Capped:
-  """The first `cap` bytes of a stream; the rest is dropped."""
+class CappedOutput:
+  """The first and last bytes of a stream, `cap` in all, and its total length."""
 
   def __init__(self, cap: int):
-    self.cap, self.parts, self.n, self.truncated = cap, [], 0, False
+    self.head_cap, self.tail_cap = cap - cap // 2, cap // 2
+    self.head, self.tail, self.total = bytearray(), bytearray(), 0
 
   def add(self, chunk: bytes) -> None:
-    if self.n < self.cap:
-      self.parts.append(chunk[:self.cap - self.n])
-    self.truncated = self.truncated or self.n + len(chunk) > self.cap
-    self.n = min(self.cap, self.n + len(chunk))
+    self.total += len(chunk)
+    room = self.head_cap - len(self.head)
+    if room > 0:
+      self.head += chunk[:room]
+      chunk = chunk[room:]
+    if chunk and self.tail_cap:
+      self.tail += chunk[-self.tail_cap:]
+      del self.tail[:max(0, len(self.tail) - self.tail_cap)]
+
+  @property
+  def truncated(self) -> bool:
+    return self.total > len(self.head) + len(self.tail)
 
   def text(self) -> str:
-    return b"".join(self.parts).decode("utf-8", "replace")
+    head, tail = bytes(self.head), bytes(self.tail)
+    if not self.truncated:
+      return (head + tail).decode("utf-8", "replace")
+    omitted = self.total - len(head) - len(tail)
+    return (head.decode("utf-8", "replace") + truncation_marker(omitted, self.total)
+            + tail.decode("utf-8", "replace"))
+
+
+def truncation_marker(omitted: int, total: int) -> str:
+  """The line that stands for the middle of an over-long output."""
+  return f"\n[... {omitted} bytes left out of {total} ...]\n"
 
 
 class _Protocol(asyncio.SubprocessProtocol):
@@ -83,7 +104,7 @@ class _Protocol(asyncio.SubprocessProtocol):
 
   def __init__(self, cap: int):
     loop = asyncio.get_running_loop()
-    self.out, self.err = _Capped(cap), _Capped(cap)
+    self.out, self.err = CappedOutput(cap), CappedOutput(cap)
     self.exited, self.closed = loop.create_future(), loop.create_future()
 
   def pipe_data_received(self, fd: int, data: bytes) -> None:
@@ -122,8 +143,8 @@ async def run(argv: Sequence[str], *, timeout: float, output_bytes: int,
     pass_fds: file descriptors the child inherits (e.g. a seccomp program for bwrap).
 
   Returns:
-    The result; exit code -1 on timeout, and truncation flags set also when the pipes stayed
-    open 5 s after the exit (a child escaped `kill`).
+    The result; exit code 128 + N when killed by signal N, -1 on timeout, and truncation flags
+    set also when the pipes stayed open 5 s after the exit (a child escaped `kill`).
   """
   t0 = time.monotonic()
   data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
@@ -162,11 +183,13 @@ async def run(argv: Sequence[str], *, timeout: float, output_bytes: int,
     raise
   finally:
     transport.close()
-  code = -1 if timed_out else transport.get_returncode()
+  code = transport.get_returncode()
+  code = -1 if timed_out else 128 - code if code < 0 else code
   return ExecResult(exit_code=code, stdout=proto.out.text(), stderr=proto.err.text(),
                     timed_out=timed_out, duration=time.monotonic() - t0,
                     stdout_truncated=proto.out.truncated or cut_short,
-                    stderr_truncated=proto.err.truncated or cut_short)
+                    stderr_truncated=proto.err.truncated or cut_short,
+                    stdout_bytes=proto.out.total, stderr_bytes=proto.err.total)
 
 
 def kill_group(pgid: int) -> None:
