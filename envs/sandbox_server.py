@@ -72,8 +72,7 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from envs.net import is_loopback, read_secret
-from envs.sandbox import bwrap, cgroups, create_sandbox, docker
-from envs.sandbox.docker import DockerSandbox
+from envs.sandbox import bwrap, cgroups, create_sandbox
 from envs.sandbox.base import Limits, PathError, Sandbox, SandboxError, SandboxFull
 
 log = logging.getLogger("arbor.sandbox_server")
@@ -686,7 +685,7 @@ class SandboxHTTP:
       rootfs = svc.check_rootfs(body.get("rootfs"))
       sid = await self._call(svc.create(limits, rootfs))
       return {"id": sid, "limits": dataclasses.asdict(limits),
-              "workspace": workspace_path(svc.live[sid].sandbox)}
+              "workspace": svc.live[sid].sandbox.workspace_path}
     if len(parts) == 2 and parts[0] == "sandboxes" and method == "DELETE":
       await self._call(svc.close(parts[1]))
       return {}
@@ -716,15 +715,6 @@ class SandboxHTTP:
       return {"files": await self._call(svc.use(sid, "list_files",
                                                 _field(body, "path", str, ".")))}
     raise HTTPError(404, f"no operation {op!r}", "NotFound")
-
-
-def workspace_path(sb: Sandbox) -> str:
-  """Where a sandbox's workspace is as its commands see it (their working directory)."""
-  if isinstance(sb, bwrap.BwrapSandbox):
-    return bwrap.WORKSPACE
-  if isinstance(sb, DockerSandbox):
-    return docker.WORKSPACE
-  return getattr(sb, "root", "")  # local: a host directory
 
 
 def reclaim_bwrap(uids) -> list[int]:

@@ -214,6 +214,19 @@ def test_output_truncation(make):
   run(go())
 
 
+def test_exec_takes_an_argv_list_in_the_workspace_path(make):
+  async def go():
+    async with await make() as sb:
+      r = await sb.exec("pwd")
+      assert sb.workspace_path and r.stdout.strip() == sb.workspace_path
+      r = await sb.exec(["printf", "%s|", "a b", "$HOME", "it's", "*"])
+      assert r.exit_code == 0 and r.stdout == "a b|$HOME|it's|*|"  # no shell expansion
+      for bad in ([], ["ok", 3], ["a\0b"]):
+        with pytest.raises(ValueError, match="cmd="):
+          await sb.exec(bad)
+  run(go())
+
+
 def test_write_read_list(make):
   async def go():
     async with await make() as sb:

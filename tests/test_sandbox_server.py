@@ -300,7 +300,7 @@ def test_read_only_binds_rootfs_allow_list_and_workspace_path(tmp_path):
       async with await create_sandbox("remote", url=s.url, token=s.token) as sb:
         r = await sb.exec("cat /opt/data/shared.txt; touch /opt/data/x; echo rc=$?; pwd")
         assert r.stdout.startswith("shared") and "rc=0" not in r.stdout, r
-        assert r.stdout.splitlines()[-1] == sb.workspace == "/workspace", (r, sb.workspace)
+        assert r.stdout.splitlines()[-1] == sb.workspace_path == "/workspace", (r, sb.workspace_path)
         assert (await sb.exec("cat /opt/marker")).exit_code != 0  # the host's system view
       async with await create_sandbox("remote", url=s.url, token=s.token,
                                       rootfs="image") as sb:

@@ -17,7 +17,7 @@ import abc
 import dataclasses
 import os
 import posixpath
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 
 class SandboxError(RuntimeError):
@@ -79,14 +79,17 @@ class Sandbox(abc.ABC):
   """One isolated workspace. Use as `async with`; `close()` kills everything inside."""
 
   limits: Limits = Limits()
+  workspace_path: str = ""  # the workspace as the sandbox's commands see it (their cwd)
 
   @abc.abstractmethod
-  async def exec(self, cmd: str, timeout: Optional[float] = None, stdin: Optional[str] = None,
+  async def exec(self, cmd: str | Sequence[str], timeout: Optional[float] = None,
+                 stdin: Optional[str] = None,
                  env: Optional[Mapping[str, str]] = None) -> ExecResult:
     """Runs a shell command in the workspace.
 
     Args:
-      cmd: the command line, run with `/bin/sh -c` with the workspace as working directory.
+      cmd: the command line, run with `/bin/sh -c` with the workspace as working directory;
+        or an argv list, run exactly as given (no shell expansion of its items).
       timeout: seconds before the command is killed; None: `limits.default_timeout`.
       stdin: the command's standard input; None: empty.
       env: variables added to the sandbox's small fixed environment (names must be

@@ -350,6 +350,8 @@ def _etc_binds(etc_dir: str, rootfs: Optional[str], root_dir: str) -> list[str]:
 class BwrapSandbox(Sandbox):
   """See the module docstring. Create with `await BwrapSandbox.create(limits, ...)`."""
 
+  workspace_path = WORKSPACE
+
   def __init__(self, limits: Limits, uid: int, pool: UidPool, cgroup: Optional[Cgroup],
                binds: list[str], network: str = "loopback", seccomp_filter: bool = True,
                rootfs: Optional[str] = None):
@@ -504,10 +506,11 @@ class BwrapSandbox(Sandbox):
     if self._closed:
       raise SandboxError(f"sandbox uid={self.uid} is closed")
 
-  async def exec(self, cmd: str, timeout: Optional[float] = None, stdin: Optional[str] = None,
+  async def exec(self, cmd: str | Sequence[str], timeout: Optional[float] = None,
+                 stdin: Optional[str] = None,
                  env: Optional[Mapping[str, str]] = None) -> ExecResult:
     self._check_open()
-    timeout = process.check_exec_args(cmd, timeout, stdin, self.limits.default_timeout)
+    cmd, timeout = process.check_exec_args(cmd, timeout, stdin, self.limits.default_timeout)
     env = process.check_env(env)
     fds = [seccomp.program_fd(self.network != "none")] if self._seccomp else []
     argv = self._argv(cmd, env, fds[0] if fds else None)

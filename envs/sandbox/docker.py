@@ -26,7 +26,7 @@ import secrets
 import shlex
 import tarfile
 import time
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 from envs.sandbox import process, seccomp
 from envs.sandbox.base import ExecResult, Limits, PathError, Sandbox, SandboxError
@@ -64,6 +64,8 @@ class DockerSandbox(Sandbox):
 
   Create with `await DockerSandbox.create(limits, image=..., user=...)`.
   """
+
+  workspace_path = WORKSPACE
 
   def __init__(self, client, container, limits: Limits):
     self._client, self._container, self.limits, self._closed = client, container, limits, False
@@ -131,10 +133,11 @@ class DockerSandbox(Sandbox):
     code = api.exec_inspect(exec_id).get("ExitCode")
     return -1 if code is None else code, out, err
 
-  async def exec(self, cmd: str, timeout: Optional[float] = None, stdin: Optional[str] = None,
+  async def exec(self, cmd: str | Sequence[str], timeout: Optional[float] = None,
+                 stdin: Optional[str] = None,
                  env: Optional[Mapping[str, str]] = None) -> ExecResult:
     self._check_open()
-    timeout = process.check_exec_args(cmd, timeout, stdin, self.limits.default_timeout)
+    cmd, timeout = process.check_exec_args(cmd, timeout, stdin, self.limits.default_timeout)
     env = {"HOME": "/tmp", "LANG": "C.UTF-8", **process.check_env(env)}
     t0 = time.monotonic()
     shell = cmd

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 from envs.sandbox import hostfs, process
 from envs.sandbox.base import ExecResult, Limits, Sandbox, SandboxError
@@ -45,6 +45,7 @@ class LocalSandbox(Sandbox):
           "'bwrap'")
     self.limits = limits
     self.root = tempfile.mkdtemp(prefix="arbor-local-", dir=parent_dir)
+    self.workspace_path = self.root
     self._pgids: set[int] = set()  # process groups of running execs
     self._closed = False
 
@@ -52,10 +53,11 @@ class LocalSandbox(Sandbox):
     if self._closed:
       raise SandboxError("sandbox is closed")
 
-  async def exec(self, cmd: str, timeout: Optional[float] = None, stdin: Optional[str] = None,
+  async def exec(self, cmd: str | Sequence[str], timeout: Optional[float] = None,
+                 stdin: Optional[str] = None,
                  env: Optional[Mapping[str, str]] = None) -> ExecResult:
     self._check_open()
-    timeout = process.check_exec_args(cmd, timeout, stdin, self.limits.default_timeout)
+    cmd, timeout = process.check_exec_args(cmd, timeout, stdin, self.limits.default_timeout)
     full_env = {**BASE_ENV, "HOME": self.root, "TMPDIR": self.root, **process.check_env(env)}
     pids = []
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import time
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -38,29 +39,34 @@ def check_env(env: Optional[Mapping[str, str]]) -> dict[str, str]:
   return out
 
 
-def check_exec_args(cmd, timeout, stdin, default_timeout: float) -> float:
+def check_exec_args(cmd, timeout, stdin, default_timeout: float) -> tuple[str, float]:
   """Validates the arguments of `Sandbox.exec`.
 
   Args:
-    cmd: the command line; a non-empty string without NUL.
+    cmd: the command line, a non-empty string without NUL; or an argv list of such strings,
+      run exactly as given (quoted into a command line here).
     timeout: seconds, or None for `default_timeout`.
     stdin: str, bytes or None.
     default_timeout: seconds used when timeout is None.
 
   Returns:
-    The timeout in seconds, in (0, 1e6).
+    (the shell command line, the timeout in seconds, in (0, 1e6)).
 
   Raises:
     ValueError: naming the bad argument.
   """
+  if isinstance(cmd, (list, tuple)):
+    if not cmd or not all(isinstance(a, str) and "\x00" not in a for a in cmd):
+      raise ValueError(f"cmd={cmd!r}: expected a non-empty list of strings without NUL")
+    cmd = shlex.join(cmd)
   if not isinstance(cmd, str) or not cmd or "\x00" in cmd:
-    raise ValueError(f"cmd={cmd!r}: expected a non-empty string without NUL")
+    raise ValueError(f"cmd={cmd!r}: expected a non-empty string without NUL, or an argv list")
   if stdin is not None and not isinstance(stdin, (str, bytes)):
     raise ValueError(f"stdin: expected str, bytes or None, got {type(stdin).__name__}")
   timeout = default_timeout if timeout is None else timeout
   if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e6:
     raise ValueError(f"timeout={timeout!r}: expected seconds in (0, 1e6)")
-  return float(timeout)
+  return cmd, float(timeout)
 
 
 class CappedOutput:

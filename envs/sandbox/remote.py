@@ -79,7 +79,7 @@ class RemoteSandbox(Sandbox):
 
   def __init__(self, client: _Client, sid: str, limits: Limits, workspace: str = ""):
     self._client, self.id, self.limits, self._closed = client, sid, limits, False
-    self.workspace = workspace  # the workspace's path inside the sandbox (the commands' cwd)
+    self.workspace_path = workspace  # the workspace inside the sandbox (the commands' cwd)
 
   @classmethod
   async def create(cls, url: str, token: Optional[str] = None, *,
