@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import time
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -182,16 +183,6 @@ class EpisodeResult:
                       termination=self.termination, metadata=meta)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-  """The length of the longest common prefix of two token lists."""
-  n = 0
-  for x, y in zip(a, b):
-    if x != y:
-      break
-    n += 1
-  return n
-
-
 class _Episode:
   """The mutable state of one run_episode call (kept outside the loop so that a timeout, which
   cancels the loop, still leaves every finished call recorded)."""
@@ -232,7 +223,7 @@ class _Episode:
     experts, start = gen.expert_ids, 0
     if experts is not None and self.calls:  # positions the previous call recorded stay there
       prev = self.calls[-1]
-      start = min(_common_prefix(prev.input_ids + prev.output_ids, ids),
+      start = min(len(os.path.commonprefix([prev.input_ids + prev.output_ids, list(ids)])),
                   len(prev.input_ids) + len(prev.output_ids) - 1)
       experts = experts[start:]
     call = LLMCall(input_ids=list(ids), output_ids=list(gen.output_ids),
