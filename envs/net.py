@@ -1,6 +1,6 @@
 """Network-service helpers shared by every server Arbor starts and every client or launcher that
-talks to one (policy server, sandbox server, Redis queue): what counts as loopback, and how a
-token or password is read from its file.
+talks to one (policy server, sandbox server, Redis queue): what counts as loopback, how a
+token or password is read from its file, and how a uvicorn server runs in a background thread.
 
 Every service binds to loopback by default and requires a token or a password when exposed.
 Secrets travel in files, never on command lines (where `ps` would show them).
@@ -8,7 +8,11 @@ Secrets travel in files, never on command lines (where `ps` would show them).
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+import threading
+import time
+from typing import Any, Awaitable, Callable
 
 
 def is_loopback(host: str) -> bool:
@@ -60,3 +64,39 @@ def check_bind(host: str, token: str | None) -> None:
   if not is_loopback(host) and not token:
     raise ValueError(f"refusing to bind host={host!r} without a token: pass --token (or set "
                      "ARBOR_SERVE_TOKEN); clients send it as 'Authorization: Bearer <token>'")
+
+
+def serve_in_thread(serve: Callable[[], Awaitable[Any]], server, what: str, name: str,
+                    timeout: float) -> tuple[threading.Thread, int]:
+  """Runs `serve()` in a daemon thread with its own event loop until `server` listens.
+
+  Args:
+    serve: the coroutine function that serves (e.g. a uvicorn Server's `serve`).
+    server: the uvicorn Server (its `started` flag and bound sockets are read).
+    what: names the server in the error, e.g. "sandbox server on 127.0.0.1:0".
+    name: the thread's name.
+    timeout: seconds to wait for the listener.
+
+  Returns:
+    (the serving thread, the bound port).
+
+  Raises:
+    RuntimeError: the server did not start in time, or failed (e.g. the port is taken).
+  """
+  failure: list[BaseException] = []
+
+  def run():
+    try:
+      asyncio.run(serve())
+    except BaseException as e:  # uvicorn exits (SystemExit) when it cannot bind
+      failure.append(e)
+
+  thread = threading.Thread(target=run, name=name, daemon=True)
+  thread.start()
+  deadline = time.monotonic() + timeout
+  while not server.started and not failure and time.monotonic() < deadline:
+    time.sleep(0.01)
+  if not server.started:
+    raise RuntimeError(f"{what} did not start" + (f" ({failure[0]!r}; see the log)" if failure
+                                                  else f" within {timeout:g} s"))
+  return thread, server.servers[0].sockets[0].getsockname()[1]

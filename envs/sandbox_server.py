@@ -71,7 +71,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from envs.net import is_loopback, read_secret
+from envs.net import is_loopback, read_secret, serve_in_thread
 from envs.sandbox import bwrap, cgroups, create_sandbox
 from envs.sandbox.base import Limits, PathError, Sandbox, SandboxError, SandboxFull
 
@@ -569,23 +569,9 @@ class SandboxHTTP:
     Raises:
       RuntimeError: the server did not start within 30 s (e.g. the port is taken).
     """
-    failure: list[BaseException] = []
-
-    def run():
-      try:
-        asyncio.run(self._serve())
-      except BaseException as e:  # uvicorn exits (SystemExit) when it cannot bind
-        failure.append(e)
-
-    self._thread = threading.Thread(target=run, name="sandbox-http", daemon=True)
-    self._thread.start()
-    deadline = time.monotonic() + 30
-    while not self.server.started and not failure and time.monotonic() < deadline:
-      time.sleep(0.01)
-    if not self.server.started:
-      raise RuntimeError(f"sandbox server did not start on {self.config.host}:"
-                         f"{self.config.port}" + (f" ({failure[0]!r})" if failure else ""))
-    self.port = self.server.servers[0].sockets[0].getsockname()[1]
+    self._thread, self.port = serve_in_thread(
+        self._serve, self.server, f"sandbox server on {self.config.host}:{self.config.port}",
+        "sandbox-http", 30)
     return self.port
 
   def stop_accepting(self) -> None:

@@ -63,7 +63,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from envs.chat import load_chat, load_tokenizer, make_chat
-from envs.net import check_bind
+from envs.net import check_bind, serve_in_thread
 from envs.policy import Generation, SamplingParams, encode_expert_ids
 from models import hf, transformer
 from models.engine import Engine, EngineConfig
@@ -631,24 +631,13 @@ class PolicyServer:
     """
     self.engine.start()
     server = self._uvicorn()
-    failure: list[BaseException] = []
-
-    def run():
-      try:
-        asyncio.run(server.serve())
-      except BaseException as e:  # uvicorn exits (SystemExit) when it cannot bind
-        failure.append(e)
-
-    self._thread = threading.Thread(target=run, name="arbor-serve", daemon=True)
-    self._thread.start()
-    deadline = time.time() + 60
-    while not server.started and not failure and time.time() < deadline:
-      time.sleep(0.01)
-    if not server.started:
+    try:
+      self._thread, self.port = serve_in_thread(
+          server.serve, server, f"policy server on {self.cfg.host}:{self.cfg.port}",
+          "arbor-serve", 60)
+    except RuntimeError:
       self.engine.stop()
-      raise RuntimeError(f"policy server did not start on {self.cfg.host}:{self.cfg.port}"
-                         + (f" ({failure[0]!r}; see the log)" if failure else " within 60 s"))
-    self.port = server.servers[0].sockets[0].getsockname()[1]
+      raise
     return self.url
 
   def stop(self) -> None:
