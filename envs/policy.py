@@ -50,6 +50,8 @@ class Generation:
   # MoE routing replay: [len(input) + len(output) - 1, moe_layers, k] experts of every position
   # the engine fed to the model, when it records them
   expert_ids: Optional[np.ndarray] = None
+  # per output token, the policy's next-token entropy in nats, when the policy reports it
+  entropies: Optional[list[float]] = None
 
 
 class Policy(Protocol):
@@ -83,6 +85,11 @@ def decode_expert_ids(data: Optional[dict]) -> Optional[np.ndarray]:
   return np.frombuffer(base64.b64decode(data["int16"]), "<i2").reshape(data["shape"])
 
 
+def _floats(values: Optional[list]) -> Optional[list[float]]:
+  """A JSON list of numbers as floats; None stays None."""
+  return None if values is None else [float(x) for x in values]
+
+
 class PolicyError(RuntimeError):
   """The policy could not answer (server unreachable, 4xx/5xx, malformed reply)."""
 
@@ -91,8 +98,9 @@ class HTTPPolicy:
   """Client of `POST {url}/generate` (the policy server of trainer.serve).
 
   Request JSON: {"input_ids": [...], **SamplingParams.to_dict()}; reply JSON: {"output_ids",
-  "logprobs", "finish_reason", "policy_version"[, "token_versions"][, "expert_ids"]}, with
-  expert_ids as `encode_expert_ids` writes it.
+  "logprobs", "finish_reason", "policy_version"[, "token_versions"][, "entropies"]
+  [, "expert_ids"]}, with entropies one per output token (nats) and expert_ids as
+  `encode_expert_ids` writes it.
 
   Args:
     url: the server's base URL (a trailing "/" is ignored).
@@ -140,6 +148,7 @@ class HTTPPolicy:
                         finish_reason=str(reply["finish_reason"]),
                         policy_version=int(reply.get("policy_version", 0)),
                         token_versions=reply.get("token_versions"),
-                        expert_ids=decode_expert_ids(reply.get("expert_ids")))
+                        expert_ids=decode_expert_ids(reply.get("expert_ids")),
+                        entropies=_floats(reply.get("entropies")))
     except (KeyError, TypeError, ValueError) as e:
       raise PolicyError(f"{self.url}/generate: malformed reply {reply!r:.500}") from e

@@ -34,7 +34,8 @@ Sampling parameters are read structurally: any object with the fields of
 seed), which the trainer passes through; the engine never builds one.
 
 Log-probs are those of the model itself (temperature 1, no top-k/top-p truncation): exactly
-what a teacher-forced forward pass of the finished sequence gives the trainer.
+what a teacher-forced forward pass of the finished sequence gives the trainer. The entropy of
+that same distribution is reported per token too (one reduction per decode step).
 """
 
 from __future__ import annotations
@@ -82,7 +83,9 @@ class EngineConfig:
 
 @dataclasses.dataclass
 class Completion:
-  """One finished request. logprobs[i] = log p(output_ids[i]) under token_versions[i]'s weights."""
+  """One finished request. logprobs[i] = log p(output_ids[i]) under token_versions[i]'s weights;
+  entropies[i] = the entropy (nats) of that whole next-token distribution p, which sampled
+  output_ids[i]."""
 
   output_ids: list[int]
   logprobs: list[float]
@@ -97,6 +100,9 @@ class Completion:
   # experts that position p went through (prefilled, copied from a reused prefix, or decoded);
   # the last output token was never fed to the model.
   expert_ids: Optional[np.ndarray] = None
+  # per output token (aligned with logprobs, cut with them at a stop string): the entropy in
+  # nats of the model's next-token distribution (temperature 1, untruncated) it was drawn from
+  entropies: list[float] = dataclasses.field(default_factory=list)
 
 
 class _Request:
@@ -110,6 +116,7 @@ class _Request:
     self.future: concurrent.futures.Future = concurrent.futures.Future()
     self.output: list[int] = []
     self.logprobs: list[float] = []
+    self.entropies: list[float] = []
     self.versions: list[int] = []
     self.top: list[list[tuple[int, float]]] = []
     self.cached = 0
@@ -436,7 +443,7 @@ class Engine:
         self._release(req)
         self._slots[i] = None
         if on_update == "restart":
-          req.output, req.logprobs, req.versions, req.top = [], [], [], []
+          req.output, req.logprobs, req.entropies, req.versions, req.top = [], [], [], [], []
           req.checked = 0
     self._queue.extendleft(reversed(running))
     with self._lock:
@@ -525,6 +532,7 @@ class Engine:
         self._pool.experts[req.row, fed:fed + n] = out["expert_ids"][:n, :, i]
       req.output.extend(out["tokens"][:n, i].tolist())
       req.logprobs.extend(out["logprobs"][:n, i].tolist())
+      req.entropies.extend(out["entropy"][:n, i].tolist())
       req.versions.extend([self.version] * n)
       if c.top_logprobs:
         req.top.extend([list(zip(out["top_ids"][t, i].tolist(), out["top_logprobs"][t, i].tolist()))
@@ -572,7 +580,7 @@ class Engine:
       req.on_tokens = None
 
   def _truncate(self, req: _Request, n: int) -> None:
-    del req.output[n:], req.logprobs[n:], req.versions[n:], req.top[n:]
+    del req.output[n:], req.logprobs[n:], req.entropies[n:], req.versions[n:], req.top[n:]
 
   def _finish(self, slot: int, req: _Request, reason: str) -> None:
     experts = None
@@ -586,4 +594,4 @@ class Engine:
         token_versions=list(req.versions), policy_version=req.versions[0],
         prompt_tokens=len(req.input_ids), cached_tokens=req.cached,
         top_logprobs=list(req.top) if self.cfg.top_logprobs else None,
-        expert_ids=experts))
+        expert_ids=experts, entropies=list(req.entropies)))

@@ -51,6 +51,17 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
   return jnp.where(temperature > 0, drawn, greedy)
 
 
+def entropy(logp: jax.Array) -> jax.Array:
+  """Entropy in nats, -sum_v p_v log p_v, of each row of log-probs [batch, vocab] (fp32).
+
+  Tokens with p = 0 (log p = -inf, or exp underflowing to 0) add 0, not 0 * -inf = nan. One
+  elementwise pass and one sum over `logp`, which XLA fuses with the log-softmax: in `decode`
+  it adds no [batch, vocab] buffer to peak memory.
+  """
+  p = jnp.exp(logp)
+  return -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
+
+
 def _truncate(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
   """Set logits outside each row's top-k / top-p set to -inf."""
   v = x.shape[-1]
@@ -155,7 +166,8 @@ def decode(graphdef, k: int, top_n: int, experts: bool, state, pool, rows, token
 
   Returns:
     (pool, steps run, final tokens, lengths, active, counts, per-step outputs {name: [k, ...]}:
-    tokens, logprobs, and top_ids/top_logprobs [k, slots, top_n] and expert_ids
+    tokens, logprobs, entropy (of the distribution the log-probs come from, see `entropy`),
+    and top_ids/top_logprobs [k, slots, top_n] and expert_ids
     [k, moe_layers, slots, experts_per_token] when asked for).
   """
   TRACES["decode"] += 1
@@ -163,7 +175,8 @@ def decode(graphdef, k: int, top_n: int, experts: bool, state, pool, rows, token
   mc = model.cfg
   lm_head = model.lm_head_weight()
   s = rows.shape[0]
-  out = {"tokens": jnp.zeros((k, s), jnp.int32), "logprobs": jnp.zeros((k, s), jnp.float32)}
+  out = {"tokens": jnp.zeros((k, s), jnp.int32), "logprobs": jnp.zeros((k, s), jnp.float32),
+         "entropy": jnp.zeros((k, s), jnp.float32)}
   if top_n:
     out["top_ids"] = jnp.zeros((k, s, top_n), jnp.int32)
     out["top_logprobs"] = jnp.zeros((k, s, top_n), jnp.float32)
@@ -186,6 +199,7 @@ def decode(graphdef, k: int, top_n: int, experts: bool, state, pool, rows, token
     out["tokens"] = out["tokens"].at[step].set(nxt)
     out["logprobs"] = out["logprobs"].at[step].set(
         jnp.take_along_axis(logp, nxt[:, None], axis=-1)[:, 0])
+    out["entropy"] = out["entropy"].at[step].set(entropy(logp))
     if top_n:
       vals, ids = jax.lax.top_k(logp, top_n)
       out["top_ids"] = out["top_ids"].at[step].set(ids)

@@ -2,7 +2,8 @@
 
 - Log-probs returned for sampled tokens equal teacher-forced log-probs of the finished sequences
   (a full forward pass of the stacked model, no cache) for a dense and a MoE + MLA model, with
-  continuous batching, G-sample prefix copies and prefix hits on.
+  continuous batching, G-sample prefix copies and prefix hits on; per-token entropies equal the
+  entropies of the forward pass's next-token distributions, also after a stop-string cut.
 - Greedy decoding equals Hugging Face transformers' greedy `generate` (PyTorch CPU) token for
   token for tiny Qwen2 and DeepSeek-V3 models built with transformers and imported.
 - Weight updates tag tokens with versions whose log-probs match the weights that sampled them.
@@ -128,6 +129,34 @@ def test_logprobs_equal_teacher_forcing(which, models):
       np.testing.assert_array_equal(o.expert_ids, np.moveaxis(experts[:, :fed], 1, 0))
   # engines of one config share compiled code: at most one decode compile per model config
   assert sampler.TRACES["decode"] - traces <= 1
+
+
+def test_entropies_equal_teacher_forcing(models):
+  """Each output token's entropy is that of softmax(logits) of the full forward pass at the
+  position that predicts it, whatever the sampling settings; a stop-string cut drops the
+  entropies of the tokens it drops."""
+  model = models["dense"]
+  eng = make_engine(model)
+  rng = np.random.default_rng(8)
+  prompts = random_prompts(rng, (6, 14, 25), model.cfg.vocab_size)
+  params = [SamplingParams(max_tokens=10, temperature=t, top_k=k, top_p=p, seed=i)
+            for i, (t, k, p) in enumerate([(1.0, 0, 1.0), (0.0, 0, 1.0), (0.7, 5, 0.9)])]
+  outs = eng.generate(prompts, params)
+  # the first request again, same seed (same sample), cut by a stop string on its 4th-5th tokens
+  ids = outs[0].output_ids
+  stop = f"<{ids[3]}><{ids[4]}>"
+  cut, = eng.generate([prompts[0]], dataclasses.replace(params[0], stop=(stop,)))
+  n = next(t for t in range(1, 11) if stop in "".join(f"<{i}>" for i in ids[:t]))
+  assert cut.output_ids == ids[:n] and cut.finish_reason == "stop"
+  assert cut.entropies == outs[0].entropies[:n]
+  outs.append(cut)
+  prompts.append(prompts[0])
+  refs = teacher(model, [list(x) + o.output_ids for x, o in zip(prompts, outs)])
+  for x, o, (logp, _) in zip(prompts, outs, refs):
+    assert len(o.entropies) == len(o.logprobs) == len(o.output_ids)
+    pred = logp[len(x) - 1:len(x) - 1 + len(o.output_ids)].astype(np.float64)
+    want = -np.sum(np.exp(pred) * pred, axis=-1)
+    np.testing.assert_allclose(o.entropies, want, rtol=1e-4)
 
 
 # ----------------------------------------------------------------------------- HF parity

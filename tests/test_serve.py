@@ -1,8 +1,8 @@
 """trainer/serve.py: the policy server over HTTP on 127.0.0.1, driven by its real clients.
 
 - /generate: 36 concurrent requests from 6 client threads (envs.policy.HTTPPolicy): each reply's
-  log-probs equal teacher-forced log-probs, greedy replies equal the engine run alone, and the
-  requests were decoded together.
+  log-probs equal teacher-forced log-probs (with one entropy per token), greedy replies equal the
+  engine run alone, and the requests were decoded together.
 - The OpenAI endpoints through the official `openai` client: streamed replies assembled from
   their Server-Sent Events equal the non-streamed ones (content, tool calls, finish reasons,
   log-probs, usage) and leave while the engine is still generating; tool_choice in every form,
@@ -163,6 +163,7 @@ def test_concurrent_generate_requests(server, model):
   assert all(len(o.output_ids) == p.max_tokens and o.finish_reason == "length"
              for o, (_, p) in zip(outs, jobs))
   assert all(o.token_versions == [0] * len(o.output_ids) for o in outs)
+  assert all(len(o.entropies) == len(o.output_ids) for o in outs)
   check_logprobs(model, [p for p, _ in jobs], outs)
   # decoded together: far fewer decode steps than tokens
   tokens = sum(len(o.output_ids) for o in outs)
@@ -185,6 +186,7 @@ def test_engine_policy_in_process(server):
   status, reply = request(url + "/generate", "POST", {"input_ids": [7, 8, 9], **params.to_dict()})
   assert status == 200 and got.output_ids == reply["output_ids"]
   np.testing.assert_allclose(got.logprobs, reply["logprobs"], atol=1e-6)
+  np.testing.assert_allclose(got.entropies, reply["entropies"], atol=1e-6)
   assert got.finish_reason == "length" and got.token_versions == [0] * 5
 
 

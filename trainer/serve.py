@@ -9,7 +9,8 @@ unless --chat_format names a built-in format). Endpoints:
 
   POST /generate              {"input_ids", "max_tokens", "temperature", "top_p", "top_k",
                                "stop_token_ids", "stop", "seed"} -> {"output_ids", "logprobs",
-                               "finish_reason", "policy_version", "token_versions", ...}
+                               "entropies" (per output token, nats), "finish_reason",
+                               "policy_version", "token_versions", ...}
                               (the protocol of envs.policy.HTTPPolicy)
   POST /v1/chat/completions   OpenAI chat completions: messages (content as text or text parts,
                               the developer role as system) and tools rendered with envs.chat,
@@ -809,7 +810,7 @@ class PolicyServer:
     max_tokens = max(1, min(256, self.engine.capacity - len(input_ids)))
     params = sampling_params(body, max_tokens=max_tokens)
     out = await asyncio.wrap_future(self._submit(input_ids, params))
-    reply = {"output_ids": out.output_ids, "logprobs": out.logprobs,
+    reply = {"output_ids": out.output_ids, "logprobs": out.logprobs, "entropies": out.entropies,
              "finish_reason": out.finish_reason, "policy_version": out.policy_version,
              "token_versions": out.token_versions, "cached_tokens": out.cached_tokens}
     if out.top_logprobs is not None:
@@ -1171,13 +1172,14 @@ class EnginePolicy:
       params: the envs.policy.SamplingParams.
 
     Returns:
-      The envs.policy.Generation: output ids, log-probs, finish reason, policy versions and
-      (an engine with return_expert_ids) the experts of every position.
+      The envs.policy.Generation: output ids, log-probs, per-token entropies, finish reason,
+      policy versions and (an engine with return_expert_ids) the experts of every position.
     """
     out = await asyncio.wrap_future(self.engine.submit(list(input_ids), params))
     return Generation(output_ids=out.output_ids, logprobs=out.logprobs,
                       finish_reason=out.finish_reason, policy_version=out.policy_version,
-                      token_versions=out.token_versions, expert_ids=out.expert_ids)
+                      token_versions=out.token_versions, expert_ids=out.expert_ids,
+                      entropies=out.entropies)
 
 
 # ----------------------------------------------------------------------------- CLI
