@@ -15,6 +15,8 @@ Routes (JSON bodies; bytes as base64):
   POST   /sandboxes/ID/write        {"path", "content_b64"}   -> {}
   POST   /sandboxes/ID/read         {"path"}                  -> {"content_b64"}
   POST   /sandboxes/ID/list         {"path"?}                 -> {"files"}
+  POST   /sandboxes/ID/fork         {}                        -> {"id", "limits", "workspace"}
+                                                              (429 if full)
   DELETE /sandboxes/ID                                        -> {}
 
 Errors are `{"error": message, "type": name}` with 400 (bad input, PathError, a body nested
@@ -41,6 +43,9 @@ fleet's unit delegates that cgroup: systemd `Delegate=yes`). --ro_bind binds hos
 read-only into every sandbox; --rootfs NAME=DIR lets a request ask for DIR (e.g. a task image's
 unpacked root filesystem) as its system view by "rootfs": NAME, nothing outside that allow-list.
 "workspace" is the workspace's path as the sandbox's commands see it (their working directory).
+A fork (`Sandbox.fork`) is a new sandbox with the limits and options of ID and a copy of its
+workspace (no processes, no /tmp); it takes a slot of --max_sandboxes as a create does and is
+closed with its own DELETE. Any holder of the token may use, fork or close any sandbox id.
 """
 
 from __future__ import annotations
@@ -296,22 +301,66 @@ class SandboxService:
       raise HTTPError(503, "server is shutting down", "SandboxError")
     if limits == self.limits and rootfs is None and self.warm:
       sb = self.warm.pop()
-    elif self._room() > 0:
-      self.creating += 1
+    else:
+      await self._reserve()
       sb = await self._new(limits, rootfs)
-    elif self.warm:  # other limits than the warm ones: give a warm slot to this request
+    sid = secrets.token_hex(8)
+    self.live[sid] = _Entry(sb, time.monotonic())
+    self._wake.set()
+    return sid
+
+  async def _reserve(self) -> None:
+    """Takes a slot for a new sandbox (`self.creating += 1`; the creator gives it back).
+
+    Raises:
+      SandboxFull: max_sandboxes are live and none is warm.
+    """
+    if self._room() > 0:
+      self.creating += 1
+    elif self.warm:  # a request that a warm sandbox cannot serve takes a warm one's slot
       self.creating += 1
       try:
         await self.warm.pop().close()
       except Exception as e:  # the slot is free either way
         log.warning("closing a warm sandbox: %s", e)
-      sb = await self._new(limits, rootfs)
     else:
       raise SandboxFull(f"{self.max_sandboxes} sandboxes live (max_sandboxes)")
-    sid = secrets.token_hex(8)
-    self.live[sid] = _Entry(sb, time.monotonic())
+
+  async def fork(self, sid: str) -> str:
+    """Makes a new live sandbox whose workspace is a copy of sandbox `sid`'s (`Sandbox.fork`).
+
+    The fork takes a slot of max_sandboxes as a create does; meanwhile `sid` is busy (never
+    reaped).
+
+    Args:
+      sid: the id of the live sandbox to fork.
+
+    Returns:
+      The fork's id.
+
+    Raises:
+      SandboxFull: max_sandboxes are live.
+      HTTPError: 404 when `sid` is unknown or closed, 503 while the server shuts down.
+      SandboxError: the fork failed.
+    """
+    if self._stopping:
+      raise HTTPError(503, "server is shutting down", "SandboxError")
+    e = self.entry(sid)
+    await self._reserve()
+    e.busy += 1
+    try:
+      sb = await e.sandbox.fork()
+    finally:
+      self.creating -= 1
+      e.busy -= 1
+      e.last_used = time.monotonic()
+    if self._stopping:  # shutdown collected the live sandboxes meanwhile
+      await sb.close()
+      raise HTTPError(503, "server is shutting down", "SandboxError")
+    new = secrets.token_hex(8)
+    self.live[new] = _Entry(sb, time.monotonic())
     self._wake.set()
-    return sid
+    return new
 
   def entry(self, sid: str) -> _Entry:
     """The live sandbox `sid`; HTTPError 404 when it is unknown or closed."""
@@ -678,6 +727,10 @@ class SandboxHTTP:
     if len(parts) != 3 or parts[0] != "sandboxes" or method != "POST":
       raise HTTPError(404, f"no route {method} {path[:100]!r}", "NotFound")
     sid, op = parts[1], parts[2]
+    if op == "fork":
+      new = await self._call(svc.fork(sid))
+      sb = svc.live[new].sandbox
+      return {"id": new, "limits": dataclasses.asdict(sb.limits), "workspace": sb.workspace_path}
     if op == "exec":
       timeout = _field(body, "timeout", (int, float), None)
       if timeout is not None and not 0 < timeout <= svc.max_timeout:

@@ -17,7 +17,7 @@ import abc
 import dataclasses
 import os
 import posixpath
-from typing import Mapping, Optional, Sequence
+from typing import Awaitable, Callable, Mapping, Optional, Sequence
 
 
 class SandboxError(RuntimeError):
@@ -135,11 +135,68 @@ class Sandbox(abc.ABC):
   async def close(self) -> None:
     """Kills every process of the sandbox and deletes its workspace. Idempotent."""
 
+  async def fork(self) -> "Sandbox":
+    """A new, started sandbox whose workspace is a copy of this one's now.
+
+    Tree rollouts branch an episode after a tool result: every branch starts from the same
+    files and diverges afterwards. The fork has the same limits and the same system view
+    (root filesystem, image, read-only binds, network and backend options) as this sandbox,
+    and its own workspace holding a copy of this one's at the time of the call: regular files
+    with their content, mode and mtime, directories (empty ones too), symlinks as links
+    (never followed), hard links as links. Other special files (FIFOs, sockets) are left out.
+    From then on the two are independent: what one writes the other never sees.
+
+    Process state is not carried: a command still running here (a background job on the
+    docker backend, an exec in flight) is not in the fork, and nothing outside the workspace
+    (/tmp, /dev/shm, a HOME outside it) is copied. That loses nothing an agent relies on:
+    every tool call is a fresh `exec` (a new process with a fixed environment), so tools carry
+    state from one call to the next only through the workspace files. A copy taken while a
+    command writes here is a snapshot of some moment during that write.
+
+    Returns:
+      The fork; the caller closes it (as well as this sandbox) with `close()`. Closing either
+      one leaves the other working.
+
+    Raises:
+      SandboxError: this sandbox is closed, or making or filling the fork failed (a
+        half-made fork is closed first).
+      SandboxFull: no capacity for another sandbox.
+      NotImplementedError: the backend cannot fork.
+    """
+    raise NotImplementedError(f"{type(self).__name__} cannot fork")
+
   async def __aenter__(self) -> "Sandbox":
     return self
 
   async def __aexit__(self, *exc) -> None:
     await self.close()
+
+
+async def fill_fork(fork: Sandbox, copy: Callable[[], Awaitable[None]]) -> Sandbox:
+  """Fills a new fork with `copy()`; a fork that could not be filled is closed, not returned.
+
+  Args:
+    fork: the started, empty fork.
+    copy: copies the parent's workspace into it.
+
+  Returns:
+    The fork.
+
+  Raises:
+    SandboxError: the copy failed (any other exception, e.g. an OSError such as ENOSPC or a
+      ValueError for a tree too deep to copy, is wrapped in one).
+  """
+  try:
+    await copy()
+  except BaseException as e:
+    try:
+      await fork.close()
+    except Exception:  # the copy's error is the one worth reporting
+      pass
+    if isinstance(e, Exception) and not isinstance(e, SandboxError):
+      raise SandboxError(f"fork: copying the workspace failed: {type(e).__name__}: {e}") from e
+    raise
+  return fork
 
 
 def confine(root: str, path: str) -> str:

@@ -54,6 +54,9 @@ sandbox must never reach bwrap with root's credentials):
   one exec to the next. close() kills running execs, empties the cgroup (or, without one,
   SIGKILLs every live process of the uid), unmounts the tmpfs mounts and only then returns
   the uid to the pool. A crashed holder's left-overs are swept by the uid's next holder.
+- **Fork.** `fork()` makes a new sandbox with the same options and copies the workspace into
+  it on the host (`hostfs.copy_tree`: descriptor-relative, O_NOFOLLOW, chowned to the fork's
+  uid); /tmp and /dev/shm start empty, and no process is carried over.
 - bwrap errors (e.g. an unreadable bind source) come back as an ExecResult with exit code 1
   and a `bwrap: ...` stderr: they are not turned into SandboxError, since a command can print
   the same.
@@ -79,7 +82,8 @@ import time
 from typing import Mapping, Optional, Sequence
 
 from envs.sandbox import hostfs, process, seccomp
-from envs.sandbox.base import ExecResult, Limits, Sandbox, SandboxError, SandboxFull
+from envs.sandbox.base import (ExecResult, Limits, Sandbox, SandboxError, SandboxFull,
+                               fill_fork)
 from envs.sandbox.cgroups import Cgroup
 
 DEFAULT_UIDS = range(2_000_000_000, 2_000_000_256)
@@ -363,6 +367,7 @@ class BwrapSandbox(Sandbox):
     self._perl = shutil.which("perl")
     self._keyring = _KEYRING % (seccomp.syscall_number("keyctl"), errno.ENOSYS, errno.EPERM)
     self._closed = False
+    self._options: dict = {}  # create()'s arguments, for fork()
     self._running: set[int] = set()       # outer bwrap pids of running execs
     self._tasks: set[asyncio.Task] = set()
     self._bwrap, self._setpriv = shutil.which("bwrap"), shutil.which("setpriv")
@@ -438,7 +443,10 @@ class BwrapSandbox(Sandbox):
       cls._sweep(uid, os.path.join(root_dir, str(uid)))
       pool.release(uid)
       raise
-    return cls(limits, uid, pool, cgroup, binds, network, seccomp_filter, rootfs)
+    sb = cls(limits, uid, pool, cgroup, binds, network, seccomp_filter, rootfs)
+    sb._options = dict(rootfs=rootfs, ro_binds=tuple(ro_binds), uids=uids, root_dir=root_dir,
+                       cgroups=cgroups, network=network, seccomp_filter=seccomp_filter)
+    return sb
 
   @staticmethod
   def _sweep(uid: int, host_dir: str, by_uid: bool = True) -> None:
@@ -548,6 +556,28 @@ class BwrapSandbox(Sandbox):
   async def list_files(self, path: str = ".") -> list[str]:
     self._check_open()
     return hostfs.list_files(self.workspace, path)
+
+  async def fork(self) -> "BwrapSandbox":
+    """A new sandbox (its own uid, tmpfs mounts and cgroups; the same limits, system view and
+    options) whose workspace is a copy of this one's (see `Sandbox.fork`). /tmp and /dev/shm
+    start empty.
+
+    The copy is made on the host, as root (files made unreadable inside are copied too), by
+    `hostfs.copy_tree`, which opens every name relative to its parent with O_NOFOLLOW and
+    chowns what it makes to the fork's uid; this workspace is only read. Not `cp -a
+    --reflink=auto`: both workspaces are tmpfs mounts (the real disk quota), where there is no
+    reflink, and cp walks by path names, so an exec running here meanwhile could swap a
+    directory for a symlink and have root copy host files into the fork. Not an overlay with
+    this workspace as lower layer: this sandbox keeps writing to it, and overlayfs leaves
+    changes to a lower layer undefined (the fork could see them), which breaks independence.
+    """
+    self._check_open()
+    fork = await BwrapSandbox.create(self.limits, **self._options)
+    if self._closed:  # closed while the fork was being made
+      await fork.close()
+      self._check_open()
+    return await fill_fork(fork, lambda: asyncio.to_thread(
+        hostfs.copy_tree, self.workspace, fork.workspace, (fork.uid, fork.uid)))
 
   async def close(self) -> None:
     if self._closed:

@@ -13,7 +13,8 @@ keyring calls. Each exec is `docker exec` of `timeout -k 1 T sh -c cmd` (the ima
 coreutils' `timeout`; the client also stops reading at the deadline); its output is streamed and
 capped. Background processes of an exec live until close() (the container is removed with
 force), unlike bwrap. The file API checks every path component for symlinks inside the container
-and moves data with tar archives. `DOCKER_HOST` may name a remote engine only over TLS
+and moves data with tar archives; `fork()` streams /workspace into a new container of the
+same image, user and limits the same way. `DOCKER_HOST` may name a remote engine only over TLS
 (DOCKER_TLS_VERIFY=1, DOCKER_CERT_PATH): plain tcp:// and ssh:// are refused.
 """
 
@@ -25,17 +26,21 @@ import os
 import secrets
 import shlex
 import tarfile
+import tempfile
 import time
 from typing import Mapping, Optional, Sequence
 
 from envs.sandbox import process, seccomp
-from envs.sandbox.base import ExecResult, Limits, PathError, Sandbox, SandboxError
+from envs.sandbox.base import (ExecResult, Limits, PathError, Sandbox, SandboxError,
+                               fill_fork)
 
 WORKSPACE = "/workspace"
-# Walk the path components from /workspace; exit 3 on a symlink, 4 if a parent is not a dir.
+_SPOOL_BYTES = 16 << 20  # a fork's workspace archive stays in memory up to this, then on disk
+# Walk the path components from /workspace; exit 3 on a symlink, 4 if a parent is not a dir,
+# 0 at the first missing one (write_file makes the rest, then checks again).
 _CHECK = ('cd /workspace || exit 2; i=0; for c; do i=$((i+1)); '
-          '[ -L "$c" ] && exit 3; [ $i -lt $# ] && { cd -- "$c" 2>/dev/null || exit 4; }; '
-          'done; exit 0')
+          '[ -L "$c" ] && exit 3; [ -e "$c" ] || exit 0; '
+          '[ $i -lt $# ] && { cd -- "$c" 2>/dev/null || exit 4; }; done; exit 0')
 
 
 def docker_client():
@@ -67,8 +72,9 @@ class DockerSandbox(Sandbox):
 
   workspace_path = WORKSPACE
 
-  def __init__(self, client, container, limits: Limits):
+  def __init__(self, client, container, limits: Limits, image: str = "", user: str = ""):
     self._client, self._container, self.limits, self._closed = client, container, limits, False
+    self._image, self._user = image, user  # for fork()
 
   @classmethod
   async def create(cls, limits: Limits = Limits(), *, image: str = "python:3.11-slim",
@@ -110,7 +116,7 @@ class DockerSandbox(Sandbox):
       raise
     except Exception as e:  # docker.errors.*: engine down, image missing, ...
       raise SandboxError(f"docker: could not start a container from {image!r}: {e}") from e
-    return cls(client, container, limits)
+    return cls(client, container, limits, image, user)
 
   def _check_open(self) -> None:
     if self._closed:
@@ -230,6 +236,42 @@ class DockerSandbox(Sandbox):
     if r.exit_code != 0 or r.stdout_truncated:
       raise SandboxError(f"list {path!r}: exit {r.exit_code}, {r.stderr.strip()[:200]}")
     return sorted(os.path.normpath(l) for l in r.stdout.splitlines() if l)
+
+  async def fork(self) -> "DockerSandbox":
+    """A new container from the same image, user and limits whose workspace is a copy of this
+    one's (see `Sandbox.fork`); its /tmp starts empty.
+
+    Not `docker commit`: /workspace is a tmpfs, which a commit leaves out of the image. The
+    workspace travels as a tar stream instead: the engine reads it here (as root: files made
+    unreadable inside are copied too) and writes it there, each entry keeping its mode, times
+    and owner (the same user runs both containers).
+    """
+    self._check_open()
+    fork = await DockerSandbox.create(self.limits, image=self._image, user=self._user)
+    return await fill_fork(fork, lambda: asyncio.to_thread(self._copy_workspace, fork))
+
+  def _copy_workspace(self, fork: "DockerSandbox") -> None:
+    """Blocking: this /workspace's content into the fork's, through a spooled tar stream."""
+    stream, _ = self._container.get_archive(WORKSPACE)
+    with tempfile.SpooledTemporaryFile(_SPOOL_BYTES) as raw, \
+         tempfile.SpooledTemporaryFile(_SPOOL_BYTES) as out:
+      for chunk in stream:
+        raw.write(chunk)
+      raw.seek(0)
+      # The engine names entries "workspace/..."; the fork's archive is unpacked in /workspace.
+      with tarfile.open(fileobj=raw, mode="r|") as src, \
+           tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as dst:
+        for member in src:
+          member.name = member.name.partition("/")[2]
+          if not member.name or not (member.isfile() or member.isdir() or member.issym()
+                                     or member.islnk()):
+            continue  # the workspace itself keeps the fork's own mode; no FIFOs or devices
+          if member.islnk():
+            member.linkname = member.linkname.partition("/")[2]
+          dst.addfile(member, src.extractfile(member) if member.isfile() else None)
+      out.seek(0)
+      if not fork._container.put_archive(WORKSPACE, out):
+        raise SandboxError(f"docker: put_archive to the fork's {WORKSPACE} failed")
 
   async def close(self) -> None:
     if self._closed:

@@ -3,7 +3,8 @@
 `confine` rejects absolute paths and `..` up front; the walk below then opens every component
 relative to its parent's descriptor with O_NOFOLLOW, so a symlink planted by the sandbox (even
 between the check and the open) is never followed, and a FIFO or device is never opened for
-real I/O (O_NONBLOCK + a regular-file check). Used by the local and bwrap backends.
+real I/O (O_NONBLOCK + a regular-file check). `copy_tree` copies a workspace the same way
+(for `Sandbox.fork`). Used by the local and bwrap backends.
 """
 
 from __future__ import annotations
@@ -233,3 +234,128 @@ def list_files(root: str, path: str = ".", max_depth: int = MAX_DEPTH,
     for fd, _, _ in stack:
       os.close(fd)
   return sorted(out)
+
+
+def copy_tree(src: str, dst: str, owner: Optional[tuple[int, int]] = None,
+              max_depth: int = MAX_DEPTH) -> None:
+  """Copies what the directory `src` holds into the empty directory `dst`.
+
+  Regular files keep their content (holes stay holes), mode and times; directories, empty ones
+  too, keep mode and times; symlinks are recreated as links, never followed; files linked more
+  than once stay one file with several names. FIFOs, sockets and devices are left out. Every
+  name is opened relative to its parent's descriptor with O_NOFOLLOW, so commands changing
+  `src` meanwhile (swapping a directory for a symlink) can never make the copy read outside
+  it: an entry that changes under the walk is copied as it is then, or skipped if it is gone.
+  Nothing in `src` is modified. Run as root, unreadable files (mode 000) are copied too.
+
+  Args:
+    src: the directory copied from.
+    dst: the directory copied into (its own mode and owner are kept).
+    owner: (uid, gid) everything made in `dst` is chowned to; None: left as created.
+    max_depth: deepest directory level below `src` that is copied.
+
+  Raises:
+    ValueError: `src` is deeper than `max_depth` levels.
+    OSError: reading or writing failed (e.g. ENOSPC when `dst` is full).
+  """
+  links: dict[tuple[int, int], str] = {}  # (dev, inode) of a multiply linked file -> its copy
+  root = os.open(dst, _DIR)
+  # Depth-first; each frame: (src dir fd, dst dir fd, relative path, names left, the src
+  # directory's stat, applied to its copy once its entries are in: None for the root).
+  stack: list[tuple[int, int, str, list[str], Optional[os.stat_result]]] = []
+  try:
+    top = os.open(src, _DIR)
+    stack.append((top, os.dup(root), "", os.listdir(top), None))
+    while stack:
+      sfd, dfd, rel, names, st = stack[-1]
+      if not names:
+        if st is not None:
+          _set_attrs(dfd, st, owner)
+        stack.pop()
+        os.close(sfd)
+        os.close(dfd)
+        continue
+      name = names.pop()
+      path = f"{rel}/{name}" if rel else name
+      try:
+        mode = os.stat(name, dir_fd=sfd, follow_symlinks=False).st_mode
+        if stat.S_ISDIR(mode):
+          if len(stack) > max_depth:
+            raise ValueError(f"copy of {src}: deeper than max_depth={max_depth} levels at "
+                             f"{rel!r}")
+          sub = os.open(name, _DIR, dir_fd=sfd)
+          try:
+            os.mkdir(name, 0o700, dir_fd=dfd)
+            stack.append((sub, os.open(name, _DIR, dir_fd=dfd), path, os.listdir(sub),
+                          os.fstat(sub)))
+          except BaseException:
+            os.close(sub)
+            raise
+        elif stat.S_ISREG(mode):
+          _copy_file(sfd, dfd, root, name, path, owner, links)
+        elif stat.S_ISLNK(mode):
+          target = os.readlink(name, dir_fd=sfd)
+          lst = os.stat(name, dir_fd=sfd, follow_symlinks=False)
+          os.symlink(target, name, dir_fd=dfd)
+          if owner is not None:
+            os.chown(name, *owner, dir_fd=dfd, follow_symlinks=False)
+          os.utime(name, ns=(lst.st_atime_ns, lst.st_mtime_ns), dir_fd=dfd,
+                   follow_symlinks=False)
+      except OSError as e:
+        # Removed, or swapped for something else, by a command running in `src` meanwhile.
+        if e.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR, errno.EINVAL):
+          raise
+  finally:
+    os.close(root)
+    for sfd, dfd, *_ in stack:
+      os.close(sfd)
+      os.close(dfd)
+
+
+def _set_attrs(fd: int, st: os.stat_result, owner: Optional[tuple[int, int]]) -> None:
+  if owner is not None:
+    os.fchown(fd, *owner)  # before the mode: chown clears set-id bits
+  os.fchmod(fd, stat.S_IMODE(st.st_mode))
+  os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _copy_file(sfd: int, dfd: int, root: int, name: str, path: str,
+               owner: Optional[tuple[int, int]], links: dict[tuple[int, int], str]) -> None:
+  """Copies one regular file of copy_tree (a hard link to an earlier copy when it is one)."""
+  fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=sfd)
+  try:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # swapped for a FIFO or device since the listing
+      return
+    key = (st.st_dev, st.st_ino)
+    if st.st_nlink > 1 and key in links:
+      os.link(links[key], name, src_dir_fd=root, dst_dir_fd=dfd, follow_symlinks=False)
+      return
+    out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                  0o600, dir_fd=dfd)
+    try:
+      os.ftruncate(out, st.st_size)
+      pos = 0
+      while pos < st.st_size:  # data segments only: a sparse file stays sparse
+        try:
+          pos = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as e:
+          if e.errno == errno.ENXIO:  # only a hole is left
+            break
+          raise
+        end = min(os.lseek(fd, pos, os.SEEK_HOLE), st.st_size)
+        os.lseek(fd, pos, os.SEEK_SET)
+        os.lseek(out, pos, os.SEEK_SET)
+        while pos < end:
+          n = os.sendfile(out, fd, None, end - pos)
+          if n == 0:  # shrunk meanwhile: the rest reads as zeros
+            pos = end = st.st_size
+            break
+          pos += n
+      _set_attrs(out, st, owner)
+    finally:
+      os.close(out)
+    if st.st_nlink > 1:
+      links[key] = path
+  finally:
+    os.close(fd)

@@ -12,12 +12,13 @@ the exec (a child that calls setsid escapes; bwrap's PID namespace has no such g
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tempfile
 from typing import Mapping, Optional, Sequence
 
 from envs.sandbox import hostfs, process
-from envs.sandbox.base import ExecResult, Limits, Sandbox, SandboxError
+from envs.sandbox.base import ExecResult, Limits, Sandbox, SandboxError, fill_fork
 
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
 
@@ -43,7 +44,7 @@ class LocalSandbox(Sandbox):
           "backend 'local' runs model-written code as this user with no isolation (network, "
           "files, processes); pass allow_unsafe=True only for tests and trusted code, else use "
           "'bwrap'")
-    self.limits = limits
+    self.limits, self._parent_dir = limits, parent_dir
     self.root = tempfile.mkdtemp(prefix="arbor-local-", dir=parent_dir)
     self.workspace_path = self.root
     self._pgids: set[int] = set()  # process groups of running execs
@@ -79,6 +80,17 @@ class LocalSandbox(Sandbox):
   async def list_files(self, path: str = ".") -> list[str]:
     self._check_open()
     return hostfs.list_files(self.root, path)
+
+  async def fork(self) -> "LocalSandbox":
+    """A new sandbox whose workspace is a copy of this one's (see `Sandbox.fork`).
+
+    The temporary directory is copied as this process's user: running as root, files the
+    commands made unreadable (mode 000) are copied too; otherwise they fail the fork.
+    """
+    self._check_open()
+    fork = LocalSandbox(self.limits, allow_unsafe=True, parent_dir=self._parent_dir)
+    return await fill_fork(fork, lambda: asyncio.to_thread(hostfs.copy_tree, self.root,
+                                                           fork.root))
 
   async def close(self) -> None:
     if self._closed:

@@ -162,6 +162,21 @@ class RemoteSandbox(Sandbox):
   async def list_files(self, path: str = ".") -> list[str]:
     return (await self._client.request("POST", self._path("list"), {"path": path}))["files"]
 
+  async def fork(self, timeout: float = 120.0) -> "RemoteSandbox":
+    """A new sandbox on the same server whose workspace is a copy of this one's, made there
+    (`POST /sandboxes/ID/fork`, see `Sandbox.fork`); it takes a slot of the server's
+    max_sandboxes.
+
+    Args:
+      timeout: seconds for the request.
+
+    Raises:
+      SandboxFull: the server has no capacity (429).
+      SandboxError: this sandbox is closed, or the server failed to fork it.
+    """
+    r = await self._client.request("POST", self._path("fork"), {}, timeout)
+    return RemoteSandbox(self._client, r["id"], Limits(**r["limits"]), r.get("workspace", ""))
+
   async def close(self) -> None:
     if self._closed:
       return
