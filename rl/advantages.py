@@ -18,6 +18,11 @@ exact (group max == group min) rather than `std == 0`, because the float mean of
 can be off by an ulp, and an ulp divided by `std + eps` is not small.
 
 The estimators return float32 advantages (`same_group` a bool matrix).
+
+Tree rollouts. `tree_advantages` credits each LLM call of one group's tree of calls
+(`rl.tree.call_segments`) with TreeRL's segment advantage, [S, K] per (trajectory, call);
+`turn_broadcast` turns it into per-token advantages. `entropy_aware` reweights per-token
+advantages by the group-standardised token entropy (AEPO); the `aepo` loss applies it in-loss.
 """
 
 from __future__ import annotations
@@ -546,6 +551,158 @@ def broadcast(seq_values, mask) -> Array:
 @jax.jit
 def _broadcast(seq_values, mask):
   return jnp.where(mask != 0, seq_values[:, None], 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Tree credit assignment and entropy-aware token advantages.
+
+
+def tree_advantages(rewards, segment, parent, valid=None) -> Array:
+  """TreeRL segment advantages of one group's tree of LLM calls.
+
+  Nodes are calls in their history (`rl.tree.call_segments`); the leaves under a node are the
+  valid trajectories whose path passes through it. With V(n) the mean reward of the valid
+  leaves under n and V(root) the mean reward of the group's valid trajectories:
+
+    A(n) = (G(n) + L(n)) / sqrt(|L(n)|),  G(n) = V(n) - V(root),  L(n) = V(n) - V(p(n)),
+
+  |L(n)| the number of valid leaves under n. p(n) is n's parent *segment* in TreeRL's sense:
+  TreeRL splits a path into segments only where it branches, so a run of calls that no
+  trajectory leaves is one segment. Here every call is a node, so p(n) is the nearest ancestor
+  call whose valid leaves are more than n's (the branch point above n), or the root; plain
+  parents would give the later calls of an unbranched run L = 0 and call 0 the whole local
+  term. In the tree-packed loss a node's tokens get the gradient of each of its |L(n)| paths,
+  which sum to sqrt(|L(n)|)·(G + L): the 1/sqrt(|L|) is TreeRL's reweighting of shared steps.
+  Independent episodes (no shared call): every segment is a leaf, A = 2 (r - mean).
+  A group whose valid rewards are all equal (or one valid trajectory) gives 0 everywhere,
+  exactly. Rewards are used as given (TreeRL's V is the fraction of correct leaves: 0/1
+  rewards).
+
+  Args:
+    rewards: [S] float, one per trajectory of the group.
+    segment: [S, K] int, the node of trajectory s's call k, -1 for padding.
+    parent: [N] int, each node's parent node, -1 for the root (the prompt).
+    valid: [S] bool, or None (all valid); invalid trajectories are no leaf and get 0.
+
+  Returns:
+    [S, K] f32 advantage of each trajectory's calls (0 at padding and invalid rows).
+
+  Raises:
+    ValueError: for rewards not [S], segment not [S, K], parent not 1-D, non-integer node ids,
+      host node ids outside [-1, N) or valid of another shape.
+
+  References:
+    Hou et al., "TreeRL: LLM Reinforcement Learning with On-Policy Tree Search",
+    arXiv 2506.11902 (process supervision: global and local advantages).
+  """
+  rewards = _as(rewards, f32)
+  segment, parent = _as(segment), _as(parent)
+  if rewards.ndim != 1:
+    raise ValueError(f"rewards must be 1-D [S], got shape {rewards.shape}")
+  if segment.ndim != 2 or segment.shape[0] != rewards.shape[0]:
+    raise ValueError(f"segment must be [S, K] with S = {rewards.shape[0]}, got shape "
+                     f"{segment.shape}")
+  if parent.ndim != 1:
+    raise ValueError(f"parent must be 1-D [N], got shape {parent.shape}")
+  num_nodes = parent.shape[0]
+  for name, x in (("segment", segment), ("parent", parent)):
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"{name} must hold integer node ids, got dtype {x.dtype}")
+    # Host ids are checked: a JAX gather would clamp an out-of-range id silently.
+    if isinstance(x, np.ndarray) and x.size and not (x.min() >= -1 and x.max() < num_nodes):
+      raise ValueError(f"{name} must hold node ids in [-1, {num_nodes}), got values in "
+                       f"[{x.min()}, {x.max()}]")
+  return _tree_advantages(rewards, segment, parent, _valid(valid, rewards.shape))
+
+
+@jax.jit
+def _tree_advantages(rewards, segment, parent, valid):
+  num_nodes = parent.shape[0]
+  if num_nodes == 0:  # no calls: nothing to credit
+    return jnp.zeros(segment.shape, f32)
+  nodes = jnp.arange(num_nodes)
+  # through[s, n]: node n is on trajectory s's path (a path visits a node at most once).
+  through = jnp.any(segment[:, :, None] == nodes[None, None, :], axis=1) & valid[:, None]
+  count = jnp.sum(through, axis=0).astype(f32)                                     # |L(n)|
+  value = jnp.sum(jnp.where(through, rewards[:, None], 0.0), axis=0) / jnp.maximum(count, 1.0)
+  n_valid = jnp.sum(valid).astype(f32)
+  root = jnp.sum(jnp.where(valid, rewards, 0.0)) / jnp.maximum(n_valid, 1.0)
+  # Segment parent: climb while the parent has the same valid leaves (ancestors hold a superset,
+  # so equal counts mean equal sets); pointer doubling reaches the top of the run in log2(N).
+  safe_parent = jnp.maximum(parent, 0)
+  same = (parent >= 0) & (count[safe_parent] == count)
+  top = jnp.where(same, safe_parent, nodes)
+  for _ in range(max(1, int(np.ceil(np.log2(num_nodes + 1))))):
+    top = top[top]
+  seg_parent = parent[top]
+  parent_value = jnp.where(seg_parent >= 0, value[jnp.maximum(seg_parent, 0)], root)
+  adv = ((value - root) + (value - parent_value)) / jnp.sqrt(jnp.maximum(count, 1.0))
+  gmax = jnp.max(jnp.where(valid, rewards, -jnp.inf))
+  gmin = jnp.min(jnp.where(valid, rewards, jnp.inf))
+  degenerate = (n_valid <= 1) | (gmax == gmin)
+  out = adv[jnp.clip(segment, 0, num_nodes - 1)]
+  return jnp.where((segment >= 0) & valid[:, None] & ~degenerate, out, 0.0)
+
+
+def entropy_aware(advantages, entropy, mask, group, alpha, eps: float = 1e-6) -> Array:
+  """AEPO entropy-aware advantage: A_t · (1 + α · Ĥ_t), Ĥ the group-standardised entropy.
+
+  Ĥ_t = (H_t - mean_g) / (std_g + eps) with mean_g and the population std_g over the loss
+  tokens (mask != 0) of every sequence of t's group, so tokens more uncertain than their group's
+  average get a larger share of the advantage. A group never straddles micro-batches, so the
+  statistics (and the result) are the same whatever the micro-batching. A group whose loss
+  tokens all have the same entropy gets Ĥ = 0 exactly. The factor is not clamped: α·Ĥ < -1
+  flips a token's advantage, as in the paper's formula. The entropy is a constant (no gradient).
+
+  Args:
+    advantages: [S, T] f32 per-token advantages.
+    entropy: [S, T] f32 policy entropy at each token.
+    mask: [S, T], nonzero = loss token.
+    group: [S] int group ids.
+    alpha: α >= 0.
+    eps: >= 0, added to the std.
+
+  Returns:
+    [S, T] f32 advantages, 0 where mask = 0.
+
+  Raises:
+    ValueError: for mismatched shapes, non-integer group ids, alpha < 0 or eps < 0.
+
+  References:
+    Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv 2510.14545
+    (entropy-aware advantage estimation).
+  """
+  _check_number("alpha", alpha, low=0.0)
+  _check_number("eps", eps, low=0.0)
+  advantages, entropy = _as(advantages, f32), _as(entropy, f32)
+  if advantages.ndim != 2:
+    raise ValueError(f"advantages must be 2-D [S, T], got shape {advantages.shape}")
+  for name, x in (("entropy", entropy), ("mask", _as(mask))):
+    if x.shape != advantages.shape:
+      raise ValueError(f"{name} must have shape {advantages.shape}, got {x.shape}")
+  group = _as(group)
+  if group.shape != advantages.shape[:1]:
+    raise ValueError(f"group must have shape {advantages.shape[:1]}, got {group.shape}")
+  if not jnp.issubdtype(group.dtype, jnp.integer):
+    raise ValueError(f"group must hold integer ids, got dtype {group.dtype}")
+  return _entropy_aware(advantages, entropy, _as(mask, bool), group, alpha, eps)
+
+
+@jax.jit
+def _entropy_aware(advantages, entropy, mask, group, alpha, eps):
+  entropy = jax.lax.stop_gradient(jnp.where(mask, entropy, 0.0))
+  same = same_group(group, jnp.ones(group.shape, bool))
+  n = _row_sum(same, jnp.sum(mask, axis=1).astype(f32))
+  mean = _row_sum(same, jnp.sum(entropy, axis=1)) / jnp.maximum(n, 1.0)
+  sq = jnp.sum(jnp.where(mask, (entropy - mean[:, None]) ** 2, 0.0), axis=1)
+  std = jnp.sqrt(_row_sum(same, sq) / jnp.maximum(n, 1.0))
+  # Exact "all equal" test per group (as for degenerate reward groups): no ulp / eps blow-up.
+  row_max = jnp.max(jnp.where(mask, entropy, -jnp.inf), axis=1)
+  row_min = jnp.min(jnp.where(mask, entropy, jnp.inf), axis=1)
+  gmax = jnp.max(jnp.where(same, row_max[None, :], -jnp.inf), axis=1)
+  gmin = jnp.min(jnp.where(same, row_min[None, :], jnp.inf), axis=1)
+  h = jnp.where((gmax > gmin)[:, None], (entropy - mean[:, None]) / (std[:, None] + eps), 0.0)
+  return jnp.where(mask, advantages * (1.0 + alpha * h), 0.0)
 
 
 # --------------------------------------------------------------------------------------------

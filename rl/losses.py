@@ -16,6 +16,8 @@ defaults (eps, aggregation) follow the papers and are in `DEFAULTS`.
   grpo        same, k3 KL when kl_coef > 0                ε 0.2/0.2         seq_mean_token_mean
   dr_grpo     same                                        ε 0.2/0.2         seq_mean_token_sum_norm
   dapo        same (clip-higher)                          ε 0.2/0.28        token_mean
+  aepo        same, but -(1+ε_h)·A·r/sg(r) if A > 0 and  ε 0.2/0.28        token_mean
+              r > 1+ε_h (value clipped, gradient kept); A·(1 + α·Ĥ) with entropy_adv_coef α
   gspo        per sequence, s_i = exp(mean_t log r)       ε 3e-4/4e-4       seq_mean
   gspo_token  per token, s_{i,t} = sg(s_i)·π_θ/sg(π_θ)    ε 3e-4/4e-4       seq_mean_token_mean
   turn_gspo   per turn k, r_k = Π_{t∈k} r_t, mean over turns   ε 0.2/0.2    seq_mean
@@ -24,6 +26,9 @@ defaults (eps, aggregation) follow the papers and are in `DEFAULTS`.
   opd         -sg(log π_teacher - log π_θ)·r                                token_mean
   dpo         -log σ(β·[(Σ logπ_c - Σ logref_c) - (Σ logπ_r - Σ logref_r)])  prompt_mean
               (prompt_mean over pairs = the mean over pairs)
+
+`entropy_adv_coef` (aepo only) first replaces A by the entropy-aware advantage
+`rl.advantages.entropy_aware` (Ĥ = token entropy standardised over its group's loss tokens).
 
 Token-level aggregations are `AGGREGATIONS`; sequence-level losses (gspo, turn_gspo, kimi_pmd,
 dpo) take `SEQ_AGGREGATIONS`. Every RL loss adds the KL penalty / entropy bonus (`_regularise`,
@@ -44,6 +49,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from rl import advantages as rl_advantages
 from rl.batch import Array, SeqBatch
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
@@ -77,6 +83,7 @@ class LossConfig:
   opd_coef: float = 0.0                 # add coef · OPD loss to an RL loss (needs teacher_logprobs)
   dpo_beta: float = 0.1                 # DPO β
   mask_failed_turns: bool = False       # SFT: drop tokens of turns whose tool call failed
+  entropy_adv_coef: Optional[float] = None  # aepo only: α of A·(1 + α·Ĥ) (needs entropy)
 
   def get(self, field: str):
     """The field's value, or the selected loss's default when it is None."""
@@ -93,7 +100,8 @@ def check_config(cfg: LossConfig) -> None:
   Raises:
     ValueError: naming the LossConfig field: an unknown loss name, aggregation, KL estimator
       or turn ratio; max_len <= 0 with seq_mean_token_sum_norm; a negative eps or
-      coefficient; dual_clip <= 1; behaviour_cap, tau or dpo_beta <= 0.
+      coefficient; dual_clip <= 1; behaviour_cap, tau or dpo_beta <= 0; entropy_adv_coef > 0
+      with a loss other than aepo.
   """
   get_loss(cfg.name)
   agg = cfg.get("aggregation")
@@ -124,6 +132,12 @@ def check_config(cfg: LossConfig) -> None:
     raise ValueError(f"LossConfig.tau={cfg.tau!r}: must be > 0")
   if not cfg.dpo_beta > 0:
     raise ValueError(f"LossConfig.dpo_beta={cfg.dpo_beta!r}: must be > 0")
+  alpha = cfg.get("entropy_adv_coef")
+  if alpha is not None and not alpha >= 0:
+    raise ValueError(f"LossConfig.entropy_adv_coef={alpha!r}: must be >= 0")
+  if alpha and cfg.name != "aepo":
+    raise ValueError(f"LossConfig.entropy_adv_coef={alpha!r}: applies to 'aepo' only, not "
+                     f"{cfg.name!r}")
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -404,14 +418,32 @@ def sft(batch: SeqBatch, cfg: LossConfig):
   return -(scale * _weights(batch) * batch.logprobs).sum(), metrics
 
 
-def _ppo_family(batch: SeqBatch, cfg: LossConfig, name: str):
-  """Shared body of ppo, grpo, dr_grpo and dapo (they differ only in DEFAULTS)."""
+def _ppo_family(batch: SeqBatch, cfg: LossConfig, name: str, keep_high: bool = False):
+  """Shared body of ppo, grpo, dr_grpo, dapo (they differ only in DEFAULTS) and aepo
+  (`keep_high`: the upper clip of positive advantages keeps a rescaled gradient)."""
   batch, cfg = _prepare(batch, cfg, name)
-  ratio = jnp.exp(log_ratio(batch))
-  per_token, clipped = clipped_surrogate(ratio, _advantages(batch, name), cfg.get("eps_low"),
-                                         cfg.get("eps_high"), cfg.dual_clip)
-  metrics = {"clip_fraction": _masked_mean(clipped, batch.mask),
-             "ratio": _masked_mean(ratio, batch.mask)}
+  lr = log_ratio(batch)
+  ratio = jnp.exp(lr)
+  adv = _advantages(batch, name)
+  alpha = cfg.get("entropy_adv_coef")
+  if alpha:
+    if batch.entropy is None:
+      raise ValueError("LossConfig.entropy_adv_coef > 0 needs SeqBatch.entropy")
+    if batch.group is None:
+      raise ValueError("LossConfig.entropy_adv_coef > 0 needs SeqBatch.group (group ids)")
+    adv = rl_advantages.entropy_aware(adv, batch.entropy, batch.mask, batch.group, alpha)
+  eps_high = cfg.get("eps_high")
+  per_token, clipped = clipped_surrogate(ratio, adv, cfg.get("eps_low"), eps_high, cfg.dual_clip)
+  metrics = {"ratio": _masked_mean(ratio, batch.mask)}
+  if keep_high:
+    # value (1+ε_h)·A as clipped, gradient (1+ε_h)·A·∇log π: r/sg(r) = exp(lr - sg(lr)), which
+    # cannot overflow however large r is.
+    preserved = (adv > 0) & (jax.lax.stop_gradient(ratio) > 1.0 + eps_high)
+    kept = -adv * (1.0 + eps_high) * jnp.exp(lr - jax.lax.stop_gradient(lr))
+    per_token = jnp.where(preserved, kept, per_token)
+    clipped = clipped * (1.0 - preserved)
+    metrics["preserved_fraction"] = _masked_mean(preserved.astype(jnp.float32), batch.mask)
+  metrics["clip_fraction"] = _masked_mean(clipped, batch.mask)
   if cfg.decoupled:
     if batch.sampler_logprobs is None or batch.old_logprobs is None:
       raise ValueError("LossConfig.decoupled=True needs old_logprobs (π_old) and "
@@ -520,6 +552,41 @@ def dapo(batch: SeqBatch, cfg: LossConfig):
     DAPO.
   """
   return _ppo_family(batch, cfg, "dapo")
+
+
+def aepo(batch: SeqBatch, cfg: LossConfig):
+  """AEPO entropy-balanced clipping: the PPO clip loss, keeping the gradient of tokens clipped
+  above (r > 1+ε_h with A > 0: the high-entropy exploratory tokens clip-higher silences).
+
+  Per token ℓ = -A·F with
+    F = (1+ε_h)·r/sg(r)                         if A > 0 and r > 1+ε_h
+    F = the PPO choice: min(r·A, clip(r, 1-ε_l, 1+ε_h)·A)/A   otherwise
+  so a preserved token has the clipped value -(1+ε_h)·A and the gradient -(1+ε_h)·A·∇log π
+  (PPO: 0). The lower side stays an ordinary clip (A < 0, r < 1-ε_l: value -(1-ε_l)·A, no
+  gradient). ε 0.2/0.28, token_mean. With entropy_adv_coef = α > 0 the advantages are first
+  replaced by `rl.advantages.entropy_aware(A, entropy, mask, group, α)`, A·(1 + α·Ĥ) with Ĥ
+  the token entropy standardised over its group's loss tokens (needs `entropy`); α defaults to
+  0 (off). Other options as `ppo` (dual_clip, decoupled, KL, entropy bonus, opd_coef).
+  Metrics: clip_fraction (value clipped and gradient cut), preserved_fraction (gradient kept
+  above the clip), ratio.
+
+  Args:
+    batch: the sequences; needs `advantages`; with entropy_adv_coef > 0 also `entropy` and
+      `group`.
+    cfg: the hyper-parameters; its `name` is ignored (aepo's `DEFAULTS` apply).
+
+  Returns:
+    (loss, metrics): the scalar loss and a dict of scalar metrics.
+
+  Raises:
+    ValueError: for a bad config (`check_config`) or a batch lacking a field the config needs.
+
+  References:
+    Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv 2510.14545
+    (entropy-balanced policy optimization); GPPO / CE-GPPO (Kuaishou, arXiv 2509.20712):
+    gradient-preserving clipping.
+  """
+  return _ppo_family(batch, cfg, "aepo", keep_high=True)
 
 
 def gspo(batch: SeqBatch, cfg: LossConfig):
@@ -865,6 +932,8 @@ DEFAULTS: dict[str, dict] = {
     "grpo": {"aggregation": "seq_mean_token_mean", "eps_low": 0.2, "eps_high": 0.2},
     "dr_grpo": {"aggregation": "seq_mean_token_sum_norm", "eps_low": 0.2, "eps_high": 0.2},
     "dapo": {"aggregation": "token_mean", "eps_low": 0.2, "eps_high": 0.28},
+    "aepo": {"aggregation": "token_mean", "eps_low": 0.2, "eps_high": 0.28,
+             "entropy_adv_coef": 0.0},
     "gspo": {"aggregation": "seq_mean", "eps_low": 3e-4, "eps_high": 4e-4},
     "gspo_token": {"aggregation": "seq_mean_token_mean", "eps_low": 3e-4, "eps_high": 4e-4},
     "turn_gspo": {"aggregation": "seq_mean", "eps_low": 0.2, "eps_high": 0.2},
@@ -875,9 +944,9 @@ DEFAULTS: dict[str, dict] = {
 }
 
 LOSSES: dict[str, LossFn] = {
-    "sft": sft, "ppo": ppo, "grpo": grpo, "dr_grpo": dr_grpo, "dapo": dapo, "gspo": gspo,
-    "gspo_token": gspo_token, "turn_gspo": turn_gspo, "cispo": cispo, "kimi_pmd": kimi_pmd,
-    "opd": opd, "dpo": dpo,
+    "sft": sft, "ppo": ppo, "grpo": grpo, "dr_grpo": dr_grpo, "dapo": dapo, "aepo": aepo,
+    "gspo": gspo, "gspo_token": gspo_token, "turn_gspo": turn_gspo, "cispo": cispo,
+    "kimi_pmd": kimi_pmd, "opd": opd, "dpo": dpo,
 }
 
 # Losses whose terms are per sequence (or per turn): they take SEQ_AGGREGATIONS.

@@ -15,6 +15,9 @@ Flattened arrays (docs/design.md §3), n = number of nodes:
                  (a token repeated as context by later calls is not repeated), with its fields
   experts [n, moe_layers, k]  (optional) the MoE experts the sampler routed each node through,
                  -1 where no call recorded them (routing replay; a node's first recording wins)
+
+`call_segments` gives the coarser tree of a group's LLM calls (one node per call in its
+history), the input of tree credit assignment (`rl.advantages.tree_advantages`).
 """
 
 from __future__ import annotations
@@ -258,3 +261,37 @@ def _pre_order(parent, children, roots):
     i += 1
     stack.extend(("open", c, d + 1) for c in reversed(list(children[x].values())))
   return order, depth, end
+
+
+def call_segments(trajectories: Sequence[TrajectoryTokens]) -> tuple[np.ndarray, np.ndarray]:
+  """The tree of LLM calls ("segments") of one group, for tree credit assignment.
+
+  A segment node is one call's sampled output in its context. Trajectories share the node of
+  their call k iff their calls 0..k are identical (input_ids and output_ids): a branched
+  episode repeats its ancestors' calls verbatim, so identical histories mean the same node.
+  Calls differing only in a tool result (call k+1's input) share node k and split at k+1.
+  Nodes are numbered in order of first appearance (trajectory by trajectory, call by call).
+
+  Args:
+    trajectories: the group's trajectories; trajectory s is row s, and call k indexes
+      `TrajectoryTokens.calls` exactly as `build_tree` numbers the "turn" field (calls without
+      output_ids included).
+
+  Returns:
+    (segment, parent): segment [S, K] int32, the node of trajectory s's call k (K = the most
+    calls of a trajectory; -1 past a trajectory's last call); parent [N] int32, the node of
+    call k-1 for a node of call k, -1 for call 0 (the group's root, the prompt).
+  """
+  ids: dict[tuple, int] = {}  # (parent node, input_ids, output_ids) -> node
+  parent: list[int] = []
+  num_calls = max((len(t.calls) for t in trajectories), default=0)
+  segment = np.full((len(trajectories), num_calls), -1, np.int32)
+  for s, traj in enumerate(trajectories):
+    node = -1
+    for k, call in enumerate(traj.calls):
+      key = (node, tuple(int(x) for x in call.input_ids), tuple(int(x) for x in call.output_ids))
+      if key not in ids:
+        ids[key] = len(parent)
+        parent.append(node)
+      node = segment[s, k] = ids[key]
+  return segment, np.asarray(parent, np.int32).reshape(-1)

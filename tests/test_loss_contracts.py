@@ -36,6 +36,8 @@ def loss_configs() -> list[losses.LossConfig]:
   cfgs += [losses.LossConfig(name="ppo", kl_coef=0.1, kl_estimator=k, entropy_coef=0.01)
            for k in losses.KL_ESTIMATORS]
   cfgs += [losses.LossConfig(name="sft", mask_failed_turns=True)]
+  if "aepo" in losses.LOSSES:  # entropy-aware advantages: group statistics over loss tokens
+    cfgs += [losses.LossConfig(name="aepo", entropy_adv_coef=0.5)]
   if "opd" in losses.LOSSES:
     cfgs += [losses.LossConfig(name="ppo", opd_coef=0.5, decoupled=True, behaviour_cap=2.0)]
   return cfgs
@@ -44,7 +46,8 @@ def loss_configs() -> list[losses.LossConfig]:
 def _ids(cfg):
   return f"{cfg.name}-{cfg.aggregation or 'default'}" + (
       f"-{cfg.kl_estimator}" if cfg.kl_coef else "") + ("-opd" if cfg.opd_coef else "") + (
-      "-failed" if cfg.mask_failed_turns else "")
+      "-failed" if cfg.mask_failed_turns else "") + (
+      "-entropy_adv" if cfg.entropy_adv_coef else "")
 
 
 # ----------------------------------------------------------------------------- tree contract

@@ -209,6 +209,36 @@ def _seq_tokens(d, i):
   return np.nonzero(d["mask"][i])[0]
 
 
+def ref_entropy_adv(d, alpha, eps=1e-6):
+  """AEPO: A·(1 + α·(H - mean_g)/(std_g + eps)) over the loss tokens of each group."""
+  out = np.zeros_like(d["advantages"])
+  for g in np.unique(d["group"]):
+    rows = np.nonzero(d["group"] == g)[0]
+    h = np.concatenate([d["entropy"][i][d["mask"][i] > 0] for i in rows])
+    for i in rows:
+      z = (d["entropy"][i] - h.mean()) / (h.std() + eps) if len(h) else 0.0
+      out[i] = d["advantages"][i] * (1 + alpha * z)
+  return out
+
+
+def ref_aepo(lp, d, lp0, c, check=False):
+  """AEPO: the PPO clip, except -A·(1+ε_h)·r/sg(r) where A > 0 and r > 1+ε_h."""
+  el, eh = c.get("eps_low"), c.get("eps_high")
+  r0 = np.exp(lp0 - _old(d, lp0))
+  if check:
+    check_clip_inputs(r0, d["mask"], el, eh, c.dual_clip)
+  a = ref_entropy_adv(d, c.get("entropy_adv_coef")) if c.get("entropy_adv_coef") else \
+      d["advantages"]
+  r = np.exp(lp - _old(d, lp0))
+  l = np.where((a > 0) & (r0 > 1 + eh), -a * (1 + eh) * np.exp(lp - lp0),
+               ppo_clip(r, a, el, eh, c.dual_clip))
+  l = l * _w(d) + ref_regular(lp, d, lp0, c)
+  out = agg_tokens(l, d, c.get("aggregation"))
+  if c.opd_coef:
+    out += c.opd_coef * agg_tokens(ref_opd_tokens(lp, d, lp0), d, c.get("aggregation"))
+  return out
+
+
 def ref_gspo(lp, d, lp0, c, check=False):
   """(1/G) Σ_i min(s_i A_i, clip(s_i) A_i), s_i = (Π_t r_t)^(1/|y_i|)."""
   el, eh = c.get("eps_low"), c.get("eps_high")
@@ -322,6 +352,7 @@ def ref_sft(lp, d, lp0, c, check=False):
 
 REFERENCES = {
     "sft": ref_sft, "ppo": ref_ppo, "grpo": ref_ppo, "dr_grpo": ref_ppo, "dapo": ref_ppo,
+    "aepo": ref_aepo,
     "gspo": ref_gspo, "gspo_token": ref_gspo_token, "turn_gspo": ref_turn_gspo,
     "cispo": ref_cispo, "kimi_pmd": ref_kimi, "opd": ref_opd, "dpo": ref_dpo,
 }
@@ -362,6 +393,8 @@ def cases():
   out += [c("ppo", kl_coef=0.2, kl_estimator=k) for k in losses.KL_ESTIMATORS]
   out += [c("grpo", kl_coef=0.1), c("grpo", opd_coef=0.5), c("dr_grpo", dual_clip=2.5),
           c("dapo", "on_policy", kl_coef=0.1, kl_estimator="k3_is")]
+  out += [c("aepo", entropy_adv_coef=0.5), c("aepo", "on_policy", entropy_adv_coef=0.2),
+          c("aepo", dual_clip=3.0, kl_coef=0.1, opd_coef=0.3)]
   out += [c("gspo", aggregation=a) for a in ("prompt_mean", "token_mean")]
   out += [c("gspo", eps_low=0.2, eps_high=0.2, kl_coef=0.1, entropy_coef=0.05, opd_coef=0.3),
           c("gspo", "on_policy"), c("gspo_token", eps_low=0.2, eps_high=0.28),
@@ -558,6 +591,8 @@ def test_all_masked_batch_is_zero(name):
     (LossConfig(name="opd"), "teacher_logprobs", "teacher_logprobs"),
     (LossConfig(name="grpo", opd_coef=0.1), "teacher_logprobs", "teacher_logprobs"),
     (LossConfig(name="ppo", entropy_coef=0.1), "entropy", "entropy"),
+    (LossConfig(name="aepo", entropy_adv_coef=0.1), "entropy", "SeqBatch.entropy"),
+    (LossConfig(name="grpo", entropy_adv_coef=0.1), None, "LossConfig.entropy_adv_coef"),
     (LossConfig(name="kimi_pmd"), "reward", "reward"),
     (LossConfig(name="turn_gspo"), "turn", "turn"),
     (LossConfig(name="ppo", decoupled=True), "sampler_logprobs", "decoupled"),
