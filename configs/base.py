@@ -185,6 +185,7 @@ def _loss() -> ml_collections.ConfigDict:
   s.opd_coef = 0.0  # add coef · OPD (needs the distill teachers)
   s.dpo_beta = 0.1  # DPO β
   s.mask_failed_turns = False  # also drop failed tool-call turns in the loss (data flags)
+  s.entropy_adv_coef = placeholder(float)  # aepo: α of the entropy-aware advantage A·(1 + α·Ĥ)
   return s
 
 
@@ -256,7 +257,9 @@ def _rl() -> ml_collections.ConfigDict:
   s.group_size = 8  # samples per task (G)
   s.epochs = 1  # passes over each step's rollouts
   s.minibatches = 1  # optimizer updates per pass
-  s.advantage = "grpo"  # rl.advantages: "grpo" | "dr_grpo" | "rloo" | "reinforce_pp_baseline"
+  # rl.advantages: "grpo" | "dr_grpo" | "rloo" | "reinforce_pp_baseline" per trajectory, or
+  # "treerl" per call: the tree's segment values (branching rollouts; independent: 2·(r - mean))
+  s.advantage = "grpo"
   s.drop_constant_groups = True  # drop groups whose rewards are all equal (no signal)
   s.reference = "initial"  # KL reference (loss.kl_coef > 0): "initial" policy | "ckpt:<dir>"
   s.recompute_old = False  # score π_old with the trainer instead of trusting the sampler's
@@ -286,6 +289,22 @@ def _rl() -> ml_collections.ConfigDict:
   s.swe_cache = ""  # where checkouts go ("" = $ARBOR_SWE_CACHE, else ~/.cache/arbor/swe)
   s.task_level = 0  # generated tasks: taskgen level 0 | 1 | 2 | 3
   s.task_seed = 1  # generated tasks: taskgen seed (disjoint from the SFT demo's)
+  # a group: "independent" (G episodes) | "branching" (one entropy-guided tree of G leaves)
+  s.rollout = "independent"
+  s.branch = _branch()  # tree rollouts (rl.rollout = "branching"): envs.branching.BranchConfig
+  return s
+
+
+def _branch() -> ml_collections.ConfigDict:
+  """Entropy-guided branching (ARPO / AEPO): where a group's episodes fork."""
+  s = ml_collections.ConfigDict()
+  s.width = 2  # paths leaving a branch point (the path itself + width - 1 new ones)
+  s.base_prob = 0.5  # branch probability of a tool step as uncertain as the question
+  s.entropy_weight = 0.2  # probability added per nat of step entropy above the question's
+  s.consecutive_penalty = 0.5  # each consecutive branch on a path scales it by 1 - this
+  s.premonitor_beta = 1.0  # global samples m = G·σ(β·(H_question - mean H_tool steps))
+  s.global_fraction = placeholder(float)  # fixed m = G·fraction instead of pre-monitoring
+  s.entropy_tokens = 20  # a step's entropy: mean over the first tokens of its reply
   return s
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -55,6 +56,35 @@ class EpisodeFn(Protocol):
   def __call__(self, task: Task, index: int, seed: int, *, group_id: str = "",
                metadata: Optional[Mapping[str, Any]] = None) -> Awaitable[Trajectory]:
     ...
+
+
+class GroupFn(Protocol):
+  """Samples one task draw's group of trajectories (`independent_groups`, or the tree
+  rollouts of `envs.branching.make_branching_group`).
+
+  Args:
+    task: the task.
+    group_size: G, the trajectories to return.
+    draw: the task draw (group_id `f"{task.instance_id}/{draw}"`).
+    seed: the run's seed.
+    limiter: bounds the episodes in flight (shared across groups), if given.
+    abort: cuts the group short when set.
+    counters: where failures and cancellations are counted (a plain dict).
+
+  Returns:
+    The finished trajectories (possibly fewer than G).
+  """
+
+  def __call__(self, task: Task, group_size: int, *, draw: int = 0, seed: int = 0,
+               limiter: Optional[asyncio.Semaphore] = None,
+               abort: Optional[asyncio.Event] = None,
+               counters: Optional[dict] = None) -> Awaitable[list[Trajectory]]:
+    ...
+
+
+def independent_groups(episode: EpisodeFn) -> GroupFn:
+  """The default group function: G independent episodes of `episode` (`run_task_group`)."""
+  return functools.partial(run_task_group, episode=episode)
 
 
 def episode_seed(seed: int, draw: int, index: int) -> int:
@@ -210,6 +240,65 @@ async def _submission(task: Task, sandbox: Sandbox, result: EpisodeResult) -> An
   return replies[-1] if replies else ""
 
 
+async def start_sandbox(task: Task, make_sandbox: SandboxMaker) -> Sandbox:
+  """A fresh sandbox for an episode of `task`, holding the task's repository ("swe" tasks).
+
+  Args:
+    task: the task.
+    make_sandbox: the sandboxes (`make_sandbox_factory`).
+
+  Returns:
+    The started sandbox (the caller closes it); closed again if loading the repository fails.
+  """
+  sandbox = await make_sandbox(task)
+  try:
+    if task.kind == "swe":
+      for path, data in (await asyncio.to_thread(load_repo_files, task)).items():
+        await sandbox.write_file(path, data)
+  except BaseException:
+    await sandbox.close()
+    raise
+  return sandbox
+
+
+def make_verifier(chat: ChatFormat, make_sandbox: SandboxMaker, policy: Policy, *,
+                  partial_credit: bool = False) -> Callable[[Task, Sandbox, EpisodeResult],
+                                                            Awaitable[tuple[float, dict]]]:
+  """The reward of a finished episode: the task's verifier on what the agent left.
+
+  Args:
+    chat: renders a judge's prompt and decodes its reply.
+    make_sandbox: the verifier's fresh sandboxes.
+    policy: grades "judge" tasks.
+    partial_credit: reward = fraction of tests passing instead of all-or-nothing.
+
+  Returns:
+    `async verify(task, sandbox, result) -> (reward, details)`: 0 and {} for an episode that
+    ended with "sandbox_error"; a SandboxError while verifying turns the result's termination
+    into "sandbox_error" (reward 0).
+  """
+  def render(text: str) -> list[int]:  # a judge's prompt
+    return chat.render([{"role": "user", "content": text}], add_generation_prompt=True).ids
+
+  async def score(task: Task, sandbox: Sandbox, result: EpisodeResult) -> tuple[float, dict]:
+    if result.termination == "sandbox_error":
+      return 0.0, {}
+    try:
+      verdict = await verify(task, await _submission(task, sandbox, result),
+                             make_sandbox=make_sandbox, policy=policy, render=render,
+                             decode=chat.tokenizer.decode, partial=partial_credit)
+      return float(verdict.reward), verdict.details
+    except SandboxError as e:
+      result.termination, result.error = "sandbox_error", f"verifier: {e}"
+      return 0.0, {}
+  return score
+
+
+def episode_metadata(details: Any, prompt: str, metadata: Optional[Mapping[str, Any]]) -> dict:
+  """A trajectory's metadata from its episode: the verifier's details and the prompt's head."""
+  return {"verdict": _jsonable(details), "prompt": prompt[:200], **(metadata or {})}
+
+
 def make_react_episode(policy: Policy, chat: ChatFormat, make_sandbox: SandboxMaker,
                        config: Optional[ScaffoldConfig] = None, *, partial_credit: bool = False,
                        judge_policy: Optional[Policy] = None) -> EpisodeFn:
@@ -234,34 +323,20 @@ def make_react_episode(policy: Policy, chat: ChatFormat, make_sandbox: SandboxMa
     verifier's details) and "prompt" (the phrasing's first 200 characters).
   """
   config = config or ScaffoldConfig()
-
-  def render(text: str) -> list[int]:  # a judge's prompt
-    return chat.render([{"role": "user", "content": text}], add_generation_prompt=True).ids
+  score = make_verifier(chat, make_sandbox, judge_policy or policy, partial_credit=partial_credit)
 
   async def episode(task: Task, index: int, seed: int, *, group_id: str = "",
                     metadata: Optional[Mapping[str, Any]] = None) -> Trajectory:
     prompt = task.prompt(np.random.default_rng(seed))
-    sandbox = await make_sandbox(task)
-    reward, details = 0.0, {}
+    sandbox = await start_sandbox(task, make_sandbox)
     try:
-      if task.kind == "swe":
-        for path, data in (await asyncio.to_thread(load_repo_files, task)).items():
-          await sandbox.write_file(path, data)
       result = await run_episode(policy, sandbox, prompt, default_tools(task.test_command or None),
                                  chat, dataclasses.replace(config, seed=seed))
-      if result.termination != "sandbox_error":
-        try:
-          verdict = await verify(task, await _submission(task, sandbox, result),
-                                 make_sandbox=make_sandbox, policy=judge_policy or policy,
-                                 render=render, decode=chat.tokenizer.decode,
-                                 partial=partial_credit)
-          reward, details = float(verdict.reward), verdict.details
-        except SandboxError as e:
-          result.termination, result.error = "sandbox_error", f"verifier: {e}"
+      reward, details = await score(task, sandbox, result)
     finally:
       await sandbox.close()
-    return result.to_trajectory(reward, task.instance_id, group_id, metadata={
-        "verdict": _jsonable(details), "prompt": prompt[:200], **(metadata or {})})
+    return result.to_trajectory(reward, task.instance_id, group_id,
+                                metadata=episode_metadata(details, prompt, metadata))
   return episode
 
 

@@ -7,7 +7,8 @@
 One asyncio loop drives everything. `ceil(concurrency / group_size)` task slots each repeat:
 wait while `max_backlog` or more trajectories wait unread in the queue (backpressure); lease a
 draw (`envs.queue`); run its G episodes, at most `concurrency` at a time across the worker
-(`run_task_group`); then `complete_task` puts the group and ends the lease in one atomic step.
+(`run_task_group`, or with `--rollout branching` one entropy-guided tree of G leaves,
+`envs.branching`); then `complete_task` puts the group and ends the lease in one atomic step.
 Leases are renewed every ttl/3 while episodes run, so a live worker keeps its draws however long
 its episodes take, and a killed one (SIGKILL, lost VM) stops renewing: its draws are re-issued
 to another worker after `lease_ttl`, and its late results, if any, are refused.
@@ -36,8 +37,9 @@ import time
 from typing import Any, Optional, Sequence
 
 from envs.chat import load_chat, load_tokenizer, make_chat
-from envs.episode import (EpisodeFn, load_task_file, make_react_episode, make_sandbox_factory,
-                          run_task_group)
+from envs.branching import add_branch_flags, branch_config_from_flags, make_branching_group
+from envs.episode import (EpisodeFn, GroupFn, independent_groups, load_task_file,
+                          make_react_episode, make_sandbox_factory)
 from envs.net import read_secret
 from envs.policy import HTTPPolicy
 from envs.queue import RolloutQueue, TaskLease, default_worker_id, make_queue, task_order
@@ -109,6 +111,8 @@ class RolloutWorker:
     queue: the rollout queue (its task leases and its trajectory stream).
     tasks: the task list; draw d is `task_for(d)`.
     episode: the episode function (`envs.episode.make_react_episode`, or a fake in tests).
+    group_fn: samples a draw's group instead of G independent `episode`s (tree rollouts:
+      `envs.branching.make_branching_group`); None: `independent_groups(episode)`.
     config: pacing (group size, concurrency, leases, backpressure, grace).
     worker_id: the name in leases and logs (default host-pid-random).
 
@@ -117,10 +121,12 @@ class RolloutWorker:
   """
 
   def __init__(self, queue: RolloutQueue, tasks: Sequence[Task], episode: EpisodeFn,
-               config: WorkerConfig = WorkerConfig(), worker_id: Optional[str] = None):
+               config: WorkerConfig = WorkerConfig(), worker_id: Optional[str] = None,
+               group_fn: Optional[GroupFn] = None):
     if not tasks:
       raise ValueError("tasks: the worker needs at least one task")
     self.queue, self.tasks, self.episode = queue, list(tasks), episode
+    self.group_fn = group_fn or independent_groups(episode)
     self.config = config.check()
     self.worker_id = worker_id or default_worker_id()
     self.counters: dict[str, float] = {}
@@ -240,9 +246,9 @@ class RolloutWorker:
       abort = asyncio.Event()
       self._held[lease.draw] = (lease, abort)
       try:
-        group = await run_task_group(self.task_for(lease.draw), cfg.group_size, self.episode,
-                                     draw=lease.draw, seed=cfg.seed, limiter=limiter,
-                                     abort=abort, counters=self.counters)
+        group = await self.group_fn(self.task_for(lease.draw), cfg.group_size,
+                                    draw=lease.draw, seed=cfg.seed, limiter=limiter,
+                                    abort=abort, counters=self.counters)
       finally:
         del self._held[lease.draw]
       await self._finish(lease, group)
@@ -395,6 +401,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   a("--chat", default="chatml", help="chat format: template (the tokenizer directory's own "
     "Jinja chat template) | chatml | qwen2.5 | deepseek_v3 | plain")
   add_scaffold_flags(p)
+  a("--rollout", choices=("independent", "branching"), default="independent",
+    help="a draw's group: G independent episodes, or one entropy-guided tree of G leaves")
+  add_branch_flags(p)
   a("--partial_credit", action="store_true", help="reward = fraction of tests passing")
   a("--lease_ttl", type=float, default=120.0, help="seconds a lease lives without renewal")
   a("--max_backlog", type=int, default=1024,
@@ -438,15 +447,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   make_sandbox = make_sandbox_factory(args.sandbox, url=args.sandbox_url,
                                       token_file=args.token_file, cafile=args.sandbox_cafile,
                                       allow_unsafe=args.allow_unsafe_sandbox)
-  episode = make_react_episode(policy, chat, make_sandbox, scaffold_config_from_flags(args),
+  scaffold = scaffold_config_from_flags(args)
+  episode = make_react_episode(policy, chat, make_sandbox, scaffold,
                                partial_credit=args.partial_credit)
+  group_fn = None
+  if args.rollout == "branching":
+    group_fn = make_branching_group(policy, chat, make_sandbox, scaffold,
+                                    branch_config_from_flags(args),
+                                    partial_credit=args.partial_credit)
   config = WorkerConfig(group_size=args.group_size, concurrency=args.concurrency,
                         lease_ttl=args.lease_ttl, max_backlog=args.max_backlog,
                         max_draws=args.epochs * len(tasks) if args.epochs else None,
                         grace=args.grace, seed=args.seed)
   queue = make_queue(args.queue, password_file=args.queue_password_file,
                      ca_file=args.queue_ca_file, prefix=args.queue_prefix)
-  worker = RolloutWorker(queue, tasks, episode, config, worker_id=args.worker_id)
+  worker = RolloutWorker(queue, tasks, episode, config, worker_id=args.worker_id,
+                         group_fn=group_fn)
   stats = asyncio.run(worker.run(handle_signals=True))
   stats["bad_task_lines"] = bad
   print(json.dumps({"worker": worker.worker_id, **stats}), flush=True)

@@ -26,6 +26,11 @@ Context management (ReSum): with `summary_at_tokens` set, when the next input wo
 policy is asked for a summary of its progress, and the episode restarts from the system prompt
 and the task plus that summary. The new context is a branch (later calls' inputs no longer
 extend the earlier ones); summary calls are marked with meta["summary"] = True.
+
+Branching (tree rollouts, envs/branching.py): `on_call(state, generation, call)` is awaited after
+each agent call is sampled and before its tool calls run; `state` (an `EpisodeState`) is where
+the episode stood just before that call. `run_episode(..., start=state)` in a fork of the sandbox
+resumes from there and samples the call afresh: a branch that shares every earlier call.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import asyncio
 import dataclasses
 import os
 import time
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Awaitable, Callable, Optional, Sequence, Union
 
 from envs.chat.formats import ChatFormat
 from envs.chat.toolcalls import ParsedTurn
@@ -139,6 +144,34 @@ def scaffold_config_from_flags(args: argparse.Namespace) -> ScaffoldConfig:
   return ScaffoldConfig(**{field: getattr(args, flag) for flag, field, _ in _FLAGS})
 
 
+@dataclasses.dataclass(frozen=True)
+class EpisodeState:
+  """Where an episode stands before one of its policy calls (a branch point).
+
+  Attributes:
+    ids: the next call's input ids.
+    calls: the calls recorded so far.
+    messages: the readable transcript so far.
+    context: the messages of the current context (re-rendering templates).
+    turns: agent turns taken.
+    summaries: ReSum restarts taken.
+    sampled: tokens sampled so far.
+    elapsed_s: wall-clock seconds the episode has run (a branch gets the rest of the timeout).
+  """
+
+  ids: tuple[int, ...]
+  calls: tuple[LLMCall, ...]
+  messages: tuple[dict, ...]
+  context: tuple[dict, ...]
+  turns: int
+  summaries: int
+  sampled: int
+  elapsed_s: float
+
+
+OnCall = Callable[[EpisodeState, Generation, LLMCall], Awaitable[None]]
+
+
 @dataclasses.dataclass
 class EpisodeResult:
   """What an episode did.
@@ -187,8 +220,10 @@ class _Episode:
   """The mutable state of one run_episode call (kept outside the loop so that a timeout, which
   cancels the loop, still leaves every finished call recorded)."""
 
-  def __init__(self, policy, sandbox, task_prompt, tools, chat, config):
+  def __init__(self, policy, sandbox, task_prompt, tools, chat, config, on_call=None):
     self.policy, self.sandbox, self.chat, self.config = policy, sandbox, chat, config
+    self.on_call = on_call
+    self.started = time.monotonic()
     self.task_prompt = task_prompt
     self.tools = {t.name: t for t in tools}
     self.schemas = [t.schema() for t in tools]
@@ -197,6 +232,20 @@ class _Episode:
     self.context: list[dict] = []  # the messages of the current context, for re-rendering
     self.turns = self.summaries = self.sampled = 0
     self.submitted, self.answer = False, None
+    self.resume_ids: Optional[list[int]] = None
+
+  def state(self, ids: list[int], elapsed_before: float = 0.0) -> EpisodeState:
+    """The episode as it stands before sampling from `ids`."""
+    return EpisodeState(tuple(ids), tuple(self.calls), tuple(self.messages), tuple(self.context),
+                        self.turns, self.summaries, self.sampled,
+                        elapsed_before + time.monotonic() - self.started)
+
+  def restore(self, state: EpisodeState) -> None:
+    """Continue from `state` (a branch): its calls and transcript become this episode's."""
+    self.calls, self.messages = list(state.calls), list(state.messages)
+    self.context = list(state.context)
+    self.turns, self.summaries, self.sampled = state.turns, state.summaries, state.sampled
+    self.resume_ids = list(state.ids)
 
   def _start(self, user: str) -> list[int]:
     """A fresh context: system prompt, tools, the first user message, the generation prompt."""
@@ -288,17 +337,20 @@ class _Episode:
     self.summaries += 1
     return self._start(c.resume_template.format(task=self.task_prompt, summary=summary))
 
-  async def run(self) -> str:
+  async def run(self, elapsed_before: float = 0.0) -> str:
     c = self.config
-    ids = self._start(self.task_prompt)
+    ids = self.resume_ids if self.resume_ids is not None else self._start(self.task_prompt)
     while True:
       if self.turns >= c.max_turns:
         return "max_turns"
       room = self._room(ids)
       if room < 1:
         return "token_budget"
-      _, call = await self._sample(ids, room, {"tool_error": False, "summary": False,
-                                               "context": self.summaries})
+      before = self.state(ids, elapsed_before) if self.on_call is not None else None
+      gen, call = await self._sample(ids, room, {"tool_error": False, "summary": False,
+                                                 "context": self.summaries})
+      if before is not None:
+        await self.on_call(before, gen, call)
       self.turns += 1
       out = call.output_ids
       turn = self.chat.parse_assistant(out, self.schemas)
@@ -319,7 +371,9 @@ class _Episode:
 
 
 async def run_episode(policy: Policy, sandbox: Sandbox, task_prompt: str, tools: Sequence[Tool],
-                      chat: ChatFormat, config: Optional[ScaffoldConfig] = None) -> EpisodeResult:
+                      chat: ChatFormat, config: Optional[ScaffoldConfig] = None, *,
+                      on_call: Optional[OnCall] = None,
+                      start: Optional[EpisodeState] = None) -> EpisodeResult:
   """Runs the react scaffold on one task until it ends (see the module docstring).
 
   The sandbox is left open (the verifier reads the agent's changes from it). Policy errors
@@ -332,6 +386,11 @@ async def run_episode(policy: Policy, sandbox: Sandbox, task_prompt: str, tools:
     tools: the tools the agent may call (distinct names).
     chat: renders messages to ids and parses the replies.
     config: the scaffold's settings (default `ScaffoldConfig()`).
+    on_call: awaited after each agent call is sampled, before its tool calls run, with the
+      state before the call, the generation and the recorded call (branching rollouts).
+    start: resume from this state (a branch point; `sandbox` must hold the workspace as it was
+      there, e.g. a `Sandbox.fork()` taken then): its calls and transcript are kept, the
+      next call is sampled from `start.ids`, and the timeout counts from `start.elapsed_s`.
 
   Returns:
     What the episode did: the calls, the termination and a readable transcript.
@@ -343,10 +402,15 @@ async def run_episode(policy: Policy, sandbox: Sandbox, task_prompt: str, tools:
   names = [t.name for t in tools]
   if len(set(names)) != len(names):
     raise ValueError(f"tools: duplicate names in {names}")
-  ep = _Episode(policy, sandbox, task_prompt, tools, chat, config)
-  start, error = time.monotonic(), None
+  ep = _Episode(policy, sandbox, task_prompt, tools, chat, config, on_call)
+  elapsed_before = 0.0
+  if start is not None:
+    ep.restore(start)
+    elapsed_before = start.elapsed_s
+  error = None
   try:
-    termination = await asyncio.wait_for(ep.run(), config.timeout_s)
+    termination = await asyncio.wait_for(ep.run(elapsed_before),
+                                         max(config.timeout_s - elapsed_before, 1e-3))
   except asyncio.TimeoutError:
     termination = "timeout"
   except SandboxError as e:
@@ -355,7 +419,7 @@ async def run_episode(policy: Policy, sandbox: Sandbox, task_prompt: str, tools:
       calls=ep.calls, termination=termination, submitted=ep.submitted, answer=ep.answer,
       messages=ep.messages, num_turns=ep.turns, num_summaries=ep.summaries,
       tool_errors=sum(bool(c.meta.get("tool_error")) for c in ep.calls),
-      elapsed_s=time.monotonic() - start, error=error)
+      elapsed_s=elapsed_before + time.monotonic() - ep.started, error=error)
 
 
 Turn = Union[dict, str, Callable[[list[int]], Union[dict, str]]]

@@ -47,7 +47,7 @@ from typing import Any, Optional
 import ml_collections
 
 from configs import base
-from envs import net, sandbox, taskgen
+from envs import branching, net, sandbox, taskgen
 from envs.chat import load_chat, load_tokenizer, make_chat, read_chat_templates
 from envs.chat.formats import FORMATS, ChatFormat
 from models import hf
@@ -65,6 +65,8 @@ INIT_KINDS = ("random", "hf:<dir>", "ckpt:<dir>")
 SFT_LOSSES = ("sft",)
 RL_LOOPS = ("sync", "async")
 RL_ROLLOUT_WORKERS = ("inprocess", "queue")
+RL_ROLLOUTS = ("independent", "branching")
+TREE_ADVANTAGES = ("treerl",)  # per call, from the group's tree (trainer.groups.advantages_of)
 RL_REFERENCES = ("initial", "ckpt:<dir>")
 TEACHER_CHOICE = ("by_domain", "single")
 # The fields of the smoke config (configs/smoke.py), which predates the sections.
@@ -701,7 +703,7 @@ def _validate_rl(config) -> None:
   _int(config, "rl.group_size", 2)
   _int(config, "rl.epochs", 1)
   _int(config, "rl.minibatches", 1)
-  _choice(config, "rl.advantage", tuple(advantages.ADVANTAGES))
+  _choice(config, "rl.advantage", tuple(advantages.ADVANTAGES) + TREE_ADVANTAGES)
   _bool(config, "rl.drop_constant_groups")
   ref = _str(config, "rl.reference")
   if ref != "initial" and not (ref.startswith("ckpt:") and len(ref) > 5):
@@ -738,6 +740,14 @@ def _validate_rl(config) -> None:
   _str(config, "rl.swe_cache")
   _choice(config, "rl.task_level", taskgen.LEVELS)
   _int(config, "rl.task_seed", 0)
+  _choice(config, "rl.rollout", RL_ROLLOUTS)
+  if config.rl.rollout == "branching" and config.rl.rollout_workers == "queue":
+    _fail("rl.rollout", "branching", "'independent' with rl.rollout_workers='queue' (start "
+          "the remote workers with --rollout branching and --branch_* flags instead)")
+  try:
+    branching.BranchConfig(**config.rl.branch.to_dict())
+  except (ValueError, TypeError) as e:
+    raise ConfigError(str(e).replace("BranchConfig.", "config.rl.branch.")) from e
 
 
 def _validate_distill(config) -> None:

@@ -15,12 +15,14 @@ trajectory record to tokens: every sampled token trained, the sampler's log-prob
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Optional, Sequence
 
 import numpy as np
 
+from envs.branching import tree_stats
 from rl import advantages, filters
-from rl.tree import build_tree, from_trajectory
+from rl.tree import build_tree, call_segments, from_trajectory
 from trainer import batches as batches_lib
 
 
@@ -31,10 +33,11 @@ def episode_stats(groups: list[list]) -> dict:
     groups: the step's groups, each a list of `envs.trajectory.Trajectory`.
 
   Returns:
-    {"episodes", "reward_mean", "reward_std", "pass_rate", "response_tokens" (sampled per
+    {"episodes", "reward_mean", "reward_std", "pass_rate", "group_pass_rate" (share of groups
+    with a passing episode), "response_tokens" (sampled per
     episode), "response_tokens_max", "episode_tokens" (the last call's context), "turns",
     "tool_errors", "tests_run" (share of rewards from tests run in a sandbox),
-    "termination/<reason>" (shares)}.
+    "termination/<reason>" (shares)}, and for branching groups `envs.branching.tree_stats`.
   """
   trajs = [t for g in groups for t in g]
   if not trajs:
@@ -44,7 +47,10 @@ def episode_stats(groups: list[list]) -> dict:
   context = np.array([len(t.calls[-1].input_ids) + len(t.calls[-1].output_ids) if t.calls else 0
                       for t in trajs], np.float64)
   out = {"episodes": len(trajs), "reward_mean": rewards.mean(), "reward_std": rewards.std(),
-         "pass_rate": float((rewards >= 1.0).mean()), "response_tokens": sampled.mean(),
+         "pass_rate": float((rewards >= 1.0).mean()),
+         # pass@k of the groups: share of tasks with a passing episode
+         "group_pass_rate": float(np.mean([any(t.reward >= 1.0 for t in g) for g in groups if g])),
+         "response_tokens": sampled.mean(),
          "response_tokens_max": sampled.max(), "episode_tokens": context.mean(),
          "turns": float(np.mean([len(t.calls) for t in trajs])),
          "tool_errors": float(np.mean([t.metadata.get("tool_errors", 0) for t in trajs])),
@@ -53,6 +59,7 @@ def episode_stats(groups: list[list]) -> dict:
                                      "total" in t.metadata["verdict"] for t in trajs]))}
   for reason, n in collections.Counter(t.termination for t in trajs).items():
     out[f"termination/{reason}"] = n / len(trajs)
+  out.update(tree_stats(groups))
   return out
 
 
@@ -99,15 +106,52 @@ def advantages_of(groups: list[list], name: str) -> list[np.ndarray]:
 
   Args:
     groups: the groups, each a list of trajectories with a reward.
-    name: a key of `rl.advantages.ADVANTAGES` (`rl.advantages.compute(name, ...)`).
+    name: a key of `rl.advantages.ADVANTAGES` (`rl.advantages.compute(name, ...)`: one value
+      per trajectory), or "treerl" (`rl.advantages.tree_advantages` on the group's tree of
+      calls, `rl.tree.call_segments`: one value per call that sampled tokens).
 
   Returns:
-    Per group, [len(group)] f32 advantages.
+    Per group, [len(group)] f32 advantages, or for "treerl" [len(group), most calls] (0 past a
+    trajectory's calls).
   """
+  if name == "treerl":
+    out = []
+    for g in groups:
+      segment, parent = call_segments([from_trajectory(t, logprobs=False) for t in g])
+      rewards = np.array([t.reward for t in g], np.float32)
+      out.append(np.where(segment >= 0, np.asarray(advantages.tree_advantages(
+          rewards, segment, parent)), 0.0).astype(np.float32))
+    return out
   rewards = np.array([t.reward for g in groups for t in g], np.float32)
   group = np.repeat(np.arange(len(groups)), [len(g) for g in groups]).astype(np.int32)
   adv = np.asarray(advantages.compute(name, rewards, group))
   return np.split(adv, np.cumsum([len(g) for g in groups])[:-1])
+
+
+def segment_stats(groups: list[list], group_advantages: Sequence[np.ndarray]) -> dict:
+  """The spread of per-call advantages ("treerl"): how differently a tree credits its segments.
+
+  Args:
+    groups: the groups.
+    group_advantages: their `advantages_of(groups, "treerl")`.
+
+  Returns:
+    {} for per-trajectory advantages; else "tree/segment_advantage_std" (the std of the
+    distinct segments' advantages within a group, averaged over groups) and
+    "tree/segments_per_task".
+  """
+  stds, counts = [], []
+  for g, adv in zip(groups, group_advantages):
+    if adv.ndim != 2:
+      return {}
+    segment, _ = call_segments([from_trajectory(t, logprobs=False) for t in g])
+    values = {int(n): float(a) for n, a in zip(segment.ravel(), adv.ravel()) if n >= 0}
+    stds.append(np.std(list(values.values())) if values else 0.0)
+    counts.append(len(values))
+  if not stds:
+    return {}
+  return {"tree/segment_advantage_std": float(np.mean(stds)),
+          "tree/segments_per_task": float(np.mean(counts))}
 
 
 def split_minibatches(items: list, n: int) -> list[list]:
@@ -132,7 +176,8 @@ def micro_batches(groups: list[list], group_advantages: Sequence[np.ndarray],
 
   Args:
     groups: the kept groups.
-    group_advantages: per group, its trajectories' advantages (`advantages_of`).
+    group_advantages: per group, its trajectories' advantages (`advantages_of`): one per
+      trajectory, or one per call ("treerl"), given to every token the call sampled.
     shape: the fixed BatchShape (row length, rows per micro-batch).
     minibatches: optimizer updates per pass (`rl.minibatches`).
     replay: routing replay: the calls' recorded experts (`LLMCall.expert_ids`) go into
@@ -144,9 +189,7 @@ def micro_batches(groups: list[list], group_advantages: Sequence[np.ndarray],
   """
   out = []
   for part in split_minibatches(list(zip(groups, group_advantages)), minibatches):
-    trees = [[from_trajectory(t, scalars={"advantage": float(a), "reward": float(t.reward)},
-                              mask_tool_errors=False) for t, a in zip(g, adv)]
-             for g, adv in part]
+    trees = [[_with_advantage(t, a) for t, a in zip(g, adv)] for g, adv in part]
     experts = None
     if replay:
       built = [build_tree(g) for g in trees]
@@ -158,6 +201,19 @@ def micro_batches(groups: list[list], group_advantages: Sequence[np.ndarray],
     mb = batches_lib.make_micro_batches(trees, shape, expert_ids=experts)
     out.append(([g for g, _ in part], mb.with_fields(old_logprobs=mb.fields["logprobs"])))
   return out
+
+
+def _with_advantage(trajectory, adv: np.ndarray):
+  """A trajectory's tokens with its advantage: the scalar, or per call a per-token field."""
+  if np.ndim(adv) == 0:
+    return from_trajectory(trajectory, scalars={"advantage": float(adv),
+                                                "reward": float(trajectory.reward)},
+                           mask_tool_errors=False)
+  tokens = from_trajectory(trajectory, scalars={"reward": float(trajectory.reward)},
+                           mask_tool_errors=False)
+  calls = [dataclasses.replace(c, fields={**c.fields, "advantage": [float(a)] * len(c.output_ids)})
+           for c, a in zip(tokens.calls, adv)]
+  return dataclasses.replace(tokens, calls=calls)
 
 
 def batch_stats(mbs: list[batches_lib.MicroBatches]) -> dict:

@@ -5,11 +5,14 @@
 One step:
   1. rollout   `rl.prompts_per_step` tasks x `rl.group_size` react episodes in sandboxes
                (trainer.rollout_sources: in-process engine + asyncio, or remote rollout
-               workers through the queue), rewards from the tasks' verifiers;
+               workers through the queue), rewards from the tasks' verifiers; with
+               `rl.rollout = "branching"` each task's group is one entropy-guided tree of
+               `rl.group_size` leaves (envs.branching);
   2. filter    partial groups (an episode failed), stale groups (async: more than
                `rl.max_staleness` policy versions behind), constant-reward groups (no signal);
-  3. pack      `rl.advantage` over each group's rewards (rl.advantages); each group's LLM calls
-               as one tree, trees packed into fixed-shape micro-batches (trainer.groups);
+  3. pack      `rl.advantage` over each group's rewards (rl.advantages; "treerl": per call from
+               the group's tree of calls); each group's LLM calls as one tree, trees packed
+               into fixed-shape micro-batches (trainer.groups);
   4. score     per-token fields the loss needs beyond the sampler's log-probs ("logprobs",
                also π_old unless `rl.recompute_old`): reference log-probs when
                `loss.kl_coef` > 0, π_old rescored by the trainer (`rl.recompute_old`, MCLA),
@@ -223,8 +226,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
       if kept:
         # 3-5. pack, score, train
         with run.timer.phase("pack"):
-          parts = groups_lib.micro_batches(kept, groups_lib.advantages_of(kept, rl_cfg.advantage),
-                                           shape, rl_cfg.minibatches, replay=replay)
+          group_advantages = groups_lib.advantages_of(kept, rl_cfg.advantage)
+          line.update(groups_lib.segment_stats(kept, group_advantages))
+          parts = groups_lib.micro_batches(kept, group_advantages, shape, rl_cfg.minibatches,
+                                           replay=replay)
           line.update(groups_lib.batch_stats([mb for _, mb in parts]))
         with run.timer.phase("score"):
           mbs = [scorer(state, part, mb, step_tasks) for part, mb in parts]

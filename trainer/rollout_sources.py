@@ -24,7 +24,7 @@ import time
 
 from envs.queue import GroupAssembler, drop_stale, filter_unseen, make_queue
 from trainer import metrics
-from trainer.rollouts import Rollouts
+from trainer.rollouts import Rollouts, branch_config
 from trainer.serve import PolicyServer, ServerConfig
 from trainer.tasks import TaskSource
 
@@ -200,7 +200,8 @@ def make_source(config, engine, chat, scaffold, tasks: TaskSource, consumed: set
     lookahead = max(1, rl.max_staleness // max(1, rl.minibatches)) if rl.loop == "async" else 0
     return InProcessSource(Rollouts(engine, chat, scaffold, sandbox=rl.sandbox,
                                     concurrency=rl.concurrency, sandbox_url=rl.sandbox_url,
-                                    sandbox_token_file=rl.sandbox_token_file),
+                                    sandbox_token_file=rl.sandbox_token_file,
+                                    branch=branch_config(config)),
                            tasks, rl.group_size, config.seed, lookahead, config.train.steps)
   queue = make_queue(rl.queue_url, password_file=rl.queue_password_file or None)
   queue.ack(restored_extra.get("unacked_entry_ids", ()))  # trained and checkpointed, not acked

@@ -4,6 +4,7 @@
     scaffold = scaffold_config(config)          # the episode limits and sampling of config.rl
     rollouts = Rollouts(engine, chat, scaffold, sandbox="bwrap", concurrency=8)
     groups = rollouts.groups([(task, draw), ...], group_size=8, seed=0).result()
+    # tree rollouts: Rollouts(..., branch=BranchConfig()) samples each group as one tree
     trajectories = rollouts.episodes([(task, seed), ...]).result()      # one episode each
     rollouts.close()
 
@@ -31,7 +32,9 @@ from typing import Any, Optional, Sequence
 
 import ml_collections
 
-from envs.episode import EpisodeFn, make_react_episode, make_sandbox_factory, run_task_group
+from envs.branching import BranchConfig, make_branching_group
+from envs.episode import (EpisodeFn, independent_groups, make_react_episode,
+                          make_sandbox_factory)
 from envs.scaffold import ScaffoldConfig
 from envs.tasks import Task, load_repo_files
 from envs.trajectory import Trajectory
@@ -113,6 +116,8 @@ class Rollouts:
     sandbox_token_file: a file holding the remote sandbox server's token ("": none).
     record_submissions: keep each episode's submission in its metadata
       (`recording_episode`; test-time selection needs it).
+    branch: sample each group as one entropy-guided tree (`envs.branching`); None: G
+      independent episodes.
 
   Raises:
     ValueError: `concurrency` < 1.
@@ -120,7 +125,8 @@ class Rollouts:
 
   def __init__(self, engine, chat, scaffold: ScaffoldConfig, *, sandbox: str = "bwrap",
                concurrency: int = 8, limits=None, sandbox_url: str = "",
-               sandbox_token_file: str = "", record_submissions: bool = False):
+               sandbox_token_file: str = "", record_submissions: bool = False,
+               branch: Optional[BranchConfig] = None):
     if concurrency < 1:
       raise ValueError(f"concurrency={concurrency!r}: expected an integer >= 1")
     self.engine = engine
@@ -131,6 +137,8 @@ class Rollouts:
     self.policy = EnginePolicy(engine)  # starts the engine's thread
     make_episode = recording_episode if record_submissions else make_react_episode
     self._episode = make_episode(self.policy, chat, make_sandbox, scaffold)
+    self._group = (independent_groups(self._episode) if branch is None else
+                   make_branching_group(self.policy, chat, make_sandbox, scaffold, branch))
     self._loop = asyncio.new_event_loop()
     self._thread = threading.Thread(target=self._loop.run_forever, name="arbor-rollouts",
                                     daemon=True)
@@ -147,10 +155,11 @@ class Rollouts:
 
   def groups(self, tasks: Sequence[tuple[Task, int]], group_size: int, seed: int = 0
              ) -> concurrent.futures.Future:
-    """Samples `group_size` episodes of each (task, draw), concurrently.
+    """Samples `group_size` episodes (or tree leaves) of each (task, draw), concurrently.
 
     Args:
-      tasks: [(task, draw)]; episode i of a group samples with `episode_seed(seed, draw, i)`.
+      tasks: [(task, draw)]; episode (path) i of a group samples with
+        `episode_seed(seed, draw, i)`.
       group_size: episodes per task.
       seed: the run's seed.
 
@@ -159,8 +168,8 @@ class Rollouts:
       logged and left out, so a group may come back short).
     """
     async def run():
-      return await asyncio.gather(*(run_task_group(
-          task, group_size, self._episode, draw=draw, seed=seed, limiter=self._limiter,
+      return await asyncio.gather(*(self._group(
+          task, group_size, draw=draw, seed=seed, limiter=self._limiter,
           counters=self.counters) for task, draw in tasks))
     return self._call(run())
 
@@ -239,3 +248,10 @@ def engine_config(config: ml_collections.ConfigDict, model_cfg=None) -> EngineCo
   return EngineConfig(slots=rl.concurrency, max_seq_len=-(-rl.max_context_tokens // 128) * 128,
                       prefix_cache_rows=rl.concurrency, prefill_chunk=512, seed=config.seed,
                       return_expert_ids=replay)
+
+
+def branch_config(config: ml_collections.ConfigDict) -> Optional[BranchConfig]:
+  """The tree rollouts of a run: `rl.branch` when `rl.rollout` is "branching", else None."""
+  if config.rl.rollout != "branching":
+    return None
+  return BranchConfig(**config.rl.branch.to_dict())

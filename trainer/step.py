@@ -415,7 +415,9 @@ class TrainStep:
     """Loss of one micro-batch (a masked sum normalised by the global counts) and its aux."""
     cfg, loss_cfg = self.model_cfg, self.loss_cfg
     lp, ent, aux = _forward(self.graphdef, cfg, params, model_state, mb)
-    use_entropy = self.entropy or loss_cfg.entropy_coef > 0
+    # the entropy bonus and AEPO's entropy-aware advantage read the policy's token entropy
+    use_entropy = (self.entropy or loss_cfg.entropy_coef > 0
+                   or (loss_cfg.get("entropy_adv_coef") or 0) > 0)
     seq = from_tree_batch(mb, lp, ent if use_entropy else None, counts=counts)
     metrics = {}
     if seq.sampler_logprobs is not None:

@@ -1,0 +1,146 @@
+"""Independent episodes vs entropy-guided branching (tree rollouts) on the demo model and tasks.
+
+    python -m benchmarks.tree_rollouts --sft_dir=/tmp/arbor_demo/seed_0/sft \\
+        --workdir=/tmp/tree_bench --seeds=0,1 --steps=8 --update_docs
+
+From one SFT checkpoint of the demo (configs/demo.py's SFT stage), per seed and per arm, the
+demo's RL stage (CISPO, generated tasks, bwrap sandboxes) runs `--steps` steps, then the greedy
+held-out pass@1 of its last checkpoint is measured on `--eval_tasks` tasks. The arms:
+  independent  rl.group_size = `--independent_k` independent episodes per task, GRPO advantages;
+  branching    one entropy-guided tree of `--branching_k` leaves per task (envs.branching),
+               TreeRL advantages per call and the AEPO loss (entropy-aware advantage α 0.3).
+`--branching_k` > `--independent_k` spends about the same sampled tokens per task, since the
+branches share their ancestors' calls. Reported per arm (means over steps and seeds): rollout
+wall time per step, sampled and trained tokens per task, pass@1 and pass@k of the groups (share
+of episodes passing; share of tasks with a passing episode), held-out pass@1 per seed, and the
+paired bootstrap 95% interval of branching - independent over seeds x tasks. Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import ml_collections
+import numpy as np
+
+from benchmarks.common import machine, today, write_section
+from configs import demo
+from trainer import demo as demo_lib
+from trainer import evaluate, rl
+from trainer.metrics import read_jsonl
+
+
+def arm_config(base, seed: int, sft_dir: str, arm: str, args) -> ml_collections.ConfigDict:
+  """The demo's RL stage from `sft_dir`, as arm `arm` ("independent" | "branching")."""
+  _, cfg = demo_lib.stage_configs(base, seed, os.path.dirname(sft_dir))
+  cfg.train.steps = cfg.optimizer.total_steps = args.steps
+  cfg.train.checkpoint_every = args.steps
+  cfg.eval.num_tasks = args.eval_tasks
+  cfg.metrics.progress = False
+  cfg.metrics.report = False
+  if arm == "branching":
+    cfg.rl.rollout = "branching"
+    cfg.rl.group_size = args.branching_k
+    cfg.rl.advantage = "treerl"
+    cfg.loss.name = "aepo"
+    cfg.loss.entropy_adv_coef = 0.3
+    cfg.loss.eps_high = None  # aepo's clip-higher default
+  else:
+    cfg.rl.group_size = args.independent_k
+  cfg.data.row_len = 8192  # a tree of up to 12 leaves fits one row
+  return cfg
+
+
+def step_stats(run_dir: str, tasks_per_step: int) -> dict:
+  """Means over a run's steps of its rollout metrics."""
+  lines = [x for x in read_jsonl(os.path.join(run_dir, "rl", "metrics.jsonl")).values()
+           if "episodes" in x]
+  get = lambda k: [x[k] for x in lines if k in x]
+  # response_tokens: sampled per episode, a leaf's shared calls included (= trained per leaf)
+  trained = [x["response_tokens"] * x["episodes"] / tasks_per_step for x in lines]
+  out = {"time_rollout_s": float(np.mean(get("time/rollout"))),
+         "pass_rate": float(np.mean(get("pass_rate"))),
+         "group_pass_rate": float(np.mean(get("group_pass_rate"))),
+         "episodes": float(np.mean(get("episodes"))),
+         "trained_tokens_per_task": float(np.mean(trained)),
+         "sampled_tokens_per_task": float(np.mean(get("tree/tokens_sampled") or trained))}
+  for k in ("tree/branches_per_task", "tree/global_samples", "tree/branch_entropy",
+            "tree/step_entropy", "tree/segment_advantage_std", "tree/shared_fraction",
+            "tree_token_ratio"):
+    if get(k):
+      out[k] = float(np.mean(get(k)))
+  return out
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--sft_dir", required=True, help="a demo seed's sft/ directory")
+  p.add_argument("--workdir", required=True)
+  p.add_argument("--seeds", default="0,1")
+  p.add_argument("--steps", type=int, default=8)
+  p.add_argument("--eval_tasks", type=int, default=100)
+  p.add_argument("--independent_k", type=int, default=8)
+  p.add_argument("--branching_k", type=int, default=10)
+  p.add_argument("--update_docs", action="store_true")
+  args = p.parse_args()
+  base = demo.get_config()
+  seeds = [int(s) for s in args.seeds.split(",")]
+  results: dict = {"independent": {}, "branching": {}}
+  for seed in seeds:
+    for arm in results:
+      run_dir = os.path.join(args.workdir, f"seed_{seed}", arm)
+      cfg = arm_config(base, seed, args.sft_dir, arm, args)
+      t0 = time.perf_counter()
+      rl.run(cfg, run_dir)
+      minutes = (time.perf_counter() - t0) / 60
+      held = demo_lib.held_out_eval(cfg, run_dir, os.path.join(run_dir, "eval.json"), None)
+      results[arm][seed] = {"held_out": held["per_task"], "held_out_pass@1": held["pass@1"],
+                            "rl_minutes": minutes,
+                            **step_stats(run_dir, cfg.rl.prompts_per_step)}
+      print(json.dumps({"seed": seed, "arm": arm, **{k: v for k, v in results[arm][seed].items()
+                                                      if k != "held_out"}}), flush=True)
+  ci = evaluate.paired_bootstrap_seeds([results["independent"][s]["held_out"] for s in seeds],
+                                       [results["branching"][s]["held_out"] for s in seeds])
+  summary = {"seeds": seeds, "steps": args.steps, "eval_tasks": args.eval_tasks,
+             "branching_minus_independent": ci,
+             "arms": {arm: {k: float(np.mean([r[s][k] for s in seeds]))
+                            for k in next(iter(r.values())) if k != "held_out"}
+                      for arm, r in results.items()},
+             "per_seed": {arm: {s: r[s]["held_out_pass@1"] for s in seeds}
+                          for arm, r in results.items()}}
+  print(json.dumps(summary, indent=1))
+  if args.update_docs:
+    write_section("tree_rollouts", _markdown(summary, args))
+
+
+def _markdown(s: dict, args) -> str:
+  a = s["arms"]
+  rows = [("rollout s / step", "time_rollout_s", "{:.1f}"),
+          ("sampled tokens / task", "sampled_tokens_per_task", "{:.0f}"),
+          ("trained tokens / task", "trained_tokens_per_task", "{:.0f}"),
+          ("branches / task", "tree/branches_per_task", "{:.1f}"),
+          ("episodes (leaves) / step", "episodes", "{:.0f}"),
+          ("group pass@1 (sampled)", "pass_rate", "{:.3f}"),
+          ("group pass@k (sampled)", "group_pass_rate", "{:.3f}"),
+          ("held-out pass@1", "held_out_pass@1", "{:.3f}"),
+          ("RL minutes", "rl_minutes", "{:.1f}")]
+  table = ["| | independent | branching |", "| --- | --- | --- |"]
+  for name, key, fmt in rows:
+    cell = lambda arm: fmt.format(a[arm][key]) if key in a[arm] else "–"
+    table.append(f"| {name} | {cell('independent')} | {cell('branching')} |")
+  ci = s["branching_minus_independent"]
+  return (f"## Tree rollouts: independent episodes vs entropy-guided branching\n\n"
+          f"{today()}, {machine()}; `python -m benchmarks.tree_rollouts` (demo SFT checkpoint, "
+          f"{s['steps']} RL steps per arm, seeds {s['seeds']}, {s['eval_tasks']} held-out "
+          f"tasks; independent k={args.independent_k} GRPO + CISPO, branching "
+          f"k={args.branching_k} TreeRL + AEPO).\n\n" + "\n".join(table) +
+          f"\n\nHeld-out pass@1 per seed: {s['per_seed']}. Branching - independent: "
+          f"{ci['diff']:+.3f}, paired bootstrap 95% interval {ci['low']:+.3f} .. "
+          f"{ci['high']:+.3f}.\n")
+
+
+if __name__ == "__main__":
+  main()
