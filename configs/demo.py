@@ -67,6 +67,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   r.rl.prompts_per_step = 8  # tasks per step
   r.rl.group_size = 8  # episodes per task (G)
   r.rl.advantage = "grpo"  # group-normalised advantages
+  # tree rollouts instead: --config.rl.rl.rollout=branching --config.rl.rl.advantage=treerl
+  # --config.rl.loss.name=aepo (benchmarks/tree_rollouts.py compares the two)
+  r.rl.rollout = "independent"  # 8 independent episodes per task
   r.rl.drop_constant_groups = True  # all-pass / all-fail groups carry no signal
   r.rl.temperature = 0.7  # sampling temperature of the rollouts (1.0: 2-6% of samples pass)
   r.rl.max_new_tokens = 256  # tokens per reply at most (the solver's replies: < 100)

@@ -63,6 +63,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.epochs = 1  # one pass over each step's rollouts
   c.rl.minibatches = 1  # one optimizer update per pass (on-policy up to the async staleness)
   c.rl.advantage = "grpo"  # group-normalised advantages (reward - mean) / std
+  # tree rollouts (ARPO / AEPO, envs.branching): "branching" samples each task's group as one
+  # entropy-guided tree of group_size leaves (fields c.rl.branch.*); in-process rollouts only,
+  # remote workers take --rollout branching. Pair it with c.rl.advantage = "treerl" (per-call
+  # credit from the tree) and c.loss.name = "aepo" (c.loss.entropy_adv_coef: its α).
+  c.rl.rollout = "independent"  # G independent episodes per task
   c.rl.drop_constant_groups = True  # all-pass / all-fail groups carry no signal
   c.rl.reference = "initial"  # the KL reference when loss.kl_coef > 0: the starting weights
   c.rl.recompute_old = True  # π_old scored by the trainer (one forward); the correction needs it

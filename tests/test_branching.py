@@ -205,3 +205,43 @@ def test_engine_reuses_the_shared_prefix_for_branches(chat, task):
     assert completions[ids][-1].cached_tokens == len(ids) - 1
     (mine,) = [c for c in completions[ids] if c.output_ids == t.calls[turn].output_ids]
     assert t.calls[turn].meta["entropy"] == pytest.approx(float(np.mean(mine.entropies[:20])))
+
+
+def test_branched_groups_cross_the_queue_and_the_trainers_filters(chat, task):
+  """A rollout worker with the branching group function puts whole trees through the queue as
+  msgpack records; the trainer's group rules see ordinary groups: whole, unseen ones kept, a
+  constant-reward tree dropped, a tree sampled by an older policy dropped as stale, and the
+  leaves' shared calls come back verbatim (one trie, calls shared across leaves)."""
+  from envs.queue import InMemoryQueue
+  from envs.rollout_worker import RolloutWorker, WorkerConfig
+  from envs.trajectory import Trajectory
+  from rl.tree import build_tree, from_trajectory
+  from trainer import groups as G
+  policy = ShellPolicy(chat, ["echo x > a.txt", "cat a.txt", "submit"], entropy=[1.0, 3.0, 0.0])
+  branching = make_branching_group(
+      policy, chat, make_sandbox_factory("local", allow_unsafe=True),
+      ScaffoldConfig(max_turns=4, max_new_tokens=256, max_context_tokens=4096),
+      BranchConfig(global_fraction=0.5, base_prob=1.0, consecutive_penalty=1.0))
+  q = InMemoryQueue()
+  cfg = WorkerConfig(group_size=4, concurrency=4, max_draws=2, poll=0.01)
+  stats = asyncio.run(RolloutWorker(q, [task], None, cfg, group_fn=branching).run())
+  assert stats["groups_done"] == 2 and stats["trajectories_put"] == 8
+  got = q.get_batch(100, timeout=0.05)
+  trajs = [Trajectory.from_bytes(d.trajectory.to_bytes()) for d in got]
+  groups = [[t for t in trajs if t.group_id == g] for g in sorted({t.group_id for t in trajs})]
+  assert [len(g) for g in groups] == [4, 4]
+  for g in groups:
+    assert sum(t.metadata["tree"]["parent"] >= 0 for t in g) == 2
+    tree = build_tree([from_trajectory(t) for t in g])
+    assert len(tree) < sum(len(c.input_ids) + len(c.output_ids) for t in g for c in t.calls)
+  # every leaf failed the task's tests: constant reward, no signal
+  kept, _, counts = G.select_groups(groups, group_size=4, drop_constant=True)
+  assert not kept and counts == {"dropped/constant_groups": 2}
+  groups[0][0].reward = 1.0
+  kept, _, counts = G.select_groups(groups, group_size=4, drop_constant=True, min_version=0,
+                                    consumed=frozenset({groups[1][3].trajectory_id}))
+  assert kept == [groups[0]] and counts["dropped/consumed_groups"] == 1
+  kept, _, counts = G.select_groups(groups, group_size=4, drop_constant=True, min_version=1)
+  assert not kept and counts["dropped/stale_groups"] == 2
+  adv = G.advantages_of([groups[0]], "treerl")[0]
+  assert adv.shape[0] == 4 and np.abs(adv).sum() > 0

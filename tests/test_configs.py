@@ -310,3 +310,24 @@ def test_template_chat_format_needs_a_template(real_paths, tmp_path):
   c.tokenizer.template_kwargs = {"enable_thinking": False}
   with pytest.raises(ConfigError, match="config.tokenizer.template_kwargs"):
     validate(c, str(tmp_path))
+
+
+def test_demo_switches_to_tree_rollouts_and_aepo_by_fields(tmp_path):
+  """The demo's RL stage takes branching rollouts, TreeRL credit and the AEPO loss from config
+  fields; bad branching values and the queue combination fail naming the field."""
+  from trainer.rollouts import branch_config
+  c = load("demo")
+  assert branch_config(c.rl) is None
+  c.rl.rl.rollout, c.rl.rl.advantage = "branching", "treerl"
+  c.rl.loss.name, c.rl.loss.entropy_adv_coef, c.rl.loss.eps_high = "aepo", 0.3, None
+  c.rl.rl.branch.width = 3
+  timed_validate(c, str(tmp_path / "demo"))
+  assert branch_config(c.rl).width == 3
+  assert config_lib.loss_config(c.rl).name == "aepo"
+  c.rl.rl.branch.base_prob = 1.5
+  with pytest.raises(ConfigError, match=r"config\.rl\.rl\.branch\.base_prob=1\.5"):
+    timed_validate(c, str(tmp_path / "demo"))
+  c.rl.rl.branch.base_prob = 0.5
+  c.rl.rl.rollout_workers = "queue"
+  with pytest.raises(ConfigError, match=r"config\.rl\.rl\.rollout='branching'"):
+    timed_validate(c, str(tmp_path / "demo"))
