@@ -88,7 +88,7 @@ def test_moe_mla_engine_compiles_for_v5p_and_fits(mla):
   # the engine's outputs for its static arguments: steps_per_call steps of the slots
   pool, steps, tokens, *_, out = decode.out_info
   assert out["tokens"].shape == (engine_cfg.steps_per_call, SLOTS)
-  assert set(out) == {"tokens", "logprobs"}  # top_logprobs 0, no expert ids
+  assert set(out) == {"tokens", "logprobs", "entropy"}  # top_logprobs 0, no expert ids
   assert tokens.shape == (SLOTS,) and steps.shape == ()
 
 
