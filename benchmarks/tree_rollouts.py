@@ -5,15 +5,19 @@
 
 From one SFT checkpoint of the demo (configs/demo.py's SFT stage), per seed and per arm, the
 demo's RL stage (CISPO, generated tasks, bwrap sandboxes) runs `--steps` steps, then the greedy
-held-out pass@1 of its last checkpoint is measured on `--eval_tasks` tasks. The arms:
-  independent  rl.group_size = `--independent_k` independent episodes per task, GRPO advantages;
-  branching    one entropy-guided tree of `--branching_k` leaves per task (envs.branching),
-               TreeRL advantages per call and the AEPO loss (entropy-aware advantage α 0.3).
+held-out pass@1 of its last checkpoint is measured on `--eval_tasks` tasks. The arms (`--arms`):
+  independent     rl.group_size = `--independent_k` independent episodes per task, GRPO
+                  advantages, CISPO (the demo's RL stage);
+  branching       one entropy-guided tree of `--branching_k` leaves per task (envs.branching),
+                  TreeRL advantages per call and the AEPO loss (entropy-aware advantage α 0.3);
+  branching_grpo  the same trees, trained as the independent arm (GRPO per leaf, CISPO): what
+                  the rollouts alone change.
 `--branching_k` > `--independent_k` spends about the same sampled tokens per task, since the
 branches share their ancestors' calls. Reported per arm (means over steps and seeds): rollout
 wall time per step, sampled and trained tokens per task, pass@1 and pass@k of the groups (share
 of episodes passing; share of tasks with a passing episode), held-out pass@1 per seed, and the
-paired bootstrap 95% interval of branching - independent over seeds x tasks. Prints JSON.
+paired bootstrap 95% interval of each arm - independent over seeds x tasks. Finished runs and
+evaluations in `--workdir` are reused. Prints JSON.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import ml_collections
 import numpy as np
@@ -32,6 +35,8 @@ from trainer import demo as demo_lib
 from trainer import evaluate, rl
 from trainer.metrics import read_jsonl
 
+ARMS = ("independent", "branching", "branching_grpo")
+
 
 def arm_config(base, seed: int, sft_dir: str, arm: str, args) -> ml_collections.ConfigDict:
   """The demo's RL stage from `sft_dir`, as arm `arm` ("independent" | "branching")."""
@@ -41,15 +46,16 @@ def arm_config(base, seed: int, sft_dir: str, arm: str, args) -> ml_collections.
   cfg.eval.num_tasks = args.eval_tasks
   cfg.metrics.progress = False
   cfg.metrics.report = False
-  if arm == "branching":
+  if arm.startswith("branching"):
     cfg.rl.rollout = "branching"
     cfg.rl.group_size = args.branching_k
+  else:
+    cfg.rl.group_size = args.independent_k
+  if arm == "branching":
     cfg.rl.advantage = "treerl"
     cfg.loss.name = "aepo"
     cfg.loss.entropy_adv_coef = 0.3
     cfg.loss.eps_high = None  # aepo's clip-higher default
-  else:
-    cfg.rl.group_size = args.independent_k
   cfg.data.row_len = 8192  # a tree of up to 12 leaves fits one row
   return cfg
 
@@ -61,7 +67,9 @@ def step_stats(run_dir: str, tasks_per_step: int) -> dict:
   get = lambda k: [x[k] for x in lines if k in x]
   # response_tokens: sampled per episode, a leaf's shared calls included (= trained per leaf)
   trained = [x["response_tokens"] * x["episodes"] / tasks_per_step for x in lines]
-  out = {"time_rollout_s": float(np.mean(get("time/rollout"))),
+  # the run's own clock (a reused run is not timed again): its steps' wall time
+  minutes = sum(get("time/step")) / 60
+  out = {"rl_minutes": minutes, "time_rollout_s": float(np.mean(get("time/rollout"))),
          "pass_rate": float(np.mean(get("pass_rate"))),
          "group_pass_rate": float(np.mean(get("group_pass_rate"))),
          "episodes": float(np.mean(get("episodes"))),
@@ -84,28 +92,32 @@ def main() -> None:
   p.add_argument("--eval_tasks", type=int, default=100)
   p.add_argument("--independent_k", type=int, default=8)
   p.add_argument("--branching_k", type=int, default=10)
+  p.add_argument("--arms", default="independent,branching,branching_grpo",
+                 help=f"some of {ARMS}; the first is the baseline of the intervals")
   p.add_argument("--update_docs", action="store_true")
   args = p.parse_args()
   base = demo.get_config()
   seeds = [int(s) for s in args.seeds.split(",")]
-  results: dict = {"independent": {}, "branching": {}}
+  arms = args.arms.split(",")
+  if not set(arms) <= set(ARMS):
+    raise SystemExit(f"--arms={args.arms!r}: expected some of {ARMS}")
+  results: dict = {arm: {} for arm in arms}
   for seed in seeds:
     for arm in results:
       run_dir = os.path.join(args.workdir, f"seed_{seed}", arm)
       cfg = arm_config(base, seed, args.sft_dir, arm, args)
-      t0 = time.perf_counter()
       rl.run(cfg, run_dir)
-      minutes = (time.perf_counter() - t0) / 60
       held = demo_lib.held_out_eval(cfg, run_dir, os.path.join(run_dir, "eval.json"), None)
       results[arm][seed] = {"held_out": held["per_task"], "held_out_pass@1": held["pass@1"],
-                            "rl_minutes": minutes,
                             **step_stats(run_dir, cfg.rl.prompts_per_step)}
       print(json.dumps({"seed": seed, "arm": arm, **{k: v for k, v in results[arm][seed].items()
                                                       if k != "held_out"}}), flush=True)
-  ci = evaluate.paired_bootstrap_seeds([results["independent"][s]["held_out"] for s in seeds],
-                                       [results["branching"][s]["held_out"] for s in seeds])
+  base_arm = arms[0]
+  ci = {arm: evaluate.paired_bootstrap_seeds([results[base_arm][s]["held_out"] for s in seeds],
+                                             [results[arm][s]["held_out"] for s in seeds])
+        for arm in arms[1:]}
   summary = {"seeds": seeds, "steps": args.steps, "eval_tasks": args.eval_tasks,
-             "branching_minus_independent": ci,
+             "baseline": base_arm, "minus_baseline": ci,
              "arms": {arm: {k: float(np.mean([r[s][k] for s in seeds]))
                             for k in next(iter(r.values())) if k != "held_out"}
                       for arm, r in results.items()},
@@ -127,19 +139,20 @@ def _markdown(s: dict, args) -> str:
           ("group pass@k (sampled)", "group_pass_rate", "{:.3f}"),
           ("held-out pass@1", "held_out_pass@1", "{:.3f}"),
           ("RL minutes", "rl_minutes", "{:.1f}")]
-  table = ["| | independent | branching |", "| --- | --- | --- |"]
+  table = ["| | " + " | ".join(a) + " |", "| --- |" + " --- |" * len(a)]
   for name, key, fmt in rows:
-    cell = lambda arm: fmt.format(a[arm][key]) if key in a[arm] else "–"
-    table.append(f"| {name} | {cell('independent')} | {cell('branching')} |")
-  ci = s["branching_minus_independent"]
+    cells = [fmt.format(a[arm][key]) if key in a[arm] else "–" for arm in a]
+    table.append(f"| {name} | " + " | ".join(cells) + " |")
+  diffs = "; ".join(f"{arm} - {s['baseline']}: {ci['diff']:+.3f}, paired bootstrap 95% interval "
+                    f"{ci['low']:+.3f} .. {ci['high']:+.3f}" for arm, ci in
+                    s["minus_baseline"].items())
   return (f"## Tree rollouts: independent episodes vs entropy-guided branching\n\n"
           f"{today()}, {machine()}; `python -m benchmarks.tree_rollouts` (demo SFT checkpoint, "
           f"{s['steps']} RL steps per arm, seeds {s['seeds']}, {s['eval_tasks']} held-out "
-          f"tasks; independent k={args.independent_k} GRPO + CISPO, branching "
-          f"k={args.branching_k} TreeRL + AEPO).\n\n" + "\n".join(table) +
-          f"\n\nHeld-out pass@1 per seed: {s['per_seed']}. Branching - independent: "
-          f"{ci['diff']:+.3f}, paired bootstrap 95% interval {ci['low']:+.3f} .. "
-          f"{ci['high']:+.3f}.\n")
+          f"tasks; independent: k={args.independent_k} episodes, GRPO + CISPO; branching: "
+          f"k={args.branching_k} leaves, TreeRL + AEPO; branching_grpo: the same trees with "
+          f"GRPO + CISPO).\n\n" + "\n".join(table) +
+          f"\n\nHeld-out pass@1 per seed: {s['per_seed']}. {diffs}.\n")
 
 
 if __name__ == "__main__":
