@@ -28,6 +28,8 @@ import re
 import sys
 from typing import Any, Iterable, Mapping, Optional
 
+from envs.tasks import jsonl_records
+
 DEFAULT_N = 13
 DEFAULT_COMMON = 8
 _WORD = re.compile(r"[a-z0-9_]+")
@@ -145,19 +147,13 @@ def load_items(path: str, id_field: Optional[str] = None) -> dict[str, Any]:
     ValueError: a line that is not JSON, naming file:line.
   """
   out = {}
-  with open(path) as f:
-    for line_no, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{line_no}: not JSON ({e})") from e
-      key = None
-      if isinstance(record, dict):
-        key = record.get(id_field) if id_field else (record.get("instance_id")
-                                                     or record.get("id"))
-      out[str(key) if key is not None else f"{path}:{line_no}"] = record
+  for where, _, record in jsonl_records(path):
+    if isinstance(record, ValueError):
+      raise ValueError(f"{where}: not JSON ({record})")
+    key = None
+    if isinstance(record, dict):
+      key = record.get(id_field) if id_field else (record.get("instance_id") or record.get("id"))
+    out[str(key) if key is not None else where] = record
   return out
 
 

@@ -552,7 +552,9 @@ def _parse_all(records: Iterable, parse, skip_bad: bool, errors: Optional[list],
   return tasks
 
 
-def _jsonl_records(path: str):
+def jsonl_records(path: str):
+  """(where "file:line", "line N", record) per non-blank line of a JSONL file; a line that is not
+  JSON yields a ValueError as its record (the caller decides whether to skip it)."""
   with open(path, encoding="utf-8") as f:
     for lineno, line in enumerate(f, 1):
       if not line.strip():
@@ -584,7 +586,7 @@ def load_swe_jsonl(path: str, skip_bad: bool = False, errors: Optional[list] = N
       (unless skip_bad).
   """
   base = os.path.dirname(os.path.abspath(path))
-  return _parse_all(_jsonl_records(path), _swe_parser(base, mirror, cache_dir), skip_bad,
+  return _parse_all(jsonl_records(path), _swe_parser(base, mirror, cache_dir), skip_bad,
                     errors, path)
 
 
@@ -641,7 +643,7 @@ def load_problems_jsonl(path: str, skip_bad: bool = False,
     skip_bad: log and skip a bad line instead of raising TaskFormatError (`load_swe_jsonl`).
     errors: when given, the skipped lines' errors are appended to it.
   """
-  return _parse_all(_jsonl_records(path), problem_task_from_dict, skip_bad, errors, path)
+  return _parse_all(jsonl_records(path), problem_task_from_dict, skip_bad, errors, path)
 
 
 def load_tasks(path: str, skip_bad: bool = False, errors: Optional[list] = None, *,
@@ -664,7 +666,7 @@ def load_tasks(path: str, skip_bad: bool = False, errors: Optional[list] = None,
     if isinstance(d, dict) and "FAIL_TO_PASS" in d:
       return swe(d)
     return problem_task_from_dict(d)
-  return _parse_all(_jsonl_records(path), parse, skip_bad, errors, path)
+  return _parse_all(jsonl_records(path), parse, skip_bad, errors, path)
 
 
 def task_to_swe_dict(task: Task, repo_path: Optional[str] = None) -> dict:
