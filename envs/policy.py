@@ -12,6 +12,7 @@ import dataclasses
 import json
 import urllib.error
 import urllib.request
+import uuid
 from typing import Optional, Protocol, Sequence
 
 import numpy as np
@@ -152,3 +153,124 @@ class HTTPPolicy:
                         entropies=_floats(reply.get("entropies")))
     except (KeyError, TypeError, ValueError) as e:
       raise PolicyError(f"{self.url}/generate: malformed reply {reply!r:.500}") from e
+
+
+def _token_id(token) -> Optional[int]:
+  """vLLM's "token_id:N" (return_tokens_as_token_ids) as N, else None."""
+  if isinstance(token, str) and token.startswith("token_id:") and token[9:].isdigit():
+    return int(token[9:])
+  return None
+
+
+class CompletionsPolicy:
+  """A Policy over an OpenAI-compatible `POST {base_url}/completions` with a token-id prompt.
+
+  Each `generate` sends {"model", "prompt": input_ids, "max_tokens", "temperature", "top_p",
+  "top_k" (when > 0), "stop", "stop_token_ids", "seed", "logprobs": 0,
+  "return_tokens_as_token_ids": true, "return_token_ids": true, "session_id"} and reads the
+  sampled ids and their log-probs back, without re-tokenizing text, from the first of:
+    - choices[0]["token_ids"] (vLLM with return_token_ids) with logprobs.token_logprobs;
+    - choices[0].logprobs.tokens as "token_id:N" strings (vLLM with
+      return_tokens_as_token_ids, or a server started with --return-tokens-as-token-ids);
+    - the session log of Arbor's policy server (`python -m trainer.serve`): the request's unique
+      session_id makes it log the exact ids and log-probs, read from GET /sessions/{id} and
+      then deleted.
+  A reply with none of these (a server that only returns text tokens; SGLang's OpenAI
+  completions do, so use its native /generate or vLLM) is a PolicyError, never re-tokenized.
+  Servers differ in what a stop token leaves in the ids: vLLM and trainer.serve keep the stop
+  token id as the last output id, which the scaffold's end-of-turn handling expects.
+
+  Args:
+    base_url: the API root, e.g. "http://127.0.0.1:8000/v1" (a trailing "/" is ignored).
+    model: the served model's name.
+    api_key: sent as a bearer token (None: no Authorization header).
+    timeout: seconds to wait for one reply.
+
+  Raises:
+    ValueError: an empty base_url or model.
+  """
+
+  def __init__(self, base_url: str, model: str, api_key: Optional[str] = None,
+               timeout: float = 600.0):
+    if not base_url:
+      raise ValueError(f"base_url={base_url!r}: expected an http(s) URL such as "
+                       "http://127.0.0.1:8000/v1")
+    if not model:
+      raise ValueError(f"model={model!r}: expected the served model's name")
+    self.base_url, self.model = base_url.rstrip("/"), model
+    self.api_key, self.timeout = api_key, timeout
+
+  def _request(self, method: str, path: str, body: Optional[dict] = None) -> dict:
+    headers = {"Content-Type": "application/json"}
+    if self.api_key:
+      headers["Authorization"] = f"Bearer {self.api_key}"
+    url = self.base_url + path
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, headers, method=method)
+    try:
+      with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+        return json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+      raise PolicyError(f"{method} {url} answered {e.code}: {e.read()[:500]!r}") from e
+    except (urllib.error.URLError, OSError, json.JSONDecodeError) as e:
+      raise PolicyError(f"{method} {url} failed: {e}") from e
+
+  def body(self, input_ids: Sequence[int], params: SamplingParams, session_id: str) -> dict:
+    """The completions request of one call (see the class docstring)."""
+    body = {"model": self.model, "prompt": [int(t) for t in input_ids],
+            "max_tokens": params.max_tokens, "temperature": params.temperature,
+            "top_p": params.top_p, "logprobs": 0, "return_tokens_as_token_ids": True,
+            "return_token_ids": True, "session_id": session_id}
+    if params.top_k > 0:  # vLLM's "off" is -1 in older versions, 0 in newer: leave it out
+      body["top_k"] = params.top_k
+    if params.stop:
+      body["stop"] = list(params.stop)
+    if params.stop_token_ids:
+      body["stop_token_ids"] = list(params.stop_token_ids)
+    if params.seed is not None:
+      body["seed"] = params.seed
+    return body
+
+  def _call(self, input_ids: Sequence[int], params: SamplingParams) -> Generation:
+    session = "arbor-" + uuid.uuid4().hex
+    reply = self._request("POST", "/completions", self.body(input_ids, params, session))
+    try:
+      choice = reply["choices"][0]
+      lp = choice.get("logprobs") or {}
+      tokens, logprobs = lp.get("tokens"), lp.get("token_logprobs")
+      ids = choice.get("token_ids")
+      if ids is None and tokens is not None and all(_token_id(t) is not None for t in tokens):
+        ids = [_token_id(t) for t in tokens]
+      if ids is None and reply.get("session_id") == session:  # Arbor's server: its session log
+        call = self._request("GET", f"/sessions/{session}")["calls"][-1]
+        self._request("DELETE", f"/sessions/{session}")
+        ids, logprobs = call["output_ids"], call["logprobs"]
+      if ids is None:
+        raise PolicyError(f"{self.base_url}/completions: the reply carries no token ids "
+                          "(expected choices[0].token_ids, logprobs tokens as 'token_id:N', or "
+                          f"an Arbor session log): {reply!r:.300}")
+      if logprobs is None or len(logprobs) != len(ids):
+        raise PolicyError(f"{self.base_url}/completions: {len(ids)} token ids but log-probs "
+                          f"{logprobs!r:.200}")
+      reason = choice.get("finish_reason")
+      return Generation(output_ids=[int(t) for t in ids],
+                        logprobs=[float(x) for x in logprobs],
+                        finish_reason="length" if reason == "length" else "stop")
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+      raise PolicyError(f"{self.base_url}/completions: malformed reply {reply!r:.500}") from e
+
+  async def generate(self, input_ids: Sequence[int], params: SamplingParams) -> Generation:
+    """Samples one completion on the server (the request runs in a worker thread).
+
+    Args:
+      input_ids: the prompt's token ids.
+      params: how to sample.
+
+    Returns:
+      The sampled ids and their log-probs (policy_version 0: the server's weights are fixed).
+
+    Raises:
+      PolicyError: the server is unreachable, answers an HTTP error, or its reply has no token
+        ids or log-probs for them.
+    """
+    return await asyncio.to_thread(self._call, input_ids, params)

@@ -1,0 +1,146 @@
+"""Teacher rollouts -> rejection sampling -> SFT on the demo: does training on a teacher's verified
+episodes beat the teacher?
+
+    python -m benchmarks.teacher_sft --teacher=/tmp/arbor_demo/seed_0/sft \\
+        --workdir=/tmp/teacher_sft --tasks=150 --attempts=4 --update_docs
+
+The teacher is a demo SFT checkpoint (configs/demo.py's SFT stage). It samples `--attempts`
+episodes at `--temperature` on each of `--tasks` generated tasks of the demo's training split
+(envs.taskgen "train", the RL stage's level and seed; never the held-out "eval" programs), with
+the demo's RL episode limits, bwrap sandboxes and the tests verifier (`trainer.rejection`).
+The verified episodes (reward 1), deduplicated and at most `--max_per_task` per task, become
+trajectory records; the student is SFT from the teacher's checkpoint on them for `--epochs`
+passes with the demo SFT hyper-parameters (configs/sft_demo.py: Muon, peak lr 3e-3, cosine;
+warmup at most half the steps). Reported: attempts, verified share, kept before/after
+deduplication, the greedy held-out pass@1 of teacher and student on the demo's `--eval_tasks`
+held-out tasks, and the paired bootstrap 95% interval of student - teacher. Finished stages in
+`--workdir` are reused. Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from benchmarks.common import machine, today, write_section
+from configs import demo
+from envs import taskgen
+from trainer import demo as demo_lib
+from trainer import evaluate, rejection, rollouts, sft
+from trainer.metrics import JSONL, read_jsonl
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--teacher", required=True, help="a demo seed's sft/ directory")
+  p.add_argument("--workdir", required=True)
+  p.add_argument("--tasks", type=int, default=150, help="training-split tasks sampled")
+  p.add_argument("--attempts", type=int, default=4)
+  p.add_argument("--temperature", type=float, default=1.0)
+  p.add_argument("--max_per_task", type=int, default=2)
+  p.add_argument("--epochs", type=int, default=3)
+  p.add_argument("--eval_tasks", type=int, default=200)
+  p.add_argument("--lr", type=float, default=0.0,
+                 help="peak learning rate of the student's SFT (0: the demo SFT's)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--update_docs", action="store_true")
+  args = p.parse_args()
+  os.makedirs(args.workdir, exist_ok=True)
+  base = demo.get_config()
+  sft_base, rl_cfg = demo_lib.stage_configs(base, args.seed, os.path.dirname(args.teacher))
+  rl_cfg.model.init = f"ckpt:{args.teacher}"
+  rl_cfg.tokenizer.path = os.path.join(args.teacher, "tokenizer")
+  rl_cfg.eval.num_tasks = args.eval_tasks
+  t0 = time.monotonic()
+
+  # --- teacher rollouts and rejection sampling
+  data = os.path.join(args.workdir, "teacher.jsonl")
+  if os.path.isfile(data + ".stats.json"):
+    with open(data + ".stats.json") as f:
+      stats = json.load(f)
+  else:
+    tasks = taskgen.write_tasks(os.path.join(args.workdir, "tasks"), args.tasks,
+                                rl_cfg.rl.task_level, rl_cfg.rl.task_seed, split="train")
+    stats = rejection.run_checkpoint(
+        args.teacher, tasks, scaffold=rollouts.scaffold_config(rl_cfg, args.temperature),
+        attempts=args.attempts, seed=args.seed,
+        filter_cfg=rejection.FilterConfig(max_per_task=args.max_per_task), out=data,
+        concurrency=rl_cfg.rl.concurrency)
+  print(rejection.summary_line(stats), flush=True)
+
+  # --- SFT of the teacher's checkpoint on its verified episodes
+  student = os.path.join(args.workdir, "student")
+  sft_base.data.num_epochs = args.epochs
+  if args.lr:
+    sft_base.optimizer.learning_rate = args.lr
+  _, _, chat, _ = rejection.load_checkpoint(args.teacher)
+  steps = rejection._batches(rejection.round_sft_config(sft_base, args.teacher, data, 1), data,
+                             chat)
+  cfg = rejection.round_sft_config(sft_base, args.teacher, data, steps)
+  summary = sft.run(cfg, student)
+  lines = read_jsonl(os.path.join(student, "sft", JSONL))
+  sft_minutes = sum(x.get("time/step", 0.0) for x in lines.values()) / 60
+
+  # --- greedy held-out pass@1, teacher and student, on the same tasks
+  teacher_eval = demo_lib.held_out_eval(rl_cfg, args.teacher,
+                                        os.path.join(args.workdir, "eval_teacher.json"), None)
+  student_eval = demo_lib.held_out_eval(rl_cfg, student,
+                                        os.path.join(args.workdir, "eval_student.json"), None)
+  ci = evaluate.paired_bootstrap(teacher_eval["per_task"], student_eval["per_task"])
+  out = {"teacher": args.teacher, "tasks": stats["tasks"], "attempts": stats["attempts"],
+         "attempts_per_task": args.attempts, "temperature": args.temperature,
+         "errors": stats["errors"], "verified": stats["verified"],
+         "verified_share": stats["verified_share"],
+         "tasks_with_verified": stats["tasks_with_verified"],
+         "kept_before_dedup": stats["kept_before_dedup"],
+         "kept_after_dedup": stats["kept_after_dedup"], "kept": stats["kept"],
+         "kept_tokens": stats["kept_tokens"], "sampling_minutes": stats["time_s"] / 60,
+         "sft_steps": steps, "epochs": args.epochs, "lr": cfg.optimizer.learning_rate,
+         "sft_minutes": sft_minutes,
+         "sft_loss": [summary.get("first_loss"), summary.get("loss")],
+         "eval_tasks": len(teacher_eval["per_task"]),
+         "teacher_pass@1": teacher_eval["pass@1"], "student_pass@1": student_eval["pass@1"],
+         "student_minus_teacher": ci, "student_terminations": student_eval["terminations"],
+         "teacher_terminations": teacher_eval["terminations"],
+         "wall_minutes": (time.monotonic() - t0) / 60}
+  print(json.dumps(out, indent=1), flush=True)
+  with open(os.path.join(args.workdir, "result.json"), "w") as f:
+    json.dump(out, f, indent=1)
+  if args.update_docs:
+    write_section("teacher_sft", _markdown(out))
+
+
+def _markdown(s: dict) -> str:
+  ci = s["student_minus_teacher"]
+  loss = s["sft_loss"]
+  return (
+      "## Teacher rollouts and rejection sampling\n\n"
+      f"{today()}, {machine()}; `python -m benchmarks.teacher_sft` (`trainer.rejection`). "
+      f"Teacher: the demo's SFT checkpoint (seed 0). It ran {s['attempts_per_task']} episodes "
+      f"at temperature {s['temperature']:g} on each of {s['tasks']} tasks of the demo's "
+      "generated training split (bwrap sandboxes, the tests verifier); the verified ones "
+      "(reward 1), deduplicated and at most 2 per task (shortest first), were the SFT data of "
+      f"a student started from the teacher's checkpoint ({s['epochs']} epochs, "
+      f"{s['sft_steps']} steps, the demo's SFT hyper-parameters, peak lr {s['lr']:g}).\n\n"
+      "| | |\n| --- | --- |\n"
+      f"| episodes (errors) | {s['attempts']} ({s['errors']}) |\n"
+      f"| verified share | {s['verified_share']:.3f} ({s['verified']} episodes, "
+      f"{s['tasks_with_verified']} tasks with one) |\n"
+      f"| kept before / after dedup / after the per-task cap | {s['kept_before_dedup']} / "
+      f"{s['kept_after_dedup']} / {s['kept']} |\n"
+      f"| kept sampled tokens | {s['kept_tokens']} |\n"
+      f"| sampling minutes | {s['sampling_minutes']:.1f} |\n"
+      f"| SFT loss first -> last step | {loss[0]:.3f} -> {loss[1]:.3f} |\n"
+      f"| greedy held-out pass@1, teacher | {s['teacher_pass@1']:.3f} |\n"
+      f"| greedy held-out pass@1, student | {s['student_pass@1']:.3f} |\n"
+      f"| whole benchmark, minutes | {s['wall_minutes']:.1f} |\n\n"
+      f"Student - teacher on the same {s['eval_tasks']} held-out tasks: {ci['diff']:+.3f}, "
+      f"paired bootstrap 95% interval {ci['low']:+.3f} .. {ci['high']:+.3f}. Terminations "
+      f"(held-out): teacher {s['teacher_terminations']}, student "
+      f"{s['student_terminations']}.\n")
+
+
+if __name__ == "__main__":
+  main()

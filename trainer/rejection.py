@@ -1,0 +1,757 @@
+"""Teacher rollouts and rejection sampling: a teacher's verified agent episodes as SFT data, and
+rejection-sampling fine-tuning (RFT) rounds.
+
+    python -m trainer.rejection --ckpt /runs/sft --generated 150 --attempts 4 \\
+        --temperature 1.0 --out /data/teacher.jsonl
+    python -m trainer.rejection --url http://127.0.0.1:8000/v1 --model qwen \\
+        --tokenizer /ckpt/Qwen2.5-Coder-7B-Instruct/hf_extra --chat_format qwen2.5 \\
+        --tasks tasks.jsonl --attempts 8 --out /data/teacher.jsonl --format chat
+
+    attempts = sample(policy, chat, tasks, scaffold=ScaffoldConfig(...), attempts=4, seed=0)
+    kept, stats = select(tasks, attempts, FilterConfig(threshold=1.0, max_per_task=2))
+    write_sft("teacher.jsonl", kept)          # configs/sft.py: data.sources=("teacher.jsonl",)
+
+Sampling. Every attempt is a real episode (`envs.episode.make_react_episode`'s setup: the react
+scaffold with the default tools in a fresh sandbox holding the task's repository, then the
+task's verifier in another fresh sandbox gives the reward). Attempt j of a task samples with
+`attempt_seed(seed, task_id, j)`, so a rerun draws the same prompts and sampling seeds (an
+engine teacher then reproduces its episodes; a remote server does when it honours `seed`).
+The teacher is any `envs.policy.Policy`: an Arbor checkpoint through the in-process engine
+(`engine_teacher`), or an OpenAI-compatible server through `envs.policy.CompletionsPolicy`.
+
+Filtering (`select`, `FilterConfig`). An attempt is verified when its reward >= `threshold`
+(and, with an LLM judge, when the judge's rubric score >= `judge_threshold`, `judge`).
+Verified attempts whose tool calls failed on the way (calls with meta["tool_error"]) are kept
+with those turns in context and out of the loss (error-masked SFT, trainer.sft_data), or
+dropped with `tool_errors="drop"`. Deduplication: attempts of a task whose assistant token
+sequences (every call's output ids) are identical are one; then at most `max_per_task` are kept
+per task, the shortest first (fewest agent turns, then fewest sampled tokens, then attempt
+order): shorter solutions are the cleaner demonstrations and keep a task from dominating.
+
+Output (`write_sft`). "trajectory" records (`Trajectory.to_dict()`, trained on the teacher's
+own token ids, never re-tokenized) when the teacher's tokenizer is the student's; "chat"
+records (OpenAI-style messages with tool_error flags, rendered by the student's chat format)
+otherwise. .jsonl, or .parquet (calls / messages as JSON-string columns). Both are what
+`configs/sft.py`'s `data.sources` reads. Stats (`select`): tasks, attempts, errors, verified
+share, per-task pass rate, kept before and after deduplication, kept tokens.
+
+RFT (`rft`): rounds of sample (the current checkpoint as teacher, fresh tasks each round) ->
+select -> SFT (`trainer.sft.run`, one pass over the round's kept data) -> the next round
+samples from that round's checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+import ml_collections
+import numpy as np
+
+from envs import aio
+from envs.chat.formats import ChatFormat
+from envs.episode import episode_metadata, make_sandbox_factory, make_verifier, start_sandbox
+from envs.policy import Policy
+from envs.scaffold import ScaffoldConfig, run_episode
+from envs.tasks import Task
+from envs.tools import default_tools
+from envs.trajectory import Trajectory
+from envs.verifiers.judge import verify_judge
+from trainer.demo_data import chat_record
+from trainer.sft_data import as_dict, write_jsonl
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("trajectory", "chat")
+TOOL_ERRORS = ("keep", "drop")
+# The judge's rubric for agent transcripts (envs.verifiers.judge scores it 0-10 per dimension).
+DEFAULT_RUBRIC = (
+    {"name": "correctness", "weight": 2.0,
+     "description": "the agent's changes fix what the task asks, nothing else is broken"},
+    {"name": "process", "weight": 1.0,
+     "description": "each step is purposeful: no needless, repeated or wrong actions"})
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def attempt_seed(seed: int, task_id: str, attempt: int) -> int:
+  """The episode seed of attempt `attempt` of task `task_id` (a hash: independent of the rest).
+
+  Args:
+    seed: the run's seed.
+    task_id: the task's instance_id.
+    attempt: the attempt's index.
+
+  Returns:
+    A seed in [0, 2**32).
+  """
+  digest = hashlib.sha256(f"arbor-rejection/{seed}/{task_id}/{attempt}".encode()).digest()
+  return int.from_bytes(digest[:4], "little")
+
+
+def teacher_episode(policy: Policy, chat: ChatFormat, make_sandbox, scaffold: ScaffoldConfig):
+  """`envs.episode.make_react_episode`'s episode, also keeping the transcript for chat records.
+
+  Args:
+    policy: the teacher.
+    chat: renders the episodes.
+    make_sandbox: the sandboxes (`envs.episode.make_sandbox_factory`).
+    scaffold: the episodes' limits and sampling.
+
+  Returns:
+    `async episode(task, seed, attempt) -> Trajectory` with metadata "verdict", "prompt",
+    "attempt", "messages" and "tools" (the transcript and tool schemas, as
+    `trainer.demo_data.chat_record` reads them).
+  """
+  score = make_verifier(chat, make_sandbox, policy)
+
+  async def episode(task: Task, seed: int, attempt: int) -> Trajectory:
+    prompt = task.prompt(np.random.default_rng(seed))
+    tools = default_tools(task.test_command or None)
+    sandbox = await start_sandbox(task, make_sandbox)
+    try:
+      result = await run_episode(policy, sandbox, prompt, tools, chat,
+                                 dataclasses.replace(scaffold, seed=seed))
+      reward, details = await score(task, sandbox, result)
+    finally:
+      await sandbox.close()
+    meta = episode_metadata(details, prompt, {
+        "attempt": attempt, "seed": seed, "messages": result.messages,
+        "tools": [t.schema() for t in tools]})
+    return result.to_trajectory(reward, task.instance_id, task.instance_id, metadata=meta)
+  return episode
+
+
+def sample(policy: Policy, chat: ChatFormat, tasks: Sequence[Task], *,
+           scaffold: ScaffoldConfig, attempts: int = 4, seed: int = 0, sandbox: str = "bwrap",
+           concurrency: int = 8, limits=None, progress: bool = True) -> list[list[Any]]:
+  """Runs `attempts` verified episodes of the teacher on each task (see the module docstring).
+
+  Args:
+    policy: the teacher (`engine_teacher`, `envs.policy.CompletionsPolicy`, ...).
+    chat: the teacher's chat format.
+    tasks: the tasks [T].
+    scaffold: the episodes' limits and sampling (temperature included).
+    attempts: episodes per task (>= 1).
+    seed: the run's seed (`attempt_seed`).
+    sandbox: the sandbox backend (envs.sandbox.BACKENDS; "local" only for scripted tests).
+    concurrency: episodes at once (>= 1).
+    limits: the sandboxes' resource limits (None: the backend's defaults).
+    progress: a log line per tenth of the episodes.
+
+  Returns:
+    [T][attempts]: each attempt's Trajectory, or the exception its episode raised.
+
+  Raises:
+    ValueError: attempts or concurrency < 1, or no tasks.
+  """
+  if attempts < 1:
+    raise ValueError(f"attempts={attempts!r}: expected an integer >= 1")
+  if concurrency < 1:
+    raise ValueError(f"concurrency={concurrency!r}: expected an integer >= 1")
+  if not tasks:
+    raise ValueError("tasks: no task to sample")
+  make_sandbox = make_sandbox_factory(sandbox, limits=limits, allow_unsafe=sandbox == "local")
+  episode = teacher_episode(policy, chat, make_sandbox, scaffold)
+  total, start = len(tasks) * attempts, time.monotonic()
+
+  async def run_all():
+    limiter = asyncio.Semaphore(concurrency)
+    done = [0]
+
+    async def one(task: Task, j: int):
+      async with limiter:
+        try:
+          return await episode(task, attempt_seed(seed, task.instance_id, j), j)
+        except Exception as e:  # a failed episode is counted, not fatal
+          log.warning("attempt %d of %s failed: %r", j, task.instance_id, e)
+          return e
+        finally:
+          done[0] += 1
+          if progress and done[0] % max(total // 10, 1) == 0:
+            log.info("sampled %d/%d episodes (%.0fs)", done[0], total, time.monotonic() - start)
+    flat = await asyncio.gather(*(one(t, j) for t in tasks for j in range(attempts)))
+    return [list(flat[i * attempts:(i + 1) * attempts]) for i in range(len(tasks))]
+  return aio.run(run_all())
+
+
+def engine_teacher(model, chat: ChatFormat, *, concurrency: int = 8, max_context_tokens: int = 4096,
+                   seed: int = 0):
+  """An Arbor model as a teacher: the in-process generation engine behind a Policy.
+
+  Args:
+    model: the model (e.g. `trainer.harness.initial_model` of a ckpt: config).
+    chat: its chat format (the engine detokenizes stop strings with its tokenizer).
+    concurrency: engine slots (= episodes decoded together).
+    max_context_tokens: the longest episode (rows are rounded up to a multiple of 128).
+    seed: the engine's seed (per-call seeds come from the episodes).
+
+  Returns:
+    A started `trainer.serve.EnginePolicy`; call `.engine.stop()` when done.
+  """
+  from models.engine import Engine, EngineConfig
+  from trainer.serve import EnginePolicy
+  engine = Engine(model, EngineConfig(slots=concurrency, prefix_cache_rows=concurrency,
+                                      max_seq_len=-(-max_context_tokens // 128) * 128,
+                                      prefill_chunk=512, seed=seed),
+                  detokenize=chat.tokenizer.decode)
+  return EnginePolicy(engine)
+
+
+# ----------------------------------------------------------------------------- judging
+
+
+def judge(tasks: Sequence[Task], attempts: Sequence[Sequence[Any]], policy: Policy,
+          chat: ChatFormat, rubric: Sequence[dict] = DEFAULT_RUBRIC, *,
+          min_reward: float = 1.0, max_chars: int = 6000) -> None:
+  """Scores the transcripts of the passing attempts on a rubric with an LLM judge.
+
+  The judge sees the task's statement and the episode after its prompt (assistant turns and
+  tool outputs, decoded, the last `max_chars` characters), graded by `envs.verifiers.judge`;
+  the score (weighted mean of score / max, in [0, 1]) goes to metadata["judge_score"], the
+  judge's replies to metadata["judge"].
+
+  Args:
+    tasks: the tasks [T].
+    attempts: [T][n] trajectories (or exceptions, skipped), changed in place.
+    policy: the judge (e.g. the teacher itself).
+    chat: renders the judge's prompt and decodes its reply.
+    rubric: the dimensions ({"name", "weight"?, "max"?, "description"?}).
+    min_reward: only attempts with reward >= min_reward are judged (the others are rejected
+      anyway).
+    max_chars: the transcript's tail shown to the judge.
+  """
+  def render(text: str) -> list[int]:
+    return chat.render([{"role": "user", "content": text}], add_generation_prompt=True).ids
+
+  async def one(task: Task, t: Trajectory):
+    first, last = t.calls[0], t.calls[-1]
+    # later calls extend the first one's input: what follows it is the agent's work
+    transcript = chat.tokenizer.decode(list(last.input_ids[len(first.input_ids):]) +
+                                       list(last.output_ids))
+    graded = Task(instance_id=task.instance_id, kind="judge",
+                  problem_statements=(task.problem_statement,), rubric=tuple(rubric))
+    verdict = await verify_judge(graded, transcript[-max_chars:], policy, render,
+                                 chat.tokenizer.decode)
+    t.metadata["judge_score"] = float(verdict.reward)
+    t.metadata["judge"] = verdict.details
+
+  async def run_all():
+    await asyncio.gather(*(one(task, t) for task, row in zip(tasks, attempts) for t in row
+                           if isinstance(t, Trajectory) and t.reward >= min_reward))
+  aio.run(run_all())
+
+
+# ----------------------------------------------------------------------------- selection
+
+
+@dataclasses.dataclass(frozen=True)
+class FilterConfig:
+  """Which attempts become SFT data (see the module docstring).
+
+  Raises:
+    ValueError: a bad field (named).
+  """
+
+  threshold: float = 1.0                  # verified: reward >= threshold
+  judge_threshold: Optional[float] = None  # and metadata["judge_score"] >= this (None: no judge)
+  tool_errors: str = "keep"               # verified attempts with failed tool calls: keep | drop
+  max_per_task: int = 2                   # kept per task after deduplication (shortest first)
+
+  def __post_init__(self):
+    if not math.isfinite(self.threshold):
+      raise ValueError(f"FilterConfig.threshold={self.threshold!r}: expected a finite number")
+    if self.judge_threshold is not None and not 0.0 <= self.judge_threshold <= 1.0:
+      raise ValueError(f"FilterConfig.judge_threshold={self.judge_threshold!r}: expected None "
+                       "or a score in [0, 1]")
+    if self.tool_errors not in TOOL_ERRORS:
+      raise ValueError(f"FilterConfig.tool_errors={self.tool_errors!r}: expected one of "
+                       f"{TOOL_ERRORS}")
+    if not isinstance(self.max_per_task, int) or self.max_per_task < 1:
+      raise ValueError(f"FilterConfig.max_per_task={self.max_per_task!r}: expected an integer "
+                       ">= 1")
+
+
+def verified(t: Any, cfg: FilterConfig) -> bool:
+  """Whether an attempt passes the filter (before deduplication).
+
+  Args:
+    t: a Trajectory (anything else, e.g. an exception, fails).
+    cfg: the filter.
+
+  Returns:
+    reward >= threshold, and the judge's score >= judge_threshold when set (an unjudged attempt
+    fails then), and no failed tool call when tool_errors is "drop".
+
+  Raises:
+    ValueError: judge_threshold is set and a passing attempt carries no judge_score.
+  """
+  if not isinstance(t, Trajectory) or not t.calls or t.reward < cfg.threshold:
+    return False
+  if cfg.judge_threshold is not None:
+    if "judge_score" not in t.metadata:
+      raise ValueError(f"FilterConfig.judge_threshold={cfg.judge_threshold}: attempt of "
+                       f"{t.task_id} was not judged (run `judge` first)")
+    if t.metadata["judge_score"] < cfg.judge_threshold:
+      return False
+  return not (cfg.tool_errors == "drop" and any(c.meta.get("tool_error") for c in t.calls))
+
+
+def dedup_key(t: Trajectory) -> str:
+  """sha256 of the attempt's assistant token sequences (every call's output ids, in order)."""
+  return hashlib.sha256(json.dumps([list(map(int, c.output_ids)) for c in t.calls]).encode()
+                        ).hexdigest()
+
+
+def sampled_tokens(t: Trajectory) -> int:
+  """Tokens the attempt sampled (summed over its calls)."""
+  return sum(len(c.output_ids) for c in t.calls)
+
+
+def _turns(t: Trajectory) -> int:
+  return int(t.metadata.get("num_turns", len(t.calls)))
+
+
+def select(tasks: Sequence[Task], attempts: Sequence[Sequence[Any]], cfg: FilterConfig
+           ) -> tuple[list[Trajectory], dict]:
+  """Filters, deduplicates and caps the attempts of each task (see the module docstring).
+
+  Args:
+    tasks: the tasks [T].
+    attempts: [T][n] Trajectory or exception (as `sample` returns).
+    cfg: the filter.
+
+  Returns:
+    (kept trajectories, in task order, the shortest first within a task; stats {"tasks",
+    "attempts", "errors", "verified", "verified_share", "tasks_with_verified",
+    "pass_rate_per_task" {task_id: share}, "kept_before_dedup", "kept_after_dedup", "kept",
+    "kept_tokens" (sampled), "kept_context_tokens" (each kept episode's final context),
+    "mean_reward"}).
+
+  Raises:
+    ValueError: tasks and attempts differ in length.
+  """
+  if len(tasks) != len(attempts):
+    raise ValueError(f"select: {len(tasks)} tasks but {len(attempts)} attempt lists")
+  kept: list[Trajectory] = []
+  per_task: dict[str, float] = {}
+  n = errors = passed = before = unique = 0
+  rewards = []
+  for task, row in zip(tasks, attempts):
+    n += len(row)
+    errors += sum(not isinstance(t, Trajectory) for t in row)
+    rewards += [t.reward if isinstance(t, Trajectory) else 0.0 for t in row]
+    ok = [t for t in row if verified(t, cfg)]
+    per_task[task.instance_id] = sum(isinstance(t, Trajectory) and t.reward >= cfg.threshold
+                                     for t in row) / max(len(row), 1)
+    passed += sum(isinstance(t, Trajectory) and t.reward >= cfg.threshold for t in row)
+    before += len(ok)
+    ok.sort(key=lambda t: (_turns(t), sampled_tokens(t), t.metadata.get("attempt", 0)))
+    seen, distinct = set(), []
+    for t in ok:
+      key = dedup_key(t)
+      if key not in seen:
+        seen.add(key)
+        distinct.append(t)
+    unique += len(distinct)
+    kept += distinct[:cfg.max_per_task]
+  stats = {"tasks": len(tasks), "attempts": n, "errors": errors, "verified": passed,
+           "verified_share": passed / max(n, 1),
+           "tasks_with_verified": sum(v > 0 for v in per_task.values()),
+           "pass_rate_per_task": per_task, "kept_before_dedup": before,
+           "kept_after_dedup": unique, "kept": len(kept),
+           "kept_tokens": sum(sampled_tokens(t) for t in kept),
+           "kept_context_tokens": sum(len(t.calls[-1].input_ids) + len(t.calls[-1].output_ids)
+                                      for t in kept),
+           "mean_reward": float(np.mean(rewards)) if rewards else 0.0}
+  return kept, stats
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def sft_record(t: Trajectory, fmt: str = "trajectory") -> dict:
+  """One kept attempt as an SFT record (trainer.sft_data).
+
+  Args:
+    t: the attempt (from `sample`: metadata "messages" and "tools" for chat records).
+    fmt: "trajectory" (the teacher's token ids) or "chat" (messages, for another tokenizer).
+
+  Returns:
+    The record; a trajectory record drops the transcript from its metadata (the ids are the
+    record) and keeps task_id as group_id; a chat record has "group" = the task id.
+
+  Raises:
+    ValueError: an unknown format, or a chat record of an attempt without a transcript or
+      with context-management calls (their turns do not map one to one onto messages).
+  """
+  if fmt == "trajectory":
+    d = as_dict(t)
+    d["metadata"] = {k: v for k, v in d["metadata"].items() if k not in ("messages", "tools")}
+    return d
+  if fmt != "chat":
+    raise ValueError(f"format={fmt!r}: expected one of {FORMATS}")
+  if "messages" not in t.metadata or any(c.meta.get("summary") for c in t.calls):
+    raise ValueError(f"attempt of {t.task_id}: a chat record needs the episode's transcript "
+                     "and no summary calls")
+  record = chat_record(t)
+  record["group"] = t.task_id
+  return record
+
+
+def write_sft(path: str, kept: Sequence[Trajectory], fmt: str = "trajectory") -> int:
+  """Writes the kept attempts as an SFT file (`configs/sft.py` data.sources reads it).
+
+  Args:
+    path: a .jsonl or .parquet file (written atomically).
+    kept: the attempts.
+    fmt: "trajectory" or "chat" (`sft_record`).
+
+  Returns:
+    The number of records written.
+
+  Raises:
+    ValueError: an unknown extension or format.
+  """
+  records = [sft_record(t, fmt) for t in kept]
+  if path.endswith(".jsonl"):
+    write_jsonl(path, records)
+  elif path.endswith(".parquet"):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    nested = ("calls", "messages", "tools", "metadata")  # JSON strings keep their text exact
+    columns = sorted({k for r in records for k in r})
+    table = pa.table({k: [json.dumps(r.get(k)) if k in nested else r.get(k) for r in records]
+                      for k in columns})
+    pq.write_table(table, path + ".tmp")
+    os.replace(path + ".tmp", path)
+  else:
+    raise ValueError(f"out={path!r}: expected a .jsonl or .parquet file")
+  return len(records)
+
+
+def summary_line(stats: dict) -> str:
+  """One human line of `select`'s stats."""
+  return (f"{stats['tasks']} tasks x attempts = {stats['attempts']} episodes "
+          f"({stats['errors']} errors); verified {stats['verified']} "
+          f"({stats['verified_share']:.1%}), {stats['tasks_with_verified']} tasks with one; "
+          f"kept {stats['kept_before_dedup']} -> {stats['kept_after_dedup']} after dedup -> "
+          f"{stats['kept']} (max per task); {stats['kept_tokens']} sampled tokens kept")
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def load_checkpoint(ckpt_dir: str):
+  """An Arbor run's latest checkpoint with its chat format.
+
+  Args:
+    ckpt_dir: the run's workdir (config.json, model_config.json, checkpoints/, tokenizer/).
+
+  Returns:
+    (model, model_cfg, chat, config): the run's config with model.init = "ckpt:<dir>" and its
+    own tokenizer (tokenizer/ of the run when it trained one).
+
+  Raises:
+    ValueError: the directory has no config.json.
+  """
+  from trainer import config as config_lib
+  from trainer import harness
+  path = os.path.join(ckpt_dir, "config.json")
+  if not os.path.isfile(path):
+    raise ValueError(f"ckpt={ckpt_dir!r}: no config.json (expected an Arbor run's workdir)")
+  with open(path) as f:
+    cfg = ml_collections.ConfigDict(json.load(f))
+  cfg.model.init, cfg.model.preset = f"ckpt:{ckpt_dir}", ""
+  own = os.path.join(ckpt_dir, "tokenizer")
+  if os.path.isdir(own):
+    cfg.tokenizer.path, cfg.tokenizer.train_vocab_size = own, 0
+  model_cfg = config_lib.model_config(cfg)
+  model = harness.initial_model(cfg, model_cfg)
+  chat = config_lib.make_chat_format(cfg, config_lib.tokenizer_source(cfg, ckpt_dir))
+  return model, model_cfg, chat, cfg
+
+
+def run_checkpoint(ckpt_dir: str, tasks: Sequence[Task], *, scaffold: ScaffoldConfig,
+                   attempts: int, seed: int, filter_cfg: FilterConfig, out: str,
+                   fmt: str = "trajectory", sandbox: str = "bwrap", concurrency: int = 8,
+                   judge_rubric: Optional[Sequence[dict]] = None) -> dict:
+  """Rejection sampling with an Arbor checkpoint as the teacher, written to `out`.
+
+  Args:
+    ckpt_dir: the teacher's run directory (`load_checkpoint`).
+    tasks: the tasks.
+    scaffold: the episodes (temperature included).
+    attempts: episodes per task.
+    seed: the run's seed.
+    filter_cfg: the filter.
+    out: the SFT file (.jsonl / .parquet); its stats go to `out` + ".stats.json".
+    fmt: "trajectory" or "chat".
+    sandbox: the sandbox backend.
+    concurrency: episodes at once.
+    judge_rubric: with filter_cfg.judge_threshold, the judge's rubric (the teacher judges).
+
+  Returns:
+    The stats (`select`) with "time_s", "teacher" and "out".
+  """
+  model, _, chat, _ = load_checkpoint(ckpt_dir)
+  policy = engine_teacher(model, chat, concurrency=concurrency,
+                          max_context_tokens=scaffold.max_context_tokens, seed=seed)
+  try:
+    return _sample_select_write(policy, chat, tasks, scaffold=scaffold, attempts=attempts,
+                                seed=seed, filter_cfg=filter_cfg, out=out, fmt=fmt,
+                                sandbox=sandbox, concurrency=concurrency,
+                                judge_rubric=judge_rubric, teacher=f"ckpt:{ckpt_dir}")
+  finally:
+    policy.engine.stop()
+
+
+def _sample_select_write(policy, chat, tasks, *, scaffold, attempts, seed, filter_cfg, out, fmt,
+                         sandbox, concurrency, judge_rubric, teacher) -> dict:
+  t0 = time.monotonic()
+  results = sample(policy, chat, tasks, scaffold=scaffold, attempts=attempts, seed=seed,
+                   sandbox=sandbox, concurrency=concurrency)
+  if filter_cfg.judge_threshold is not None:
+    judge(tasks, results, policy, chat, judge_rubric or DEFAULT_RUBRIC,
+          min_reward=filter_cfg.threshold)
+  kept, stats = select(tasks, results, filter_cfg)
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  write_sft(out, kept, fmt)
+  stats.update(time_s=time.monotonic() - t0, teacher=teacher, out=out, format=fmt,
+               temperature=scaffold.temperature, seed=seed)
+  with open(out + ".stats.json", "w") as f:
+    json.dump(stats, f, indent=1)
+  return stats
+
+
+# ----------------------------------------------------------------------------- RFT
+
+
+def latest_step(run_dir: str) -> Optional[int]:
+  """The latest checkpoint step of an Arbor run (checkpoints/<step>/), None without one."""
+  path = os.path.join(run_dir, "checkpoints")
+  steps = [int(d) for d in os.listdir(path) if d.isdigit()] if os.path.isdir(path) else []
+  return max(steps, default=None)
+
+
+def _batches(config: ml_collections.ConfigDict, source: str, chat: ChatFormat) -> int:
+  """Training steps of one pass over `source` under the config's packing."""
+  from trainer import config as config_lib
+  from trainer.data import make_sft_dataset
+  return sum(1 for _ in make_sft_dataset(config_lib.data_config(config, sources=(source,)),
+                                         chat))
+
+
+def round_sft_config(config: ml_collections.ConfigDict, init_dir: str, source: str,
+                     steps: int) -> ml_collections.ConfigDict:
+  """The SFT run of one round: `config` from `init_dir`'s checkpoint on `source`.
+
+  Args:
+    config: an SFT config (e.g. configs/sft_demo.py's); its optimizer and packing are kept.
+    init_dir: the run whose latest checkpoint (and tokenizer/, when it has one) it starts from.
+    source: the round's SFT file.
+    steps: train.steps = optimizer.total_steps (warmup at most half of them).
+
+  Returns:
+    The config: no demo data, no held-out data, one epoch unless the config says more.
+  """
+  c = ml_collections.ConfigDict(config.to_dict())
+  c.mode = "sft"
+  c.model.init, c.model.preset = f"ckpt:{init_dir}", ""
+  own = os.path.join(init_dir, "tokenizer")
+  if os.path.isdir(own):
+    c.tokenizer.path = own
+  c.tokenizer.train_vocab_size = 0
+  c.data.sources, c.data.eval_sources = (source,), ()
+  c.data.demo.episodes = c.data.demo.eval_episodes = 0
+  c.data.num_epochs = c.data.num_epochs or 1
+  c.train.steps = c.optimizer.total_steps = steps
+  c.optimizer.warmup_steps = min(c.optimizer.warmup_steps, steps // 2)
+  c.train.checkpoint_every = steps
+  c.train.eval_every = 0
+  c.metrics.progress = False
+  c.metrics.report = False
+  return c
+
+
+def rft(config: ml_collections.ConfigDict, workdir: str, *, init_dir: str, rounds: int,
+        tasks_per_round: int, attempts: int = 4, scaffold: ScaffoldConfig,
+        filter_cfg: FilterConfig = FilterConfig(), task_level: int = 0, task_seed: int = 1,
+        task_start: int = 0, seed: int = 0, sandbox: str = "bwrap", concurrency: int = 8
+        ) -> list[dict]:
+  """Rejection-sampling fine-tuning: `rounds` rounds of sample -> select -> SFT.
+
+  Round r (1-based) samples `attempts` episodes on each of `tasks_per_round` fresh generated
+  tasks (envs.taskgen "train" split, positions task_start + (r-1)·T ...) with the latest
+  checkpoint of round r-1 (round 1: `init_dir`) as teacher, keeps the verified ones
+  (`select`), and runs `trainer.sft.run` from that checkpoint on them (`round_sft_config`:
+  `config`'s optimizer and packing, data.num_epochs passes; steps = the batches of that many
+  passes). Layout: <workdir>/round_<r>/{tasks/, data.jsonl, data.jsonl.stats.json, sft/,
+  round.json}; a finished round (round.json) is reused. A round that keeps nothing trains
+  nothing and the next round samples from the same checkpoint.
+
+  Args:
+    config: the SFT config of every round (e.g. configs/sft_demo.py).
+    workdir: the RFT run's directory.
+    init_dir: the first teacher's run directory.
+    rounds: the number of rounds (>= 1).
+    tasks_per_round: fresh tasks per round (>= 1).
+    attempts: episodes per task.
+    scaffold: the episodes (temperature included).
+    filter_cfg: the filter.
+    task_level: taskgen level.
+    task_seed: taskgen seed (the demo's RL tasks: 1).
+    task_start: the first round's first task position in the "train" split.
+    seed: the run's seed (each round samples with seed + r).
+    sandbox: the sandbox backend.
+    concurrency: episodes at once.
+
+  Returns:
+    One dict per round: the stats, "teacher" (the sampled run dir), "teacher_step" (its
+    checkpoint step), "sft_dir" (None when nothing was kept), "steps", "trajectory_ids" (per
+    step, the trained trajectories' ids, from the SFT metrics).
+
+  Raises:
+    ValueError: rounds or tasks_per_round < 1.
+  """
+  from envs import taskgen
+  from trainer import metrics, sft
+  if rounds < 1 or tasks_per_round < 1:
+    raise ValueError(f"rounds={rounds!r}, tasks_per_round={tasks_per_round!r}: expected >= 1")
+  teacher, out = init_dir, []
+  for r in range(1, rounds + 1):
+    rdir = os.path.join(workdir, f"round_{r}")
+    done = os.path.join(rdir, "round.json")
+    if os.path.isfile(done):
+      with open(done) as f:
+        info = json.load(f)
+    else:
+      os.makedirs(rdir, exist_ok=True)
+      tasks = taskgen.write_tasks(os.path.join(rdir, "tasks"), tasks_per_round, task_level,
+                                  task_seed, task_start + (r - 1) * tasks_per_round,
+                                  split="train")
+      data = os.path.join(rdir, "data.jsonl")
+      info = run_checkpoint(teacher, tasks, scaffold=scaffold, attempts=attempts, seed=seed + r,
+                            filter_cfg=filter_cfg, out=data, sandbox=sandbox,
+                            concurrency=concurrency)
+      info.update(round=r, teacher=teacher, teacher_step=latest_step(teacher),
+                  sft_dir=None, steps=0, trajectory_ids=[])
+      metrics.say("rft", f"round {r}: teacher {teacher} (step {info['teacher_step']}): "
+                  + summary_line(info))
+      if info["kept"]:
+        _, _, chat, _ = load_checkpoint(teacher)
+        probe = round_sft_config(config, teacher, data, 1)
+        steps = _batches(probe, data, chat)
+        sft_dir = os.path.join(rdir, "sft")
+        sft.run(round_sft_config(config, teacher, data, steps), sft_dir)
+        lines = metrics.read_jsonl(os.path.join(sft_dir, "sft", metrics.JSONL))
+        info.update(sft_dir=sft_dir, steps=steps,
+                    trajectory_ids=[lines[s].get("trajectory_ids", []) for s in sorted(lines)])
+      with open(done + ".tmp", "w") as f:
+        json.dump(info, f, indent=1)
+      os.replace(done + ".tmp", done)
+    if info["sft_dir"]:
+      teacher = info["sft_dir"]
+    out.append(info)
+  return out
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+  """The command line of `python -m trainer.rejection` (None: sys.argv)."""
+  p = argparse.ArgumentParser(prog="python -m trainer.rejection",
+                              description=__doc__.split("\n")[0])
+  teacher = p.add_mutually_exclusive_group(required=True)
+  teacher.add_argument("--ckpt", help="an Arbor run directory: its latest checkpoint teaches")
+  teacher.add_argument("--url", help="an OpenAI-compatible API root (e.g. http://host:8000/v1)")
+  p.add_argument("--model", default="", help="the served model's name (with --url)")
+  p.add_argument("--api_key_env", default="", help="environment variable holding the API key")
+  p.add_argument("--tokenizer", default="", help="the teacher's tokenizer (with --url)")
+  p.add_argument("--chat_format", default="", help="an envs.chat format (with --url; default: "
+                 "the tokenizer's own chat template)")
+  src = p.add_mutually_exclusive_group(required=True)
+  src.add_argument("--tasks", help="a task file (JSONL / Parquet, envs.episode.load_task_file)")
+  src.add_argument("--generated", type=int, help="N generated tasks (envs.taskgen train split)")
+  p.add_argument("--task_level", type=int, default=0, help="taskgen level (--generated)")
+  p.add_argument("--task_seed", type=int, default=1, help="taskgen seed (--generated)")
+  p.add_argument("--task_start", type=int, default=0, help="first train-split position")
+  p.add_argument("--attempts", type=int, default=4, help="episodes per task")
+  p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+  p.add_argument("--top_p", type=float, default=1.0, help="nucleus mass")
+  p.add_argument("--seed", type=int, default=0, help="the run's seed (attempt seeds)")
+  p.add_argument("--max_turns", type=int, default=6, help="agent turns per episode")
+  p.add_argument("--max_new_tokens", type=int, default=256, help="tokens per reply")
+  p.add_argument("--max_context_tokens", type=int, default=2048, help="tokens per episode")
+  p.add_argument("--timeout_s", type=float, default=120.0, help="seconds per episode")
+  p.add_argument("--threshold", type=float, default=1.0, help="verified: reward >= this")
+  p.add_argument("--judge_threshold", type=float, default=None,
+                 help="also require the teacher-as-judge rubric score >= this (0-1)")
+  p.add_argument("--tool_errors", default="keep", choices=TOOL_ERRORS,
+                 help="verified attempts with failed tool calls: keep (masked) or drop")
+  p.add_argument("--max_per_task", type=int, default=2, help="kept per task after dedup")
+  p.add_argument("--format", default="trajectory", choices=FORMATS,
+                 help="trajectory (same tokenizer as the student) or chat records")
+  p.add_argument("--sandbox", default="bwrap", help="sandbox backend")
+  p.add_argument("--concurrency", type=int, default=8, help="episodes at once")
+  p.add_argument("--out", required=True, help="the SFT file (.jsonl or .parquet)")
+  return p.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Runs rejection sampling from the command line; prints the stats as JSON."""
+  logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+  args = parse_args(argv)
+  try:
+    filter_cfg = FilterConfig(threshold=args.threshold, judge_threshold=args.judge_threshold,
+                              tool_errors=args.tool_errors, max_per_task=args.max_per_task)
+    if args.url and not (args.model and args.tokenizer):
+      raise ValueError(f"--url={args.url!r} needs --model and --tokenizer (the teacher's)")
+    if not (args.out.endswith(".jsonl") or args.out.endswith(".parquet")):
+      raise ValueError(f"--out={args.out!r}: expected a .jsonl or .parquet file")
+  except ValueError as e:
+    print(f"trainer.rejection: {e}", file=sys.stderr)
+    return 2
+  scaffold = ScaffoldConfig(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
+                            max_context_tokens=args.max_context_tokens, timeout_s=args.timeout_s,
+                            temperature=args.temperature, top_p=args.top_p)
+  if args.tasks:
+    from envs.episode import load_task_file
+    tasks = load_task_file(args.tasks)[0]
+  else:
+    from envs import taskgen
+    tasks = taskgen.write_tasks(args.out + ".tasks", args.generated, args.task_level,
+                                args.task_seed, args.task_start, split="train")
+  common = dict(scaffold=scaffold, attempts=args.attempts, seed=args.seed,
+                filter_cfg=filter_cfg, out=args.out, fmt=args.format, sandbox=args.sandbox,
+                concurrency=args.concurrency)
+  if args.ckpt:
+    stats = run_checkpoint(args.ckpt, tasks, **common)
+  else:
+    from envs.chat import load_chat, load_tokenizer, make_chat
+    from envs.policy import CompletionsPolicy
+    tok = load_tokenizer(args.tokenizer)
+    chat = (make_chat(args.chat_format, tok) if args.chat_format else
+            load_chat(args.tokenizer, tok))
+    key = os.environ.get(args.api_key_env) if args.api_key_env else None
+    policy = CompletionsPolicy(args.url, args.model, api_key=key)
+    stats = _sample_select_write(policy, chat, tasks, judge_rubric=None, teacher=args.url,
+                                 **common)
+  print(summary_line(stats), file=sys.stderr)
+  print(json.dumps({k: v for k, v in stats.items() if k != "pass_rate_per_task"}, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
