@@ -19,7 +19,9 @@ Kinds (`KINDS`):
   comparison      `<` <-> `<=`, `>` <-> `>=`, `==` <-> `!=`, `in` <-> `not in`, `is` <-> `is not`.
   off_by_one      `range` start/stop +-1, slice bounds +-1, integer index constants +-1,
                   `len(x) - 1` <-> `len(x)`.
-  drop_condition  an `if` guard removed keeping its body; one operand of an `and`/`or` in an
+  drop_condition  an `if` guard removed keeping its body (bodies of at most 4 lines that do not
+                  end in a jump); a check or filter removed whole (an `if` whose body ends in
+                  `raise`, `continue` or `break`); one operand of an `and`/`or` in an
                   `if`/`while`/conditional-expression/comprehension condition removed; the
                   `else` block or one `elif` branch of an `if` removed.
   early_return    (a) a guard's `return` dropped: an `if` whose body ends in `return` and that
@@ -66,6 +68,7 @@ KINDS = ("operator", "comparison", "off_by_one", "drop_condition", "early_return
 REVERT = "revert"
 
 _SKIP_FUNCTIONS = frozenset({"__repr__", "__str__"})
+_MAX_KEPT_LINES = 4   # an `if` guard is removed keeping its body only for bodies this short
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 _BUILTIN_TYPES = frozenset({"int", "float", "complex", "str", "bytes", "bool", "list", "dict",
@@ -112,7 +115,8 @@ class Mutation:
 
   def diff(self, original: str) -> str:
     """Returns the unified diff (git-style a/ b/ headers) from `original` to this mutation."""
-    return make_patch({self.path: original.encode("utf-8")}, {self.path: self.source.encode("utf-8")})
+    return make_patch({self.path: original.encode("utf-8")},
+                      {self.path: self.source.encode("utf-8")})
 
 
 def is_test_file(path: str) -> bool:
@@ -358,7 +362,7 @@ def _operator(src: _Source, fn: _Fn) -> Iterator[_Cand]:
       text = _token_swap(src, node, [(node.left, node.right)], re.escape(old), new)
       if text is not None:
         yield _expr_cand(src, "operator", node, text,
-                         f"`{old}` -> `{new}` in `{_where(src, node)}`", parens=False)
+                         f"`{old}` -> `{new}` in `{_where(src, node)}`")
     elif isinstance(node, ast.AugAssign) and type(node.op) in _BINOPS:
       old, new = _BINOPS[type(node.op)]
       if isinstance(node.op, (ast.Add, ast.Sub)) and (_is_str(node.value)
@@ -372,7 +376,8 @@ def _operator(src: _Source, fn: _Fn) -> Iterator[_Cand]:
         continue
       start, end = base + lo + match.start(), base + lo + match.end()
       yield _Cand("operator", node.lineno, f"`{old}=` -> `{new}=` in `{_where(src, node)}`",
-                  [(start, end, new + "=")], node, ast.AugAssign(node.target, _BINOPS_NEW[type(node.op)](), node.value))
+                  [(start, end, new + "=")], node,
+                  ast.AugAssign(node.target, _BINOPS_NEW[type(node.op)](), node.value))
     elif isinstance(node, ast.BoolOp):
       old, new = ("and", "or") if isinstance(node.op, ast.And) else ("or", "and")
       pairs = list(zip(node.values, node.values[1:]))
@@ -476,7 +481,17 @@ def _drop_condition(src: _Source, fn: _Fn) -> Iterator[_Cand]:
     if not isinstance(node, ast.If) or not src.owns_lines(node):
       continue
     header = src.line(node.lineno).strip()
-    if not node.orelse and not _is_elif(src, node) and node.body[0].lineno > node.test.end_lineno:
+    exit_ = node.body[-1]
+    if node.orelse or _is_elif(src, node):
+      pass
+    elif isinstance(exit_, (ast.Raise, ast.Continue, ast.Break)):
+      # a check or a filter: the whole statement goes
+      start, end = src.lines_span(node.lineno, node.end_lineno)
+      yield _Cand("drop_condition", node.lineno,
+                  f"check `{_short(header)}` (`{_short(src.seg(exit_), 40)}`) removed",
+                  [(start, end, "")], node, [])
+    elif (not isinstance(exit_, ast.Return) and node.body[0].lineno > node.test.end_lineno
+          and node.end_lineno - node.body[0].lineno < _MAX_KEPT_LINES):
       # the guard goes, its body moves out one level
       outer, inner = src.indent(node.lineno), src.indent(node.body[0].lineno)
       if inner.startswith(outer) and len(inner) > len(outer):
@@ -538,6 +553,9 @@ def _swap_arguments(src: _Source, fn: _Fn) -> Iterator[_Cand]:
     for a, b in zip(node.args, node.args[1:]):
       if isinstance(a, ast.Starred) or isinstance(b, ast.Starred) or ast.dump(a) == ast.dump(b):
         continue
+      if (isinstance(a, ast.Constant) and isinstance(b, ast.Constant)
+          and type(a.value) is not type(b.value)):
+        continue  # a type error at once, not a plausible bug
       base, _ = src.span(node)
       text = src.seg(node)
       (a0, a1), (b0, b1) = src.span(a), src.span(b)
@@ -578,14 +596,16 @@ def _local_types(fn: _Fn) -> dict[str, str]:
   args = fn.node.args
   positional = args.posonlyargs + args.args
   defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
-  for arg, default in list(zip(positional, defaults)) + list(zip(args.kwonlyargs, args.kw_defaults)):
+  pairs = list(zip(positional, defaults)) + list(zip(args.kwonlyargs, args.kw_defaults))
+  for arg, default in pairs:
     types[arg.arg].add(_annotation_type(arg.annotation) or _literal_type(default))
   for arg in (args.vararg, args.kwarg):
     if arg is not None:
       types[arg.arg].add(None)
   typed = set()
   for node in _nodes(fn.body):
-    if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+    if (isinstance(node, ast.Assign) and len(node.targets) == 1
+        and isinstance(node.targets[0], ast.Name)):
       types[node.targets[0].id].add(_literal_type(node.value))
       typed.add(id(node.targets[0]))
     elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
@@ -596,7 +616,8 @@ def _local_types(fn: _Fn) -> dict[str, str]:
       typed.add(id(node.target))
     elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
       typed.add(id(node.target))  # keeps the type of the earlier binding
-    elif isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load) and id(node) not in typed:
+    elif (isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load)
+          and id(node) not in typed):
       types[node.id].add(None)
     elif isinstance(node, (ast.Global, ast.Nonlocal)):
       for name in node.names:
