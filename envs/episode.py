@@ -20,6 +20,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 from typing import Any, Awaitable, Callable, Mapping, Optional, Protocol
 
 import numpy as np
@@ -29,7 +30,9 @@ from envs.net import read_secret
 from envs.policy import Policy
 from envs.sandbox import BACKENDS, Limits, Sandbox, SandboxError, create_sandbox
 from envs.scaffold import EpisodeResult, ScaffoldConfig, run_episode
-from envs.tasks import Task, load_repo_files, load_tasks
+from envs.livecodebench import is_livecodebench_row, load_livecodebench_jsonl
+from envs.tasks import Task, jsonl_records, load_repo_files, load_tasks
+from envs.terminal_bench import load_terminal_bench
 from envs.tools import default_tools
 from envs.trajectory import Trajectory
 from envs.verifiers import verify, workspace_files
@@ -37,6 +40,7 @@ from envs.verifiers import verify, workspace_files
 log = logging.getLogger(__name__)
 
 SandboxMaker = Callable[[Task], Awaitable[Sandbox]]
+SETUP_TIMEOUT = 300.0  # seconds a "shell" task's set-up script may run
 
 
 class EpisodeFn(Protocol):
@@ -231,30 +235,48 @@ def _jsonable(x: Any) -> Any:
 
 
 async def _submission(task: Task, sandbox: Sandbox, result: EpisodeResult) -> Any:
-  """What the verifier scores: the workspace (swe), else the submitted answer or last reply."""
+  """What the verifier scores: the workspace (swe), the agent's sandbox itself (shell: the
+  check runs in it), else the submitted answer or last reply."""
   if task.kind == "swe":
     return await workspace_files(sandbox)
+  if task.kind == "shell":
+    return sandbox
   if result.answer is not None:
     return result.answer
   replies = [m.get("text", "") for m in result.messages if m.get("role") == "assistant"]
   return replies[-1] if replies else ""
 
 
+class SetupError(RuntimeError):
+  """A "shell" task's set-up script failed: the task, not the agent, is broken."""
+
+
 async def start_sandbox(task: Task, make_sandbox: SandboxMaker) -> Sandbox:
-  """A fresh sandbox for an episode of `task`, holding the task's repository ("swe" tasks).
+  """A fresh sandbox for an episode of `task`: holding the task's repository ("swe" tasks), or
+  the workspace its set-up script made ("shell" tasks: the script runs with bash in the
+  workspace, for at most SETUP_TIMEOUT seconds, and is not left there).
 
   Args:
     task: the task.
     make_sandbox: the sandboxes (`make_sandbox_factory`).
 
   Returns:
-    The started sandbox (the caller closes it); closed again if loading the repository fails.
+    The started sandbox (the caller closes it); closed again if loading the repository or the
+    set-up fails.
+
+  Raises:
+    SetupError: the set-up script exited non-zero or timed out.
   """
   sandbox = await make_sandbox(task)
   try:
     if task.kind == "swe":
       for path, data in (await asyncio.to_thread(load_repo_files, task)).items():
         await sandbox.write_file(path, data)
+    elif task.kind == "shell" and task.setup_script.strip():
+      res = await sandbox.exec(["bash", "-c", task.setup_script], timeout=SETUP_TIMEOUT)
+      if res.exit_code != 0 or res.timed_out:
+        raise SetupError(f"Task {task.instance_id!r}: setup.sh failed (exit code "
+                         f"{res.exit_code}, timed out {res.timed_out}): {res.stderr[-500:]}")
   except BaseException:
     await sandbox.close()
     raise
@@ -304,9 +326,10 @@ def make_react_episode(policy: Policy, chat: ChatFormat, make_sandbox: SandboxMa
                        judge_policy: Optional[Policy] = None) -> EpisodeFn:
   """The episode of a rollout worker: the react scaffold in a sandbox, rewarded by a verifier.
 
-  A fresh sandbox gets the task's repository, the react scaffold (`envs.scaffold.run_episode`)
-  runs with the default tools, then the task's verifier (`envs.verifiers.verify`) gives the
-  reward. Sampling seeds come from the episode seed. A sandbox failure during the episode or
+  A fresh sandbox gets the task's repository (or a shell task's set-up), the react scaffold
+  (`envs.scaffold.run_episode`) runs with the default tools for at most the config's timeout
+  (or the task's `agent_timeout`, when shorter), then the task's verifier
+  (`envs.verifiers.verify`) gives the reward. Sampling seeds come from the episode seed. A sandbox failure during the episode or
   the verification gives termination "sandbox_error", reward 0; one at creation raises (the
   episode is left out of its group).
 
@@ -328,10 +351,12 @@ def make_react_episode(policy: Policy, chat: ChatFormat, make_sandbox: SandboxMa
   async def episode(task: Task, index: int, seed: int, *, group_id: str = "",
                     metadata: Optional[Mapping[str, Any]] = None) -> Trajectory:
     prompt = task.prompt(np.random.default_rng(seed))
+    limit = config.timeout_s if task.agent_timeout is None else min(config.timeout_s,
+                                                                    task.agent_timeout)
     sandbox = await start_sandbox(task, make_sandbox)
     try:
       result = await run_episode(policy, sandbox, prompt, default_tools(task.test_command or None),
-                                 chat, dataclasses.replace(config, seed=seed))
+                                 chat, dataclasses.replace(config, seed=seed, timeout_s=limit))
       reward, details = await score(task, sandbox, result)
     finally:
       await sandbox.close()
@@ -340,19 +365,40 @@ def make_react_episode(policy: Policy, chat: ChatFormat, make_sandbox: SandboxMa
   return episode
 
 
+def _first_record(path: str) -> Any:
+  """The first JSON record of a JSONL file (None if there is none or it is not JSON)."""
+  for _, _, record in jsonl_records(path):
+    return None if isinstance(record, ValueError) else record
+  return None
+
+
 def load_task_file(path: str, *, mirror: Optional[str] = None,
                    cache_dir: Optional[str] = None) -> tuple[list[Task], int]:
-  """The tasks of a JSONL file (SWE or problem format, per line) or a Parquet file of SWE rows,
-  skipping bad lines.
+  """The tasks of a task file or directory, skipping bad lines (or tasks).
+
+  Dispatch: a directory is Terminal-Bench-style tasks (`envs.terminal_bench`: one task
+  directory or a directory of them); a JSONL file whose first record is a LiveCodeBench row
+  (question_content + test cases) is LiveCodeBench problems (`envs.livecodebench`); any other
+  JSONL file holds SWE rows or problems (code / exact / judge), per line (`envs.tasks`); a
+  .parquet file holds SWE rows.
 
   Args:
-    path: the task file.
+    path: the task file or directory.
     mirror: the directory of git mirrors SWE rows check out from (None: $ARBOR_SWE_MIRROR).
     cache_dir: where their checkouts go (None: $ARBOR_SWE_CACHE, else ~/.cache/arbor/swe).
 
   Returns:
     (tasks, number of bad lines); bad lines are logged with file:line and skipped.
+
+  Raises:
+    TaskFormatError: a directory holding no task.
+    OSError: the path cannot be read.
   """
   errors: list = []
-  tasks = load_tasks(path, skip_bad=True, errors=errors, mirror=mirror, cache_dir=cache_dir)
+  if os.path.isdir(path):
+    tasks = load_terminal_bench(path, skip_bad=True, errors=errors)
+  elif path.endswith(".jsonl") and is_livecodebench_row(_first_record(path)):
+    tasks = load_livecodebench_jsonl(path, skip_bad=True, errors=errors)
+  else:
+    tasks = load_tasks(path, skip_bad=True, errors=errors, mirror=mirror, cache_dir=cache_dir)
   return tasks, len(errors)

@@ -1,11 +1,19 @@
 """Tasks: what an episode asks of the agent, and what its verifier checks.
 
-One `Task` type covers four kinds:
+One `Task` type covers five kinds:
 - "swe": a repository snapshot with a bug; the `tests` verifier runs the task's test command in
   a fresh sandbox and grades its FAIL_TO_PASS / PASS_TO_PASS tests as SWE-bench does.
-- "code": a code problem (prompt + function or stdin/stdout tests), verifier `python_io`.
+- "code": a code problem (prompt + function or stdin/stdout tests), verifier `python_io`;
+  `code_style` "livecodebench" runs and compares programs as LiveCodeBench does
+  (envs/livecodebench.py loads its rows).
 - "exact": a question with a short answer, verifier `exact`.
 - "judge": an open-ended task scored by a policy against a weighted rubric, verifier `judge`.
+- "shell": a Terminal-Bench-style task (envs/terminal_bench.py): a set-up script makes the
+  agent's starting workspace, a check script with hidden test files runs in the agent's final
+  sandbox, verifier `shell`.
+
+`task_format(task)` names the benchmark family a task belongs to (swe, swe-synth, generated,
+livecodebench, terminal-bench, code, exact, judge): evaluation reports are grouped by it.
 
 "One commit, many prompts": a task carries several phrasings of its instruction (expert to
 colloquial) and `Task.prompt(rng)` samples one per episode from an explicit rng.
@@ -67,7 +75,11 @@ from typing import Any, Iterable, Mapping, Optional
 
 log = logging.getLogger(__name__)
 
-KINDS = ("swe", "code", "exact", "judge")
+KINDS = ("swe", "code", "exact", "judge", "shell")
+CODE_STYLES = ("plain", "livecodebench")  # how "code" programs are run and compared
+CHECK_PARSERS = ("pytest", "exit_code")     # how a "shell" task's check is graded
+FORMATS = ("swe", "swe-synth", "generated", "livecodebench", "terminal-bench", "code", "exact",
+           "judge")
 DEFAULT_TIMEOUT = 120.0  # seconds for one test run
 CODE_TIMEOUT = 10.0      # seconds for each test process of a code problem
 
@@ -124,7 +136,15 @@ class Task:
   test_runner: str = "pytest"                   # one of TEST_RUNNERS
   # code
   tests: tuple[Mapping[str, Any], ...] = ()     # {"args", "expected"} or {"input", "output"}
-  entry_point: Optional[str] = None             # function name for {"args", "expected"} tests
+  entry_point: Optional[str] = None             # function ("f") or method ("Solution.f") name
+  code_style: str = "plain"                     # one of CODE_STYLES
+  memory_mb: Optional[int] = None               # address-space limit of each test process (MiB)
+  # shell (timeout: the check's seconds)
+  setup_script: str = ""                        # bash, run in the workspace before the agent
+  check_script: str = ""                        # bash, run after the agent (run-tests.sh)
+  check_files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)  # tests/, hidden
+  check_parser: str = "pytest"                  # one of CHECK_PARSERS
+  agent_timeout: Optional[float] = None         # seconds the agent may work, if bounded
   # exact
   answers: tuple[str, ...] = ()                 # acceptable answers
   # judge
@@ -198,6 +218,37 @@ def script_command(test_command: str) -> tuple[dict[str, str], str, str, list[st
   return env, python, script, words[1:]
 
 
+def task_format(task: Task) -> str:
+  """The benchmark family of a task, from its kind and metadata (evaluation reports group by it).
+
+  - "shell" -> "terminal-bench";
+  - "code" with code_style "livecodebench" (or metadata format "livecodebench") ->
+    "livecodebench", other "code" -> "code";
+  - "swe" with metadata "mutation" (a synthesised bug) -> "swe-synth"; with a metadata
+    "generator" of envs.taskgen ("arbor.taskgen/...") -> "generated"; other "swe" -> "swe";
+  - "exact" and "judge" -> themselves.
+
+  Args:
+    task: the task.
+
+  Returns:
+    One of FORMATS.
+  """
+  meta = task.metadata or {}
+  if task.kind == "shell":
+    return "terminal-bench"
+  if task.kind == "code":
+    lcb = task.code_style == "livecodebench" or meta.get("format") == "livecodebench"
+    return "livecodebench" if lcb else "code"
+  if task.kind == "swe":
+    if meta.get("mutation"):
+      return "swe-synth"
+    if str(meta.get("generator", "")).startswith("arbor.taskgen"):
+      return "generated"
+    return "swe"
+  return task.kind
+
+
 def _validate(t: Task) -> None:
   """Raise ValueError naming the first bad field."""
   def need(ok, field, value, what):
@@ -230,11 +281,16 @@ def _validate(t: Task) -> None:
   elif t.kind == "code":
     need(t.tests and all(isinstance(c, Mapping) for c in t.tests), "tests", t.tests,
          "a non-empty list of test objects")
+    need(t.code_style in CODE_STYLES, "code_style", t.code_style, f"one of {CODE_STYLES}")
+    need(t.memory_mb is None or isinstance(t.memory_mb, int) and not isinstance(
+        t.memory_mb, bool) and 16 <= t.memory_mb <= 65536, "memory_mb", t.memory_mb,
+         "None or MiB in [16, 65536]")
     for i, c in enumerate(t.tests):
       if {"args", "expected"} <= set(c):
         need(isinstance(c["args"], (list, tuple)), f"tests[{i}].args", c["args"], "a list")
-        need(isinstance(t.entry_point, str) and t.entry_point.isidentifier(), "entry_point",
-             t.entry_point, "a function name (function tests need one)")
+        need(isinstance(t.entry_point, str) and 1 <= len(t.entry_point.split(".")) <= 2
+             and all(p.isidentifier() for p in t.entry_point.split(".")), "entry_point",
+             t.entry_point, "a function name 'f' or a method 'Class.f' (function tests need one)")
       else:
         need({"input", "output"} <= set(c) and isinstance(c["input"], str)
              and isinstance(c["output"], str), f"tests[{i}]", c,
@@ -242,6 +298,20 @@ def _validate(t: Task) -> None:
   elif t.kind == "exact":
     need(t.answers and all(isinstance(a, str) for a in t.answers), "answers", t.answers,
          "a non-empty tuple of strings")
+  elif t.kind == "shell":
+    need(isinstance(t.check_script, str) and t.check_script.strip(), "check_script",
+         t.check_script, "a non-empty bash script")
+    need(isinstance(t.setup_script, str), "setup_script", t.setup_script, "a bash script")
+    need(t.check_parser in CHECK_PARSERS, "check_parser", t.check_parser,
+         f"one of {CHECK_PARSERS}")
+    need(isinstance(t.check_files, Mapping) and all(
+        isinstance(p, str) and isinstance(b, bytes) for p, b in t.check_files.items()),
+         "check_files", t.check_files, "a mapping {relative path: bytes}")
+    for p in t.check_files:
+      _check_rel(p, f"Task {t.instance_id!r}: check_files")
+    need(t.agent_timeout is None or isinstance(t.agent_timeout, (int, float))
+         and not isinstance(t.agent_timeout, bool) and t.agent_timeout > 0, "agent_timeout",
+         t.agent_timeout, "None or seconds > 0")
   elif t.kind == "judge":
     need(t.rubric, "rubric", t.rubric, "a non-empty list of dimensions")
     for i, d in enumerate(t.rubric):

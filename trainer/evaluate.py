@@ -22,6 +22,13 @@ without the hidden tests and reports the selected sample's verifier reward ("sel
 An episode that raised (e.g. its sandbox could not be created) counts as a failure (reward 0,
 termination "error") and is counted in "errors".
 
+Per-format report ("formats" in the result, results.json and the printed summary): tasks are
+grouped by `envs.tasks.task_format` (swe, swe-synth, generated, livecodebench, terminal-bench,
+code, exact, judge), and each group (and "all") gets its pass@k, the mean over its tasks of the
+unbiased per-task estimate, with a 95% interval (`format_report`): with n = 1 sample per task,
+the Wilson score interval of (solved tasks, tasks); with n > 1, the percentile bootstrap over
+the group's tasks (10,000 resamples of its per-task pass@k, seeded by the eval's seed).
+
 Statistics for reports: `paired_bootstrap` (one seed) and `paired_bootstrap_seeds` (several
 seeds): percentile intervals of the difference of mean per-task scores between two checkpoints
 on the same tasks.
@@ -36,6 +43,7 @@ import hashlib
 import json
 import logging
 import os
+import statistics
 import tempfile
 import time
 from typing import Any, Optional, Sequence
@@ -46,6 +54,7 @@ import tqdm
 from etils import epath
 
 from envs.scaffold import ScaffoldConfig
+from envs.tasks import task_format
 from models.engine import Engine, EngineConfig
 from trainer import config as config_lib
 from trainer import harness, metrics
@@ -177,6 +186,114 @@ def paired_bootstrap_seeds(list_a: Sequence, list_b: Sequence, *, samples: int =
           "per_seed": per_seed, "seeds": len(list_a)}
 
 
+def wilson_interval(successes: int, total: int, level: float = 0.95) -> tuple[float, float]:
+  """The Wilson score interval of a binomial proportion.
+
+  (p + z²/2N ± z·sqrt(p(1-p)/N + z²/4N²)) / (1 + z²/N), p = successes / N, z the standard
+  normal quantile of (1 + level) / 2.
+
+  Args:
+    successes: successes (e.g. solved tasks).
+    total: N, the trials (> 0).
+    level: the interval's coverage, in (0, 1).
+
+  Returns:
+    (low, high), within [0, 1].
+
+  Raises:
+    ValueError: not 0 <= successes <= total, total < 1, or a bad level.
+
+  References:
+    Wilson 1927, "Probable inference, the law of succession, and statistical inference".
+  """
+  if not 0.0 < level < 1.0:
+    raise ValueError(f"level={level!r}: expected a probability in (0, 1)")
+  if total < 1 or not 0 <= successes <= total:
+    raise ValueError(f"wilson_interval: expected 0 <= successes <= total, total >= 1; got "
+                     f"successes={successes!r}, total={total!r}")
+  z = statistics.NormalDist().inv_cdf((1 + level) / 2)
+  p, zz = successes / total, z * z / total
+  center = (p + zz / 2) / (1 + zz)
+  half = z / (1 + zz) * np.sqrt(p * (1 - p) / total + zz / (4 * total))
+  return max(0.0, float(center - half)), min(1.0, float(center + half))
+
+
+def bootstrap_interval(values, *, samples: int = 10_000, seed: int = 0, level: float = 0.95
+                       ) -> tuple[float, float]:
+  """Percentile bootstrap interval of the mean of per-task values.
+
+  Draws `np.random.default_rng(seed).integers(0, T, size=(samples, T))` (one draw for all
+  replicates), takes each replicate's mean, and returns its (1-level)/2 and (1+level)/2
+  percentiles (NumPy's default linear interpolation).
+
+  Args:
+    values: [T] per-task values (e.g. pass@k), T >= 1.
+    samples: the number of replicates.
+    seed: the NumPy seed of the draws.
+    level: the interval's coverage, in (0, 1).
+
+  Returns:
+    (low, high).
+
+  Raises:
+    ValueError: an empty or non-1-D `values`, samples < 1 or a bad level.
+  """
+  values = np.asarray(values, np.float64)
+  if values.ndim != 1 or values.size == 0:
+    raise ValueError(f"bootstrap_interval: expected a non-empty 1-D array, got {values.shape}")
+  if not 0.0 < level < 1.0:
+    raise ValueError(f"level={level!r}: expected a probability in (0, 1)")
+  if samples < 1:
+    raise ValueError(f"samples={samples!r}: expected >= 1")
+  idx = np.random.default_rng(seed).integers(0, values.size, size=(samples, values.size))
+  low, high = np.percentile(values[idx].mean(axis=1), [100 * (1 - level) / 2,
+                                                        100 * (1 + level) / 2])
+  return float(low), float(high)
+
+
+def format_report(formats: Sequence[str], correct, samples: int, k: int, *,
+                  bootstrap_samples: int = 10_000, seed: int = 0, level: float = 0.95
+                  ) -> dict[str, dict]:
+  """pass@k per task format, with an interval (see the module docstring).
+
+  Args:
+    formats: [T] each task's format (`envs.tasks.task_format`).
+    correct: [T] correct samples of each task (c of n).
+    samples: n, samples per task.
+    k: the k of pass@k (1 <= k <= n).
+    bootstrap_samples: bootstrap replicates (n > 1).
+    seed: the bootstrap's seed (each format draws with it).
+    level: the interval's coverage.
+
+  Returns:
+    {format: {"tasks", "pass@k", "pass@1", "low", "high", "interval": "wilson" |
+    "bootstrap"}} for each format present, in order of first appearance, then "all".
+
+  Raises:
+    ValueError: formats and correct differ in length or are empty, or a bad k / samples.
+  """
+  correct = np.asarray(correct, np.int64)
+  if len(formats) != correct.size or correct.ndim != 1 or correct.size == 0:
+    raise ValueError(f"format_report: {len(formats)} formats and {correct.shape} counts; "
+                     "expected the same number, at least one")
+  per_task = pass_at_k(np.full(correct.size, samples), correct, k)
+  groups: dict[str, list[int]] = {}
+  for i, f in enumerate(formats):
+    groups.setdefault(f, []).append(i)
+  groups["all"] = list(range(correct.size))
+  out = {}
+  for f, idx in groups.items():
+    values, c = per_task[idx], correct[idx]
+    if samples == 1:
+      low, high = wilson_interval(int(c.sum()), len(idx), level)
+    else:
+      low, high = bootstrap_interval(values, samples=bootstrap_samples, seed=seed, level=level)
+    out[f] = {"tasks": len(idx), "pass@k": float(values.mean()),
+              "pass@1": float((c / samples).mean()), "low": low, "high": high,
+              "interval": "wilson" if samples == 1 else "bootstrap"}
+  return out
+
+
 # ----------------------------------------------------------------------------- episodes
 
 
@@ -232,7 +349,8 @@ def evaluate(model, model_cfg, chat, tasks: Sequence, *, scaffold: ScaffoldConfi
   Returns:
     {"pass@k" (also under f"pass@{k}"), "k", "samples", "pass@1" (mean c/n), "per_task" [T]
     pass@k, "per_task_rewards" [T][n], "task_ids", "terminations" {reason: count}, "errors",
-    "episodes", "time_s", "selection"} and, when selection != "none", "selected" {"index" [T],
+    "episodes", "time_s", "selection", "formats" (`format_report`: per-format pass@k with a
+    95% interval)} and, when selection != "none", "selected" {"index" [T],
     "reward" [T], ...} and "pass@1/selected"; with keep_trajectories, "trajectories" [T][n]
     (Trajectory or the exception; not JSON; with metadata["submission"] when the selection
     records submissions).
@@ -281,7 +399,9 @@ def evaluate(model, model_cfg, chat, tasks: Sequence, *, scaffold: ScaffoldConfi
       "per_task": per_task.tolist(),
       "per_task_rewards": rewards.tolist(), "task_ids": [t.instance_id for t in tasks],
       "terminations": dict(terminations), "errors": errors, "episodes": rewards.size,
-      "selection": selection, "temperature": float(temperature), "seed": seed}
+      "selection": selection, "temperature": float(temperature), "seed": seed,
+      "formats": format_report([task_format(t) for t in tasks], correct, samples, k,
+                               seed=seed)}
 
   if selection != "none":
     out["selected"] = selection_lib.select(tasks, results, rewards, selection, sandbox,
@@ -367,7 +487,7 @@ def run(config, workdir: str, mesh=None) -> dict:
 
   Returns:
     {"results": the results file's path, "checkpoints": {ckpt: {"pass@k", "pass@1",
-    "pass@1/selected"?}}}.
+    "pass@1/selected"?, "formats" {format: {"tasks", "pass@k", "low", "high"}}}}}.
   """
   ev, rl_cfg = config.eval, config.rl
   remote = config_lib.is_remote(workdir)
@@ -401,11 +521,17 @@ def run(config, workdir: str, mesh=None) -> dict:
     line = {"pass@k": result["pass@k"], "pass@1": result["pass@1"]}
     if "pass@1/selected" in result:
       line["pass@1/selected"] = result["pass@1/selected"]
+    if "formats" in result:
+      line["formats"] = {f: {key: r[key] for key in ("tasks", "pass@k", "low", "high")}
+                         for f, r in result["formats"].items()}
     summary[ckpt] = line
     metrics.say("eval", f"{ckpt}: pass@{ev.k} {result['pass@k']:.3f}, pass@1 {result['pass@1']:.3f}"
          + (f", {ev.selection} {result['pass@1/selected']:.3f}" if "pass@1/selected" in result
             else "") + f" ({len(tasks)} tasks, {result['errors']} errors, "
          f"{result['time_s']:.0f}s)")
+    for f, r in result.get("formats", {}).items():
+      metrics.say("eval", f"  {f:<15} pass@{ev.k} {r['pass@k']:.3f} [{r['low']:.3f}, "
+                  f"{r['high']:.3f}] ({r['tasks']} tasks, 95% {r['interval']})")
     path.write_text(json.dumps(out, indent=1))  # after each checkpoint: partial results stay
   metrics.say("eval", f"results in {path}")
   return {"results": str(path), "checkpoints": summary}

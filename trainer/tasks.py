@@ -6,8 +6,9 @@
 
 Generated tasks come from envs.taskgen (level `rl.task_level`, seed `rl.task_seed`): RL steps
 take the "train" split in order, evals the "eval" split (programs that no generated training
-task, SFT demo or RL, ever has). A task file (`rl.tasks`, `eval.tasks`) is read with
-`envs.episode.load_task_file`.
+task, SFT demo or RL, ever has). A task file or directory (`rl.tasks`, `eval.tasks`) is read
+with `envs.episode.load_task_file`; `eval.tasks` may list several, comma-separated, "generated"
+among them (a mixed eval set).
 """
 
 from __future__ import annotations
@@ -65,16 +66,47 @@ def swe_sources(config: ml_collections.ConfigDict) -> dict:
           "cache_dir": config.rl.get("swe_cache") or None}
 
 
+GENERATED = "generated"  # the entry of eval.tasks that stands for generated tasks
+
+
 def held_out_tasks(config: ml_collections.ConfigDict, directory: str) -> list[Task]:
   """The eval tasks.
 
+  `eval.tasks` is "" (generated tasks only) or a comma-separated list of entries, each a task
+  file or directory (`envs.episode.load_task_file`: a directory of Terminal-Bench-style tasks,
+  a LiveCodeBench JSONL, a SWE JSONL or Parquet file, a problems JSONL) or "generated"; every
+  entry gives its first `eval.num_tasks` tasks, in the order of the list. "generated" is
+  `eval.num_tasks` tasks with distinct programs from the "eval" split of envs.taskgen, level
+  `rl.task_level`, seed `rl.task_seed`.
+
   Args:
-    config: `eval.tasks` (a task file: its first `eval.num_tasks` tasks) or "" (that many
-      generated tasks with distinct programs from the "eval" split of envs.taskgen, level
-      `rl.task_level`, seed `rl.task_seed`).
+    config: the run's config.
     directory: where generated tasks are written.
+
+  Returns:
+    The tasks.
+
+  Raises:
+    ConfigError: naming eval.tasks, for an entry that holds no task or an instance_id that
+      two entries share.
   """
-  if config.eval.tasks:
-    return load_task_file(config.eval.tasks, **swe_sources(config))[0][:config.eval.num_tasks]
-  return taskgen.write_tasks(directory, config.eval.num_tasks, config.rl.task_level,
-                             config.rl.task_seed, split="eval", unique=True)
+  entries = [e.strip() for e in config.eval.tasks.split(",") if e.strip()] or [GENERATED]
+  tasks: list[Task] = []
+  seen: dict[str, str] = {}
+  for entry in entries:
+    if entry == GENERATED:
+      part = taskgen.write_tasks(directory, config.eval.num_tasks, config.rl.task_level,
+                                 config.rl.task_seed, split="eval", unique=True)
+    else:
+      part = load_task_file(entry, **swe_sources(config))[0][:config.eval.num_tasks]
+    if not part:
+      raise config_lib.ConfigError(f"config.eval.tasks={config.eval.tasks!r}: {entry!r} "
+                                   "holds no task")
+    for t in part:
+      if t.instance_id in seen:
+        raise config_lib.ConfigError(
+            f"config.eval.tasks={config.eval.tasks!r}: instance_id {t.instance_id!r} is in "
+            f"both {seen[t.instance_id]!r} and {entry!r}")
+      seen[t.instance_id] = entry
+    tasks += part
+  return tasks

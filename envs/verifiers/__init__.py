@@ -5,7 +5,10 @@
   SWE-bench's rules from a trusted pytest run's JUnit report, or for repositories with their
   own runner (Django's tests/runtests.py, sympy's bin/test) from the runner's hash-checked log
   read by the parsers of swe_logs.py.
-- `verify_python_io` ("code", python_io.py): function tests or stdin/stdout tests, in a sandbox.
+- `verify_python_io` ("code", python_io.py): function tests or stdin/stdout tests, in a sandbox
+  (LiveCodeBench's prelude, calls and comparisons for code_style "livecodebench").
+- `verify_shell` ("shell", shell.py): a Terminal-Bench-style check run in the agent's final
+  sandbox, its hidden test files copied in only then.
 - `verify_exact` ("exact", exact.py): normalised answer match.
 - `verify_judge` ("judge", judge.py): a policy scores the response on a weighted rubric.
 - `verify(task, submission, ...)` dispatches on `task.kind`.
@@ -21,21 +24,23 @@ from envs.verifiers.base import SandboxFactory, Verdict, start_sandbox
 from envs.verifiers.exact import extract_answer, normalize_answer, verify_exact
 from envs.verifiers.judge import (JUDGE_PROMPT, judge_prompt, parse_scores, rubric_reward,
                                   verify_judge)
-from envs.verifiers.python_io import (extract_code, normalize_output, values_equal,
-                                      verify_python_io)
+from envs.verifiers.python_io import (LCB_PRELUDE, extract_code, livecodebench_output_equal,
+                                      normalize_output, values_equal, verify_python_io)
+from envs.verifiers.shell import parse_pytest_summary, verify_shell
 from envs.verifiers import swe_logs
 from envs.verifiers.swe import (CONFIG_FILES, LOG_TAIL, RUNNER_FILES, TEST_DIRS, PytestRun,
                                 Refused, RunResult, is_ignored_path, is_test_path, junit_key,
                                 merge_submission, parse_junit, refused_reason, run_log_tests,
                                 run_pytest, task_test_files, verify_tests, workspace_files)
 
-__all__ = ["CONFIG_FILES", "JUDGE_PROMPT", "LOG_TAIL", "RUNNER_FILES", "TEST_DIRS", "PytestRun",
+__all__ = ["CONFIG_FILES", "JUDGE_PROMPT", "LCB_PRELUDE", "LOG_TAIL", "RUNNER_FILES", "TEST_DIRS", "PytestRun",
            "Refused", "RunResult", "run_log_tests", "swe_logs",
            "SandboxFactory", "Verdict", "extract_answer", "extract_code", "is_ignored_path",
-           "is_test_path", "judge_prompt", "junit_key", "merge_submission", "normalize_answer",
-           "normalize_output", "parse_junit", "parse_scores", "refused_reason", "rubric_reward",
+           "is_test_path", "judge_prompt", "junit_key", "livecodebench_output_equal",
+           "merge_submission", "normalize_answer", "normalize_output", "parse_junit",
+           "parse_pytest_summary", "parse_scores", "refused_reason", "rubric_reward",
            "run_pytest", "start_sandbox", "task_test_files", "values_equal", "verify",
-           "verify_exact", "verify_judge", "verify_python_io", "verify_tests",
+           "verify_exact", "verify_judge", "verify_python_io", "verify_shell", "verify_tests",
            "workspace_files"]
 
 
@@ -49,12 +54,13 @@ async def verify(task: Task, submission, *, make_sandbox: Optional[SandboxFactor
   Args:
     task: the task.
     submission: swe: the final workspace files {path: bytes} or a diff; code: the program
-      text; exact and judge: the response text.
+      text; exact and judge: the response text; shell: the agent's sandbox, after the agent
+      stopped (the check runs in it).
     make_sandbox: fresh sandboxes (swe and code need it).
     policy: the judge (judge tasks).
     render: prompt text -> input ids (judge tasks).
     decode: output ids -> text (judge tasks).
-    partial: reward the fraction of tests passing (swe, code).
+    partial: reward the fraction of tests passing (swe, code, shell).
 
   Returns:
     The verdict.
@@ -69,6 +75,8 @@ async def verify(task: Task, submission, *, make_sandbox: Optional[SandboxFactor
     return await verify_tests(task, submission, make_sandbox, partial=partial)
   if task.kind == "code":
     return await verify_python_io(task, submission, make_sandbox, partial=partial)
+  if task.kind == "shell":
+    return await verify_shell(task, submission, partial=partial)
   if task.kind == "exact":
     return verify_exact(task, submission)
   if policy is None or render is None or decode is None:

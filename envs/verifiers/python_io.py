@@ -1,8 +1,27 @@
 """The `python_io` verifier of "code" tasks: function tests or stdin/stdout tests of the
-agent's program, run in a fresh sandbox."""
+agent's program, run in a fresh sandbox.
+
+Only the program is written to the verifier's sandbox; the tests travel on the runner's stdin
+(function tests) or as each process's stdin (stdin/stdout tests), so no test file is ever in a
+sandbox the agent used. `task.memory_mb` (when set) caps each test process's address space
+(RLIMIT_AS, `ulimit -v`).
+
+Two styles (`task.code_style`):
+- "plain": values compared by `values_equal` (exact types, numbers within 1e-6), output by
+  `normalize_output`; `task.timeout` bounds each process (all function tests share one).
+- "livecodebench": as LiveCodeBench grades: the program runs after its prelude of star imports
+  (`LCB_PRELUDE`: typing, collections, math, ...), a method entry point "Solution.f" calls
+  `Solution().f(*args)` (a program without a `Solution` class is called as the module-level
+  function `f`), returned values compare with Python `==` (a tuple counts as a list), outputs
+  with `livecodebench_output_equal`, and `task.timeout` is the limit of each test (a function
+  call is interrupted by a timer; the whole function-test process gets one limit per test).
+
+    verdict = await verify_python_io(task, "def add(a, b):\n  return a + b", make_sandbox)
+"""
 
 from __future__ import annotations
 
+import decimal
 import json
 import math
 import re
@@ -28,6 +47,14 @@ def extract_code(text: str) -> str:
   return blocks[-1] if blocks else text
 
 
+# The imports LiveCodeBench's harness runs before every program (its `import_string`).
+_LCB_MODULES = ("string", "re", "datetime", "collections", "heapq", "bisect", "copy", "math",
+                "random", "statistics", "itertools", "functools", "operator", "io", "sys",
+                "json", "builtins", "typing")
+LCB_PRELUDE = ("".join(f"from {m} import *\n" for m in _LCB_MODULES)
+               + "".join(f"import {m}\n" for m in _LCB_MODULES if m not in ("builtins", "typing"))
+               + "sys.setrecursionlimit(50000)\n")
+
 _FUNCTION_RUNNER = r'''
 import json, os, sys
 _out = os.dup(1)
@@ -45,19 +72,43 @@ def enc(x, depth=0):
     return {k: enc(v, depth + 1) for k, v in x.items()}
   return {"__repr__": repr(x)[:200]}
 
+class TimeLimit(BaseException):  # not an Exception: a solution's `except Exception` misses it
+  pass
+
+def on_alarm(signum, frame):
+  raise TimeLimit()
+
+def entry(module):
+  owner, _, name = ENTRY.rpartition(".")
+  if owner and hasattr(module, owner):
+    return getattr(getattr(module, owner)(), name)
+  return getattr(module, name)
+
 results = []
 try:
   import solution
-  fn, err = getattr(solution, ENTRY), None
+  fn, err = entry(solution), None
 except BaseException as e:
   fn, err = None, "%s: %s" % (type(e).__name__, e)
+if PER_CALL:
+  import signal
+  signal.signal(signal.SIGALRM, on_alarm)
 for args in CASES:
   if fn is None:
     results.append({"error": err[:300]})
     continue
   try:
-    results.append({"value": enc(fn(*args))})
+    if PER_CALL:
+      signal.setitimer(signal.ITIMER_REAL, PER_CALL)
+    value = fn(*args)
+    if PER_CALL:
+      signal.setitimer(signal.ITIMER_REAL, 0)
+    results.append({"value": enc(value)})
+  except TimeLimit:
+    results.append({"error": "time limit exceeded (%gs)" % PER_CALL, "timed_out": True})
   except BaseException as e:
+    if PER_CALL:
+      signal.setitimer(signal.ITIMER_REAL, 0)
     results.append({"error": ("%s: %s" % (type(e).__name__, e))[:300]})
 os.write(_out, ("\n%s %s\n" % (NONCE, json.dumps(results))).encode())
 os._exit(0)
@@ -103,13 +154,52 @@ def normalize_output(text: str) -> str:
   return "\n".join(lines)
 
 
+def livecodebench_output_equal(got: str, want: str) -> bool:
+  """Whether a program's output matches, as LiveCodeBench compares stdin/stdout tests.
+
+  Both texts are stripped and split into lines, each line stripped; the line counts must be
+  equal, and each line pair equal as text or, failing that, as lists of decimal numbers
+  (whitespace-separated, compared exactly with `decimal.Decimal`).
+
+  Args:
+    got: the program's output.
+    want: the expected output.
+
+  Returns:
+    True when they match.
+  """
+  a = [line.strip() for line in got.strip().split("\n")]
+  b = [line.strip() for line in want.strip().split("\n")]
+  if len(a) != len(b):
+    return False
+  for x, y in zip(a, b):
+    if x == y:
+      continue
+    try:
+      if [decimal.Decimal(v) for v in x.split()] != [decimal.Decimal(v) for v in y.split()]:
+        return False
+    except (decimal.InvalidOperation, ValueError):
+      return False
+  return True
+
+
+def _with_memory_limit(command: str, memory_mb) -> str:
+  """`command` under an address-space limit (RLIMIT_AS) of `memory_mb` MiB, if one is set.
+
+  A sandbox whose hard limit is already lower keeps its lower one (ulimit cannot raise it)."""
+  if not memory_mb:
+    return command
+  return f"ulimit -v {int(memory_mb) * 1024} 2>/dev/null; exec {command}"
+
+
 async def verify_python_io(task: Task, program: str, make_sandbox: SandboxFactory, *,
                            partial: bool = False) -> Verdict:
   """Reward of a program for a "code" task, its tests run in a fresh sandbox.
 
   Function tests ({"args", "expected"}) call `task.entry_point` in one process; stdin/stdout
-  tests ({"input", "output"}) run `python3 solution.py` once each; `task.timeout` bounds each
-  process.
+  tests ({"input", "output"}) run `python3 solution.py` once each. Time: `task.timeout` bounds
+  each process ("plain") or each test ("livecodebench", module docstring); memory:
+  `task.memory_mb` caps each process's address space.
 
   Args:
     task: the "code" task.
@@ -118,7 +208,8 @@ async def verify_python_io(task: Task, program: str, make_sandbox: SandboxFactor
     partial: reward = fraction of tests passing instead of all-or-nothing.
 
   Returns:
-    The verdict; details hold per-test results.
+    The verdict; details hold per-test results (a test over its time limit has
+    "timed_out": True and an "error" saying so).
 
   Raises:
     ValueError: the task is not a "code" task.
@@ -126,7 +217,8 @@ async def verify_python_io(task: Task, program: str, make_sandbox: SandboxFactor
   if task.kind != "code":
     raise ValueError(f"verify_python_io: task {task.instance_id!r} has kind={task.kind!r}, "
                      "expected 'code'")
-  code = extract_code(program)
+  lcb = task.code_style == "livecodebench"
+  code = (LCB_PRELUDE if lcb else "") + extract_code(program)
   fn_cases = [c for c in task.tests if "args" in c]
   io_cases = [c for c in task.tests if "args" not in c]
   results: list[dict] = []
@@ -139,10 +231,13 @@ async def verify_python_io(task: Task, program: str, make_sandbox: SandboxFactor
     if fn_cases:
       nonce = secrets.token_hex(16)
       header = (f"ENTRY = {task.entry_point!r}\nNONCE = {nonce!r}\n"
+                f"PER_CALL = {task.timeout if lcb else None!r}\n"
                 f"CASES = {json.dumps([c['args'] for c in fn_cases])!r}\n"
                 "CASES = __import__('json').loads(CASES)\n")
-      res = await sandbox.exec("python3 -I -B -", stdin=header + _FUNCTION_RUNNER,
-                               timeout=task.timeout)
+      # LiveCodeBench: a limit per call (the timer), plus start-up slack for the process.
+      limit = task.timeout * len(fn_cases) + 5.0 if lcb else task.timeout
+      res = await sandbox.exec(_with_memory_limit("python3 -I -B -", task.memory_mb),
+                               stdin=header + _FUNCTION_RUNNER, timeout=limit)
       found = re.findall(rf"^{nonce} (.*)$", res.stdout, re.M)
       values = None
       if not res.timed_out and len(found) == 1:
@@ -152,21 +247,32 @@ async def verify_python_io(task: Task, program: str, make_sandbox: SandboxFactor
           pass
       for i, case in enumerate(fn_cases):
         if values is None or len(values) != len(fn_cases):
-          why = "timed out" if res.timed_out else "no result (crashed or output too large)"
-          results.append({"test": i, "passed": False, "error": why})
+          why = (f"timed out after {limit:g}s" if res.timed_out else
+                 "no result (crashed, out of memory or output too large)")
+          results.append({"test": i, "passed": False, "error": why,
+                          "timed_out": res.timed_out, "stderr": res.stderr[-300:]})
         elif "error" in values[i]:
-          results.append({"test": i, "passed": False, "error": values[i]["error"]})
+          results.append({"test": i, "passed": False, "error": values[i]["error"],
+                          "timed_out": bool(values[i].get("timed_out"))})
         else:
-          ok = values_equal(values[i]["value"], case["expected"])
-          results.append({"test": i, "passed": ok, "got": values[i]["value"]})
+          got = values[i]["value"]
+          ok = got == case["expected"] if lcb else values_equal(got, case["expected"])
+          results.append({"test": i, "passed": ok, "got": got})
     for j, case in enumerate(io_cases, len(fn_cases)):
-      res = await sandbox.exec("python3 -I -B solution.py", stdin=case["input"],
-                               timeout=task.timeout)
+      res = await sandbox.exec(_with_memory_limit("python3 -I -B solution.py", task.memory_mb),
+                               stdin=case["input"], timeout=task.timeout)
+      same = (livecodebench_output_equal if lcb else
+              lambda a, b: normalize_output(a) == normalize_output(b))
       ok = (not res.timed_out and res.exit_code == 0 and not res.stdout_truncated
-            and normalize_output(res.stdout) == normalize_output(case["output"]))
-      results.append({"test": j, "passed": ok, "exit_code": res.exit_code,
-                      "timed_out": res.timed_out, "stdout": res.stdout[:200],
-                      "stderr": res.stderr[-300:]})
+            and same(res.stdout, case["output"]))
+      result = {"test": j, "passed": ok, "exit_code": res.exit_code,
+                "timed_out": res.timed_out, "stdout": res.stdout[:200],
+                "stderr": res.stderr[-300:]}
+      if res.timed_out:
+        result["error"] = f"time limit exceeded ({task.timeout:g}s)"
+      elif "MemoryError" in res.stderr:
+        result["error"] = f"memory limit exceeded ({task.memory_mb} MiB)"
+      results.append(result)
   finally:
     await sandbox.close()
   n_pass = sum(r["passed"] for r in results)
