@@ -1,7 +1,8 @@
 """Synthesis of SWE-style bug-fixing instances from a repository and its tests (SWE-smith style).
 
     report = synthesize("path/to/repo_or_sdist.tar.gz", "python3 -m pytest -q tests", "out/",
-                        SynthConfig(name="me/calc", max_per_kind=20, workers=2))
+                        name="me/calc", max_per_kind=20, workers=2)   # or a SynthConfig
+    print(summary(report))                                 # rows in out/tasks.jsonl
 
     python -m envs.synth --repo DIR_OR_TGZ --test_command "python3 -m pytest -q tests" \\
         --out DIR [--name owner/name --kinds K,... --max_per_kind N --max_instances N --runs 3 \\
@@ -16,11 +17,16 @@ default) under the trusted pytest runner of `envs.verifiers.swe.run_pytest`:
    tests that always fail or skip are ignored.
 2. Candidates: `envs.mutate.mutations` over the non-test .py files (per kind, a seeded sample of
    at most `max_per_kind`), plus `envs.mutate.commit_reverts` of chosen commits of a git
-   repository (kind "revert": one instance per changed function of a commit).
+   repository (kind "revert": one instance per changed function of a commit, used when the
+   file at that commit is still HEAD's).
 3. Each candidate's suite runs with the mutated file. It is kept when at least one candidate
    test fails or errors (FAIL_TO_PASS), every other candidate test still passes (PASS_TO_PASS),
    no more than `max_fail_fraction` of the candidate tests fail (more is an import error, not a
-   bug), and a second run gives the same FAIL_TO_PASS set. Each rejection records its reason.
+   bug), and a second run gives the same FAIL_TO_PASS set. Each rejection records its reason:
+   no_failures (the suite does not notice the change), too_many_failures, other_tests_changed
+   (a candidate test skipped or xfailed), mutated_test_module (a failing test lives in the
+   mutated file), crashed (the run gave no trustworthy result), timeout, unstable (the second
+   run disagrees). A sandbox that fails to start leaves the candidate for the next run.
 4. Instances are SWE-bench rows (`OUT/tasks.jsonl`, official field names; loadable with
    `envs.tasks.load_swe_jsonl`): `patch` is the FIX (mutated -> original), `test_patch` is ""
    (the tests are in the repository), `repo_path` is the buggy tree `OUT/repos/<instance_id>`.
@@ -71,7 +77,7 @@ from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence, Union
 
 from envs import aio
 from envs.mutate import KINDS, Mutation, commit_reverts, is_test_file, mutations
-from envs.sandbox import Limits, Sandbox, create_sandbox
+from envs.sandbox import Limits, Sandbox, SandboxError, create_sandbox
 from envs.tasks import apply_patch, checkout, load_repo_files, make_patch, pytest_command, \
     reverse_patch
 from envs.verifiers import swe_logs
@@ -137,7 +143,7 @@ class SynthConfig:
     teacher: the endpoint for statements="teacher".
     seed: the sampling seed.
     max_fail_fraction: reject a candidate failing more than this share of the candidate tests.
-    timeout: seconds per suite run; None: max(30, 5 x the slowest baseline run).
+    timeout: seconds per suite run; None: max(60, 10 x the slowest baseline run).
     backend: sandbox backend ("bwrap", "docker", "remote"; see `envs.sandbox`).
     limits: the sandboxes' limits.
   """
@@ -738,6 +744,14 @@ def _write_base(out: str, files: Mapping[str, bytes]) -> str:
   return base
 
 
+def _ends_without_newline(path: str) -> bool:
+  if not os.path.getsize(path):
+    return False
+  with open(path, "rb") as f:
+    f.seek(-1, os.SEEK_END)
+    return f.read(1) != b"\n"
+
+
 def _read_journal(path: str) -> dict[str, dict]:
   out = {}
   if os.path.exists(path):
@@ -760,6 +774,7 @@ class _Synth:
     self.make_sandbox = make_sandbox
     self.repo = config.name or f"local/{_slug(source.package)}"
     self.sandbox_runs = 0
+    self.sandbox_errors = 0  # candidates left unevaluated because a sandbox failed
     self.paths = sorted(source.files)
 
   async def run(self, files: Mapping[str, bytes], timeout: float) -> tuple[RunResult, float]:
@@ -795,7 +810,8 @@ class _Synth:
     base = {"digest": fingerprint, "test_command": self.test_command, "runs": self.config.runs,
             "tests": len(tests), "candidate_tests": passing, "flaky": flaky,
             "ignored": [t for t in tests if t not in passing and t not in flaky],
-            "timeout": self.config.timeout or round(max(30.0, 5 * max(seconds)), 1),
+            "timeout": self.config.timeout or round(min(3600.0, max(60.0, 10 * max(seconds))),
+                                                    1),
             "seconds": seconds,
             "created_at": self.source.created_at or datetime.datetime.now(
                 datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
@@ -831,13 +847,17 @@ class _Synth:
     files = {**self.source.files, m.path: m.source.encode("utf-8")}
     run, _ = await self.run(files, timeout)
     reason, f2p, p2p = self.classify(run, base["candidate_tests"], m.path)
+    detail = run.error or ""
     if reason is None:
       again, _ = await self.run(files, timeout)
       reason2, f2p2, _ = self.classify(again, base["candidate_tests"], m.path)
       if reason2 is not None or f2p2 != f2p:
         reason = "unstable"
+        detail = (f"second run: {reason2 or 'kept'}, {len(set(f2p) ^ set(f2p2))} of "
+                  f"{len(set(f2p) | set(f2p2))} failing tests differ")
     if reason is not None:
-      return {**entry, "status": "rejected", "reason": reason, "fail_to_pass": len(f2p)}
+      return {**entry, "status": "rejected", "reason": reason, "fail_to_pass": len(f2p),
+              "detail": detail}
     fix = make_patch({m.path: files[m.path]}, {m.path: self.source.files[m.path]})
     messages = failure_messages(run.output, f2p)
     statements, how = await self.statements(m, fix, messages)
@@ -927,7 +947,12 @@ async def synthesize_async(repo: str, test_command: str, out: str,
     async with limit:
       if config.max_instances is not None and accepted >= config.max_instances:
         return
-      entry = await synth.evaluate(m, base, base["timeout"])
+      try:
+        entry = await synth.evaluate(m, base, base["timeout"])
+      except (SandboxError, OSError) as e:  # the infrastructure's failure: retried on a rerun
+        log.warning("synth: %s %s:%s not evaluated: %s", m.kind, m.path, m.lineno, e)
+        synth.sandbox_errors += 1
+        return
     accepted += entry["status"] == "accepted"
     done[entry["key"]] = entry
     journal.write(json.dumps(entry) + "\n")
@@ -938,6 +963,8 @@ async def synthesize_async(repo: str, test_command: str, out: str,
                  "instance_id", "")))
 
   with open(journal_path, "a", encoding="utf-8") as journal:
+    if _ends_without_newline(journal_path):
+      journal.write("\n")  # a line cut short by a kill stays alone on its line (and is skipped)
     await asyncio.gather(*(one(m, journal) for m in pending))
   rows = [done[k]["row"] for k in map(candidate_key, candidates)
           if done.get(k, {}).get("status") == "accepted"][:config.max_instances]
@@ -986,7 +1013,8 @@ def _report(synth: _Synth, base: dict, candidates: Sequence[Mutation], done: Map
           "validated": validated, "yield": round(validated / evaluated, 4) if evaluated else 0.0,
           "instances": len(rows), "per_kind": per_kind, "rejections": reasons,
           "dropped_before_running": dropped, "difficulty": difficulties,
-          "sandbox_runs": synth.sandbox_runs, "seconds": round(seconds, 1)}
+          "sandbox_runs": synth.sandbox_runs, "sandbox_errors": synth.sandbox_errors,
+          "seconds": round(seconds, 1)}
 
 
 def synthesize(repo: str, test_command: str, out: str, config: Optional[SynthConfig] = None, *,

@@ -11,6 +11,7 @@ into them), raw pytest node ids, and the patch's raw text.
 import http.server
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -227,6 +228,21 @@ def test_resume_runs_nothing_and_gives_the_same_rows(synthesized, package):
   assert (out / "tasks.jsonl").read_bytes() == before
   assert {k: again[k] for k in ("validated", "rejections", "per_kind", "flaky_tests")} == {
       k: report[k] for k in ("validated", "rejections", "per_kind", "flaky_tests")}
+
+
+def test_resume_after_a_kill_reruns_only_the_cut_candidate(synthesized, package, tmp_path):
+  out = tmp_path / "out"
+  shutil.copytree(synthesized[0], out)
+  lines = (out / "journal.jsonl").read_text().splitlines(keepends=True)
+  last = json.loads(lines[-1])
+  (out / "journal.jsonl").write_text("".join(lines[:-1]) + lines[-1][:len(lines[-1]) // 2])
+  sandboxes = CountingSandboxes()
+  again = synth.synthesize(str(package), TEST_COMMAND, str(out), make_sandbox=sandboxes,
+                           **OPTIONS)
+  assert sandboxes.made == again["sandbox_runs"] == (2 if last["status"] == "accepted" else 1)
+  assert (out / "tasks.jsonl").read_bytes() == (synthesized[0] / "tasks.jsonl").read_bytes()
+  entries = [json.loads(l) for l in (out / "journal.jsonl").read_text().splitlines()[-1:]]
+  assert entries[0]["key"] == last["key"]
 
 
 def test_command_line_resumes(synthesized, package):
