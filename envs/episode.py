@@ -329,9 +329,9 @@ def make_react_episode(policy: Policy, chat: ChatFormat, make_sandbox: SandboxMa
   A fresh sandbox gets the task's repository (or a shell task's set-up), the react scaffold
   (`envs.scaffold.run_episode`) runs with the default tools for at most the config's timeout
   (or the task's `agent_timeout`, when shorter), then the task's verifier
-  (`envs.verifiers.verify`) gives the reward. Sampling seeds come from the episode seed. A sandbox failure during the episode or
-  the verification gives termination "sandbox_error", reward 0; one at creation raises (the
-  episode is left out of its group).
+  (`envs.verifiers.verify`) gives the reward. Sampling seeds come from the episode seed. A
+  sandbox failure during the episode or the verification gives termination "sandbox_error",
+  reward 0; one at creation raises (the episode is left out of its group).
 
   Args:
     policy: samples the agent's turns.

@@ -48,11 +48,13 @@ DEFAULT_AGENT_TIMEOUT = 360.0  # seconds the agent may work
 DEFAULT_TEST_TIMEOUT = 60.0    # seconds of the check run
 PARSERS = ("pytest", "exit_code")
 # The check of a task without run-tests.sh: the hidden pytest file, run from the tests'
-# directory (so no conftest.py or pytest.ini of the agent's is read) by an isolated python3
-# (-I: the workspace is not on sys.path); tests find the agent's files under $APP_DIR.
+# directory by an isolated python3 (-I: the workspace is not on sys.path) with no configuration
+# or conftest.py from outside that directory (the agent can write /tmp, the directory's
+# parent); tests find the agent's files under $APP_DIR.
 DEFAULT_RUN_TESTS = """#!/bin/bash
 export APP_DIR="$PWD"
-cd "$TEST_DIR" && python3 -I -m pytest -p no:cacheprovider -rA test_outputs.py
+cd "$TEST_DIR" && python3 -I -m pytest -c /dev/null --rootdir="$TEST_DIR" \\
+  --confcutdir="$TEST_DIR" -p no:cacheprovider -rA test_outputs.py
 """
 
 

@@ -25,7 +25,7 @@ from envs.livecodebench import (StrOnlyUnpickler, decode_test_cases, encode_test
                                 load_livecodebench_jsonl, task_from_row, unpickle_str)
 from envs.scaffold import ScaffoldConfig, ScriptedPolicy
 from envs.tasks import Task, TaskFormatError, task_format
-from envs.terminal_bench import load_terminal_bench, reference_solution
+from envs.terminal_bench import DEFAULT_RUN_TESTS, load_terminal_bench, reference_solution
 from envs.verifiers import livecodebench_output_equal, parse_pytest_summary, verify
 from tests.test_chat import _tiny_bpe
 from tests.test_evaluate import ScriptedEngine, tc
@@ -256,6 +256,13 @@ def test_terminal_bench_bad_task_names_the_field(tmp_path):
     (d / "task.yaml").write_text(text)
     with pytest.raises(TaskFormatError, match=field):
       load_terminal_bench(str(tmp_path))
+  (d / "run-tests.sh").unlink()
+  (d / "tests").mkdir()
+  (d / "tests" / "test_outputs.py").write_text("def test_x():\n  pass\n")
+  (task,) = load_terminal_bench(str(tmp_path))
+  assert task.check_script == DEFAULT_RUN_TESTS and task.agent_timeout == 360.0
+  assert task.timeout == 60.0
+  assert task.check_files == {"test_outputs.py": b"def test_x():\n  pass\n"}
 
 
 def test_pytest_summary_parser():
@@ -290,6 +297,34 @@ def test_terminal_bench_solutions_pass_untouched_fails_tests_hidden(tb):
     assert not any(f.endswith((".sh", ".py")) and "test" in f for f in files)
   assert tb["fix-line-counter"].setup_script and "count_lines.sh" in out[
       2 * list(tb).index("fix-line-counter")][1]
+
+
+FORCE_PASS = """
+import pytest
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  outcome = yield
+  outcome.get_result().outcome = "passed"
+"""
+
+
+def test_terminal_bench_check_ignores_planted_pytest_configuration(tb):
+  """conftest.py / pytest.ini planted where the agent can write (workspace, /tmp, /dev/shm)
+  would mark every test passed if pytest read them; the check reads none of them."""
+  task = tb["csv-region-totals"]
+
+  async def main():
+    box = await start_sandbox(task, make_sandbox)
+    try:
+      for d in (".", "/tmp", "/dev/shm"):
+        res = await box.exec(["python3", "-c", f"open('{d}/conftest.py', 'w').write("
+                              f"{FORCE_PASS!r}); open('{d}/pytest.ini', 'w').write('[pytest]')"])
+        assert res.exit_code == 0, res
+      return await verify(task, box)
+    finally:
+      await box.close()
+  v = run(main())
+  assert v.reward == 0.0 and v.details["tests"] == {"test_outputs.py::test_totals": "FAILED"}
 
 
 def test_terminal_bench_episode_end_to_end(chat, tb):

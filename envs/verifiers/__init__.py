@@ -33,8 +33,8 @@ from envs.verifiers.swe import (CONFIG_FILES, LOG_TAIL, RUNNER_FILES, TEST_DIRS,
                                 merge_submission, parse_junit, refused_reason, run_log_tests,
                                 run_pytest, task_test_files, verify_tests, workspace_files)
 
-__all__ = ["CONFIG_FILES", "JUDGE_PROMPT", "LCB_PRELUDE", "LOG_TAIL", "RUNNER_FILES", "TEST_DIRS", "PytestRun",
-           "Refused", "RunResult", "run_log_tests", "swe_logs",
+__all__ = ["CONFIG_FILES", "JUDGE_PROMPT", "LCB_PRELUDE", "LOG_TAIL", "RUNNER_FILES",
+           "TEST_DIRS", "PytestRun", "Refused", "RunResult", "run_log_tests", "swe_logs",
            "SandboxFactory", "Verdict", "extract_answer", "extract_code", "is_ignored_path",
            "is_test_path", "judge_prompt", "junit_key", "livecodebench_output_equal",
            "merge_submission", "normalize_answer", "normalize_output", "parse_junit",
