@@ -282,6 +282,9 @@ def test_failure_messages_come_from_the_run(synthesized):
       assert f"`{test}`:\n      " in row["problem_statement"], (test, row["problem_statement"])
 
 
+DEFAULT_REPLY = "Some results of calc.core are wrong; see the failing tests."
+
+
 @pytest.fixture
 def teacher_server(monkeypatch):
   """A local chat-completions endpoint answering canned replies in turn; records requests."""
@@ -294,7 +297,8 @@ def teacher_server(monkeypatch):
                        "body": body})
       data = json.dumps({"id": "c1", "object": "chat.completion", "model": body["model"],
                          "choices": [{"index": 0, "finish_reason": "stop", "message": {
-                             "role": "assistant", "content": replies.pop(0)}}]}).encode()
+                             "role": "assistant",
+                             "content": replies.pop(0) if replies else DEFAULT_REPLY}}]}).encode()
       self.send_response(200)
       self.send_header("Content-Type", "application/json")
       self.send_header("Content-Length", str(len(data)))
@@ -344,6 +348,21 @@ def test_teacher_statements_leak_guard(synthesized, teacher_server):
     prompt = json.dumps(r["body"]["messages"])
     assert json.dumps(fixed_line)[1:-1] not in prompt  # the fix is never shown
     assert "def " in prompt  # the buggy function is
+
+
+def test_synthesize_with_teacher_statements(package, teacher_server, tmp_path):
+  teacher, replies, requests = teacher_server
+  replies.extend(["Report one.", "Report two.", "Report three."])
+  sandboxes = CountingSandboxes()
+  report = synth.synthesize(str(package), TEST_COMMAND, str(tmp_path), make_sandbox=sandboxes,
+                            kinds=("operator", "comparison"), max_instances=1, workers=1,
+                            statements="teacher", teacher=teacher)
+  rows = [json.loads(l) for l in (tmp_path / "tasks.jsonl").read_text().splitlines()]
+  assert report["instances"] == report["validated"] == len(rows) == 1
+  assert report["unevaluated"] == report["candidates"] - report["evaluated"] > 0
+  assert rows[0]["problem_statements"] == ["Report one.", "Report two.", "Report three."]
+  assert rows[0]["statement_source"] == {"method": "teacher", "teacher_rejected": []}
+  assert len(requests) == 3
 
 
 def test_leak_reason_identifiers_only_in_the_fix():
