@@ -427,3 +427,41 @@ def test_mixed_eval_set_and_evaluate_reports_per_format(tmp_path, chat):
   assert out["formats"]["terminal-bench"]["pass@k"] == 1.0
   assert out["formats"]["all"]["pass@k"] == 0.75
   json.dumps(out, allow_nan=False)
+
+
+def test_run_writes_the_per_format_report(tmp_path, monkeypatch, capsys):
+  """Mode "eval" on a mixed set: results.json and the printed summary carry every format."""
+  from models.hf import config_to_json
+  from models.presets import get_preset
+  from trainer import harness
+
+  ckpt = tmp_path / "ckpt"
+  (ckpt / "tokenizer").mkdir(parents=True)
+  _tiny_bpe().save(str(ckpt / "tokenizer" / "tokenizer.json"))
+  (ckpt / "tokenizer" / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>"}')
+  (ckpt / "model_config.json").write_text(json.dumps(config_to_json(get_preset("tiny-qwen3"))))
+
+  def fake_evaluate(model, model_cfg, chat, tasks, **kw):  # every task solved but the first
+    correct = [0] + [kw["samples"]] * (len(tasks) - 1)
+    per = ev.pass_at_k(kw["samples"], np.array(correct), kw["k"])
+    return {"pass@k": per.mean(), "pass@1": per.mean(), "per_task": per.tolist(), "errors": 0,
+            "time_s": 0.1, "formats": ev.format_report([task_format(t) for t in tasks],
+                                                       correct, kw["samples"], kw["k"])}
+  monkeypatch.setattr(harness, "initial_model", lambda config, model_cfg: None)
+  monkeypatch.setattr(ev, "evaluate", fake_evaluate)
+  config = base_config()
+  config.mode = "eval"
+  config.eval.num_tasks, config.eval.samples = 2, 1
+  config.eval.tasks = f"generated,{LCB},{TB}"
+  config.eval.checkpoints = (f"ckpt:{ckpt}",)
+  summary = ev.run(config, str(tmp_path / "work"))
+  with open(tmp_path / "work" / "eval" / "results.json") as f:
+    formats = json.load(f)["checkpoints"][f"ckpt:{ckpt}"]["formats"]
+  assert list(formats) == ["generated", "livecodebench", "terminal-bench", "all"]
+  assert formats["generated"]["pass@k"] == 0.5 and formats["livecodebench"]["pass@k"] == 1.0
+  low, high = ev.wilson_interval(1, 2)
+  assert (formats["generated"]["low"], formats["generated"]["high"]) == pytest.approx((low, high))
+  assert summary["checkpoints"][f"ckpt:{ckpt}"]["formats"]["all"]["tasks"] == 6
+  printed = capsys.readouterr().out
+  assert f"generated       pass@1 0.500 [{low:.3f}, {high:.3f}] (2 tasks, 95% wilson)" in printed
+  assert "terminal-bench  pass@1 1.000" in printed
