@@ -1026,7 +1026,8 @@ def synthesize(repo: str, test_command: str, out: str, config: Optional[SynthCon
 
 def summary(report: Mapping[str, Any]) -> str:
   """A few lines of text: yield per kind, rejection reasons, flaky tests, time."""
-  lines = [f"{report['repo']} ({report['package']} {report['version']}): "
+  package = f"{report['package']} {report['version']}".strip()
+  lines = [f"{report['repo']} ({package}): "
            f"{report['validated']}/{report['evaluated']} candidates validated "
            f"(yield {report['yield']:.0%}), {report['instances']} instances, "
            f"{report['sandbox_runs']} sandbox runs, {report['seconds']:.0f}s"]
