@@ -1,7 +1,8 @@
 """The policy protocol: token ids in; sampled token ids, their log-probs and the policy version
 out. `envs` reaches a policy only through this, in-process (`Policy` implementations such as the
-engine's adapter) or over HTTP (`HTTPPolicy`, the client of the policy server's `/generate`), so
-a rollout worker on a CPU VM needs no JAX.
+engine's adapter) or over HTTP (`HTTPPolicy`, the client of the policy server's `/generate`;
+`CompletionsPolicy`, any OpenAI-compatible `/v1/completions` that takes token-id prompts and
+returns token ids: vLLM, Arbor's trainer.serve), so a rollout worker on a CPU VM needs no JAX.
 """
 
 from __future__ import annotations

@@ -271,3 +271,70 @@ def test_completions_policy_reads_vllm_token_ids(monkeypatch):
   assert (b.output_ids, b.finish_reason) == ([7, 8, 9], "length")
   with pytest.raises(PolicyError, match="no token ids"):
     asyncio.run(policy.generate([1, 2], params))
+
+
+# ----------------------------------------------------------------------------- RFT
+
+
+def test_rft_two_rounds_sample_from_the_previous_round(tmp_path, chat, monkeypatch):
+  """Round 2 samples from round 1's checkpoint (its weights), and within a round each kept
+  trajectory is trained exactly once. The teacher's model is loaded from the round's checkpoint;
+  the episodes are played by the scripted solver (a tiny model solves nothing)."""
+  from configs.base import base_config
+  from trainer import harness
+
+  tok_dir = tmp_path / "tok"
+  tok_dir.mkdir()
+  _tiny_bpe().save(str(tok_dir / "tokenizer.json"))
+  (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+  c = base_config()
+  c.mode = "sft"
+  c.compile_cache_dir = str(tmp_path / "xla_cache")
+  c.model.preset = "tiny-dense"  # one small layer: each SFT run compiles its step
+  c.model.overrides.vocab_size = 768
+  c.model.overrides.num_layers = 1
+  c.model.overrides.attention_impl = "auto"  # blocked attention: rows of 4096 tokens
+  c.optimizer.name = "adamw"
+  c.tokenizer.path, c.tokenizer.chat_format = str(tok_dir), "qwen2.5"
+  # an episode of the scripted solver is ~3k tokens with the test tokenizer
+  c.data.row_len, c.data.rows_per_batch, c.data.max_seqs, c.data.seq_len = 4096, 1, 4, 512
+  c.data.num_epochs = 1
+  c.metrics.progress = False
+  c.metrics.report = False
+  per_round = 2
+  rounds_tasks = [write_tasks(str(tmp_path / f"t{r}"), per_round, 0, 1, r * per_round,
+                              split="train") for r in range(2)]
+  solve = {s: t for ts in rounds_tasks for t in ts for s in t.problem_statements}
+  # the first teacher: a run directory holding the freshly initialised weights at step 0
+  init = harness.Run(c, str(tmp_path / "init"))
+  init.save(0, init.resume_or(lambda: None), {"data": {}, "policy_version": 0})
+  init.checkpointer.close()
+  loaded = []
+
+  def fake_teacher(model, chat_, **kw):  # the checkpoint's model, the solver's episodes
+    loaded.append(model)
+    tasks = [solve[s] for s in solve]
+    teacher = PlannedTeacher(chat_, tasks, [("fix", "fix")] * len(tasks))
+    teacher.engine = type("NoEngine", (), {"stop": lambda self: None})()
+    return teacher
+  monkeypatch.setattr(rejection, "engine_teacher", fake_teacher)
+  info = rejection.rft(c, str(tmp_path / "rft"), init_dir=str(tmp_path / "init"), rounds=2,
+                       tasks_per_round=per_round, attempts=2, scaffold=SCAFFOLD, seed=0,
+                       task_start=0, concurrency=1)
+  assert [i["teacher"] for i in info] == [str(tmp_path / "init"), info[0]["sft_dir"]]
+  assert info[0]["teacher_step"] == 0 and info[1]["teacher_step"] == info[0]["steps"] >= 1
+  for i, tasks in zip(info, rounds_tasks):
+    assert i["verified"] == 2 * per_round and i["kept"] == per_round  # identical pairs: dedup
+    assert set(i["pass_rate_per_task"]) == {t.instance_id for t in tasks}  # fresh tasks
+    ids = [x for step in i["trajectory_ids"] for x in step]
+    assert len(ids) == len(set(ids)) == i["kept"]  # each kept trajectory trained once
+  # round 2's teacher holds round 1's trained weights, not the first teacher's
+  import jax
+  from flax import nnx
+  leaves = lambda tree: [np.asarray(x) for x in jax.tree.leaves(tree)]
+  got = leaves(nnx.state(loaded[1], nnx.Param))
+  r1 = leaves(harness.run_weights(info[0]["sft_dir"])[0])
+  r0 = leaves(harness.run_weights(str(tmp_path / "init"))[0])
+  assert len(got) == len(r1) == len(r0)
+  assert all(np.array_equal(a, b) for a, b in zip(got, r1))
+  assert not all(np.array_equal(a, b) for a, b in zip(got, r0))

@@ -3,6 +3,8 @@ rejection-sampling fine-tuning (RFT) rounds.
 
     python -m trainer.rejection --ckpt /runs/sft --generated 150 --attempts 4 \\
         --temperature 1.0 --out /data/teacher.jsonl
+    python -m trainer.rejection --ckpt /runs/sft --generated 64 --rounds 2 \\
+        --sft_config configs/sft_demo.py --out /runs/rft            # RFT, 64 tasks a round
     python -m trainer.rejection --url http://127.0.0.1:8000/v1 --model qwen \\
         --tokenizer /ckpt/Qwen2.5-Coder-7B-Instruct/hf_extra --chat_format qwen2.5 \\
         --tasks tasks.jsonl --attempts 8 --out /data/teacher.jsonl --format chat
@@ -705,8 +707,25 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                  help="trajectory (same tokenizer as the student) or chat records")
   p.add_argument("--sandbox", default="bwrap", help="sandbox backend")
   p.add_argument("--concurrency", type=int, default=8, help="episodes at once")
-  p.add_argument("--out", required=True, help="the SFT file (.jsonl or .parquet)")
+  p.add_argument("--out", required=True, help="the SFT file (.jsonl or .parquet); with "
+                 "--rounds: the RFT run's directory")
+  p.add_argument("--rounds", type=int, default=0,
+                 help="RFT: rounds of sample -> select -> SFT from --ckpt (0: sample once)")
+  p.add_argument("--sft_config", default="configs/sft_demo.py",
+                 help="RFT: the SFT config file[:ARG] of every round")
   return p.parse_args(argv)
+
+
+def load_config_file(spec: str) -> ml_collections.ConfigDict:
+  """`get_config(ARG)` of a config file "PATH[:ARG]" (ValueError naming a missing file)."""
+  import importlib.util
+  path, sep, arg = spec.partition(":")
+  if not os.path.isfile(path):
+    raise ValueError(f"--sft_config={spec!r}: no such file {os.path.abspath(path)!r}")
+  module_spec = importlib.util.spec_from_file_location("_arbor_rft_sft_config", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg) if sep else module.get_config()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -718,14 +737,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               tool_errors=args.tool_errors, max_per_task=args.max_per_task)
     if args.url and not (args.model and args.tokenizer):
       raise ValueError(f"--url={args.url!r} needs --model and --tokenizer (the teacher's)")
-    if not (args.out.endswith(".jsonl") or args.out.endswith(".parquet")):
+    if args.rounds < 0 or (args.rounds and not (args.ckpt and args.generated)):
+      raise ValueError(f"--rounds={args.rounds}: RFT needs rounds >= 1, --ckpt (the first "
+                       "teacher) and --generated (fresh tasks per round)")
+    if not args.rounds and not (args.out.endswith(".jsonl") or args.out.endswith(".parquet")):
       raise ValueError(f"--out={args.out!r}: expected a .jsonl or .parquet file")
+    sft_config = load_config_file(args.sft_config) if args.rounds else None
   except ValueError as e:
     print(f"trainer.rejection: {e}", file=sys.stderr)
     return 2
   scaffold = ScaffoldConfig(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
                             max_context_tokens=args.max_context_tokens, timeout_s=args.timeout_s,
                             temperature=args.temperature, top_p=args.top_p)
+  if args.rounds:
+    info = rft(sft_config, args.out, init_dir=args.ckpt, rounds=args.rounds,
+               tasks_per_round=args.generated, attempts=args.attempts, scaffold=scaffold,
+               filter_cfg=filter_cfg, task_level=args.task_level, task_seed=args.task_seed,
+               task_start=args.task_start, seed=args.seed, sandbox=args.sandbox,
+               concurrency=args.concurrency)
+    print(json.dumps([{k: v for k, v in i.items() if k not in ("pass_rate_per_task",
+                                                                "trajectory_ids")}
+                      for i in info], indent=1))
+    return 0
   if args.tasks:
     from envs.episode import load_task_file
     tasks = load_task_file(args.tasks)[0]
