@@ -76,7 +76,7 @@ def main() -> None:
   if args.lr:
     sft_base.optimizer.learning_rate = args.lr
   _, _, chat, _ = rejection.load_checkpoint(args.teacher)
-  steps = rejection._batches(rejection.round_sft_config(sft_base, args.teacher, data, 1), data,
+  steps = rejection.sft_steps(rejection.round_sft_config(sft_base, args.teacher, data, 1), data,
                              chat)
   cfg = rejection.round_sft_config(sft_base, args.teacher, data, steps)
   summary = sft.run(cfg, student)

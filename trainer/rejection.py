@@ -48,6 +48,7 @@ import argparse
 import asyncio
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import logging
 import math
@@ -59,16 +60,23 @@ from typing import Any, Optional, Sequence
 import ml_collections
 import numpy as np
 
-from envs import aio
+from envs import aio, taskgen
+from envs.chat import load_chat, load_tokenizer, make_chat
 from envs.chat.formats import ChatFormat
-from envs.episode import episode_metadata, make_sandbox_factory, make_verifier, start_sandbox
-from envs.policy import Policy
+from envs.episode import (episode_metadata, load_task_file, make_sandbox_factory, make_verifier,
+                          start_sandbox)
+from envs.policy import CompletionsPolicy, Policy
 from envs.scaffold import ScaffoldConfig, run_episode
 from envs.tasks import Task
 from envs.tools import default_tools
 from envs.trajectory import Trajectory
 from envs.verifiers.judge import verify_judge
+from models.engine import Engine, EngineConfig
+from trainer import config as config_lib
+from trainer import harness, metrics, sft
+from trainer.data import make_sft_dataset
 from trainer.demo_data import chat_record
+from trainer.serve import EnginePolicy
 from trainer.sft_data import as_dict, write_jsonl
 
 log = logging.getLogger(__name__)
@@ -201,8 +209,6 @@ def engine_teacher(model, chat: ChatFormat, *, concurrency: int = 8, max_context
   Returns:
     A started `trainer.serve.EnginePolicy`; call `.engine.stop()` when done.
   """
-  from models.engine import Engine, EngineConfig
-  from trainer.serve import EnginePolicy
   engine = Engine(model, EngineConfig(slots=concurrency, prefix_cache_rows=concurrency,
                                       max_seq_len=-(-max_context_tokens // 128) * 128,
                                       prefill_chunk=512, seed=seed),
@@ -467,8 +473,6 @@ def load_checkpoint(ckpt_dir: str):
   Raises:
     ValueError: the directory has no config.json.
   """
-  from trainer import config as config_lib
-  from trainer import harness
   path = os.path.join(ckpt_dir, "config.json")
   if not os.path.isfile(path):
     raise ValueError(f"ckpt={ckpt_dir!r}: no config.json (expected an Arbor run's workdir)")
@@ -546,10 +550,17 @@ def latest_step(run_dir: str) -> Optional[int]:
   return max(steps, default=None)
 
 
-def _batches(config: ml_collections.ConfigDict, source: str, chat: ChatFormat) -> int:
-  """Training steps of one pass over `source` under the config's packing."""
-  from trainer import config as config_lib
-  from trainer.data import make_sft_dataset
+def sft_steps(config: ml_collections.ConfigDict, source: str, chat: ChatFormat) -> int:
+  """The training steps of an SFT run on `source` (every record rendered and packed once).
+
+  Args:
+    config: the SFT config (its packing and data.num_epochs).
+    source: the SFT file.
+    chat: renders the records.
+
+  Returns:
+    The number of batches data.num_epochs passes give.
+  """
   return sum(1 for _ in make_sft_dataset(config_lib.data_config(config, sources=(source,)),
                                          chat))
 
@@ -626,8 +637,6 @@ def rft(config: ml_collections.ConfigDict, workdir: str, *, init_dir: str, round
   Raises:
     ValueError: rounds or tasks_per_round < 1.
   """
-  from envs import taskgen
-  from trainer import metrics, sft
   if rounds < 1 or tasks_per_round < 1:
     raise ValueError(f"rounds={rounds!r}, tasks_per_round={tasks_per_round!r}: expected >= 1")
   teacher, out = init_dir, []
@@ -653,7 +662,7 @@ def rft(config: ml_collections.ConfigDict, workdir: str, *, init_dir: str, round
       if info["kept"]:
         _, _, chat, _ = load_checkpoint(teacher)
         probe = round_sft_config(config, teacher, data, 1)
-        steps = _batches(probe, data, chat)
+        steps = sft_steps(probe, data, chat)
         sft_dir = os.path.join(rdir, "sft")
         sft.run(round_sft_config(config, teacher, data, steps), sft_dir)
         lines = metrics.read_jsonl(os.path.join(sft_dir, "sft", metrics.JSONL))
@@ -718,7 +727,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def load_config_file(spec: str) -> ml_collections.ConfigDict:
   """`get_config(ARG)` of a config file "PATH[:ARG]" (ValueError naming a missing file)."""
-  import importlib.util
   path, sep, arg = spec.partition(":")
   if not os.path.isfile(path):
     raise ValueError(f"--sft_config={spec!r}: no such file {os.path.abspath(path)!r}")
@@ -760,11 +768,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       for i in info], indent=1))
     return 0
   if args.tasks:
-    from envs.episode import load_task_file
     tasks = load_task_file(args.tasks)[0]
   else:
-    from envs import taskgen
-    tasks = taskgen.write_tasks(args.out + ".tasks", args.generated, args.task_level,
+      tasks = taskgen.write_tasks(args.out + ".tasks", args.generated, args.task_level,
                                 args.task_seed, args.task_start, split="train")
   common = dict(scaffold=scaffold, attempts=args.attempts, seed=args.seed,
                 filter_cfg=filter_cfg, out=args.out, fmt=args.format, sandbox=args.sandbox,
@@ -772,8 +778,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if args.ckpt:
     stats = run_checkpoint(args.ckpt, tasks, **common)
   else:
-    from envs.chat import load_chat, load_tokenizer, make_chat
-    from envs.policy import CompletionsPolicy
     tok = load_tokenizer(args.tokenizer)
     chat = (make_chat(args.chat_format, tok) if args.chat_format else
             load_chat(args.tokenizer, tok))
