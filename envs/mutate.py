@@ -29,7 +29,8 @@ Kinds (`KINDS`):
                   is its only statement); (b) a returned value replaced by `None` in a function
                   with at least two value-returning `return` statements.
   swap_arguments  two adjacent positional arguments of a call swapped (not identical
-                  expressions; `min`/`max` are skipped as symmetric).
+                  expressions, not a string literal with a non-string; `min`/`max` are
+                  symmetric and `print` only formats, so they are skipped).
   wrong_variable  a loaded local name replaced by another local of the same function of the
                   same plausible type that is certainly bound at that point. Types come from
                   annotations (`x: int`), literal assignments (`x = 0`, `x = []`, parameter
@@ -39,7 +40,7 @@ Kinds (`KINDS`):
                   bound" means a parameter, a name assigned by an earlier statement of the same
                   or an enclosing block, or the target of an enclosing `for` loop.
 
-Never mutated: test files (`is_test_file`), module- and class-level code, decorators, default
+No candidate removes or rewrites more than 8 lines. Never mutated: test files (`is_test_file`), module- and class-level code, decorators, default
 values, annotations, docstrings, f-strings, `assert` statements, and `__repr__`/`__str__`.
 
 Example:
@@ -69,6 +70,7 @@ REVERT = "revert"
 
 _SKIP_FUNCTIONS = frozenset({"__repr__", "__str__"})
 _MAX_KEPT_LINES = 4   # an `if` guard is removed keeping its body only for bodies this short
+_MAX_EDIT_LINES = 8   # no candidate removes or rewrites more lines than this
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 _BUILTIN_TYPES = frozenset({"int", "float", "complex", "str", "bytes", "bool", "list", "dict",
@@ -184,6 +186,24 @@ def _apply(text: str, edits: Sequence[tuple[int, int, str]]) -> str:
   for start, end, new in sorted(edits, reverse=True):
     text = text[:start] + new + text[end:]
   return text
+
+
+def _edit_lines(text: str, edits: Sequence[tuple[int, int, str]]) -> int:
+  """How many lines `edits` remove or rewrite in `text` (the size of the diff's `-` side)."""
+  total = 0
+  for start, end, new in edits:
+    # whole lines around the edit, before and after
+    lo = text.rfind("\n", 0, start) + 1
+    hi = text.find("\n", end)
+    hi = len(text) if hi < 0 else hi
+    old_lines = text[lo:hi].split("\n")
+    new_lines = (text[lo:start] + new + text[end:hi]).split("\n")
+    while old_lines and new_lines and old_lines[0] == new_lines[0]:
+      old_lines.pop(0), new_lines.pop(0)
+    while old_lines and new_lines and old_lines[-1] == new_lines[-1]:
+      old_lines.pop(), new_lines.pop()
+    total += max(len(old_lines), len(new_lines))
+  return total
 
 
 def _parse_expr(text: str) -> Optional[ast.expr]:
@@ -548,14 +568,14 @@ def _early_return(src: _Source, fn: _Fn) -> Iterator[_Cand]:
 def _swap_arguments(src: _Source, fn: _Fn) -> Iterator[_Cand]:
   for node in _nodes(fn.body):
     if not isinstance(node, ast.Call) or (isinstance(node.func, ast.Name)
-                                          and node.func.id in ("min", "max")):
+                                          and node.func.id in ("min", "max", "print")):
       continue
     for a, b in zip(node.args, node.args[1:]):
       if isinstance(a, ast.Starred) or isinstance(b, ast.Starred) or ast.dump(a) == ast.dump(b):
         continue
-      if (isinstance(a, ast.Constant) and isinstance(b, ast.Constant)
-          and type(a.value) is not type(b.value)):
-        continue  # a type error at once, not a plausible bug
+      if _is_str(a) != _is_str(b) or (isinstance(a, ast.Constant) and isinstance(b, ast.Constant)
+                                      and type(a.value) is not type(b.value)):
+        continue  # a type error at once (or garbled text), not a plausible bug
       base, _ = src.span(node)
       text = src.seg(node)
       (a0, a1), (b0, b1) = src.span(a), src.span(b)
@@ -714,39 +734,66 @@ _GENERATORS = {"operator": _operator, "comparison": _comparison, "off_by_one": _
 # ----------------------------------------------------------------------------- checking
 
 
-def _function_at(text: str, first: int, last: int, lineno: int) -> Optional[ast.AST]:
-  """Parses lines first..last of `text` (one function) in place; the def at `lineno`."""
-  lines = re.findall(r"[^\n]*\n|[^\n]+\Z", text)[first - 1:last]
-  if not lines:
-    return None
-  indented = lines[0][:1] in (" ", "\t")
-  if indented and first < 2:
-    return None
-  prefix = "\n" * (first - 2) + "if 1:\n" if indented else "\n" * (first - 1)
+def _parse_region(text: str, nested: bool, lead: str, lineno: int) -> Optional[ast.AST]:
+  """Parses `text`, one statement starting at line `lineno` after `lead`, in place.
+
+  `nested`: the statement is indented in its file, so it is parsed inside an `if` block.
+  """
+  prefix = ("\n" * (lineno - 2) + "if 1:\n" + lead) if nested else "\n" * (lineno - 1) + lead
   try:
-    tree = ast.parse(prefix + "".join(lines))
+    tree = ast.parse(prefix + text)
   except SyntaxError:
     return None
-  for node in ast.walk(tree):
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.lineno == lineno:
-      return node
-  return None
+  body = tree.body[0].body if nested else tree.body
+  return body[0] if len(body) == 1 else None
 
 
-def _realize(src: _Source, fn: _Fn, cand: _Cand, original_dump: str) -> Optional[str]:
-  """The mutated text of `cand`, or None when it does not give exactly its intended AST."""
-  expected = ast.dump(_substitute(fn.node, cand.target, cand.new))
-  if expected == original_dump:
+def _anchor(fn: _Fn, parents: dict, cand: _Cand) -> ast.AST:
+  """The smallest statement (or the function) whose AST shows the whole edit."""
+  node = cand.target
+  if isinstance(node, ast.stmt) and not isinstance(cand.new, list):
+    return node
+  node = parents.get(id(node))
+  while node is not fn.node and not isinstance(node, ast.stmt):
+    node = parents[id(node)]
+  return node
+
+
+def _realize(src: _Source, fn: _Fn, parents: dict, cand: _Cand,
+             whole: bool = False) -> Optional[str]:
+  """The mutated text of `cand`, or None when it does not give exactly its intended AST.
+
+  Only the smallest statement around the edit is parsed again: the text outside it is
+  unchanged, so if that statement parses to the intended AST, so does the file.
+  """
+  anchor = fn.node if whole else _anchor(fn, parents, cand)
+  expected = ast.dump(_substitute(anchor, cand.target, cand.new))
+  if expected == ast.dump(anchor):
     return None
-  first = min([fn.node.lineno] + [d.lineno for d in fn.node.decorator_list])
+  if anchor is fn.node:
+    first = min([fn.node.lineno] + [d.lineno for d in fn.node.decorator_list])
+    start, end = src.starts[first - 1], src.starts[fn.node.end_lineno]
+    nested, lead = bool(src.indent(first)), ""
+  else:
+    start, end = src.span(anchor)
+    before = src.text[src.starts[anchor.lineno - 1]:start]
+    lead = before if not before.strip() else " " * len(before)
+    nested, first = bool(lead), anchor.lineno
   for edits in (cand.edits, cand.fallback):
     if not edits:
       continue
     text = _apply(src.text, edits)
     if text == src.text:
       continue
-    last = fn.node.end_lineno + text.count("\n") - src.text.count("\n")
-    got = _function_at(text, first, last, fn.node.lineno)
+    stop = max([end] + [e for _, e, _ in edits]) + len(text) - len(src.text)
+    got = _parse_region(text[start:stop], nested, lead, first)
+    if got is None and anchor is not fn.node:
+      # e.g. an `elif` clause, which does not parse alone: check the whole function
+      text = _realize(src, fn, parents, dataclasses.replace(cand, edits=edits, fallback=None),
+                      whole=True)
+      if text is not None:
+        return text
+      continue
     if got is not None and ast.dump(got) == expected:
       return text
   return None
@@ -793,14 +840,14 @@ def mutations(source: str, path: str, kinds: Sequence[str] = KINDS, *,
   for fn in _functions(tree):
     if fn.node.name in _SKIP_FUNCTIONS:
       continue
-    original_dump = ast.dump(fn.node)
+    parents = {id(c): n for n in ast.walk(fn.node) for c in ast.iter_child_nodes(n)}
     for kind in KINDS:
       if kind not in kinds:
         continue
       for cand in _GENERATORS[kind](src, fn):
-        if cand is None:
+        if cand is None or _edit_lines(source, cand.edits) > _MAX_EDIT_LINES:
           continue
-        text = _realize(src, fn, cand, original_dump)
+        text = _realize(src, fn, parents, cand)
         if text is None or text in seen:
           continue
         seen.add(text)
