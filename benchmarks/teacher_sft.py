@@ -79,8 +79,9 @@ def main() -> None:
   steps = rejection.sft_steps(rejection.round_sft_config(sft_base, args.teacher, data, 1), data,
                              chat)
   cfg = rejection.round_sft_config(sft_base, args.teacher, data, steps)
-  summary = sft.run(cfg, student)
-  lines = read_jsonl(os.path.join(student, "sft", JSONL))
+  sft.run(cfg, student)
+  lines = read_jsonl(os.path.join(student, "sft", JSONL))  # the run's own lines (a reused run too)
+  losses = [lines[k]["loss"] for k in sorted(lines) if "loss" in lines[k]]
   sft_minutes = sum(x.get("time/step", 0.0) for x in lines.values()) / 60
 
   # --- greedy held-out pass@1, teacher and student, on the same tasks
@@ -99,7 +100,7 @@ def main() -> None:
          "kept_tokens": stats["kept_tokens"], "sampling_minutes": stats["time_s"] / 60,
          "sft_steps": steps, "epochs": args.epochs, "lr": cfg.optimizer.learning_rate,
          "sft_minutes": sft_minutes,
-         "sft_loss": [summary.get("first_loss"), summary.get("loss")],
+         "sft_loss": [losses[0], losses[-1]],
          "eval_tasks": len(teacher_eval["per_task"]),
          "teacher_pass@1": teacher_eval["pass@1"], "student_pass@1": student_eval["pass@1"],
          "student_minus_teacher": ci, "student_terminations": student_eval["terminations"],
