@@ -4,13 +4,14 @@ Given a file's text, `mutations` returns candidate bugs, each a complete mutated
 differs from the original in one small place inside one function body. Only the source segment
 of the changed node is rewritten, so comments and formatting elsewhere stay byte-identical and
 the patch is a one- or few-line diff. Nothing is executed: the module only writes text. Every
-candidate is checked by parsing: the enclosing function of the mutated text must parse to
-exactly the intended AST (so operator precedence or indentation cannot silently change the
-meaning), and that AST must differ from the original one (no no-op mutations).
+candidate is checked by parsing: the smallest statement around the edit must parse to exactly
+the intended AST (so operator precedence or indentation cannot silently change the meaning;
+an edited node is parenthesised where precedence needs it), and that AST must differ from the
+original one (no no-op mutations such as swapping identical arguments).
 
-`commit_reverts` turns one commit of a git repository into several tasks: for each function
-whose body the commit changed, the file at the commit with only that function put back to its
-parent's version.
+`commit_reverts` turns one commit of a git repository into several tasks: for each module-level
+function or method whose code (docstring aside) the commit changed, the file at the commit
+with only that function put back to its parent's version.
 
 Kinds (`KINDS`):
   operator        `+` <-> `-`, `*` <-> `//`, `&` <-> `|`, `^` -> `|` (binary and augmented
@@ -40,8 +41,9 @@ Kinds (`KINDS`):
                   bound" means a parameter, a name assigned by an earlier statement of the same
                   or an enclosing block, or the target of an enclosing `for` loop.
 
-No candidate removes or rewrites more than 8 lines. Never mutated: test files (`is_test_file`), module- and class-level code, decorators, default
-values, annotations, docstrings, f-strings, `assert` statements, and `__repr__`/`__str__`.
+No candidate removes or rewrites more than 8 lines. Never mutated: test files (`is_test_file`),
+module- and class-level code, decorators, default values, annotations, docstrings, f-strings,
+`assert` statements, and `__repr__`/`__str__`.
 
 Example:
     from envs.mutate import mutations
@@ -82,7 +84,7 @@ _ATOMS = (ast.Name, ast.Constant, ast.Call, ast.Attribute, ast.Subscript, ast.Li
 _BINOPS = {ast.Add: ("+", "-"), ast.Sub: ("-", "+"), ast.Mult: ("*", "//"),
            ast.FloorDiv: ("//", "*"), ast.BitAnd: ("&", "|"), ast.BitOr: ("|", "&"),
            ast.BitXor: ("^", "|")}
-# The same as AST classes.
+# Binary operator class -> the class of its replacement (the intended AST of augmented assignments).
 _BINOPS_NEW = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.FloorDiv, ast.FloorDiv: ast.Mult,
                ast.BitAnd: ast.BitOr, ast.BitOr: ast.BitAnd, ast.BitXor: ast.BitOr}
 
@@ -531,12 +533,15 @@ def _drop_condition(src: _Source, fn: _Fn) -> Iterator[_Cand]:
         yield _Cand("drop_condition", branch.lineno,
                     f"branch `{_short(src.line(branch.lineno).strip())}` removed",
                     [(start, end, "")], node, new)
-      elif any(src.line(n).strip().startswith("else") for n in range(last + 1, branch.lineno)):
-        start, end = src.lines_span(last + 1, node.orelse[-1].end_lineno)
-        new = copy.copy(node)
-        new.orelse = []
-        yield _Cand("drop_condition", last + 1, f"`else` branch of `{_short(header)}` removed",
-                    [(start, end, "")], node, new)
+      else:
+        keyword = [n for n in range(last + 1, branch.lineno)
+                   if src.line(n).strip().startswith("else")]
+        if keyword:
+          start, end = src.lines_span(last + 1, node.orelse[-1].end_lineno)
+          new = copy.copy(node)
+          new.orelse = []
+          yield _Cand("drop_condition", keyword[0], f"`else` branch of `{_short(header)}` removed",
+                      [(start, end, "")], node, new)
 
 
 def _returns(fn: _Fn) -> list[ast.Return]:
