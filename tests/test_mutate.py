@@ -402,3 +402,33 @@ def test_no_ops_skipped_precedence_kept_and_positions_exact():
   assert any(m.function == "outer.<locals>.inner" and "return v + w" in m.source for m in found)
   assert any(m.function == "outer.<locals>.inner" and m.kind == "wrong_variable"
              and "return w - w" in m.source for m in found)
+
+
+BRANCHY = '''def pick(flag: bool, n: int):
+    if flag:
+        a = 1
+    else:
+        b = 2
+    c = 3
+    for i in range(n):
+        d = 4
+        c += i * d
+    total = 0
+    return c + total + n
+'''
+
+
+def test_wrong_variable_never_reads_an_unbound_name():
+  mutants = mutations(BRANCHY, "pkg/pick.py", kinds=("wrong_variable",))
+  assert len(mutants) >= 6
+  for m in mutants:
+    namespace = {}
+    exec(compile(m.source, "pick.py", "exec"), namespace)
+    for flag in (True, False):
+      for n in (0, 1, 3):
+        namespace["pick"](flag, n)   # an UnboundLocalError or NameError would fail the test
+  used = {m.description.split("`")[3] for m in mutants}   # the replacement names
+  assert not used & {"a", "b"}                 # bound on one branch only
+  assert "d" in used and "i" in used           # inside the loop, after their binding
+  after_loop = {m.description.split("`")[3] for m in mutants if m.lineno == 11}
+  assert after_loop == {"c", "n", "total"}     # a loop's names may be unbound after it
