@@ -51,17 +51,24 @@ Example:
     for m in mutations(text, "pkg/stats.py", kinds=("comparison",), max_per_kind=3, seed=1):
       print(m.description)
       print(m.diff(text))
+
+    python -m envs.mutate pkg/stats.py --kinds comparison off_by_one --max-per-kind 3 --diffs
+    python -m envs.mutate --repo DIR --commit HEAD           # commit_reverts
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import collections
 import copy
 import dataclasses
+import json
+import os
 import random
 import re
 import subprocess
+import sys
 from typing import Iterable, Iterator, Optional, Sequence
 
 from envs.tasks import make_patch
@@ -824,7 +831,8 @@ def mutations(source: str, path: str, kinds: Sequence[str] = KINDS, *,
     no two have the same text. The same arguments always give the same list.
 
   Raises:
-    ValueError: an unknown kind, a negative `max_per_kind`, or a `source` that does not parse.
+    ValueError: an unknown kind, a negative `max_per_kind`, an empty `path`, or a `source`
+      that does not parse.
   """
   if isinstance(kinds, str):
     raise ValueError(f"kinds must be a sequence of kind names, got the string {kinds!r}")
@@ -833,6 +841,8 @@ def mutations(source: str, path: str, kinds: Sequence[str] = KINDS, *,
     raise ValueError(f"kinds: unknown kind(s) {unknown!r}; known: {KINDS}")
   if max_per_kind is not None and max_per_kind < 0:
     raise ValueError(f"max_per_kind must be >= 0 or None, got {max_per_kind!r}")
+  if not isinstance(path, str) or not path:
+    raise ValueError(f"path must be a non-empty relative path, got {path!r}")
   if is_test_file(path):
     return []
   try:
@@ -960,3 +970,45 @@ def commit_reverts(repo_dir: str, commit: str = "HEAD",
         out.append(Mutation(REVERT, path, key[0], new_first,
                             f"`{key[0]}` put back to its version before {sha[:12]}", text))
   return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+  """Command line: candidate bugs of Python files (or reverts of a commit), counted per kind.
+
+  Returns:
+    0; {path: {kind: count}} is printed as JSON, then with --diffs every candidate's
+    description and diff.
+  """
+  p = argparse.ArgumentParser(prog="python -m envs.mutate", description=__doc__.split("\n")[0])
+  p.add_argument("files", nargs="*", help="Python files (diff paths relative to the current "
+                 "directory)")
+  p.add_argument("--kinds", nargs="+", default=list(KINDS), help=f"a subset of {KINDS}")
+  p.add_argument("--max-per-kind", type=int, default=None, help="seeded sample per kind")
+  p.add_argument("--seed", type=int, default=0, help="seed of the sample")
+  p.add_argument("--repo", help="a git working tree: list the reverts of --commit instead")
+  p.add_argument("--commit", default="HEAD", help="the commit for --repo")
+  p.add_argument("--diffs", action="store_true", help="also print every candidate's diff")
+  args = p.parse_args(argv)
+  found = {}
+  if args.repo:
+    for m in commit_reverts(args.repo, args.commit):
+      original = _git(args.repo, "show", f"{args.commit}:{m.path}")
+      found.setdefault(m.path, []).append((m, original))
+  for file in args.files:
+    with open(file, encoding="utf-8") as f:
+      text = f.read()
+    path = os.path.relpath(file).replace(os.sep, "/")
+    found[path] = [(m, text) for m in mutations(text, path, args.kinds,
+                                                 max_per_kind=args.max_per_kind, seed=args.seed)]
+  counts = {path: dict(collections.Counter(m.kind for m, _ in ms)) for path, ms in found.items()}
+  print(json.dumps(counts))
+  if args.diffs:
+    for ms in found.values():
+      for m, original in ms:
+        print(f"# {m.kind} {m.path}:{m.lineno} {m.function}: {m.description}")
+        sys.stdout.write(m.diff(original))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

@@ -5,12 +5,13 @@ functions a commit changed."""
 
 import ast
 import difflib
+import json
 import os
 import subprocess
 
 import pytest
 
-from envs.mutate import KINDS, Mutation, commit_reverts, is_test_file, mutations
+from envs.mutate import KINDS, Mutation, commit_reverts, is_test_file, main, mutations
 
 MODULE = '''"""Inventory helpers: clamping, window sums and a priced basket."""
 
@@ -246,6 +247,8 @@ def test_bad_input_is_named():
     mutations(MODULE, "a.py", kinds=("typo",))
   with pytest.raises(ValueError, match="max_per_kind"):
     mutations(MODULE, "a.py", max_per_kind=-1)
+  with pytest.raises(ValueError, match="path must be"):
+    mutations(MODULE, "")
   with pytest.raises(ValueError, match="'broken.py' does not parse"):
     mutations("def f(:\n", "broken.py")
 
@@ -326,7 +329,7 @@ def _geometry(a, m, doc, extra=""):
           + extra)
 
 
-def test_commit_reverts(tmp_path):
+def test_commit_reverts(tmp_path, capsys):
   repo = str(tmp_path)
   _git(repo, "init", "-q")
   os.makedirs(tmp_path / "pkg")
@@ -356,6 +359,8 @@ def test_commit_reverts(tmp_path):
   assert commit_reverts(repo, "HEAD~0", paths=["pkg/geo.py"]) == reverts
   with pytest.raises(ValueError, match="nope"):
     commit_reverts(repo, "nope")
+  assert main(["--repo", repo]) == 0
+  assert json.loads(capsys.readouterr().out.splitlines()[0]) == {"pkg/geo.py": {"revert": 2}}
 
 
 EDGES = '''def same(x, y):
@@ -432,3 +437,15 @@ def test_wrong_variable_never_reads_an_unbound_name():
   assert "d" in used and "i" in used           # inside the loop, after their binding
   after_loop = {m.description.split("`")[3] for m in mutants if m.lineno == 11}
   assert after_loop == {"c", "n", "total"}     # a loop's names may be unbound after it
+
+
+def test_command_line(tmp_path, monkeypatch, capsys):
+  (tmp_path / "shop").mkdir()
+  (tmp_path / "shop" / "inventory.py").write_text(MODULE)
+  monkeypatch.chdir(tmp_path)
+  assert main(["shop/inventory.py", "--kinds", "comparison", "off_by_one", "--diffs"]) == 0
+  out = capsys.readouterr().out
+  expected = mutations(MODULE, "shop/inventory.py", kinds=("comparison", "off_by_one"))
+  assert json.loads(out.splitlines()[0]) == {"shop/inventory.py": {
+      k: sum(m.kind == k for m in expected) for k in ("comparison", "off_by_one")}}
+  assert out.count("diff --git a/shop/inventory.py b/shop/inventory.py") == len(expected)
