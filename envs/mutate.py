@@ -565,10 +565,10 @@ def _early_return(src: _Source, fn: _Fn) -> Iterator[_Cand]:
       gone = stmt if len(stmt.body) == 1 else ret
       if src.owns_lines(gone) and not _is_elif(src, gone):
         start, end = src.lines_span(gone.lineno, gone.end_lineno)
-        what = "guard" if gone is stmt else "`return`"
-        yield _Cand("early_return", gone.lineno,
-                    f"{what} `{_short(src.seg(ret))}` of `{_short(src.line(stmt.lineno).strip())}` "
-                    f"dropped", [(start, end, "")], gone, [])
+        header, value = _short(src.line(stmt.lineno).strip()), _short(src.seg(ret))
+        what = (f"guard `{header}` (`{value}`) removed" if gone is stmt
+                else f"`{value}` removed from `{header}`")
+        yield _Cand("early_return", gone.lineno, what, [(start, end, "")], gone, [])
   valued = [r for r in _returns(fn) if r.value is not None
             and not (isinstance(r.value, ast.Constant) and r.value.value is None)]
   if len(valued) >= 2:
