@@ -2,7 +2,7 @@
 episodes beat the teacher?
 
     python -m benchmarks.teacher_sft --teacher=/tmp/arbor_demo/seed_0/sft \\
-        --workdir=/tmp/teacher_sft --tasks=150 --attempts=4 --update_docs
+        --workdir=/tmp/teacher_sft --tasks=150 --attempts=4 --control --update_docs
 
 The teacher is a demo SFT checkpoint (configs/demo.py's SFT stage). It samples `--attempts`
 episodes at `--temperature` on each of `--tasks` generated tasks of the demo's training split
@@ -13,8 +13,9 @@ trajectory records; the student is SFT from the teacher's checkpoint on them for
 passes with the demo SFT hyper-parameters (configs/sft_demo.py: Muon, peak lr 3e-3, cosine;
 warmup at most half the steps). Reported: attempts, verified share, kept before/after
 deduplication, the greedy held-out pass@1 of teacher and student on the demo's `--eval_tasks`
-held-out tasks, and the paired bootstrap 95% interval of student - teacher. Finished stages in
-`--workdir` are reused. Prints JSON.
+held-out tasks, and the paired bootstrap 95% interval of student - teacher. `--control` adds a
+student SFT (one epoch) on the same episodes unfiltered (every distinct one), which isolates
+what the verifier's filter contributes. Finished stages in `--workdir` are reused. Prints JSON.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import argparse
 import json
 import os
 import time
+
+import ml_collections
 
 from benchmarks.common import machine, today, write_section
 from configs import demo
@@ -45,6 +48,9 @@ def main() -> None:
   p.add_argument("--lr", type=float, default=0.0,
                  help="peak learning rate of the student's SFT (0: the demo SFT's)")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--control", action="store_true",
+                 help="also SFT on every sampled episode, unfiltered (one epoch): what the "
+                      "verifier's filter adds")
   p.add_argument("--update_docs", action="store_true")
   args = p.parse_args()
   os.makedirs(args.workdir, exist_ok=True)
@@ -107,11 +113,42 @@ def main() -> None:
          "teacher_terminations": teacher_eval["terminations"],
          "eval_minutes": (teacher_eval["time_s"] + student_eval["time_s"]) / 60,
          "wall_minutes": (time.monotonic() - t0) / 60}  # this invocation (stages may be reused)
+  if args.control:
+    out["control"] = control(args, rl_cfg, sft_base, chat, teacher_eval)
   print(json.dumps(out, indent=1), flush=True)
   with open(os.path.join(args.workdir, "result.json"), "w") as f:
     json.dump(out, f, indent=1)
   if args.update_docs:
     write_section("teacher_sft", _markdown(out))
+
+
+def control(args, rl_cfg, sft_base, chat, teacher_eval) -> dict:
+  """The same teacher episodes (the same seeds), unfiltered: every distinct attempt, one epoch."""
+  data = os.path.join(args.workdir, "unfiltered.jsonl")
+  if os.path.isfile(data + ".stats.json"):
+    with open(data + ".stats.json") as f:
+      stats = json.load(f)
+  else:
+    tasks = taskgen.write_tasks(os.path.join(args.workdir, "tasks"), args.tasks,
+                                rl_cfg.rl.task_level, rl_cfg.rl.task_seed, split="train")
+    stats = rejection.run_checkpoint(
+        args.teacher, tasks, scaffold=rollouts.scaffold_config(rl_cfg, args.temperature),
+        attempts=args.attempts, seed=args.seed,
+        filter_cfg=rejection.FilterConfig(threshold=0.0, max_per_task=args.attempts), out=data,
+        concurrency=rl_cfg.rl.concurrency)
+  cfg = ml_collections.ConfigDict(sft_base.to_dict())
+  cfg.data.num_epochs = 1
+  steps = rejection.sft_steps(rejection.round_sft_config(cfg, args.teacher, data, 1), data, chat)
+  run_dir = os.path.join(args.workdir, "student_unfiltered")
+  sft.run(rejection.round_sft_config(cfg, args.teacher, data, steps), run_dir)
+  result = demo_lib.held_out_eval(rl_cfg, run_dir,
+                                  os.path.join(args.workdir, "eval_unfiltered.json"), None)
+  with open(data) as f:
+    passing = sum(json.loads(line)["reward"] >= 1.0 for line in f)
+  return {"records": stats["kept"], "verified": passing, "sft_steps": steps,
+          "pass@1": result["pass@1"], "terminations": result["terminations"],
+          "minus_teacher": evaluate.paired_bootstrap(teacher_eval["per_task"],
+                                                     result["per_task"])}
 
 
 def _markdown(s: dict) -> str:
@@ -141,7 +178,21 @@ def _markdown(s: dict) -> str:
       f"Student - teacher on the same {s['eval_tasks']} held-out tasks: {ci['diff']:+.3f}, "
       f"paired bootstrap 95% interval {ci['low']:+.3f} .. {ci['high']:+.3f}. Terminations "
       f"(held-out): teacher {s['teacher_terminations']}, student "
-      f"{s['student_terminations']}.\n")
+      f"{s['student_terminations']}.\n" + _control_markdown(s))
+
+
+def _control_markdown(s: dict) -> str:
+  if "control" not in s:
+    return ""
+  c = s["control"]
+  ci = c["minus_teacher"]
+  return (f"\nControl (`--control`): the same episodes unfiltered, every distinct one "
+          f"({c['records']} records, {c['verified']} of them verified), one epoch "
+          f"({c['sft_steps']} steps): held-out pass@1 {c['pass@1']:.3f}, minus the teacher "
+          f"{ci['diff']:+.3f} (95% interval {ci['low']:+.3f} .. {ci['high']:+.3f}); "
+          f"terminations {c['terminations']}. The filter is what helps: trained on its own "
+          f"samples, {c['records'] - c['verified']} of which fail the tests, the teacher does "
+          "not improve.\n")
 
 
 if __name__ == "__main__":

@@ -176,10 +176,13 @@ class CompletionsPolicy:
     - the session log of Arbor's policy server (`python -m trainer.serve`): the request's unique
       session_id makes it log the exact ids and log-probs, read from GET /sessions/{id} and
       then deleted.
-  A reply with none of these (a server that only returns text tokens; SGLang's OpenAI
-  completions do, so use its native /generate or vLLM) is a PolicyError, never re-tokenized.
-  Servers differ in what a stop token leaves in the ids: vLLM and trainer.serve keep the stop
-  token id as the last output id, which the scaffold's end-of-turn handling expects.
+  A reply with none of these (a server that returns only text tokens) is a PolicyError: text is
+  never re-tokenized. What each server needs: vLLM, a version that accepts
+  return_tokens_as_token_ids or return_token_ids in the body (or the server flag
+  --return-tokens-as-token-ids); Arbor's trainer.serve, nothing (its session log); SGLang and
+  others, a completions reply carrying the ids in one of the forms above.
+  The stop token a call stopped on is expected as its last output id (trainer.serve's and vLLM's
+  token ids include it); check this on other servers.
 
   Args:
     base_url: the API root, e.g. "http://127.0.0.1:8000/v1" (a trailing "/" is ignored).
