@@ -215,8 +215,8 @@ def server():
   from trainer.serve import PolicyServer, ServerConfig
   tok = HFTokenizer(_tiny_bpe(), eos_token="<|im_end|>")
   model = transformer.init(TINY_DENSE.replace(vocab_size=tok.vocab_size), seed=0)
-  engine = Engine(model, EngineConfig(slots=4, max_seq_len=128, prefix_cache_rows=4,
-                                      prefill_chunk=32, steps_per_call=8),
+  engine = Engine(model, EngineConfig(slots=4, max_seq_len=4096, prefix_cache_rows=4,
+                                      prefill_chunk=512, steps_per_call=8),
                   detokenize=tok.decode)
   srv = PolicyServer(engine, ServerConfig(port=0, served_name="tiny"), tokenizer=tok,
                      chat=make_chat("plain", tok))
@@ -248,6 +248,28 @@ def test_completions_policy_against_the_real_server(server):
     asyncio.run(CompletionsPolicy(url + "/v1", "other").generate(prompt, params))
   with pytest.raises(ValueError, match="model=''"):
     CompletionsPolicy(url + "/v1", "")
+
+
+def test_cli_with_a_completions_teacher(server, tmp_path, capsys):
+  """`python -m trainer.rejection --url`: real episodes (bwrap, the tests verifier) whose calls
+  the server sampled; a random model solves nothing, so nothing is kept."""
+  srv, url = server
+  tok_dir = tmp_path / "tok"
+  tok_dir.mkdir()
+  _tiny_bpe().save(str(tok_dir / "tokenizer.json"))
+  (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+  out = str(tmp_path / "teacher.jsonl")
+  before = srv.engine.counters.get("finished", 0)
+  assert rejection.main(["--url", url + "/v1", "--model", "tiny", "--tokenizer", str(tok_dir),
+                         "--chat_format", "qwen2.5", "--generated", "1", "--attempts", "2",
+                         "--max_turns", "1", "--max_new_tokens", "8",
+                         "--max_context_tokens", "4096", "--out", out]) == 0
+  stats = json.loads(capsys.readouterr().out)
+  assert (stats["attempts"], stats["errors"], stats["verified"], stats["kept"]) == (2, 0, 0, 0)
+  assert srv.engine.counters["finished"] - before == 2  # one call per one-turn episode
+  assert json.load(open(out + ".stats.json"))["teacher"] == url + "/v1"
+  assert open(out).read() == ""
+  assert rejection.main(["--url", url + "/v1", "--generated", "1", "--out", out]) == 2
 
 
 def test_completions_policy_reads_vllm_token_ids(monkeypatch):
