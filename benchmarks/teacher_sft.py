@@ -2,7 +2,8 @@
 episodes beat the teacher?
 
     python -m benchmarks.teacher_sft --teacher=/tmp/arbor_demo/seed_0/sft \\
-        --workdir=/tmp/teacher_sft --tasks=150 --attempts=4 --control --update_docs
+        --workdir=/tmp/teacher_sft --tasks=150 --attempts=4 --control --rft_rounds=2 \\
+        --update_docs
 
 The teacher is a demo SFT checkpoint (configs/demo.py's SFT stage). It samples `--attempts`
 episodes at `--temperature` on each of `--tasks` generated tasks of the demo's training split
@@ -15,7 +16,9 @@ warmup at most half the steps). Reported: attempts, verified share, kept before/
 deduplication, the greedy held-out pass@1 of teacher and student on the demo's `--eval_tasks`
 held-out tasks, and the paired bootstrap 95% interval of student - teacher. `--control` adds a
 student SFT (one epoch) on the same episodes unfiltered (every distinct one), which isolates
-what the verifier's filter contributes. Finished stages in `--workdir` are reused. Prints JSON.
+what the verifier's filter contributes; `--rft_rounds` runs that many RFT rounds
+(`trainer.rejection.rft`) from the teacher on the next training tasks and evaluates each round's
+checkpoint. Finished stages in `--workdir` are reused. Prints JSON.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ def main() -> None:
   p.add_argument("--control", action="store_true",
                  help="also SFT on every sampled episode, unfiltered (one epoch): what the "
                       "verifier's filter adds")
+  p.add_argument("--rft_rounds", type=int, default=0,
+                 help="also RFT rounds (trainer.rejection.rft) from the teacher on fresh tasks")
   p.add_argument("--update_docs", action="store_true")
   args = p.parse_args()
   os.makedirs(args.workdir, exist_ok=True)
@@ -115,6 +120,8 @@ def main() -> None:
          "wall_minutes": (time.monotonic() - t0) / 60}  # this invocation (stages may be reused)
   if args.control:
     out["control"] = control(args, rl_cfg, sft_base, chat, teacher_eval)
+  if args.rft_rounds:
+    out["rft"] = rft_rounds(args, rl_cfg, sft_base, teacher_eval)
   print(json.dumps(out, indent=1), flush=True)
   with open(os.path.join(args.workdir, "result.json"), "w") as f:
     json.dump(out, f, indent=1)
@@ -151,6 +158,30 @@ def control(args, rl_cfg, sft_base, chat, teacher_eval) -> dict:
                                                      result["per_task"])}
 
 
+def rft_rounds(args, rl_cfg, sft_base, teacher_eval) -> list[dict]:
+  """RFT from the teacher: each round samples `--tasks` fresh training tasks (after the ones
+  above) with the latest checkpoint, keeps the verified episodes and SFTs on them (`--epochs`
+  passes); the held-out pass@1 of every round's checkpoint."""
+  info = rejection.rft(
+      sft_base, os.path.join(args.workdir, "rft"), init_dir=args.teacher,
+      rounds=args.rft_rounds, tasks_per_round=args.tasks, attempts=args.attempts,
+      scaffold=rollouts.scaffold_config(rl_cfg, args.temperature),
+      filter_cfg=rejection.FilterConfig(max_per_task=args.max_per_task),
+      task_level=rl_cfg.rl.task_level, task_seed=rl_cfg.rl.task_seed, task_start=args.tasks,
+      seed=args.seed, concurrency=rl_cfg.rl.concurrency)
+  out = []
+  for r in info:
+    row = {k: r[k] for k in ("round", "teacher_step", "verified_share", "kept", "steps")}
+    if r["sft_dir"]:
+      result = demo_lib.held_out_eval(rl_cfg, r["sft_dir"], os.path.join(
+          args.workdir, f"eval_rft_{r['round']}.json"), None)
+      row["pass@1"] = result["pass@1"]
+      row["minus_teacher"] = evaluate.paired_bootstrap(teacher_eval["per_task"],
+                                                       result["per_task"])
+    out.append(row)
+  return out
+
+
 def _markdown(s: dict) -> str:
   ci = s["student_minus_teacher"]
   loss = s["sft_loss"]
@@ -178,7 +209,23 @@ def _markdown(s: dict) -> str:
       f"Student - teacher on the same {s['eval_tasks']} held-out tasks: {ci['diff']:+.3f}, "
       f"paired bootstrap 95% interval {ci['low']:+.3f} .. {ci['high']:+.3f}. Terminations "
       f"(held-out): teacher {s['teacher_terminations']}, student "
-      f"{s['student_terminations']}.\n" + _control_markdown(s))
+      f"{s['student_terminations']}.\n" + _control_markdown(s) + _rft_markdown(s))
+
+
+def _rft_markdown(s: dict) -> str:
+  if "rft" not in s:
+    return ""
+  lines = []
+  for r in s["rft"]:
+    ci = r.get("minus_teacher")
+    lines.append(f"Round {r['round']}: sampled by the checkpoint of step {r['teacher_step']}, "
+                 f"verified share {r['verified_share']:.3f}, {r['kept']} kept, {r['steps']} SFT "
+                 "steps" + (f", held-out pass@1 {r['pass@1']:.3f} (minus the teacher "
+                            f"{ci['diff']:+.3f}, 95% interval {ci['low']:+.3f} .. "
+                            f"{ci['high']:+.3f})" if ci else ""))
+  return ("\nRFT (`--rft_rounds`, `trainer.rejection.rft`): each round samples the next "
+          f"{s['tasks']} training tasks x {s['attempts_per_task']} with the latest checkpoint "
+          "and SFTs on its verified episodes as above. " + "; ".join(lines) + ".\n")
 
 
 def _control_markdown(s: dict) -> str:
