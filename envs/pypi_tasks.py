@@ -2,14 +2,18 @@
 
 This module owns the bundled packages (`bundled_packages`: packages.json, checked against the
 tarballs' sha256) and the one-off step that turns them into SWE-bench-shaped tasks: each
-package's sdist is unpacked and handed to `envs.synth` (bugs injected by `envs.mutate`, kept
-only when some of the package's own tests fail and the others pass, in sandboxes) with the
-package's test command. The tasks of every package are also gathered into one eval file.
+package's sdist goes to `envs.synth` as it is (synth unpacks it; bugs injected by
+`envs.mutate` are kept only when some of the package's own tests fail and the others pass, in
+sandboxes) with the package's test command. The tasks of every package are also gathered into
+one eval file (`combine`), and a chosen few rows can be packed into a small self-contained set
+(`export`: each buggy tree as one .tar.gz). Check a set with `python -m envs.validate`.
 
     python -m envs.pypi_tasks --out pypi_tasks --max_instances 60
     # -> pypi_tasks/<name>/tasks.jsonl (+ report.json, buggy trees) per package,
     #    pypi_tasks/tasks.jsonl: every package's rows, repo_path relative to pypi_tasks/
-    python -m trainer.main --config=configs/rl.py --config.eval.tasks=pypi_tasks/tasks.jsonl
+    python -m envs.validate --tasks pypi_tasks/tasks.jsonl --out pypi_tasks/accepted.jsonl
+    python -m trainer.main --config=configs/rl.py --workdir=/tmp/run \\
+        --config.eval.tasks=pypi_tasks/accepted.jsonl
 
     packages = bundled_packages()                 # [Package(name="cachetools", ...), ...]
     report = synthesize("inflection", "out/inflection", max_instances=20, workers=2)
