@@ -21,9 +21,17 @@ setup(
             "configs", "configs.*",
         ]
     ),
-    # Bundled example tasks (SWE-format repositories and code problems).
-    package_data={"envs": ["data/*.jsonl", "data/swe/*.jsonl", "data/swe/repos/**/*",
-                           "chat/templates/*.jinja"]},
+    # Bundled example tasks (SWE-format repositories, code problems, LiveCodeBench rows,
+    # Terminal-Bench-style shell tasks) and the PyPI sdists tasks are synthesized from.
+    package_data={"envs": [
+        "data/*.jsonl", "data/swe/*.jsonl", "data/swe/repos/**/*",
+        "data/livecodebench/*.jsonl",
+        "data/terminal_bench/*/*.yaml", "data/terminal_bench/*/*.sh",
+        "data/terminal_bench/*/tests/*",
+        "data/pypi/*.json", "data/pypi/*.md", "data/pypi/*.tar.gz",
+        "data/pypi/sample/*.jsonl", "data/pypi/sample/repos/*.tar.gz",
+        "chat/templates/*.jinja",
+    ]},
     install_requires=[
         JAX,
         "flax>=0.12.8,<0.13",
@@ -48,6 +56,7 @@ setup(
         "jinja2>=3.1.6,<4",  # envs.chat: checkpoints' own chat templates
         "starlette>=1.10.0,<2",  # trainer.serve: the OpenAI-compatible policy server
         "uvicorn>=0.54.0,<0.55",
+        "pyyaml>=6.0.3,<7",  # envs.terminal_bench: task.yaml
     ],
     extras_require={
         # Tests compare against Hugging Face transformers on PyTorch CPU.

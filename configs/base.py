@@ -320,8 +320,10 @@ def _distill() -> ml_collections.ConfigDict:
 def _eval() -> ml_collections.ConfigDict:
   """Held-out evaluation (mode "eval", trainer/evaluate.py): pass@k, test-time selection."""
   s = ml_collections.ConfigDict()
-  s.tasks = ""  # held-out task JSONL ("" = generated, distinct taskgen "eval" programs)
-  s.num_tasks = 200  # held-out tasks evaluated
+  # Held-out tasks: "" = generated (distinct taskgen "eval" programs), or a comma-separated
+  # list of task files/directories (envs.episode.load_task_file) and "generated".
+  s.tasks = ""
+  s.num_tasks = 200  # held-out tasks evaluated (per entry of eval.tasks)
   s.k = 1  # pass@k
   s.samples = 1  # samples per task (n >= k)
   s.selection = "none"  # test-time: "none" | "best_of_n" | "majority_vote" | "self_play"

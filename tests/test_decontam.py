@@ -1,6 +1,7 @@
 """envs.decontam: planted copies of eval text are found whatever their case, punctuation or
-surroundings; template boilerplate and unrelated text are not; the shipped SWE instances share
-nothing with generated training tasks; the command line filters a file."""
+surroundings; template boilerplate and unrelated text are not; the shipped eval sets (SWE
+instances, LiveCodeBench rows, Terminal-Bench tasks, the PyPI sample) share nothing with
+generated training tasks or the SFT demo's episodes; the command line filters a file."""
 
 import json
 import os
@@ -9,8 +10,10 @@ import pytest
 
 from envs import decontam, taskgen
 from envs.decontam import EvalIndex, load_items
+from trainer.demo_data import demo_corpus
 
-SWE = os.path.join(os.path.dirname(__file__), "..", "envs", "data", "swe", "tasks.jsonl")
+DATA = os.path.join(os.path.dirname(__file__), "..", "envs", "data")
+SWE = os.path.join(DATA, "swe", "tasks.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +75,37 @@ def test_command_line_writes_the_clean_records(tmp_path, capsys):
   bad.write_text('{"id": 1}\nnot json\n')
   with pytest.raises(ValueError, match="bad.jsonl:2"):
     load_items(str(bad))
+
+
+def shipped_eval_items() -> dict:
+  """Every bundled eval set, as decontam items: rows as stored, Terminal-Bench tasks as the
+  text of each file of the task directory."""
+  items = {}
+  for path in (SWE, os.path.join(DATA, "livecodebench", "problems.jsonl"),
+               os.path.join(DATA, "livecodebench", "solutions.jsonl"),
+               os.path.join(DATA, "pypi", "sample", "tasks.jsonl")):
+    items.update({f"{path}:{k}": v for k, v in load_items(path).items()})
+  tb = os.path.join(DATA, "terminal_bench")
+  for task in sorted(os.listdir(tb)):
+    for root, _, files in os.walk(os.path.join(tb, task)):
+      for f in files:
+        with open(os.path.join(root, f)) as fh:
+          items[f"{task}/{f}"] = {"text": fh.read()}
+  return items
+
+
+def test_shipped_eval_sets_share_nothing_with_training_data(tmp_path):
+  evals = shipped_eval_items()
+  assert len(evals) > 40
+  train = {}
+  for level in range(4):
+    taskgen.write_tasks(str(tmp_path / str(level)), 20, level, 1, split="train")
+    train.update({f"{level}:{k}": v for k, v in
+                  load_items(str(tmp_path / str(level) / "tasks.jsonl")).items()})
+  train.update({f"sft_demo:{i}": {"text": t} for i, t in enumerate(demo_corpus(n=16))})
+  report = EvalIndex(evals).report(train)
+  assert report["flagged"] == {}
+  # and the index does see into these sets: a copied LiveCodeBench statement is found
+  lcb = next(v for k, v in evals.items() if "problems.jsonl" in k)
+  train["copy"] = {"text": lcb["question_content"]}
+  assert set(EvalIndex(evals).report(train)["flagged"]) == {"copy"}
