@@ -68,17 +68,8 @@ def main() -> None:
 
   # --- teacher rollouts and rejection sampling
   data = os.path.join(args.workdir, "teacher.jsonl")
-  if os.path.isfile(data + ".stats.json"):
-    with open(data + ".stats.json") as f:
-      stats = json.load(f)
-  else:
-    tasks = taskgen.write_tasks(os.path.join(args.workdir, "tasks"), args.tasks,
-                                rl_cfg.rl.task_level, rl_cfg.rl.task_seed, split="train")
-    stats = rejection.run_checkpoint(
-        args.teacher, tasks, scaffold=rollouts.scaffold_config(rl_cfg, args.temperature),
-        attempts=args.attempts, seed=args.seed,
-        filter_cfg=rejection.FilterConfig(max_per_task=args.max_per_task), out=data,
-        concurrency=rl_cfg.rl.concurrency)
+  stats = teacher_episodes(args, rl_cfg, data,
+                           rejection.FilterConfig(max_per_task=args.max_per_task))
   print(rejection.summary_line(stats), flush=True)
 
   # --- SFT of the teacher's checkpoint on its verified episodes
@@ -129,20 +120,27 @@ def main() -> None:
     write_section("teacher_sft", _markdown(out))
 
 
+def teacher_episodes(args, rl_cfg, data: str, filter_cfg: rejection.FilterConfig) -> dict:
+  """The teacher's episodes on the training-split tasks, filtered into `data`; their stats.
+
+  A finished earlier invocation's file (its .stats.json beside it) is reused.
+  """
+  if os.path.isfile(data + ".stats.json"):
+    with open(data + ".stats.json") as f:
+      return json.load(f)
+  tasks = taskgen.write_tasks(os.path.join(args.workdir, "tasks"), args.tasks,
+                              rl_cfg.rl.task_level, rl_cfg.rl.task_seed, split="train")
+  return rejection.run_checkpoint(
+      args.teacher, tasks, scaffold=rollouts.scaffold_config(rl_cfg, args.temperature),
+      attempts=args.attempts, seed=args.seed, filter_cfg=filter_cfg, out=data,
+      concurrency=rl_cfg.rl.concurrency)
+
+
 def control(args, rl_cfg, sft_base, chat, teacher_eval) -> dict:
   """The same teacher episodes (the same seeds), unfiltered: every distinct attempt, one epoch."""
   data = os.path.join(args.workdir, "unfiltered.jsonl")
-  if os.path.isfile(data + ".stats.json"):
-    with open(data + ".stats.json") as f:
-      stats = json.load(f)
-  else:
-    tasks = taskgen.write_tasks(os.path.join(args.workdir, "tasks"), args.tasks,
-                                rl_cfg.rl.task_level, rl_cfg.rl.task_seed, split="train")
-    stats = rejection.run_checkpoint(
-        args.teacher, tasks, scaffold=rollouts.scaffold_config(rl_cfg, args.temperature),
-        attempts=args.attempts, seed=args.seed,
-        filter_cfg=rejection.FilterConfig(threshold=0.0, max_per_task=args.attempts), out=data,
-        concurrency=rl_cfg.rl.concurrency)
+  stats = teacher_episodes(args, rl_cfg, data,
+                           rejection.FilterConfig(threshold=0.0, max_per_task=args.attempts))
   cfg = ml_collections.ConfigDict(sft_base.to_dict())
   cfg.data.num_epochs = 1
   steps = rejection.sft_steps(rejection.round_sft_config(cfg, args.teacher, data, 1), data, chat)
