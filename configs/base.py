@@ -128,6 +128,7 @@ def _mesh() -> ml_collections.ConfigDict:
   s.fsdp = -1  # data parallelism with sharded parameters; -1 = all remaining devices
   s.tensor = 1  # tensor parallelism (heads, MLP width, vocabulary)
   s.expert = 1  # expert parallelism (MoE experts)
+  s.sequence = 1  # context parallelism: each row's tokens split over devices (divides row_len)
   return s
 
 

@@ -23,7 +23,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # (models/sharding.py resolves them). `None` means replicated.
 DEFAULT_SHARDING_RULES: tuple[tuple[str, Optional[tuple[str, ...]]], ...] = (
     ("batch", ("data", "fsdp", "expert")),  # activation batch dimension (tokens)
-    ("seq", None),                 # activation sequence dimension
+    ("seq", ("sequence",)),        # activation sequence dimension (context parallelism)
     ("act_embed", None),           # activation hidden dimension
     ("act_heads", ("tensor",)),    # activation head dimension
     ("act_mlp", ("tensor",)),      # activation MLP dimension

@@ -1,7 +1,8 @@
 """Meshes and logical-axis sharding: parameters and activations carry logical axis names
 (`embed`, `heads`, `experts`, ...); the config's rules table maps them to mesh axes
-(`data`, `fsdp`, `tensor`, `expert`). `jax.jit` with the resulting shardings is the whole
-parallelism story.
+(`data`, `fsdp`, `tensor`, `expert`, `sequence`). `jax.jit` with the resulting shardings is the
+whole parallelism story, except attention over a token-sharded row, which passes key/value chunks
+between the `sequence` shards (models/kernels/context_parallel.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from models.config import ModelConfig
 
-MESH_AXES = ("data", "fsdp", "tensor", "expert")
+MESH_AXES = ("data", "fsdp", "tensor", "expert", "sequence")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,10 +29,12 @@ class MeshConfig:
   fsdp: int = -1  # data parallelism with parameters sharded over it (ZeRO-3)
   tensor: int = 1  # tensor (model) parallelism over heads / MLP width / vocabulary
   expert: int = 1  # expert parallelism over MoE experts
+  sequence: int = 1  # context parallelism: each row's tokens split into contiguous chunks
 
   def shape(self, num_devices: int) -> tuple[int, ...]:
-    """Mesh sizes (data, fsdp, tensor, expert) for `num_devices`; ValueError if they don't fit."""
-    sizes = [self.data, self.fsdp, self.tensor, self.expert]
+    """Mesh sizes (data, fsdp, tensor, expert, sequence) for `num_devices`; ValueError if they
+    don't fit."""
+    sizes = [self.data, self.fsdp, self.tensor, self.expert, self.sequence]
     if sizes.count(-1) > 1:
       raise ValueError(f"MeshConfig{tuple(sizes)}: at most one axis may be -1")
     for name, size in zip(MESH_AXES, sizes):
@@ -51,7 +54,10 @@ class MeshConfig:
 
 def make_mesh(mesh_cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None
               ) -> jax.sharding.Mesh:
-  """A device mesh with axes (data, fsdp, tensor, expert).
+  """A device mesh with axes (data, fsdp, tensor, expert, sequence).
+
+  `sequence` is the last (fastest-varying) axis, so the neighbours of the key/value ring of
+  context-parallel attention are adjacent devices.
 
   Args:
     mesh_cfg: the axis sizes.

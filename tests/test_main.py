@@ -75,7 +75,8 @@ def test_mesh_that_does_not_fit_the_devices_fails_after_device_discovery(tmp_pat
   rc, out, err, seconds = cli("--config=configs/sft_demo.py", "--config.mesh.fsdp=3",
                               f"--workdir={tmp_path / 'w'}")
   assert rc == 2 and seconds < 60, out + err  # a hang guard; the < 10 s goal is measured
-  assert "config error: config.mesh={'data': 1, 'fsdp': 3, 'tensor': 1, 'expert': 1}" in err
+  assert ("config error: config.mesh={'data': 1, 'fsdp': 3, 'tensor': 1, 'expert': 1, "
+          "'sequence': 1}") in err
   assert "have 1" in err and "device count" in err
 
 
@@ -241,9 +242,19 @@ def test_shipped_configs_validate(tmp_path):
 
 def test_mesh_shape_against_the_device_count(sft_config):
   sft_config.data.rows_per_batch = 8
-  assert config_lib.mesh_shape(sft_config, 8) == (1, 8, 1, 1)
+  assert config_lib.mesh_shape(sft_config, 8) == (1, 8, 1, 1, 1)
   sft_config.mesh.tensor = 2
-  assert config_lib.mesh_shape(sft_config, 8) == (1, 4, 2, 1)
+  assert config_lib.mesh_shape(sft_config, 8) == (1, 4, 2, 1, 1)
+  sft_config.mesh.sequence = 2  # the batch divisor is data x fsdp x expert only
+  assert config_lib.mesh_shape(sft_config, 8) == (1, 2, 2, 1, 2)
+  sft_config.data.row_len = 256
+  sft_config.mesh.sequence = 3
+  sft_config.mesh.tensor = 1
+  with pytest.raises(ConfigError, match=r"config.data.row_len=256: expected a multiple of "
+                                        r"mesh.sequence = 3"):
+    config_lib.mesh_shape(sft_config, 6)
+  sft_config.mesh.sequence = 1
+  sft_config.mesh.tensor = 2
   sft_config.data.rows_per_batch = 2
   with pytest.raises(ConfigError, match=r"config.data.rows_per_batch=2: expected a multiple of "
                                         r"mesh data x fsdp x expert = 4"):

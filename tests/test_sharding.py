@@ -12,7 +12,8 @@ def test_sharded_forward_matches_single_device():
 
 
 def test_mesh_config_errors():
-  assert MeshConfig(data=2, fsdp=-1, tensor=2).shape(8) == (2, 2, 2, 1)
+  assert MeshConfig(data=2, fsdp=-1, tensor=2).shape(8) == (2, 2, 2, 1, 1)
+  assert MeshConfig(fsdp=-1, sequence=4).shape(8) == (1, 2, 1, 1, 4)
   with pytest.raises(ValueError, match="needs 16 devices"):
     MeshConfig(data=2, fsdp=2, tensor=4).shape(8)
   with pytest.raises(ValueError, match="not divisible"):

@@ -12,7 +12,8 @@ there; config files start from `configs.base.base_config()`):
   allow_config_change   resume a workdir whose run was started with another config
   model        preset + overrides (ModelConfig fields), or init from hf:DIR / ckpt:DIR
   tokenizer    path and chat format, or a sentencepiece model trained for the demo
-  mesh         device mesh axis sizes (data, fsdp, tensor, expert); -1 = the remaining devices
+  mesh         device mesh axis sizes (data, fsdp, tensor, expert, sequence); -1 = the remaining
+               devices
   optimizer    trainer.optim.OptimizerConfig fields (AdamW, Muon, MuonClip, schedule)
   loss         rl.losses.LossConfig fields
   data         SFT data: trainer.data.SFTDataConfig fields (the fixed BatchShape of a step
@@ -540,8 +541,8 @@ def mesh_shape(config, num_devices: int) -> tuple[int, ...]:
     One size per axis of `MESH_AXES`, the -1 axis resolved.
 
   Raises:
-    ConfigError: the sizes' product is not `num_devices`, or data.rows_per_batch is not a
-      multiple of data x fsdp x expert.
+    ConfigError: the sizes' product is not `num_devices`, data.rows_per_batch is not a
+      multiple of data x fsdp x expert, or data.row_len not a multiple of sequence.
   """
   given = {a: config.mesh[a] for a in MESH_AXES}
   try:
@@ -554,6 +555,11 @@ def mesh_shape(config, num_devices: int) -> tuple[int, ...]:
   if rows % batch:
     raise ConfigError(f"config.data.rows_per_batch={rows}: expected a multiple of mesh data x "
                       f"fsdp x expert = {batch} (the batch axes)")
+  sequence = sizes[MESH_AXES.index("sequence")]
+  if config.data.row_len % sequence:
+    raise ConfigError(f"config.data.row_len={config.data.row_len}: expected a multiple of "
+                      f"mesh.sequence = {sequence} (each sequence shard holds an equal chunk "
+                      "of every row)")
   return tuple(sizes)
 
 

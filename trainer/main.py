@@ -119,8 +119,9 @@ def make_mesh(config):
     The Mesh, one axis per `models.sharding.MESH_AXES`.
 
   Raises:
-    ConfigError: the axes' product does not match the devices, or data.rows_per_batch is not
-      a multiple of data x fsdp x expert (`trainer.config.mesh_shape`).
+    ConfigError: the axes' product does not match the devices, data.rows_per_batch is not
+      a multiple of data x fsdp x expert, or data.row_len not a multiple of sequence
+      (`trainer.config.mesh_shape`).
   """
   if config.mode == "demo":  # the stages share one mesh: the SFT stage's
     config = config.sft
