@@ -5,6 +5,13 @@ of the named checkpoint (sizes, RoPE, routing); training-only knobs that a confi
 carry (`bias_update_rate`, `seq_balance_coef`) follow the DeepSeek-V3 paper. The `tiny-*` presets
 are small enough to build and run in unit tests.
 
+Long contexts. The Qwen checkpoints ship without YaRN (`config.json` has no `rope_scaling`); their
+model cards enable 128K contexts with YaRN x4 over the 32,768 pre-training positions. The
+`-128k` presets are those settings (`QWEN_YARN_128K`); for a checkpoint import the same fields go
+in `model.overrides` (`configs/long_context.py`). DeepSeek-V3 and Kimi K2 ship with YaRN in their
+config.json and their presets carry it. `LONG_CONTEXT` maps each long-context variant to the
+preset it extends (the same weights).
+
 `count_params(cfg)` counts the parameters of the model a config describes, from the config alone;
 `count_active_params(cfg)` counts those one token passes through (top-k routed experts only).
 """
@@ -19,6 +26,13 @@ from models.config import ModelConfig
 # max_position_embeddings is the config.json value (32768); 128K context needs YaRN factor 4.
 _QWEN25 = ModelConfig(vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1e6,
                       max_position_embeddings=32768, qkv_bias=True, head_dim=128)
+
+# The Qwen2.5-Coder (7B and up) and Qwen3 (4B and up) model cards' 128K setting: `rope_scaling`
+# {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}; transformers'
+# YaRN defaults give beta_fast 32, beta_slow 1 and a cos/sin factor 0.1 ln 4 + 1 (no softmax
+# mscale for GQA). Usable as `ModelConfig.replace(**QWEN_YARN_128K)` or as model overrides.
+QWEN_YARN_128K = dict(rope_type="yarn", rope_factor=4.0, rope_original_max_position=32768,
+                      max_position_embeddings=131072)
 
 # Qwen3 dense: GQA with per-head q/k RMSNorm, no bias, head_dim 128 at every size.
 _QWEN3 = ModelConfig(vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1e6,
@@ -104,6 +118,12 @@ PRESETS: dict[str, ModelConfig] = {
         q_lora_rank=None, num_experts=64, num_shared_experts=2, experts_per_token=6, n_group=1,
         topk_group=1, routed_scaling_factor=2.446, first_k_dense_replace=1,
         moe_intermediate_size=1408),
+    # moonshotai/Kimi-K2-Instruct-0905: the same weights layout, 256K context (YaRN x64).
+    "kimi-k2-0905": _DEEPSEEK_V3.replace(
+        vocab_size=163840, num_heads=64, num_kv_heads=64, max_position_embeddings=262144,
+        rope_theta=50000.0, rope_factor=64.0, yarn_beta_fast=1.0, yarn_beta_slow=1.0,
+        num_experts=384, n_group=1, topk_group=1, routed_scaling_factor=2.827,
+        first_k_dense_replace=1),
     # --- tiny presets for tests
     "tiny-dense": ModelConfig(
         vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -122,7 +142,23 @@ PRESETS: dict[str, ModelConfig] = {
         intermediate_size=128, qk_norm=True,
         num_experts=8, experts_per_token=2, score_func="softmax", norm_topk_prob=True,
         moe_intermediate_size=32),
+    # Long-context test models: tiny-dense (Qwen2 layout) with the Qwen 128K YaRN recipe, and
+    # tiny-moe-mla with DeepSeek-V3's YaRN (x40 over 4,096 positions, softmax mscale^2).
+    "tiny-dense-yarn": ModelConfig(
+        vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, qkv_bias=True, rope_theta=1e6, **QWEN_YARN_128K),
+    "tiny-moe-mla-yarn": _TINY_MOE_MLA.replace(
+        max_position_embeddings=163840, rope_theta=10000.0, rope_type="yarn", rope_factor=40.0,
+        rope_original_max_position=4096, yarn_beta_fast=32.0, yarn_beta_slow=1.0,
+        yarn_mscale=1.0, yarn_mscale_all_dim=1.0),
 }
+
+# Long-context variants -> the preset whose weights they use.
+LONG_CONTEXT: dict[str, str] = {"kimi-k2-0905": "kimi-k2"}
+for _name in ("qwen2.5-coder-7b", "qwen2.5-coder-14b", "qwen2.5-coder-32b", "qwen3-4b",
+              "qwen3-8b", "qwen3-14b", "qwen3-32b", "qwen3-30b-a3b"):
+  PRESETS[f"{_name}-128k"] = PRESETS[_name].replace(**QWEN_YARN_128K)
+  LONG_CONTEXT[f"{_name}-128k"] = _name
 
 
 def get_preset(name: str) -> ModelConfig:

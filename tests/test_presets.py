@@ -16,7 +16,8 @@ from flax import nnx
 
 from models import transformer
 from models.config import ModelConfig
-from models.presets import PRESETS, count_active_params, count_params, get_preset
+from models.presets import (LONG_CONTEXT, PRESETS, count_active_params, count_params,
+                            get_preset)
 
 
 def _embedding_params(cfg: ModelConfig) -> int:
@@ -123,8 +124,25 @@ def test_non_embedding(name):
 
 def test_every_published_preset_is_checked():
   published = {name for name in PRESETS if not name.startswith("tiny-")}
-  checked = set(CARD_TOTALS) | set(EXACT_TOTALS) | set(NON_EMBEDDING)
+  checked = set(CARD_TOTALS) | set(EXACT_TOTALS) | set(NON_EMBEDDING) | set(LONG_CONTEXT)
   assert published <= checked, published - checked
+
+
+_ROPE_FIELDS = {"max_position_embeddings", "rope_theta", "rope_type", "rope_factor",
+                "rope_original_max_position", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale",
+                "yarn_mscale_all_dim", "yarn_truncate", "yarn_attention_factor"}
+
+
+@pytest.mark.parametrize("name", sorted(LONG_CONTEXT))
+def test_long_context_variants_keep_their_base_weights(name):
+  """A long-context variant differs from its base preset in RoPE settings only, so the base's
+  checked parameter count (and checkpoint) is the variant's."""
+  cfg, base = PRESETS[name], PRESETS[LONG_CONTEXT[name]]
+  differ = {f.name for f in dataclasses.fields(cfg)
+            if getattr(cfg, f.name) != getattr(base, f.name)}
+  assert differ and differ <= _ROPE_FIELDS, differ
+  assert cfg.rope_type == "yarn" and cfg.max_position_embeddings > base.max_position_embeddings
+  assert count_params(cfg, include_buffers=True) == count_params(base, include_buffers=True)
 
 
 def test_tiny_dense_hand_count():
