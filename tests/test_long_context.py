@@ -207,3 +207,25 @@ def test_qwen_checkpoint_with_yarn_overrides(tmp_path):
   got = np.asarray(_forward(model, jnp.asarray(tokens, jnp.int32), jnp.asarray(POSITIONS),
                             jnp.asarray(end)))
   np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+
+
+def test_long_context_config_applies_the_yarn_recipe(tmp_path):
+  """configs/long_context.py on a Qwen checkpoint as published gives the -128k preset's RoPE;
+  on a DeepSeek-V3 checkpoint it keeps the checkpoint's own YaRN."""
+  from configs import long_context
+  from trainer import config as config_lib
+
+  assert long_context.QWEN_YARN_128K == QWEN_YARN_128K
+  for family, preset, want in (("qwen2.5-coder", "tiny-dense", "tiny-dense-yarn"),
+                               ("deepseek-v3", "tiny-moe-mla-yarn", "tiny-moe-mla-yarn")):
+    base = get_preset(preset)
+    if family.startswith("qwen"):
+      base = base.replace(rope_theta=1e6, max_position_embeddings=32768)
+    _hf_config(base, tmp_path / family)
+    c = long_context.get_config(family)
+    c.model.init = f"hf:{tmp_path / family}"
+    cfg = config_lib.model_config(c)
+    assert {f: getattr(cfg, f) for f in ROPE_FIELDS} == \
+        {f: getattr(PRESETS[want], f) for f in ROPE_FIELDS}
+    assert cfg.max_position_embeddings >= c.data.row_len == long_context.ROW_LEN
+    assert c.data.row_len % c.mesh.sequence == 0
