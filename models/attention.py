@@ -14,6 +14,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.kernels.attention import attention
+from models.kernels.paged_attention import paged_attention_auto
 from models.layers import Dense, RMSNorm, dtype_of, round_to
 from models.rope import apply_rope
 from models.sharding import constrain, logical_to_spec
@@ -67,14 +68,43 @@ def cache_view(index: jax.Array, s: int, capacity: int) -> tuple[jax.Array, jax.
   return q_index, end
 
 
+def write_pages(pages: jax.Array, new: jax.Array, page_table: jax.Array, index: jax.Array
+                ) -> jax.Array:
+  """Write new entries into a paged cache at per-sequence positions.
+
+  Positions whose page-table entry is past the table or names no page (an id >= num_pages)
+  are dropped: padding rows and padded prefill positions past a sequence's pages write
+  nothing.
+
+  Args:
+    pages: [kv_heads, num_pages, page_size, dim] the layer's pages.
+    new: [batch, s, kv_heads, dim] entries to write.
+    page_table: [batch, pages_per_seq] int32 page ids of each sequence.
+    index: [batch] position of each sequence's first new entry.
+
+  Returns:
+    The updated pages (in their dtype).
+  """
+  num_pages, page_size = pages.shape[1:3]
+  b, s = new.shape[:2]
+  pos = index[:, None] + jnp.arange(s, dtype=index.dtype)[None]  # [b, s]
+  slot = pos // page_size
+  n = page_table.shape[1]
+  page = jnp.take_along_axis(page_table, jnp.minimum(slot, n - 1), axis=1)
+  page = jnp.where(slot < n, page, num_pages)
+  values = jnp.transpose(new, (2, 0, 1, 3)).astype(pages.dtype)  # [kv_heads, b, s, dim]
+  return pages.at[:, page, pos % page_size].set(values, mode="drop")
+
+
 
 def _partition(cfg: ModelConfig):
-  """(batch, head) mesh axes of the attention activations under the current mesh, or None."""
+  """(batch, head, sequence) mesh axes of the attention activations [batch, seq, heads, dim]
+  under the current mesh, or None outside one."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return None
-  spec = logical_to_spec(("batch", "act_heads"), cfg.sharding_rules, mesh)
-  return spec[0], spec[1]
+  spec = logical_to_spec(("batch", "seq", "act_heads"), cfg.sharding_rules, mesh)
+  return spec[0], spec[2], spec[1]
 
 class GQA(nnx.Module):
   """Grouped-query attention with optional q/k/v bias (Qwen2) and q/k RMSNorm (Qwen3).
@@ -118,7 +148,21 @@ class GQA(nnx.Module):
     return {"k": jnp.zeros((batch, kvh, capacity, hd), dt),
             "v": jnp.zeros((batch, kvh, hd, capacity), dt)}
 
-  def __call__(self, x, cos, sin, end, cache=None, index=None):
+  def init_paged_cache(self, num_pages: int, page_size: int) -> dict:
+    """Allocates this layer's empty paged KV cache (`models.kernels.paged_attention`).
+
+    Args:
+      num_pages: pages in the pool.
+      page_size: token positions per page.
+
+    Returns:
+      {"k", "v": [kv_heads, num_pages, page_size, head_dim]} zeros in the compute dtype.
+    """
+    kvh, hd, dt = self.cfg.num_kv_heads, self.cfg.head_dim, dtype_of(self.cfg)
+    return {"k": jnp.zeros((kvh, num_pages, page_size, hd), dt),
+            "v": jnp.zeros((kvh, num_pages, page_size, hd), dt)}
+
+  def __call__(self, x, cos, sin, end, cache=None, index=None, page_table=None):
     """Attend over x (or, with a cache, over the cache after writing x's keys and values).
 
     Args:
@@ -126,11 +170,13 @@ class GQA(nnx.Module):
       cos: rotary cosine table of x's positions (`models.rope.cos_sin`).
       sin: the matching sine table.
       end: [batch, seq] tree-rule ends; ignored (may be None) with a cache.
-      cache: this layer's cache from `init_cache`, or None.
+      cache: this layer's cache from `init_cache` (or `init_paged_cache`), or None.
       index: [batch] cache slot of each row's first token (with a cache).
+      page_table: [batch, pages_per_seq] int32 pages of each row, with a paged cache.
 
     Returns:
-      (out [batch, seq, hidden], max_logits [heads] fp32, updated cache or None).
+      (out [batch, seq, hidden], max_logits [heads] fp32, updated cache or None). With a paged
+      cache max_logits are zeros (QK-Clip reads training passes only).
     """
     cfg = self.cfg
     q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -140,6 +186,12 @@ class GQA(nnx.Module):
     k = apply_rope(k, cos, sin, interleaved=False)
     q = constrain(q, ("batch", "seq", "act_heads", None), cfg)
     q_index = None
+    if page_table is not None:
+      cache = {"k": write_pages(cache["k"], k, page_table, index),
+               "v": write_pages(cache["v"], v, page_table, index)}
+      out = paged_attention_auto(q, cache["k"], cache["v"], page_table, index,
+                                 scale=cfg.softmax_scale)
+      return self.o_proj(out), jnp.zeros((cfg.num_heads,), jnp.float32), cache
     if cache is not None:
       cache = {"k": write_cache(cache["k"], k, index, 2), "v": write_cache(cache["v"], v, index, 3)}
       k, v = jnp.swapaxes(cache["k"], 1, 2), jnp.transpose(cache["v"], (0, 3, 1, 2))
@@ -197,6 +249,22 @@ class MLA(nnx.Module):
     return {"c_kv": jnp.zeros((batch, capacity, cfg.kv_lora_rank), dtype_of(cfg)),
             "k_rope": jnp.zeros((batch, capacity, cfg.qk_rope_head_dim), dtype_of(cfg))}
 
+  def init_paged_cache(self, num_pages: int, page_size: int) -> dict:
+    """Allocates this layer's empty paged latent cache (one key/value head).
+
+    Args:
+      num_pages: pages in the pool.
+      page_size: token positions per page.
+
+    Returns:
+      {"c_kv": [1, num_pages, page_size, kv_lora_rank],
+       "k_rope": [1, num_pages, page_size, qk_rope_head_dim]} zeros in the compute dtype.
+    """
+    cfg = self.cfg
+    return {"c_kv": jnp.zeros((1, num_pages, page_size, cfg.kv_lora_rank), dtype_of(cfg)),
+            "k_rope": jnp.zeros((1, num_pages, page_size, cfg.qk_rope_head_dim),
+                                dtype_of(cfg))}
+
   def _query(self, x, cos, sin):
     cfg = self.cfg
     if cfg.q_lora_rank is None:
@@ -213,7 +281,7 @@ class MLA(nnx.Module):
     k_rope = apply_rope(kv[..., None, cfg.kv_lora_rank:], cos, sin, cfg.rope_interleave)
     return c_kv, k_rope[:, :, 0]
 
-  def __call__(self, x, cos, sin, end, cache=None, index=None):
+  def __call__(self, x, cos, sin, end, cache=None, index=None, page_table=None):
     """Attend over x, or, with a cache, in latent space over the cache (`_absorbed`).
 
     Arguments and outputs as `GQA.__call__`.
@@ -221,6 +289,12 @@ class MLA(nnx.Module):
     cfg = self.cfg
     q_nope, q_rope = self._query(x, cos, sin)
     c_kv, k_rope = self._latent(x, cos, sin)
+    if page_table is not None:
+      cache = {"c_kv": write_pages(cache["c_kv"], c_kv[:, :, None], page_table, index),
+               "k_rope": write_pages(cache["k_rope"], k_rope[:, :, None], page_table, index)}
+      out, max_logits = self._absorbed(q_nope, q_rope, cache["c_kv"], cache["k_rope"], None,
+                                       index, page_table)
+      return self.o_proj(out), max_logits, cache
     if cache is not None:
       cache = {"c_kv": write_cache(cache["c_kv"], c_kv, index),
                "k_rope": write_cache(cache["k_rope"], k_rope, index)}
@@ -240,7 +314,7 @@ class MLA(nnx.Module):
                                 partition=_partition(cfg))
     return self.o_proj(out), max_logits, None
 
-  def _absorbed(self, q_nope, q_rope, c_kv, k_rope, end, q_index=None):
+  def _absorbed(self, q_nope, q_rope, c_kv, k_rope, end, q_index=None, page_table=None):
     """Attention in latent space: MQA with key [c_kv; k_rope] and value c_kv, shared by heads.
 
     q_nope·k_nope = (W_UK^T q_nope)·c_kv, and the output up-projection W_UV is applied after
@@ -251,7 +325,11 @@ class MLA(nnx.Module):
       q_nope, q_rope: [b, s, h, d_nope], [b, s, h, d_rope] queries.
       c_kv, k_rope: [b, t, r], [b, t, d_rope] latents and rotary keys (the cache, or the row).
       end: [b, t] the tree-rule end of each key.
-      q_index: [b, s] the queries' slots in a cache; None: the row itself (full pass).
+      q_index: [b, s] the queries' slots in a cache; None: the row itself (full pass). With
+        `page_table`: [b] the position of each row's first query.
+      page_table: [b, pages_per_seq] with a paged cache: c_kv, k_rope are then the pages
+        [1, num_pages, page_size, r] and [1, num_pages, page_size, d_rope], `end` is unused
+        and max_logits are zeros.
 
     Returns:
       (out [b, s, h, d_v] before o_proj, max_logits [h]).
@@ -262,6 +340,13 @@ class MLA(nnx.Module):
     w_uk, w_uv = w[..., :cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim:]
     q_latent = round_to(jnp.einsum("bshn,rhn->bshr", q_nope, w_uk,
                                    preferred_element_type=jnp.float32), dt)
+    if page_table is not None:
+      out_latent = paged_attention_auto(q_latent, c_kv, c_kv, page_table, q_index,
+                                        scale=cfg.softmax_scale, q_rope=q_rope,
+                                        k_rope_pages=k_rope)
+      out = round_to(jnp.einsum("bshr,rhv->bshv", out_latent, w_uv,
+                                preferred_element_type=jnp.float32), dt)
+      return out, jnp.zeros((cfg.num_heads,), jnp.float32)
     q = jnp.concatenate([q_latent, q_rope], -1)
     k = jnp.concatenate([c_kv, k_rope], -1)[:, :, None]
     if q_index is None:

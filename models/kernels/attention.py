@@ -14,6 +14,10 @@ For decoding against a cache, `q_index` gives each query's row index in the key 
 masked blocks; "auto" takes the kernel of the running backend and the reference elsewhere. A
 Pallas kernel asked for on another backend runs in interpret mode (slow; for tests). Decoding
 (`q_index` given) always uses the reference.
+
+A row whose tokens are sharded over the mesh (the `sequence` axis: `partition` names sequence
+axes) runs the context-parallel kernel (models/kernels/context_parallel.py) whatever `impl`
+says: no single-device kernel sees a whole row there.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from models.kernels import tree_attention_gpu, tree_attention_tpu, tree_attention_xla
+from models.kernels import context_parallel, tree_attention_gpu, tree_attention_tpu, \
+    tree_attention_xla
 from models.kernels.mask import MASK_VALUE, allowed
 
 # Below this many keys the dense reference beats the blocked loop on CPU (one fused einsum);
@@ -52,9 +57,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array, *, scale
     scale: softmax scale applied to q·k.
     q_index: [batch, q_len] int row index of each query; default `arange(q_len)`.
     impl: "xla" | "xla_flash" | "pallas_tpu" | "pallas_gpu" | "auto" (see module docstring).
-    partition: (batch mesh axes, head mesh axes) of the activations under the current mesh
-      (`jax.set_mesh`); a Pallas kernel then runs on each shard inside `jax.shard_map`, since
-      XLA cannot partition a Mosaic / Triton call. None, or no mesh set: one call.
+    partition: (batch mesh axes, head mesh axes[, sequence mesh axes]) of the activations
+      under the current mesh (`jax.set_mesh`); a Pallas kernel then runs on each shard inside
+      `jax.shard_map`, since XLA cannot partition a Mosaic / Triton call. Sequence axes
+      (queries are the row itself) select context-parallel attention. None, or no mesh set:
+      one call.
 
   Returns:
     out: [batch, q_len, heads, v_dim] in q's dtype.
@@ -69,10 +76,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array, *, scale
     impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(target_platform(), fallback)
   if impl not in IMPLS:
     raise ValueError(f"attention impl={impl!r}: expected one of {IMPLS} or 'auto'")
+  meshed = partition is not None and not jax.sharding.get_abstract_mesh().empty
+  if meshed and q_index is None and len(partition) > 2 and partition[2] is not None:
+    batch, heads, seq = partition
+    return context_parallel.tree_attention(q, k, v, end, scale=scale, axis=seq, batch=batch,
+                                           heads=heads)
   if impl != "xla" and q_index is None:
     kernel = functools.partial(_kernel(impl, target_platform()), scale=scale)
-    if impl in _PALLAS and partition is not None and not jax.sharding.get_abstract_mesh().empty:
-      return _per_shard(kernel, q, k, v, end, *partition)
+    if impl in _PALLAS and meshed:
+      return _per_shard(kernel, q, k, v, end, *partition[:2])
     return kernel(q, k, v, end)
   b, lq, h, _ = q.shape
   kvh = k.shape[2]

@@ -1,0 +1,201 @@
+"""Context parallelism: rows sharded over the `sequence` mesh axis give the single-device
+results (tree attention kernel, forward log-probs, gradients, QK-Clip max logits).
+
+The checks run in one subprocess with 8 simulated CPU devices (`python -m
+tests.test_context_parallel`); the test asserts each printed its "ok" line.
+"""
+
+import os
+import sys
+
+if __name__ == "__main__":  # before JAX initialises its backend
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from models import sharding, transformer  # noqa: E402
+from models.kernels import attention as attention_lib  # noqa: E402
+from models.kernels import context_parallel  # noqa: E402
+from models.logprobs import sequence_logprobs  # noqa: E402
+from rl.packing import pack  # noqa: E402
+from rl.tree import CallTokens, TrajectoryTokens, build_tree  # noqa: E402
+from tests import tree_cases  # noqa: E402
+from tests.conftest import TINY_DENSE, TINY_MOE_MLA, run_check  # noqa: E402
+
+ROW = 128
+ROWS = 4
+# (sequence, fsdp) meshes of the 8 devices
+MESHES = ((2, 4), (4, 2), (8, 1))
+CHECKS = ["kernel ring 4", "kernel all_gather 4", "kernel ring 8", "counts",
+          "model dense 2", "model dense 8", "model moe_mla 4", "model moe_mla 8"]
+
+
+def test_mesh_rejects_row_not_divisible_by_sequence():
+  q = jnp.zeros((1, 12, 2, 4))
+  with pytest.raises(ValueError, match="needs a mesh"):
+    context_parallel.tree_attention(q, q, q, jnp.ones((1, 12), jnp.int32), scale=1.0,
+                                    axis="sequence")
+
+
+def test_expected_block_counts_of_a_causal_row():
+  # one causal row of 16 in 4 shards of 4, blocks of 2: shard r sees blocks 0 .. 2r + 1
+  counts = context_parallel.expected_block_counts(np.full((1, 16), 16), 4, block=2)
+  np.testing.assert_array_equal(counts, [[2, 4, 6, 8]])
+  # padding only (end = j + 1): each shard sees its own blocks
+  counts = context_parallel.expected_block_counts(np.arange(1, 17)[None], 4, block=2)
+  np.testing.assert_array_equal(counts, [[2, 2, 2, 2]])
+
+
+def test_context_parallel_matches_single_device():
+  stdout = run_check("test_context_parallel")
+  for name in CHECKS:
+    assert f"ok {name}:" in stdout, stdout
+
+
+def _mesh(seq):
+  return sharding.make_mesh(sharding.MeshConfig(fsdp=dict(MESHES)[seq], sequence=seq))
+
+
+def _tree_ends(rng, rows, length):
+  """[rows, length] `end` rows of packed random trees, each longer than a shard's chunk."""
+  out = []
+  for _ in range(rows):
+    a, _ = tree_cases.random_tree_end(rng, 40)
+    b, _ = tree_cases.random_tree_end(rng, 70)
+    out.append(tree_cases.packed_row([a, b], length))
+  return np.stack(out)
+
+
+def check_kernel(method, seq):
+  """Forward, max logits and gradients equal the "xla" reference on random tree rows."""
+  rng = np.random.default_rng(seq)
+  b, h, kvh, d = 2, 4, 2, 8
+  q, k, v = (jnp.asarray(rng.normal(size=(b, ROW, n, d)), jnp.float32) for n in (h, kvh, kvh))
+  end = jnp.asarray(_tree_ends(rng, b, ROW))
+  w = jnp.asarray(rng.normal(size=(b, ROW, h, d)), jnp.float32)
+
+  def loss(attend):
+    def f(q, k, v):
+      out, max_logits = attend(q, k, v)
+      return jnp.sum(out * w), (out, max_logits)
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
+
+  (_, (ref, ref_max)), ref_grad = loss(
+      lambda q, k, v: attention_lib.attention(q, k, v, end, scale=0.3))(q, k, v)
+  with jax.set_mesh(_mesh(seq)):
+    (_, (out, max_logits)), grad = loss(lambda q, k, v: context_parallel.tree_attention(
+        q, k, v, end, scale=0.3, axis="sequence", batch="fsdp", block=4, method=method))(q, k, v)
+  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(max_logits, ref_max, rtol=1e-6)
+  for name, a, r in zip("qkv", grad, ref_grad):
+    err, norm = float(jnp.linalg.norm(a - r)), float(jnp.linalg.norm(r))
+    assert err <= 1e-5 * norm, (name, err, norm)
+  print(f"ok kernel {method} {seq}: max|Δout|={float(jnp.abs(out - ref).max()):.1e}")
+
+
+def check_counts():
+  """Each shard computes exactly the key blocks the NumPy rule expects, fewer than all."""
+  seq, block = 8, 4
+  trees = [build_tree(g) for g in _groups()]
+  batch = pack(trees, ROW, ROWS)[0]
+  end = jnp.asarray(batch.end)
+  q = jnp.asarray(np.random.default_rng(0).normal(size=(ROWS, ROW, 2, 8)), jnp.float32)
+  with jax.set_mesh(_mesh(seq)):
+    _, _, counts = jax.jit(lambda q, end: context_parallel.tree_attention(
+        q, q, q, end, scale=1.0, axis="sequence", block=block, return_counts=True))(q, end)
+  want = context_parallel.expected_block_counts(batch.end, seq, block)
+  np.testing.assert_array_equal(counts, want)
+  causal = context_parallel.expected_block_counts(np.full((ROWS, ROW), ROW), seq, block)
+  assert want.sum() < causal.sum(), (want.sum(), causal.sum())  # tree skipping beats causal
+  print(f"ok counts: {int(want.sum())} of {causal.sum()} causal / {ROWS * seq * ROW // block} "
+        "all blocks")
+
+
+def _groups():
+  """Groups whose tries span several 16-token chunks: shared prompts, branches, a two-call
+  trajectory that repeats its first call as context, and a compaction branch."""
+  rng = np.random.default_rng(1)
+  toks = lambda n: rng.integers(1, 128, n).tolist()
+  p, a0, obs, a1, summary = toks(24), toks(10), toks(6), toks(9), toks(5)
+  group_a = [TrajectoryTokens([CallTokens(p, a0), CallTokens(p + a0 + obs, a1)]),
+             TrajectoryTokens([CallTokens(p, a0[:4] + toks(12))]),
+             TrajectoryTokens([CallTokens(p + a0, toks(7)), CallTokens(p + summary, toks(8))])]
+  q = toks(30)
+  group_b = [TrajectoryTokens([CallTokens(q, toks(n))]) for n in (20, 14, 17)]
+  r = toks(50)
+  group_c = [TrajectoryTokens([CallTokens(r, toks(n))]) for n in (25, 30)]
+  group_d = [TrajectoryTokens([CallTokens(toks(40), toks(60))])]
+  return [group_a, group_b, group_c, group_d]
+
+
+def _loss(model, batch, cfg):
+  h, aux, _ = model.hidden(batch["tokens"], batch["positions"], batch["end"])
+  lp, _ = sequence_logprobs(h, model.lm_head_weight(), batch["seq_pred"], batch["seq_tokens"],
+                            chunk=64, cfg=cfg)
+  loss = -(lp * batch["weight"]).sum() / batch["weight"].sum()
+  return loss, (lp, aux["max_logits"])
+
+
+def check_model(name, cfg, seqs):
+  """Tree-packed log-probs, loss, gradients and max logits on each mesh equal one device's."""
+  trees = [build_tree(g) for g in _groups()]
+  tb = pack(trees, ROW, ROWS)
+  assert len(tb) == 1, len(tb)
+  tb = tb[0]
+  batch = {f: jnp.asarray(getattr(tb, f)) for f in ("tokens", "positions", "end", "seq_pred",
+                                                    "seq_tokens")}
+  batch["weight"] = jnp.asarray(tb.seq_valid * tb.fields["loss_mask"], jnp.float32)
+  pad = -len(batch["weight"]) % ROWS  # sequences are sharded over the batch axes too
+  for f in ("seq_pred", "seq_tokens", "weight"):
+    batch[f] = jnp.pad(batch[f], ((0, pad), (0, 0)))
+  model = transformer.init(cfg, seed=0)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def step(params, rest, batch, cfg):
+    return jax.value_and_grad(lambda p: _loss(nnx.merge(graphdef, p, rest), batch, cfg),
+                              has_aux=True)(params)
+
+  (ref_loss, (ref_lp, ref_max)), ref_grad = jax.jit(step, static_argnums=3)(params, rest, batch,
+                                                                            None)
+  valid = np.asarray(batch["weight"]) > 0
+  for seq in seqs:
+    mesh = _mesh(seq)
+    with jax.set_mesh(mesh):
+      _, p, r = nnx.split(sharding.shard_model(model, mesh), nnx.Param, ...)
+      bs = {k: jax.device_put(a, sharding.batch_sharding(cfg, mesh, a.ndim))
+            for k, a in batch.items()}
+      (loss, (lp, max_logits)), grad = jax.jit(step, static_argnums=3)(p, r, bs, cfg)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(lp)[valid], np.asarray(ref_lp)[valid], rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(max_logits, ref_max, rtol=1e-6, atol=1e-6)
+    flat = jax.tree_util.tree_flatten_with_path(grad)[0]
+    for (path, a), b in zip(flat, jax.tree.leaves(ref_grad)):
+      err, norm = float(jnp.linalg.norm(a - b)), float(jnp.linalg.norm(b))
+      assert err <= 1e-5 * norm + 1e-7, (jax.tree_util.keystr(path), err, norm)
+    print(f"ok model {name} {seq}: |Δloss|={abs(float(loss - ref_loss)):.1e}")
+
+
+def main():
+  assert len(jax.devices()) == 8
+  if len(sys.argv) > 1:  # one check by name, e.g. "model dense"
+    kind, name, *rest = sys.argv[1:]
+    if kind == "model":
+      check_model(name, {"dense": TINY_DENSE, "moe_mla": TINY_MOE_MLA}[name],
+                  tuple(int(x) for x in rest))
+    return
+  check_kernel("ring", 4)
+  check_kernel("all_gather", 4)
+  check_kernel("ring", 8)
+  check_counts()
+  check_model("dense", TINY_DENSE, (2, 8))
+  check_model("moe_mla", TINY_MOE_MLA, (4, 8))
+  sys.stdout.flush()
+
+
+if __name__ == "__main__":
+  main()
