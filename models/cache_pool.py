@@ -65,6 +65,10 @@ class CachePool:
     self.length[:] = 0
     self.version[:] = -1
 
+  def expert_row(self, row: int) -> np.ndarray:
+    """[capacity, moe_layers, k] int16 the experts of each of the row's positions (a view)."""
+    return self.experts[row]
+
   def _touch(self, row: int) -> None:
     self._tick += 1
     self.used[row] = self._tick

@@ -54,10 +54,12 @@ from flax import nnx
 
 from models import sampler, transformer
 from models.cache_pool import CachePool
+from models.paged_cache import PagedPool
 
 logger = logging.getLogger(__name__)
 
 ON_UPDATE = ("finish", "resubmit", "restart")
+CACHES = ("contiguous", "paged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +81,11 @@ class EngineConfig:
                                   # weights) | "resubmit" (keep tokens, continue on new weights)
                                   # | "restart" (drop tokens, start again on new weights)
   seed: int = 0                   # seeds requests that give none
+  cache: str = "contiguous"       # "contiguous": a row of max_seq_len positions per sequence |
+                                  # "paged": pages of page_size positions, shared by prefixes
+  page_size: int = 16             # paged: positions per page
+  num_pages: int = 0              # paged: pages in the pool (0 = the contiguous pool's memory,
+                                  # (slots + prefix_cache_rows) * ceil(max_seq_len / page_size))
 
 
 @dataclasses.dataclass
@@ -122,7 +129,8 @@ class _Request:
     self.cached = 0
     self.started = False  # its Future is running
     self.checked = 0  # output tokens already searched for stop strings
-    self.row = -1
+    self.row = -1  # cache row (paged: sequence id) while running
+    self.admission = 0  # order of its latest admission
 
   def seq(self) -> np.ndarray:
     return np.concatenate([self.input_ids, np.asarray(self.output, np.int32)])
@@ -170,6 +178,8 @@ class Engine:
     self._check_config()
     c = config
     self.num_rows = c.slots + c.prefix_cache_rows
+    self.paged = c.cache == "paged"
+    self.num_pages = c.num_pages or self.num_rows * -(-c.max_seq_len // c.page_size)
     self.capacity = c.max_seq_len
     self.prefill_rows = c.prefill_rows or c.slots
     # Decoding runs the unstacked model: every layer reads its own weight and cache buffers.
@@ -177,8 +187,13 @@ class Engine:
     model = model if _is_unstacked(model) else transformer.unstack(model)
     self._graphdef, self._state = nnx.split(model)
     self.version = 0
-    self._pool = CachePool(model, self.num_rows, self.capacity, self._count,
-                           experts=c.return_expert_ids)
+    if self.paged:
+      self._pool = PagedPool(model, self.num_pages, c.page_size, self.capacity, self._count,
+                             experts=c.return_expert_ids, retain=c.prefix_cache_rows)
+    else:
+      self._pool = CachePool(model, self.num_rows, self.capacity, self._count,
+                             experts=c.return_expert_ids)
+    self._admissions = 0  # admission order of running requests (preemption takes the newest)
     # Decode batch: the request in each slot.
     self._slots: list[Optional[_Request]] = [None] * c.slots
     self._queue: collections.deque[_Request] = collections.deque()
@@ -210,6 +225,15 @@ class Engine:
       fail("on_update", f"expected one of {ON_UPDATE}")
     if c.return_expert_ids and not m.is_moe:
       fail("return_expert_ids", "the model has no MoE layers")
+    if c.cache not in CACHES:
+      fail("cache", f"expected one of {CACHES}")
+    if c.page_size <= 0:
+      fail("page_size", "must be positive")
+    if c.num_pages < 0:
+      fail("num_pages", "must be >= 0")
+    if c.num_pages and c.num_pages * c.page_size < c.max_seq_len:
+      fail("num_pages", f"x page_size={c.page_size} cannot hold one sequence of max_seq_len="
+                        f"{c.max_seq_len} positions")
 
   # ------------------------------------------------------------------ public API
 
@@ -319,10 +343,17 @@ class Engine:
 
     prefill_tokens (real tokens prefilled), prefill_padded_tokens, prefill_calls, decode_calls,
     decode_steps, decoded_tokens, cache_hits (requests that reused a prefix), reused_tokens,
-    row_copies, evictions, finished, resubmitted, updates.
+    row_copies, evictions, finished, resubmitted, updates. A paged cache adds pages_allocated
+    (fresh pages taken), pages_shared (pages a request took from a cached prefix instead of
+    prefilling them), page_copies (copy-on-write), preempted (running requests sent back to
+    the queue for pages), and the gauges pages_used, pages_peak (most pages held at once)
+    and running_peak (most requests decoding at once).
     """
     with self._lock:
-      return dict(self._counters)
+      out = dict(self._counters)
+    if self.paged:
+      out["pages_used"] = self._pool.pages_used
+    return out
 
   def pending(self) -> int:
     """Requests queued or running."""
@@ -460,9 +491,17 @@ class Engine:
       req.row = -1
 
   def _admit(self) -> bool:
-    """Move queued requests into free slots; prefill what the cache does not hold."""
+    """Move queued requests into free slots; prefill what the cache does not hold.
+
+    With a paged cache, the running requests' pages for the next decode call come first
+    (`_reserve_running`); a request is admitted while pages for its input and one decode call
+    are free (idle cached sequences give theirs up).
+    """
     admitted = False
-    while self._queue and None in self._slots:
+    if self.paged and self._queue:
+      self._reserve_running()
+    short = False  # paged: out of pages
+    while self._queue and None in self._slots and not short:
       free = self._slots.count(None)
       plan: list[tuple[_Request, np.ndarray, int]] = []  # (request, row target, cached length)
       deferred = []
@@ -480,6 +519,12 @@ class Engine:
           if not req.future.set_running_or_notify_cancel():
             continue  # cancelled while queued
         req.row = self._pool.claim(req, src, m, self.version)
+        if self.paged and not self._pool.reserve(req.row, len(target) + self.cfg.steps_per_call):
+          self._pool.release(req.row)  # keeps what it shared for later
+          req.row = -1
+          deferred.append(req)
+          short = True
+          break
         plan.append((req, target, m))
       self._queue.extendleft(reversed(deferred))
       if not plan:
@@ -489,13 +534,40 @@ class Engine:
                          self.cfg.prefill_chunk, self.cfg.prefill_bucket)
       for req, target, m in plan:
         req.cached = m
+        req.admission = self._admissions
+        self._admissions += 1
         self._slots[self._slots.index(None)] = req
         self._count(cache_hits=int(m > 0), reused_tokens=m)
       admitted = True
     return admitted
 
+  def _reserve_running(self) -> None:
+    """Paged cache: gives every running request pages for the positions the next decode call
+    writes; while pages are short the newest running request is preempted (its sequence
+    stays cached while its pages are not needed, else it is prefilled again later)."""
+    for req in sorted((r for r in self._slots if r is not None), key=lambda r: r.admission):
+      if req.row < 0:
+        continue  # preempted in this loop
+      upto = len(req.input_ids) + len(req.output) - 1 + self.cfg.steps_per_call
+      while not self._pool.reserve(req.row, upto):
+        victim = max((r for r in self._slots if r is not None), key=lambda r: r.admission)
+        self._preempt(victim)
+        if victim is req:
+          break
+
+  def _preempt(self, req: _Request) -> None:
+    """Sends a running request back to the head of the queue, keeping its tokens."""
+    self._release(req)
+    self._slots[self._slots.index(req)] = None
+    self._queue.appendleft(req)
+    self._count(preempted=1)
+
   def _decode_call(self) -> None:
     c = self.cfg
+    if self.paged:
+      self._reserve_running()
+      if not any(r is not None for r in self._slots):
+        return
     s, n_stop = c.slots, max(c.max_stop_token_ids, 1)
     rows = np.full(s, self.num_rows, np.int32)
     tokens, lengths, counts, limits = (np.zeros(s, np.int32) for _ in range(4))
@@ -515,10 +587,22 @@ class Engine:
       temperature[i], top_p[i], top_k[i], seeds[i] = p.temperature, p.top_p, p.top_k, req.seed
       stop_ids[i, :len(p.stop_token_ids)] = p.stop_token_ids
     waiting = bool(self._queue) or bool(self._incoming)
-    self._pool.caches, steps, _, _, _, new_counts, out = sampler.decode(
-        self._graphdef, c.steps_per_call, c.top_logprobs, c.return_expert_ids, self._state,
-        self._pool.caches, rows, tokens, lengths, active, counts, limits, temperature,
-        top_k, top_p, seeds, stop_ids, np.int32(c.steps_per_call), np.bool_(waiting))
+    if self.paged:
+      self._pool.flush()
+      table = self._pool.table([r.row if r is not None else None for r in self._slots], s)
+      self._pool.caches, steps, _, _, _, new_counts, out = sampler.decode_paged(
+          self._graphdef, c.steps_per_call, c.top_logprobs, c.return_expert_ids, self._state,
+          self._pool.caches, table, tokens, lengths, active, counts, limits, temperature,
+          top_k, top_p, seeds, stop_ids, np.int32(c.steps_per_call), np.bool_(waiting))
+      with self._lock:
+        peaks = self._counters
+        peaks["pages_peak"] = max(peaks["pages_peak"], self._pool.pages_used)
+        peaks["running_peak"] = max(peaks["running_peak"], int(active.sum()))
+    else:
+      self._pool.caches, steps, _, _, _, new_counts, out = sampler.decode(
+          self._graphdef, c.steps_per_call, c.top_logprobs, c.return_expert_ids, self._state,
+          self._pool.caches, rows, tokens, lengths, active, counts, limits, temperature,
+          top_k, top_p, seeds, stop_ids, np.int32(c.steps_per_call), np.bool_(waiting))
     out = jax.device_get(out)
     new_counts, steps = np.asarray(new_counts), int(steps)
     emitted = 0
@@ -529,7 +613,7 @@ class Engine:
       emitted += n
       if c.return_expert_ids:  # step t fed the token at position seq_len - 1 + t
         fed = len(req.input_ids) + len(req.output) - 1
-        self._pool.experts[req.row, fed:fed + n] = out["expert_ids"][:n, :, i]
+        self._pool.expert_row(req.row)[fed:fed + n] = out["expert_ids"][:n, :, i]
       req.output.extend(out["tokens"][:n, i].tolist())
       req.logprobs.extend(out["logprobs"][:n, i].tolist())
       req.entropies.extend(out["entropy"][:n, i].tolist())
@@ -585,7 +669,7 @@ class Engine:
   def _finish(self, slot: int, req: _Request, reason: str) -> None:
     experts = None
     if self.cfg.return_expert_ids:  # the row holds seq[:-1]
-      experts = self._pool.experts[req.row, :len(req.seq()) - 1].copy()
+      experts = self._pool.expert_row(req.row)[:len(req.seq()) - 1].copy()
     self._release(req)
     self._slots[slot] = None
     self._count(finished=1)

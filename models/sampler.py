@@ -86,10 +86,11 @@ def _scatter_rows(pool: dict, rows: jax.Array, sub: dict) -> dict:
   return jax.tree.map(lambda a, s: a.at[rows].set(s, mode="drop"), pool, sub)
 
 
-def _forward(graphdef, state, tokens, positions, cache, index):
-  """(final hidden [b, s, hidden], aux, cache) after running tokens [b, s] against the cache."""
+def _forward(graphdef, state, tokens, positions, cache, index, page_table=None):
+  """(final hidden [b, s, hidden], aux, cache) after running tokens [b, s] against the cache
+  (paged when `page_table` [b, pages_per_seq] is given)."""
   model = nnx.merge(graphdef, state)
-  return model.hidden(tokens, positions, None, cache=cache, index=index)
+  return model.hidden(tokens, positions, None, cache=cache, index=index, page_table=page_table)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("experts",),
@@ -116,6 +117,47 @@ def prefill(graphdef, state, pool: dict, rows: jax.Array, tokens: jax.Array,
   _, aux, sub = _forward(graphdef, state, tokens, positions, sub, starts)
   pool = _scatter_rows(pool, rows, sub)
   return (pool, aux["expert_ids"]) if experts else pool
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("experts",),
+                   donate_argnums=(2,))
+def prefill_paged(graphdef, state, pages: dict, page_table: jax.Array, tokens: jax.Array,
+                  starts: jax.Array, *, experts: bool = False):
+  """Write the cache of tokens into a paged cache (`prefill` for `Transformer.init_paged_cache`).
+
+  Args:
+    graphdef: the (unstacked) model's graphdef (static).
+    state: the model's state.
+    pages: paged decode caches (donated).
+    page_table: [b, pages_per_seq] int32 pages of each batch row (padding rows and positions
+      past a row's pages name page ids >= num_pages: nothing is written there).
+    tokens: [b, p] int32 tokens to prefill.
+    starts: [b] position of each row's first token.
+    experts: also return the MoE expert choices of every prefilled token (static).
+
+  Returns:
+    The updated pages; with `experts`, (pages, expert_ids [moe_layers, b, p, k] int32).
+  """
+  TRACES["prefill_paged"] += 1
+  positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+  _, aux, pages = _forward(graphdef, state, tokens, positions, pages, starts, page_table)
+  return (pages, aux["expert_ids"]) if experts else pages
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def copy_pages(pages: dict, src: jax.Array, dst: jax.Array) -> dict:
+  """Copies pages src[i] to dst[i] in every layer (copy-on-write); all reads come first.
+
+  Args:
+    pages: paged decode caches, leaves [..., num_pages, page_size, dim] (donated).
+    src: [n] int32 pages read.
+    dst: [n] int32 pages overwritten; ids >= num_pages are padding (dropped).
+
+  Returns:
+    The new pages.
+  """
+  TRACES["copy_pages"] += 1
+  return jax.tree.map(lambda a: a.at[..., dst, :, :].set(a[..., src, :, :], mode="drop"), pages)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -171,10 +213,36 @@ def decode(graphdef, k: int, top_n: int, experts: bool, state, pool, rows, token
     [k, moe_layers, slots, experts_per_token] when asked for).
   """
   TRACES["decode"] += 1
+  sub = _gather_rows(pool, rows)
+  sub, *rest = _decode_loop(graphdef, k, top_n, experts, state, sub, None, tokens, lengths,
+                            active, counts, limits, temperature, top_k, top_p, seeds, stop_ids,
+                            max_steps, exit_on_finish)
+  return (_scatter_rows(pool, rows, sub), *rest)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+def decode_paged(graphdef, k: int, top_n: int, experts: bool, state, pages, page_table, tokens,
+                 lengths, active, counts, limits, temperature, top_k, top_p, seeds, stop_ids,
+                 max_steps, exit_on_finish):
+  """`decode` over a paged cache: `pages` (donated) replaces the pool and `page_table`
+  [slots, pages_per_seq] int32 (each slot's pages; an empty slot names no page, ids >=
+  num_pages) the rows. Every position a slot writes in the call must lie in its own pages.
+  Returns what `decode` returns, with the updated pages first."""
+  TRACES["decode_paged"] += 1
+  return _decode_loop(graphdef, k, top_n, experts, state, pages, page_table, tokens, lengths,
+                      active, counts, limits, temperature, top_k, top_p, seeds, stop_ids,
+                      max_steps, exit_on_finish)
+
+
+def _decode_loop(graphdef, k, top_n, experts, state, cache, page_table, tokens, lengths, active,
+                 counts, limits, temperature, top_k, top_p, seeds, stop_ids, max_steps,
+                 exit_on_finish):
+  """The while loop of `decode` over the slots' caches (rows gathered from the pool, or the
+  pages with `page_table`)."""
   model = nnx.merge(graphdef, state)
   mc = model.cfg
   lm_head = model.lm_head_weight()
-  s = rows.shape[0]
+  s = tokens.shape[0]
   out = {"tokens": jnp.zeros((k, s), jnp.int32), "logprobs": jnp.zeros((k, s), jnp.float32),
          "entropy": jnp.zeros((k, s), jnp.float32)}
   if top_n:
@@ -190,7 +258,8 @@ def decode(graphdef, k: int, top_n: int, experts: bool, state, pool, rows, token
 
   def body(carry):
     step, sub, tok, length, act, count, finished, out = carry
-    h, aux, sub = _forward(graphdef, state, tok[:, None], length[:, None], sub, length)
+    h, aux, sub = _forward(graphdef, state, tok[:, None], length[:, None], sub, length,
+                           page_table)
     logits = jnp.dot(h[:, 0].astype(jnp.float32), lm_head)
     logp = jax.nn.log_softmax(logits, axis=-1)
     keys = jax.vmap(jax.random.fold_in)(base_keys, count)
@@ -212,7 +281,6 @@ def decode(graphdef, k: int, top_n: int, experts: bool, state, pool, rows, token
     tok = jnp.where(act, nxt, tok)
     return (step + 1, sub, tok, length, act & ~done, count, finished | jnp.any(done), out)
 
-  sub = _gather_rows(pool, rows)
-  carry = (jnp.int32(0), sub, tokens, lengths, active, counts, jnp.bool_(False), out)
-  step, sub, tokens, lengths, active, counts, _, out = jax.lax.while_loop(cond, body, carry)
-  return _scatter_rows(pool, rows, sub), step, tokens, lengths, active, counts, out
+  carry = (jnp.int32(0), cache, tokens, lengths, active, counts, jnp.bool_(False), out)
+  step, cache, tokens, lengths, active, counts, _, out = jax.lax.while_loop(cond, body, carry)
+  return cache, step, tokens, lengths, active, counts, out

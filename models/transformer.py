@@ -45,6 +45,8 @@ class LayerInputs(NamedTuple):
       cache view then defines what each query sees).
     token_weights: [batch, seq] fp32 logical token counts for MoE load statistics.
     index: [batch] int32 cache slot of each row's first token, or None without a cache.
+    page_table: [batch, pages_per_seq] int32 pages of each row with a paged cache
+      (`init_paged_cache`), else None.
   """
 
   cos: jax.Array
@@ -52,6 +54,7 @@ class LayerInputs(NamedTuple):
   end: jax.Array | None
   token_weights: jax.Array
   index: jax.Array | None
+  page_table: jax.Array | None = None
 
 
 class Block(nnx.Module):
@@ -83,7 +86,7 @@ class Block(nnx.Module):
       the updated cache (None without one).
     """
     h, max_logits, cache = self.attn(self.attn_norm(x), inputs.cos, inputs.sin, inputs.end,
-                                     cache, inputs.index)
+                                     cache, inputs.index, inputs.page_table)
     # Residual sums are rounded where the program says (`round_to`): XLA may otherwise feed
     # the next norm an unrounded sum in one program and the rounded stream in another.
     x = round_to(x + h, x.dtype)
@@ -144,8 +147,8 @@ class Transformer(nnx.Module):
 
   def hidden(self, tokens: jax.Array, positions: jax.Array, end: jax.Array | None, *,
              token_weights: jax.Array | None = None, expert_ids: jax.Array | None = None,
-             cache: dict | None = None, index: jax.Array | None = None
-             ) -> tuple[jax.Array, dict, dict | None]:
+             cache: dict | None = None, index: jax.Array | None = None,
+             page_table: jax.Array | None = None) -> tuple[jax.Array, dict, dict | None]:
     """Final-normed hidden states of the tokens.
 
     Args:
@@ -157,6 +160,8 @@ class Transformer(nnx.Module):
       expert_ids: [moe_layers, batch, seq, k] expert choices to replay instead of routing.
       cache: decode caches from `init_cache`, or None.
       index: [batch] cache slot of each row's first token (with `cache`).
+      page_table: [batch, pages_per_seq] int32 pages of each row when `cache` is paged
+        (`init_paged_cache`); index is then each row's position.
 
     Returns:
       hidden [batch, seq, hidden], the aux dict (module docstring) and the updated cache
@@ -176,7 +181,7 @@ class Transformer(nnx.Module):
     cos, sin = cos_sin(cfg, positions)
     if token_weights is None:
       token_weights = jnp.ones(tokens.shape, jnp.float32)
-    inputs = LayerInputs(cos, sin, end, token_weights, index)
+    inputs = LayerInputs(cos, sin, end, token_weights, index, page_table)
     aux: dict[str, Any] = {}
     new_cache = {}
     for name, stack in (("dense", self.dense_layers), ("moe", self.moe_layers)):
@@ -248,15 +253,39 @@ class Transformer(nnx.Module):
         out[name] = jax.tree.map(lambda a: jnp.broadcast_to(a, (n,) + a.shape), one)
     return out
 
+  def init_paged_cache(self, num_pages: int, page_size: int) -> dict:
+    """Zeroed paged decode caches: one pool of pages per layer, shared by all sequences.
+
+    Args:
+      num_pages: pages in each layer's pool.
+      page_size: token positions per page.
+
+    Returns:
+      {stack: {name: [layers, kv_heads, num_pages, page_size, dim]}} (see the attention
+      layers' `init_paged_cache`); an unstacked model has a list of per-layer
+      {name: [kv_heads, num_pages, page_size, dim]} per stack.
+    """
+    out = {}
+    for name, stack in (("dense", self.dense_layers), ("moe", self.moe_layers)):
+      if isinstance(stack, nnx.List):
+        out[name] = [block.attn.init_paged_cache(num_pages, page_size) for block in stack]
+      elif stack is not None:
+        n = _num_layers(stack)
+        one = stack.attn.init_paged_cache(num_pages, page_size)
+        out[name] = jax.tree.map(lambda a: jnp.broadcast_to(a, (n,) + a.shape), one)
+    return out
+
   def decode_step(self, tokens: jax.Array, cache: dict, index: jax.Array,
-                  positions: jax.Array | None = None) -> tuple[jax.Array, dict]:
+                  positions: jax.Array | None = None, page_table: jax.Array | None = None
+                  ) -> tuple[jax.Array, dict]:
     """Run new tokens against the cache (s = 1 when decoding, more when prefilling).
 
     Args:
       tokens: [batch, s] int32 new tokens.
-      cache: decode caches from `init_cache`.
+      cache: decode caches from `init_cache`, or paged ones from `init_paged_cache`.
       index: [batch] cache slot of each row's first new token (its current length).
       positions: [batch, s] RoPE positions; default the cache slots.
+      page_table: [batch, pages_per_seq] int32 pages of each row, with a paged cache.
 
     Returns:
       fp32 logits [batch, s, vocab] and the updated cache.
@@ -264,7 +293,8 @@ class Transformer(nnx.Module):
     s = tokens.shape[1]
     if positions is None:
       positions = index[:, None] + jnp.arange(s, dtype=jnp.int32)[None]
-    h, _, cache = self.hidden(tokens, positions, None, cache=cache, index=index)
+    h, _, cache = self.hidden(tokens, positions, None, cache=cache, index=index,
+                              page_table=page_table)
     return jnp.dot(h.astype(jnp.float32), self.lm_head_weight()), cache
 
 

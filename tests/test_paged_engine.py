@@ -1,0 +1,185 @@
+"""The engine with a paged KV cache (models/paged_cache.py) against the contiguous engine.
+
+- Same tokens, log-probs, entropies and MoE expert ids as the contiguous engine (and log-probs
+  equal to a teacher-forced forward pass) for a dense GQA and a MoE + MLA model, greedy and
+  seeded sampling, requests of different lengths and a group sharing a prompt.
+- A group of G requests with one prompt prefills it once and shares its pages; the shared
+  partial last page is copied on write.
+- With fewer pages than slots x max_seq_len positions, the engine admits by free pages,
+  preempts (and recomputes) when pages run out, and finishes a workload with the tokens of an
+  unconstrained run, running more requests at once than a contiguous pool of the same memory
+  has rows.
+- Page bookkeeping: reference counts equal the pages the sequences list; copy-on-write and
+  eviction free what they should.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from envs.policy import SamplingParams
+from models.engine import Engine, EngineConfig
+from models.paged_cache import PageAllocator, PagedPool
+from tests.test_engine import check_logprobs, random_prompts
+
+MAX_LEN = 96
+PAGE = 8
+CONFIG = EngineConfig(slots=4, max_seq_len=MAX_LEN, prefix_cache_rows=4, min_prefix=4,
+                      prefill_chunk=32, prefill_bucket=32, prefill_rows=2, steps_per_call=8,
+                      max_stop_token_ids=4, page_size=PAGE)
+
+
+@pytest.fixture(scope="module")
+def models(dense_model, moe_mla_model):
+  return {"dense": dense_model, "moe_mla": moe_mla_model}
+
+
+def make_engine(model, **changes):
+  cfg = dataclasses.replace(CONFIG, return_expert_ids=model.cfg.is_moe, **changes)
+  return Engine(model, cfg)
+
+
+def workload(vocab, seed=0):
+  """Prompts of mixed lengths plus a group of three sharing one; greedy and seeded params."""
+  rng = np.random.default_rng(seed)
+  prompts = random_prompts(rng, (5, 17, 40, 9, 23), vocab)
+  prompts += [prompts[2]] * 3
+  params = [SamplingParams(max_tokens=int(n), temperature=t, seed=i)
+            for i, (n, t) in enumerate(zip((12, 20, 7, 16, 11, 9, 14, 10),
+                                           (0, 0.9, 0, 1.0, 0.7, 1.0, 0, 0.8)))]
+  return prompts, params
+
+
+def assert_same(a, b):
+  for x, y in zip(a, b):
+    assert x.output_ids == y.output_ids
+    assert x.finish_reason == y.finish_reason
+    np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+    np.testing.assert_allclose(x.entropies, y.entropies, atol=1e-5)
+    if x.expert_ids is not None:
+      np.testing.assert_array_equal(x.expert_ids, y.expert_ids)
+
+
+@pytest.mark.parametrize("which", ["dense", "moe_mla"])
+def test_paged_equals_contiguous(which, models):
+  model = models[which]
+  prompts, params = workload(model.cfg.vocab_size)
+  want = make_engine(model).generate(prompts, params)
+  eng = make_engine(model, cache="paged")
+  got = eng.generate(prompts, params)
+  assert_same(want, got)
+  check_logprobs(model, prompts, got)
+  c = eng.counters
+  assert c["pages_shared"] > 0 and c["cache_hits"] >= 2
+  if model.cfg.is_moe:
+    assert got[0].expert_ids.shape[0] == len(prompts[0]) + len(got[0].output_ids) - 1
+
+
+def test_group_shares_prompt_pages(models):
+  """G = 4 samples of a 29-token prefix: prefilled once; the others share its 4 pages and copy
+  the partial last one (29 = 3 * 8 + 5) before writing into it."""
+  model = models["dense"]
+  eng = make_engine(model, cache="paged")
+  prompt = random_prompts(np.random.default_rng(1), [30], model.cfg.vocab_size)[0]
+  outs = eng.generate([prompt] * 4, SamplingParams(max_tokens=5, temperature=1.0))
+  c = eng.counters
+  assert c["prefill_tokens"] == 29 and c["cache_hits"] == 3
+  assert c["pages_shared"] == 3 * 4 and c["page_copies"] == 3
+  # the 3 full prompt pages once + per request its own pages for positions 24..39 (the
+  # prompt's partial page and the page the decode call writes into)
+  assert c["pages_peak"] == 3 + 4 * 2
+  check_logprobs(model, [prompt] * 4, outs)
+
+
+def test_admission_by_pages_and_preemption(models):
+  """16 pages (128 positions: one contiguous row of 96 and a bit) run 4 requests at once,
+  preempt when their growth exhausts the pages, and still give the unconstrained tokens."""
+  model = models["dense"]
+  rng = np.random.default_rng(2)
+  prompts = random_prompts(rng, (10, 25, 14, 30, 8, 19), model.cfg.vocab_size)
+  params = [SamplingParams(max_tokens=n, temperature=t, seed=i)
+            for i, (n, t) in enumerate(zip((40, 30, 50, 20, 45, 35), (0, 1, 0, 1, 1, 0)))]
+  want = make_engine(model).generate(prompts, params)
+  eng = make_engine(model, cache="paged", num_pages=16, prefix_cache_rows=0)
+  got = eng.generate(prompts, params)
+  assert_same(want, got)
+  c = eng.counters
+  assert c["preempted"] > 0
+  assert c["running_peak"] == CONFIG.slots > (16 * PAGE) // MAX_LEN
+  assert c["pages_peak"] <= 16 and c["pages_used"] == 0  # nothing retained
+
+
+def test_bad_paged_config_names_the_field(models):
+  model = models["dense"]
+  for changes, field in [({"cache": "ring"}, "cache"), ({"page_size": 0}, "page_size"),
+                         ({"num_pages": -1}, "num_pages"),
+                         ({"cache": "paged", "num_pages": 11}, "num_pages")]:
+    with pytest.raises(ValueError, match=f"EngineConfig.{field}="):
+      make_engine(model, **changes)
+
+
+# ----------------------------------------------------------------------------- bookkeeping
+
+
+def check_refs(pool: PagedPool):
+  """Each page's count = the sequences listing it; free pages = those nobody lists."""
+  refs = np.zeros(pool.num_pages, np.int32)
+  for s in pool.seqs.values():
+    for p in s.pages:
+      refs[p] += 1
+  np.testing.assert_array_equal(pool.alloc.refs, refs)
+  assert pool.pages_free == int((refs == 0).sum())
+
+
+def test_pool_sharing_copy_on_write_and_eviction(dense_model):
+  counts = {}
+  count = lambda **d: [counts.__setitem__(k, counts.get(k, 0) + v) for k, v in d.items()]
+  pool = PagedPool(dense_model, num_pages=8, page_size=4, capacity=16, count=count, retain=1)
+  tokens = np.arange(1, 11, dtype=np.int32)
+  a = pool.claim("a", None, 0, version=0)
+  assert pool.reserve(a, 10) and len(pool.seqs[a].pages) == 3
+  pool.record(a, np.append(tokens, 0))  # holds tokens[:10]
+  src, m = pool.best_row(np.concatenate([tokens[:6], [99, 98]]), 0, min_prefix=4)
+  assert (src, m) == (a, 6)
+  b = pool.claim("b", src, m, version=0)
+  assert pool.seqs[b].pages == pool.seqs[a].pages[:2]
+  check_refs(pool)
+  assert pool.reserve(b, 8)  # position 6 lies in the shared second page: copied
+  assert pool.seqs[b].pages[0] == pool.seqs[a].pages[0]
+  assert pool.seqs[b].pages[1] != pool.seqs[a].pages[1]
+  assert pool._copies == [(pool.seqs[a].pages[1], pool.seqs[b].pages[1])]
+  assert counts["page_copies"] == 1
+  check_refs(pool)
+  assert pool.best_row(tokens, 1, min_prefix=4) == (None, 0)  # another weights version
+  pool.release(a)
+  pool.release(b)  # retain=1: a (least recently used) is evicted
+  assert list(pool.seqs) == [b] and counts["evictions"] == 1
+  check_refs(pool)
+  c = pool.claim("c", None, 0, version=0)
+  assert pool.reserve(c, 16) and pool.pages_free == 8 - 2 - 4
+  d = pool.claim("d", None, 0, version=0)
+  assert pool.reserve(d, 16 + 5)  # capped at capacity: 4 pages, found by evicting idle b
+  assert list(pool.seqs) == [c, d] and pool.pages_free == 0
+  e = pool.claim("e", None, 0, version=0)
+  assert not pool.reserve(e, 1)  # running sequences are never evicted
+  assert pool.seqs[e].pages == []
+  check_refs(pool)
+  with pytest.raises(ValueError, match="num_pages=3"):
+    PagedPool(dense_model, num_pages=3, page_size=4, capacity=16, count=count)
+
+
+def test_allocator_refcounts():
+  alloc = PageAllocator(3)
+  pages = [alloc.alloc() for _ in range(3)]
+  assert sorted(pages) == [0, 1, 2] and alloc.free == 0
+  with pytest.raises(RuntimeError, match="all 3 pages"):
+    alloc.alloc()
+  alloc.share(pages[0])
+  alloc.drop(pages[0])
+  assert alloc.free == 0
+  alloc.drop(pages[0])
+  assert alloc.free == 1 and alloc.alloc() == pages[0]
+  alloc.drop(pages[1])
+  with pytest.raises(RuntimeError, match="is free"):
+    alloc.drop(pages[1])
