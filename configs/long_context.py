@@ -18,6 +18,7 @@ contexts, so fewer episodes run at once.
 import ml_collections
 
 from configs import rl
+from configs.base import FAMILIES  # family -> (chat format, example checkpoint)
 
 # The Qwen model cards' `rope_scaling` for 128K: {"type": "yarn", "factor": 4.0,
 # "original_max_position_embeddings": 32768} (models.presets.QWEN_YARN_128K).
@@ -27,8 +28,11 @@ ROW_LEN = 131072  # tokens per packed row (one trajectory)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  c = rl.get_config(arg)
-  if (arg or "qwen2.5-coder").startswith("qwen"):
+  family = arg or "qwen2.5-coder"
+  if family not in FAMILIES:
+    raise ValueError(f"configs/long_context.py:{family}: expected one of {sorted(FAMILIES)}")
+  c = rl.get_config(family)
+  if family.startswith("qwen"):
     c.model.overrides.update(QWEN_YARN_128K)  # YaRN x4: 131,072 positions
   c.data.row_len = ROW_LEN  # one trajectory of up to 128K tokens per row
   c.mesh.sequence = 4  # context parallelism: each row split over 4 chips (32,768 tokens each)
