@@ -13,8 +13,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.kernels.attention import attention
-from models.kernels.paged_attention import paged_attention_auto
+from models.kernels import paged_attention_tpu
+from models.kernels.attention import attention, target_platform
+from models.kernels.paged_attention import paged_attention
 from models.layers import Dense, RMSNorm, dtype_of, round_to
 from models.rope import apply_rope
 from models.sharding import constrain, logical_to_spec
@@ -95,6 +96,15 @@ def write_pages(pages: jax.Array, new: jax.Array, page_table: jax.Array, index: 
   values = jnp.transpose(new, (2, 0, 1, 3)).astype(pages.dtype)  # [kv_heads, b, s, dim]
   return pages.at[:, page, pos % page_size].set(values, mode="drop")
 
+
+
+def _paged_attention(q, k_pages, v_pages, page_table, q_start, **kwargs):
+  """Paged attention through the Pallas TPU kernel when kernels target a TPU, else the XLA
+  reference (`models.kernels.paged_attention.paged_attention`, same arguments)."""
+  if target_platform() == "tpu":
+    return paged_attention_tpu.paged_attention(q, k_pages, v_pages, page_table, q_start,
+                                               **kwargs)
+  return paged_attention(q, k_pages, v_pages, page_table, q_start, **kwargs)
 
 
 def _partition(cfg: ModelConfig):
@@ -189,8 +199,8 @@ class GQA(nnx.Module):
     if page_table is not None:
       cache = {"k": write_pages(cache["k"], k, page_table, index),
                "v": write_pages(cache["v"], v, page_table, index)}
-      out = paged_attention_auto(q, cache["k"], cache["v"], page_table, index,
-                                 scale=cfg.softmax_scale)
+      out = _paged_attention(q, cache["k"], cache["v"], page_table, index,
+                             scale=cfg.softmax_scale)
       return self.o_proj(out), jnp.zeros((cfg.num_heads,), jnp.float32), cache
     if cache is not None:
       cache = {"k": write_cache(cache["k"], k, index, 2), "v": write_cache(cache["v"], v, index, 3)}
@@ -341,9 +351,9 @@ class MLA(nnx.Module):
     q_latent = round_to(jnp.einsum("bshn,rhn->bshr", q_nope, w_uk,
                                    preferred_element_type=jnp.float32), dt)
     if page_table is not None:
-      out_latent = paged_attention_auto(q_latent, c_kv, c_kv, page_table, q_index,
-                                        scale=cfg.softmax_scale, q_rope=q_rope,
-                                        k_rope_pages=k_rope)
+      out_latent = _paged_attention(q_latent, c_kv, c_kv, page_table, q_index,
+                                    scale=cfg.softmax_scale, q_rope=q_rope,
+                                    k_rope_pages=k_rope)
       out = round_to(jnp.einsum("bshr,rhv->bshv", out_latent, w_uv,
                                 preferred_element_type=jnp.float32), dt)
       return out, jnp.zeros((cfg.num_heads,), jnp.float32)

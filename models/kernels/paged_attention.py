@@ -15,7 +15,8 @@ Layouts (per layer):
 `paged_attention` is the XLA reference: it gathers each sequence's pages into a contiguous
 [batch, pages_per_seq * page_size] view and runs `models.kernels.attention.attention` on it,
 so it computes exactly what the contiguous cache computes. models/kernels/paged_attention_tpu.py
-is the Pallas TPU kernel with the same signature; `paged_attention_auto` picks one.
+is the Pallas TPU kernel with the same signature; the attention layers (models/attention.py)
+take the kernel when kernels target a TPU, the reference elsewhere.
 """
 
 from __future__ import annotations
@@ -105,12 +106,3 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   out, _ = attention(q, k, v, end, scale=scale, q_index=q_index)
   return out
 
-
-def paged_attention_auto(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                         page_table: jax.Array, q_start: jax.Array, *, scale: float,
-                         q_rope: Optional[jax.Array] = None,
-                         k_rope_pages: Optional[jax.Array] = None) -> jax.Array:
-  """The paged attention kernel for the platform kernels target (arguments and result as
-  `paged_attention`)."""
-  return paged_attention(q, k_pages, v_pages, page_table, q_start, scale=scale, q_rope=q_rope,
-                         k_rope_pages=k_rope_pages)
