@@ -343,11 +343,11 @@ class Engine:
 
     prefill_tokens (real tokens prefilled), prefill_padded_tokens, prefill_calls, decode_calls,
     decode_steps, decoded_tokens, cache_hits (requests that reused a prefix), reused_tokens,
-    row_copies, evictions, finished, resubmitted, updates. A paged cache adds pages_allocated
-    (fresh pages taken), pages_shared (pages a request took from a cached prefix instead of
-    prefilling them), page_copies (copy-on-write), preempted (running requests sent back to
-    the queue for pages), and the gauges pages_used, pages_peak (most pages held at once)
-    and running_peak (most requests decoding at once).
+    row_copies, evictions, finished, resubmitted, updates, running_peak (most requests decoding
+    at once). A paged cache adds pages_allocated (fresh pages taken), pages_shared (pages a
+    request took from a cached prefix instead of prefilling them), page_copies
+    (copy-on-write), preempted (running requests sent back to the queue for pages), and the
+    gauges pages_used and pages_peak (most pages held at once).
     """
     with self._lock:
       out = dict(self._counters)
@@ -595,14 +595,14 @@ class Engine:
           self._pool.caches, table, tokens, lengths, active, counts, limits, temperature,
           top_k, top_p, seeds, stop_ids, np.int32(c.steps_per_call), np.bool_(waiting))
       with self._lock:
-        peaks = self._counters
-        peaks["pages_peak"] = max(peaks["pages_peak"], self._pool.pages_used)
-        peaks["running_peak"] = max(peaks["running_peak"], int(active.sum()))
+        self._counters["pages_peak"] = max(self._counters["pages_peak"], self._pool.pages_used)
     else:
       self._pool.caches, steps, _, _, _, new_counts, out = sampler.decode(
           self._graphdef, c.steps_per_call, c.top_logprobs, c.return_expert_ids, self._state,
           self._pool.caches, rows, tokens, lengths, active, counts, limits, temperature,
           top_k, top_p, seeds, stop_ids, np.int32(c.steps_per_call), np.bool_(waiting))
+    with self._lock:
+      self._counters["running_peak"] = max(self._counters["running_peak"], int(active.sum()))
     out = jax.device_get(out)
     new_counts, steps = np.asarray(new_counts), int(steps)
     emitted = 0
