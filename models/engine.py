@@ -26,8 +26,25 @@ How it works (all shapes static, so nothing recompiles after warm-up):
   are waiting.
 - Weights are a jit argument: `update_params` swaps them between calls without recompiling.
 
+With `EngineConfig(cache="paged")` the cache is a pool of `num_pages` pages of `page_size`
+positions instead (models/paged_cache.py): a sequence holds the pages its positions fill, so
+memory follows the tokens actually cached rather than `max_seq_len` per row, and `slots` can
+exceed what a contiguous pool of the same memory runs at once.
+- Prefix reuse shares pages: a request takes the pages of the longest cached prefix (G samples
+  of a prompt hold its pages once; the next turn of an episode holds the previous turn's), and
+  a shared partial page is copied before the request writes into it (copy-on-write).
+- Admission is by free pages: a request enters a free slot while pages for its input and one
+  decode call are free (idle cached sequences give theirs up, least recently used first).
+- Before each decode call the running requests get pages for the positions it writes, oldest
+  first; when pages run out the newest is preempted: back to the head of the queue with its
+  tokens, its sequence cached while its pages are not needed, else prefilled again (recompute).
+  Tokens, log-probs and versions are those of an unpreempted run.
+- Decode attention reads the pages through `models.kernels.paged_attention` (the Pallas TPU
+  kernel of models/kernels/paged_attention_tpu.py when kernels target a TPU).
+
 This module holds the requests and the scheduler; models/cache_pool.py the pool of cache rows
-and what each holds; models/sampler.py the jitted prefill / copy / decode calls.
+and what each holds (models/paged_cache.py for a paged cache); models/sampler.py the jitted
+prefill / copy / decode calls.
 
 Sampling parameters are read structurally: any object with the fields of
 `envs.policy.SamplingParams` (max_tokens, temperature, top_p, top_k, stop_token_ids, stop,

@@ -242,8 +242,12 @@ class PagedPool:
     return sid
 
   def release(self, sid: int) -> None:
-    """The sequence's request is done: keep its pages for prefix reuse (evictable)."""
+    """The sequence's request is done: keep its pages for prefix reuse (evictable); an empty
+    sequence is forgotten."""
     seq = self.seqs[sid]
+    if seq.length == 0:
+      self._drop(sid)
+      return
     seq.owner = None
     self._touch(seq)
     while sum(s.owner is None for s in self.seqs.values()) > self.retain:

@@ -1,5 +1,6 @@
 """The generation engine's device side: token sampling and the jitted calls that prefill, copy
-and decode rows of a pool of decode caches (models/engine.py schedules them).
+and decode rows of a pool of decode caches, or sequences of a paged cache (`prefill_paged`,
+`copy_pages`, `decode_paged`); models/engine.py schedules them.
 
 The jitted functions are module-level with the model's graphdef and sizes as static arguments,
 so engines of one model config share compiled code. `TRACES` counts traces per function: a

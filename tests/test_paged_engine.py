@@ -9,6 +9,8 @@
   preempts (and recomputes) when pages run out, and finishes a workload with the tokens of an
   unconstrained run, running more requests at once than a contiguous pool of the same memory
   has rows.
+- Weight updates with requests in flight ("resubmit", "restart") give the contiguous engine's
+  tokens and versions.
 - Page bookkeeping: reference counts equal the pages the sequences list; copy-on-write and
   eviction free what they should.
 """
@@ -19,6 +21,7 @@ import numpy as np
 import pytest
 
 from envs.policy import SamplingParams
+from models import transformer
 from models.engine import Engine, EngineConfig
 from models.paged_cache import PageAllocator, PagedPool
 from tests.test_engine import check_logprobs, random_prompts
@@ -108,6 +111,32 @@ def test_admission_by_pages_and_preemption(models):
   assert c["preempted"] > 0
   assert c["running_peak"] == CONFIG.slots > (16 * PAGE) // MAX_LEN
   assert c["pages_peak"] <= 16 and c["pages_used"] == 0  # nothing retained
+
+
+@pytest.mark.parametrize("on_update", ["resubmit", "restart"])
+def test_weight_update_in_flight(on_update, models):
+  """update_params while requests run: the paged engine drops nothing computed by the new
+  weights from old pages and tags tokens as the contiguous engine does."""
+  model = models["dense"]
+  other = transformer.init(model.cfg, seed=1)
+  prompts, params = workload(model.cfg.vocab_size, seed=3)
+  outs, resubmitted = {}, {}
+  for cache in ("contiguous", "paged"):
+    eng = make_engine(model, cache=cache)
+    futures = [eng.submit(x, p) for x, p in zip(prompts, params)]
+    eng.step()
+    eng.step()
+    eng.update_params(other, version=1, on_update=on_update)
+    while not all(f.done() for f in futures):
+      eng.step()
+    outs[cache] = [f.result() for f in futures]
+    resubmitted[cache] = eng.counters["resubmitted"]
+  assert resubmitted["paged"] == resubmitted["contiguous"] > 0
+  assert_same(outs["contiguous"], outs["paged"])
+  for a, b in zip(outs["contiguous"], outs["paged"]):
+    assert a.token_versions == b.token_versions
+  assert any(0 in o.token_versions and 1 in o.token_versions for o in outs["paged"]) == (
+      on_update == "resubmit")
 
 
 def test_bad_paged_config_names_the_field(models):
