@@ -1,7 +1,8 @@
 """Paged attention: the XLA reference (models/kernels/paged_attention.py) against NumPy
 attention over each sequence's contiguous keys, the Pallas TPU kernel
 (models/kernels/paged_attention_tpu.py) in interpret mode against the reference, the page
-writes of models/attention.py, and the kernel compiled for TPU by libtpu's compiler."""
+writes of models/attention.py, and the kernel and the engine's paged decode program compiled
+for TPU by libtpu's compiler."""
 
 import functools
 
@@ -9,10 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from models import attention as layers
+from models import sampler, transformer
+from models.kernels import attention as kernels
 from models.kernels import paged_attention as ref
 from models.kernels import paged_attention_tpu as tpu
+from tests.conftest import TINY_DENSE, TINY_MOE_MLA
 from trainer import aot
 
 
@@ -142,3 +147,29 @@ def test_kernel_compiles_for_tpu(rope):
             spec((b, n), jnp.int32), spec((b,), jnp.int32))
   compiled = jax.jit(fn).lower(*args).compile()
   assert "tpu_custom_call" in compiled.as_text()
+
+
+@pytest.mark.parametrize("cfg", [TINY_DENSE, TINY_MOE_MLA], ids=["gqa", "moe_mla"])
+def test_engine_paged_decode_compiles_for_tpu(cfg):
+  """The engine's paged decode call (`sampler.decode_paged`, bf16 tiny model) traced for TPU
+  takes the Pallas kernel in every layer and compiles."""
+  _, devices = aot.topology_devices("v5p:2x2x1")
+  sharding = jax.sharding.SingleDeviceSharding(devices[0])
+  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  model = nnx.eval_shape(lambda: transformer.unstack(transformer.Transformer(
+      cfg.replace(dtype="bfloat16"))))
+  graphdef, state = nnx.split(model)
+  state = jax.tree.map(lambda x: spec(x.shape, x.dtype), state)
+  pages = jax.tree.map(lambda x: spec(x.shape, x.dtype),
+                       jax.eval_shape(lambda: model.init_paged_cache(64, 16)))
+  slots, n = 4, 8
+  i32, f32 = (lambda *shape: spec(shape, jnp.int32)), (lambda *shape: spec(shape, jnp.float32))
+  args = (state, pages, i32(slots, n), i32(slots), i32(slots), spec((slots,), jnp.bool_),
+          i32(slots), i32(slots), f32(slots), i32(slots), f32(slots),
+          spec((slots,), jnp.uint32), i32(slots, 4), i32(), spec((), jnp.bool_))
+  # conftest sets "highest" for the CPU references; Mosaic takes no fp32 contraction of bf16
+  with kernels.compile_for("tpu"), jax.default_matmul_precision("default"):
+    compiled = sampler.decode_paged.lower(graphdef, 8, 0, False, *args).compile()
+  text = compiled.as_text()
+  assert "paged_attention" in text
+  assert text.count("tpu_custom_call") >= cfg.num_layers
