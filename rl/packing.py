@@ -23,11 +23,16 @@ cannot be packed exactly and raises ValueError; every leaf fits, so step 1 alway
 
 Plain SFT packing is the degenerate case: one single-call tree per sequence (`pack_sequences`),
 each a chain whose `end` is its own end.
+
+Context parallelism splits a row into equal chunks over devices; a query's attention work is
+its depth + 1 (its root path), so `pack(..., shards=n)` orders each row's parts to even out
+the visible (query, key) pairs per chunk (`shard_pairs`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Sequence
 
@@ -180,11 +185,16 @@ def _place(parts: list[_Part], free: list[int], max_rows: float, row_len: int):
 
 
 def pack(trees: list[Tree], row_len: int, rows_per_batch: int | None = None,
-         seq_len: int | None = None) -> list[TreeBatch]:
+         seq_len: int | None = None, shards: int = 1) -> list[TreeBatch]:
   """Pack trees (one per group) into TreeBatches of [rows, row_len].
 
   Groups are taken largest first; each goes first-fit into the first micro-batch that can hold
   all its parts (each part first-fit into a row), else into a new one.
+
+  With `shards` > 1 (rows split into that many equal chunks over the `sequence` mesh axis),
+  the parts of each row are put in the order that minimises the largest chunk's number of
+  visible (query, key) pairs (`shard_pairs`), so that context-parallel attention keeps the
+  shards evenly busy; padding stays at the row's tail.
 
   Args:
     trees: one `Tree` per group; a tree's group index is its position in the list.
@@ -193,6 +203,7 @@ def pack(trees: list[Tree], row_len: int, rows_per_batch: int | None = None,
       has exactly rows_per_batch rows (a group needing more raises ValueError).
     seq_len: padded sequence length; None: the longest sequence of the micro-batch rounded up
       to a multiple of 8 (at least 8).
+    shards: sequence shards per row (divides row_len); 1 keeps the packing order.
 
   Returns:
     The micro-batches; each group's sequences are all in one of them.
@@ -206,6 +217,8 @@ def pack(trees: list[Tree], row_len: int, rows_per_batch: int | None = None,
     raise ValueError(f"row_len={row_len!r} must be a positive multiple of 128")
   if rows_per_batch is not None and rows_per_batch < 1:
     raise ValueError(f"rows_per_batch={rows_per_batch!r} must be >= 1 (or None)")
+  if not isinstance(shards, (int, np.integer)) or shards < 1 or row_len % shards:
+    raise ValueError(f"shards={shards!r} must be a positive divisor of row_len={row_len}")
   parts = [partition(tree, row_len, g) for g, tree in enumerate(trees)]
   max_rows = rows_per_batch or math.inf
   free: list[list[int]] = []  # micro-batch -> free columns of each row
@@ -234,12 +247,70 @@ def pack(trees: list[Tree], row_len: int, rows_per_batch: int | None = None,
       rows[b][r].append(p)
       free[b][r] -= len(p.nodes)
     members[b].append(g)
+  if shards > 1:
+    rows = [[_balance(row, trees, row_len, shards) for row in batch] for batch in rows]
   field_names = sorted({k for t in trees for s in t.seqs for k in s.fields})
   scalar_names = sorted({k for t in trees for s in t.seqs for k in s.scalars} | {"group"})
   if any("group" in s.scalars for t in trees for s in t.seqs):
     raise ValueError('a trajectory scalar is named "group", which pack sets to the group index')
   return [_batch(trees, rows[b], sorted(members[b]), row_len, rows_per_batch or len(rows[b]),
                  seq_len, field_names, scalar_names) for b in range(len(rows))]
+
+
+def shard_pairs(end: np.ndarray, shards: int) -> np.ndarray:
+  """Visible (query, key) pairs of each sequence shard of each row under the tree rule.
+
+  Query i sees the keys j <= i with end[j] > i (its root path in the tree), so a shard's
+  attention work is the sum of these counts over its contiguous chunk of columns.
+
+  Args:
+    end: [rows, row_len] int, a TreeBatch's `end`.
+    shards: the number of equal chunks of a row (divides row_len).
+
+  Returns:
+    [rows, shards] int64 pair counts.
+  """
+  end = np.asarray(end)
+  rows, length = end.shape
+  opened = np.zeros((rows, length + 1), np.int64)
+  opened[:, :length] += 1  # key j opens at column j ...
+  np.add.at(opened, (np.arange(rows)[:, None], end), -1)  # ... and closes at end[j]
+  return np.cumsum(opened, 1)[:, :length].reshape(rows, shards, length // shards).sum(-1)
+
+
+# Orders tried per row: exhaustively up to this many parts, else a few heuristic and seeded
+# random ones.
+_EXHAUSTIVE_PARTS = 5
+_RANDOM_ORDERS = 16
+
+
+def _balance(row: list[_Part], trees: list[Tree], row_len: int, shards: int) -> list[_Part]:
+  """The order of a row's parts with the smallest maximum of visible pairs per shard.
+
+  A part's column costs are its nodes' depths + 1 (the keys each query sees: its root path,
+  which the part carries), padding costs 1; the first order of the candidates wins ties, so an
+  already balanced row keeps its order.
+  """
+  if len(row) < 2:
+    return row
+  costs = [trees[p.group].positions[p.nodes].astype(np.int64) + 1 for p in row]
+  pad = np.ones(row_len - sum(len(c) for c in costs), np.int64)
+
+  def worst(order):
+    return np.concatenate([costs[i] for i in order] + [pad]).reshape(shards, -1).sum(1).max()
+
+  n = len(row)
+  if n <= _EXHAUSTIVE_PARTS:
+    orders = list(itertools.permutations(range(n)))
+  else:
+    total = [c.sum() for c in costs]
+    light = sorted(range(n), key=lambda i: total[i])
+    zigzag = [light[k // 2] if k % 2 == 0 else light[-1 - k // 2] for k in range(n)]
+    rng = np.random.default_rng(0)
+    orders = [tuple(range(n)), tuple(light), tuple(light[::-1]), tuple(zigzag)] + [
+        tuple(rng.permutation(n)) for _ in range(_RANDOM_ORDERS)]
+  best = min(orders, key=worst)  # min keeps the first of equals
+  return [row[i] for i in best]
 
 
 def _batch(trees, rows, groups, row_len, num_rows, seq_len, field_names, scalar_names):
@@ -294,7 +365,7 @@ def _batch(trees, rows, groups, row_len, num_rows, seq_len, field_names, scalar_
 
 def pack_sequences(sequences: Sequence[CallTokens | tuple[Sequence[int], Sequence[int]]],
                    row_len: int, rows_per_batch: int | None = None,
-                   seq_len: int | None = None) -> list[TreeBatch]:
+                   seq_len: int | None = None, shards: int = 1) -> list[TreeBatch]:
   """Ordinary sequence packing (SFT): each sequence becomes its own single-call tree.
 
   Each (prompt_ids, response_ids) pair, or a CallTokens with per-token fields such as
@@ -306,6 +377,7 @@ def pack_sequences(sequences: Sequence[CallTokens | tuple[Sequence[int], Sequenc
     row_len: as in `pack`.
     rows_per_batch: as in `pack`.
     seq_len: as in `pack`.
+    shards: as in `pack`.
 
   Returns:
     The micro-batches, as `pack`.
@@ -316,4 +388,4 @@ def pack_sequences(sequences: Sequence[CallTokens | tuple[Sequence[int], Sequenc
   calls = [s if isinstance(s, CallTokens) else CallTokens(list(s[0]), list(s[1]))
            for s in sequences]
   return pack([build_tree([TrajectoryTokens([c])]) for c in calls], row_len, rows_per_batch,
-              seq_len)
+              seq_len, shards)

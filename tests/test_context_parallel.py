@@ -6,6 +6,7 @@ tests.test_context_parallel`); the test asserts each printed its "ok" line.
 """
 
 import os
+import random
 import sys
 
 if __name__ == "__main__":  # before JAX initialises its backend
@@ -21,7 +22,7 @@ from models import sharding, transformer  # noqa: E402
 from models.kernels import attention as attention_lib  # noqa: E402
 from models.kernels import context_parallel  # noqa: E402
 from models.logprobs import sequence_logprobs  # noqa: E402
-from rl.packing import pack  # noqa: E402
+from rl.packing import pack, pack_sequences, shard_pairs  # noqa: E402
 from rl.tree import CallTokens, TrajectoryTokens, build_tree  # noqa: E402
 from tests import tree_cases  # noqa: E402
 from tests.conftest import TINY_DENSE, TINY_MOE_MLA, run_check  # noqa: E402
@@ -48,6 +49,50 @@ def test_expected_block_counts_of_a_causal_row():
   # padding only (end = j + 1): each shard sees its own blocks
   counts = context_parallel.expected_block_counts(np.arange(1, 17)[None], 4, block=2)
   np.testing.assert_array_equal(counts, [[2, 2, 2, 2]])
+
+
+def test_shard_pairs_against_the_mask():
+  rng = np.random.default_rng(0)
+  end = _tree_ends(rng, 2, ROW)
+  i, j = np.arange(ROW)[:, None], np.arange(ROW)[None, :]
+  for r in range(2):
+    pairs = ((j <= i) & (i < end[r][None, :])).sum(1)  # [query] visible keys
+    np.testing.assert_array_equal(shard_pairs(end[r:r + 1], 4)[0], pairs.reshape(4, -1).sum(1))
+
+
+def test_pack_balances_visible_pairs_over_shards():
+  """A deep group and shallow ones in a row: ordering the parts evens out the pairs per
+  shard, and every context stays exact (the packing checks of tests/test_packing.py)."""
+  from tests.test_packing import check, random_group  # noqa: PLC0415 (hypothesis-based module)
+  rng = np.random.default_rng(0)
+  toks = lambda n: rng.integers(1, 100, n).tolist()
+  deep = [[TrajectoryTokens([CallTokens(toks(30), toks(60))])]]
+  shallow = [[TrajectoryTokens([CallTokens(toks(4), toks(6))])] for _ in range(3)]
+  groups = deep + shallow
+  trees = [build_tree(g) for g in groups]
+  plain, balanced = pack(trees, ROW), pack(trees, ROW, shards=4)
+  check(groups, trees, balanced, ROW, None)
+  before, after = shard_pairs(plain[0].end, 4), shard_pairs(balanced[0].end, 4)
+  assert before.sum() == after.sum()  # the same work, spread differently
+  assert after.max() < before.max(), (before, after)  # [528 1552 2036 152] -> [.. 1892]
+  # random groups and SFT rows of many sequences: valid, and never worse than packing order
+  rnd, ran = random.Random(0), 0
+  for _ in range(4):
+    groups = [random_group(rnd) for _ in range(3)]
+    trees = [build_tree(g) for g in groups]
+    if max(len(c.input_ids) + len(c.output_ids) for g in groups for t in g for c in t.calls) > 256:
+      continue
+    plain, balanced = pack(trees, 256, 2), pack(trees, 256, 2, shards=8)
+    check(groups, trees, balanced, 256, 2)
+    ran += 1
+    for a, b in zip(plain, balanced):
+      assert shard_pairs(b.end, 8).max(1).tolist() <= shard_pairs(a.end, 8).max(1).tolist()
+  seqs = [(toks(int(rng.integers(2, 9))), toks(int(rng.integers(1, 20)))) for _ in range(12)]
+  plain, balanced = pack_sequences(seqs, ROW), pack_sequences(seqs, ROW, shards=2)
+  assert (shard_pairs(balanced[0].end, 2).max(1) <= shard_pairs(plain[0].end, 2).max(1)).all()
+  assert ran >= 2, ran
+  with pytest.raises(ValueError, match="shards=3 must be a positive divisor of row_len=128"):
+    pack(trees, ROW, shards=3)
 
 
 def test_context_parallel_matches_single_device():
