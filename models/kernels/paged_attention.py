@@ -13,8 +13,8 @@ Layouts (per layer):
     any value (an id >= num_pages reads zeros), since no query sees those positions.
 
 `paged_attention` is the XLA reference: it gathers each sequence's pages into a contiguous
-[batch, pages_per_seq * page_size] view and runs `models.kernels.attention.attention` on it,
-so it computes exactly what the contiguous cache computes. models/kernels/paged_attention_tpu.py
+run of positions per key/value head and computes attention as
+`models.kernels.attention.attention` does over a contiguous cache. models/kernels/paged_attention_tpu.py
 is the Pallas TPU kernel with the same signature; the attention layers (models/attention.py)
 take the kernel when kernels target a TPU, the reference elsewhere.
 """
@@ -26,7 +26,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from models.kernels.attention import attention
+from models.kernels.mask import MASK_VALUE
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
@@ -39,10 +39,16 @@ def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
   Returns:
     [batch, pages_per_seq * page_size, kv_heads, dim].
   """
+  return jnp.transpose(_pages_by_head(pages, page_table), (1, 2, 0, 3))
+
+
+def _pages_by_head(pages: jax.Array, page_table: jax.Array) -> jax.Array:
+  """[kv_heads, batch, pages_per_seq * page_size, dim]: `gather_pages` without moving the
+  head axis (a reshape, no transpose)."""
   kvh, _, ps, d = pages.shape
   b, n = page_table.shape
   g = jnp.take(pages, page_table, axis=1, mode="fill", fill_value=0)  # [kvh, b, n, ps, d]
-  return jnp.transpose(g, (1, 2, 3, 0, 4)).reshape(b, n * ps, kvh, d)
+  return g.reshape(kvh, b, n * ps, d)
 
 
 def check_shapes(q, k_pages, v_pages, page_table, q_start, q_rope, k_rope_pages) -> None:
@@ -95,14 +101,21 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     ValueError: shapes that do not fit together.
   """
   check_shapes(q, k_pages, v_pages, page_table, q_start, q_rope, k_rope_pages)
-  k, v = gather_pages(k_pages, page_table), gather_pages(v_pages, page_table)
+  b, s, h, _ = q.shape
+  kvh = k_pages.shape[0]
+  k, v = _pages_by_head(k_pages, page_table), _pages_by_head(v_pages, page_table)
   if q_rope is not None:
     q = jnp.concatenate([q, q_rope], -1)
-    k = jnp.concatenate([k, gather_pages(k_rope_pages, page_table)], -1)
-  b, s = q.shape[:2]
-  t = k.shape[1]
-  q_index = q_start[:, None].astype(jnp.int32) + jnp.arange(s, dtype=jnp.int32)[None]
-  end = jnp.full((b, t), t, jnp.int32)  # every written key stays visible; j <= i does the rest
-  out, _ = attention(q, k, v, end, scale=scale, q_index=q_index)
-  return out
+    k = jnp.concatenate([k, _pages_by_head(k_rope_pages, page_table)], -1)
+  t = k.shape[2]
+  # The math of `models.kernels.attention.attention` (fp32 logits, probabilities rounded to
+  # the values' dtype, fp32 accumulation), on the pages' head-major layout.
+  qg = q.reshape(b, s, kvh, h // kvh, q.shape[-1])
+  logits = jnp.einsum("bqkgd,kbtd->bkgqt", qg, k, preferred_element_type=jnp.float32) * scale
+  q_pos = q_start[:, None].astype(jnp.int32) + jnp.arange(s, dtype=jnp.int32)[None]  # [b, s]
+  visible = jnp.arange(t, dtype=jnp.int32)[None, None] <= q_pos[:, :, None]  # [b, s, t]
+  logits = jnp.where(visible[:, None, None], logits, MASK_VALUE)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgqt,kbtd->bqkgd", probs, v, preferred_element_type=jnp.float32)
+  return out.reshape(b, s, h, v.shape[-1]).astype(q.dtype)
 
