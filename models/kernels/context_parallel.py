@@ -17,28 +17,30 @@ the block's start and the maximum of its `end` values, which travel with the chu
 
 Ring ("ring"). Step s = 0 .. n-1: shard r holds the K/V/end chunk of shard (r - s) mod n,
 merges the visible blocks into its running softmax statistics (running max m, normaliser l
-and fp32 accumulator, the flash / log-sum-exp merge; m is a stop-gradient constant, since
-the result does not depend on it), then passes the chunk to shard r + 1 with
-`lax.ppermute`. A chunk from a later shard is skipped whole. Gradients come from automatic
-differentiation of this loop: the transpose of `ppermute` sends dK/dV back around the ring,
-and each step is rematerialised (`jax.checkpoint`), so the backward holds the chunks a shard
-received (n·C keys and values, like all-gather) plus one step's [C, block] probabilities per
-block at a time.
+and fp32 accumulator: the flash / log-sum-exp merge), then passes the chunk to shard r + 1
+with `lax.ppermute`. A chunk from a later shard is skipped whole. The forward keeps only the
+output and each query's log-sum-exp. The backward (a custom VJP, the flash backward with
+recomputed probabilities) runs the same ring again: dQ accumulates on the query's shard, and
+each chunk's dK/dV accumulators travel with it and take one last step home. A shard holds
+two chunks of K/V (its own and the visiting one) and [C, block] probabilities at a time.
 
 All-gather ("all_gather"). One `all_gather` of K/V/end along the axis, then the same
-per-chunk loop; its backward is a reduce-scatter of dK/dV. It moves the same bytes per
-device as the ring, but in one collective that cannot overlap this layer's compute, and it
-holds all n chunks at once. It is the cheaper choice when K/V is small next to the query-side
-work (GQA with few key/value heads; short rows; n of 2) because one large collective has
-less latency than n - 1 ppermutes; the ring is the choice when a row's K/V does not fit
-beside the activations (long rows, MLA's per-head expanded keys) or when the per-step compute
-hides the transfers. "auto" picks all-gather when the gathered K/V of a shard's rows is at
+per-chunk loop; its backward gathers again and reduce-scatters dK/dV (`psum_scatter`). It
+moves the same bytes per device as the ring, but in one collective that cannot overlap this
+layer's compute, and it holds all n chunks (and full-row dK/dV accumulators) at once. It is
+the cheaper choice when K/V is small next to the query-side work (GQA with few key/value
+heads; short rows; n of 2) because one large collective has less latency than n - 1
+ppermutes; the ring is the choice when a row's K/V does not fit beside the activations (long
+rows, MLA's per-head expanded keys) or when the per-step compute hides the transfers. "auto"
+picks all-gather when the gathered K/V of a shard's rows is at
 most `ALL_GATHER_MAX_BYTES`, the ring otherwise.
 
 Cost. Each shard computes only the visible blocks, but in a depth-first row the later shards
 see more keys (causal-like imbalance: for one causal row shard r computes r + 1 chunks); the
-ring always takes n - 1 transfer steps of C·kv bytes. Every chunk pair is computed by plain
-XLA matmuls (the per-chunk flash step is not a Pallas kernel).
+ring always takes n - 1 transfer steps of C·kv bytes forward and n of C·(kv + dkv) bytes
+backward (`rl.packing.pack(..., shards=n)` evens out the visible pairs per shard where a
+row's parts allow). Every chunk pair is computed by plain XLA matmuls (the per-chunk flash
+step is not a Pallas kernel).
 
 Shapes: q [batch, L, heads, qk_dim], k [batch, L, kv_heads, qk_dim], v [batch, L, kv_heads,
 v_dim], end [batch, L] (global row indices) -> out [batch, L, heads, v_dim] (q.dtype),
@@ -121,111 +123,213 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array, *, 
   chunk = length // n
   if method == "auto":
     rows = b // math.prod(mesh.shape[a] for a in _names(batch))
-    kv_bytes = rows * length * kvh * (k.shape[-1] * k.dtype.itemsize + v.shape[-1] * v.dtype.itemsize)
+    kv_bytes = rows * length * kvh * (k.shape[-1] * k.dtype.itemsize
+                                      + v.shape[-1] * v.dtype.itemsize)
     method = "all_gather" if kv_bytes <= ALL_GATHER_MAX_BYTES else "ring"
-  cfg = _Cfg(float(scale), math.gcd(block, chunk), chunk, n, h // kvh, method)
-  seq_spec = seq[0] if len(seq) == 1 else seq
-  rows_spec = PartitionSpec(batch, seq_spec, heads, None)
-  run = jax.shard_map(functools.partial(_local, cfg, seq, _names(batch)), mesh=mesh,
-                      in_specs=(rows_spec, rows_spec, rows_spec, PartitionSpec(batch, seq_spec)),
-                      out_specs=(rows_spec, PartitionSpec(heads), PartitionSpec(batch, seq_spec)),
-                      check_vma=False)
-  out, max_logits, counts = run(q, k, v, end.astype(jnp.int32))
+  heads_spec = heads if heads is None or isinstance(heads, str) else tuple(heads)
+  batch_spec = batch if batch is None or isinstance(batch, str) else tuple(batch)
+  cfg = _Cfg(float(scale), math.gcd(block, chunk), chunk, n, h // kvh, method, seq,
+             batch_spec, heads_spec)
+  out, max_logits, counts = _attend(cfg, q, k, v, end.astype(jnp.int32))
   max_logits = jax.lax.stop_gradient(max_logits)
   return (out, max_logits, counts) if return_counts else (out, max_logits)
 
 
 class _Cfg(tuple):
-  """Static configuration: scale, key block, chunk length, shards, GQA groups, method."""
+  """Static configuration (hashable for custom_vjp's nondiff argument)."""
 
-  def __new__(cls, scale, block, chunk, shards, groups, method):
-    return super().__new__(cls, (scale, block, chunk, shards, groups, method))
+  def __new__(cls, scale, block, chunk, shards, groups, method, seq, batch, heads):
+    return super().__new__(cls, (scale, block, chunk, shards, groups, method, seq, batch, heads))
 
   scale = property(lambda s: s[0])
-  block = property(lambda s: s[1])
-  chunk = property(lambda s: s[2])
-  shards = property(lambda s: s[3])
-  groups = property(lambda s: s[4])
+  block = property(lambda s: s[1])  # key rows per skip test
+  chunk = property(lambda s: s[2])  # C, a shard's rows
+  shards = property(lambda s: s[3])  # n
+  groups = property(lambda s: s[4])  # query heads per key/value head
   method = property(lambda s: s[5])
+  seq = property(lambda s: s[6])  # tuple of the sequence mesh axes
+  batch = property(lambda s: s[7])  # PartitionSpec entry of the batch dimension
+  heads = property(lambda s: s[8])  # PartitionSpec entry of the head dimension
+
+  def specs(self):
+    """PartitionSpecs of [b, L, heads, d] arrays, [b, L] arrays and [heads]."""
+    seq = self.seq[0] if len(self.seq) == 1 else self.seq
+    return (PartitionSpec(self.batch, seq, self.heads, None), PartitionSpec(self.batch, seq),
+            PartitionSpec(self.heads))
+
+  def shard_map(self, fn, in_specs, out_specs):
+    return jax.shard_map(functools.partial(fn, self), mesh=jax.sharding.get_abstract_mesh(),
+                         in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
-def _local(cfg, seq, batch, q, k, v, end):
-  """One shard: q/k/v [b, C, heads, d], end [b, C] -> (out, max_logits [heads], counts [b, 1])."""
-  b, c, h, _ = q.shape
-  kvh, g, dv = k.shape[2], cfg.groups, v.shape[-1]
-  r = jax.lax.axis_index(seq)
-  q_lo = r * c
-  qg = q.reshape(b, c, kvh, g, q.shape[-1])
-  state = (jnp.full((b, kvh, g, c), MASK_VALUE, jnp.float32), jnp.zeros((b, kvh, g, c), jnp.float32),
-           jnp.zeros((b, kvh, g, c, dv), jnp.float32), jnp.zeros((b,), jnp.int32))
-  visit = jax.checkpoint(functools.partial(_visit, cfg, qg, q_lo))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(cfg, q, k, v, end):
+  out, _, max_logits, counts = _forward(cfg, q, k, v, end)
+  return out, max_logits, counts
 
-  def merge(state, kv, src):
-    # a chunk from a later shard holds only keys j > every query of this shard
-    return jax.lax.cond(src <= r, lambda s: visit(s, kv, src), lambda s: s, state)
+
+def _attend_fwd(cfg, q, k, v, end):
+  out, lse, max_logits, counts = _forward(cfg, q, k, v, end)
+  return (out, max_logits, counts), (q, k, v, end, out, lse)
+
+
+def _attend_bwd(cfg, residuals, cotangents):
+  q, k, v, end, out, lse = residuals
+  rows, ends, _ = cfg.specs()
+  run = cfg.shard_map(_backward_local, (rows,) * 3 + (ends, rows, rows, rows), (rows,) * 3)
+  dq, dk, dv = run(q, k, v, end, out, lse, cotangents[0])  # max_logits, counts: no gradient
+  return dq, dk, dv, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def _forward(cfg, q, k, v, end):
+  rows, ends, head = cfg.specs()
+  run = cfg.shard_map(_forward_local, (rows, rows, rows, ends), (rows, rows, head, ends))
+  return run(q, k, v, end)
+
+
+def _chunks(cfg, k, v, end, visit, state, carried=()):
+  """Runs `visit(state, (k, v, end) + carried, src)` on the chunk of every shard src <= this
+  shard's index (later chunks are invisible), ring or all-gather; returns the final state and
+  the carried values of this shard's own chunk (summed over shards for all-gather)."""
+  r = jax.lax.axis_index(cfg.seq)
+  c, n = cfg.chunk, cfg.shards
+
+  def merge(state, chunk, src):
+    return jax.lax.cond(src <= r, visit, lambda s, ch, _: (s, ch[3:]), state, chunk, src)
 
   if cfg.method == "ring":
-    ring = [(i, (i + 1) % cfg.shards) for i in range(cfg.shards)]
+    ring = [(i, (i + 1) % n) for i in range(n)]
 
-    def step(carry, s):
-      state, kv = carry
-      state = merge(state, kv, (r - s) % cfg.shards)
-      return (state, jax.lax.ppermute(kv, seq, ring)), None
+    def step(travel, s):
+      state, chunk = travel
+      state, extra = merge(state, chunk, (r - s) % n)
+      return (state, jax.lax.ppermute(chunk[:3] + extra, cfg.seq, ring)), None
 
-    (state, kv), _ = jax.lax.scan(step, (state, (k, v, end)), jnp.arange(cfg.shards - 1))
-    state = merge(state, kv, (r + 1) % cfg.shards)  # step n - 1: the last chunk, no transfer
-  else:
-    full = jax.lax.all_gather((k, v, end), seq, axis=1, tiled=True)
+    (state, chunk), _ = jax.lax.scan(step, (state, (k, v, end) + carried), jnp.arange(n - 1))
+    state, extra = merge(state, chunk, (r + 1) % n)  # step n - 1: the last chunk
+    # the chunk held now is shard r + 1's: its carried values go home
+    return state, jax.lax.ppermute(extra, cfg.seq, ring) if extra else ()
+  full = jax.lax.all_gather((k, v, end), cfg.seq, axis=1, tiled=True)
+  acc = tuple(jnp.zeros(x.shape[:1] + (n * c,) + x.shape[2:], x.dtype) for x in carried)
 
-    def step(state, src):
-      kv = tuple(jax.lax.dynamic_slice_in_dim(x, src * c, c, axis=1) for x in full)
-      return merge(state, kv, src), None
+  def step(travel, src):
+    state, acc = travel
+    chunk = tuple(jax.lax.dynamic_slice_in_dim(x, src * c, c, axis=1) for x in full)
+    state, extra = merge(state, chunk + tuple(
+        jax.lax.dynamic_slice_in_dim(a, src * c, c, axis=1) for a in acc), src)
+    acc = tuple(jax.lax.dynamic_update_slice_in_dim(a, e, src * c, axis=1)
+                for a, e in zip(acc, extra))
+    return (state, acc), None
 
-    state, _ = jax.lax.scan(step, state, jnp.arange(cfg.shards))
-  m, l, acc, counts = state
+  (state, acc), _ = jax.lax.scan(step, (state, acc), jnp.arange(n))
+  return state, tuple(jax.lax.psum_scatter(a, cfg.seq, scatter_dimension=1, tiled=True)
+                      for a in acc)
+
+
+def _blocks(cfg, kr, er, src, fn, carry):
+  """fn(carry, k0) over the key blocks of a chunk (from shard src) visible to this shard."""
+  c, bk = cfg.chunk, cfg.block
+  q_lo = jax.lax.axis_index(cfg.seq) * c
+  kmax = er.reshape(c // bk, bk).max(-1)
+
+  def body(j, carry):
+    visible = (src * c + j * bk <= q_lo + c - 1) & (kmax[j] > q_lo)
+    return jax.lax.cond(visible, lambda x: fn(x, j * bk), lambda x: x, carry)
+
+  return jax.lax.fori_loop(0, c // bk, body, carry)
+
+
+def _block_logits(cfg, qr, kb, eb, src, k0):
+  """Masked scaled logits [kv_heads, groups, C, block] fp32 of a key block, and the mask."""
+  c = cfg.chunk
+  i = jax.lax.axis_index(cfg.seq) * c + jnp.arange(c)
+  jj = src * c + k0 + jnp.arange(kb.shape[0])
+  s = jnp.einsum("qkgd,skd->kgqs", qr, kb, preferred_element_type=jnp.float32) * cfg.scale
+  mask = (jj[None, :] <= i[:, None]) & (i[:, None] < eb[None, :])
+  return jnp.where(mask, s, MASK_VALUE), mask
+
+
+def _forward_local(cfg, q, k, v, end):
+  """One shard: q/k/v [b, C, heads, d], end [b, C] -> out, lse [b, C, kv_heads, groups],
+  max_logits [heads], counts [b, 1]."""
+  b, c, h, _ = q.shape
+  kvh, g, dv, bk = k.shape[2], cfg.groups, v.shape[-1], cfg.block
+  qg = q.reshape(b, c, kvh, g, q.shape[-1])
+
+  def visit(state, chunk, src):
+    def row(args):
+      qr, kr, vr, er, m, l, acc, count = args
+
+      def block(carry, k0):
+        m, l, acc, count = carry
+        kb, vb, eb = (jax.lax.dynamic_slice_in_dim(x, k0, bk) for x in (kr, vr, er))
+        s, mask = _block_logits(cfg, qr, kb, eb, src, k0)
+        m_new = jnp.maximum(m, s.max(-1))
+        # a masked logit minus a still-masked running max would be exp(0); zero it
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        pv = jnp.einsum("kgqs,skd->kgqd", p.astype(vr.dtype), vb,
+                        preferred_element_type=jnp.float32)
+        return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv, count + 1
+
+      return _blocks(cfg, kr, er, src, block, (m, l, acc, count))
+
+    return jax.lax.map(row, (qg,) + tuple(chunk) + tuple(state)), ()
+
+  state = (jnp.full((b, kvh, g, c), MASK_VALUE, jnp.float32),
+           jnp.zeros((b, kvh, g, c), jnp.float32),
+           jnp.zeros((b, kvh, g, c, dv), jnp.float32), jnp.zeros((b,), jnp.int32))
+  (m, l, acc, counts), _ = _chunks(cfg, k, v, end, visit, state)
   out = (acc / l[..., None]).transpose(0, 3, 1, 2, 4).reshape(b, c, h, dv)
-  max_logits = m.max(axis=(0, 3)).reshape(h)
-  max_logits = jax.lax.pmax(jax.lax.stop_gradient(max_logits), seq + batch)
-  return out.astype(q.dtype), max_logits, counts[:, None]
+  lse = (m + jnp.log(l)).transpose(0, 3, 1, 2)  # [b, C, kvh, g]
+  max_logits = jax.lax.pmax(m.max(axis=(0, 3)).reshape(h), cfg.seq + _names(cfg.batch))
+  return out.astype(q.dtype), lse, max_logits, counts[:, None]
 
 
-def _visit(cfg, qg, q_lo, state, kv, src):
-  """Merges the visible key blocks of the chunk of shard `src` into each row's statistics."""
-  kc, vc, ec = kv
-  bk, c = cfg.block, cfg.chunk
-  nb = c // bk
-  k_start = src * c
-  i = q_lo + jnp.arange(c)
+def _backward_local(cfg, q, k, v, end, out, lse, d_out):
+  """One shard of the flash backward: P = exp(S - lse), D = rowsum(dO · O), dV = Pᵀ dO,
+  dS = P (dO Vᵀ - D), dQ = scale dS K, dK = scale dSᵀ Q; dK/dV travel with their chunk."""
+  b, c, h, _ = q.shape
+  kvh, g, bk = k.shape[2], cfg.groups, cfg.block
+  grouped = lambda x: x.reshape(b, c, kvh, g, x.shape[-1])
+  qg, dog = grouped(q), grouped(d_out)
+  delta = jnp.einsum("bqkgd,bqkgd->bkgq", dog.astype(jnp.float32),
+                     grouped(out).astype(jnp.float32))
+  lse = lse.transpose(0, 2, 3, 1)  # [b, kvh, g, C]
 
-  def row(args):
-    qr, kr, vr, er, m, l, acc, count = args
-    kmax = er.reshape(nb, bk).max(-1)
+  def visit(dq, chunk, src):
+    def row(args):
+      qr, dor, lr, dr, dqr, kr, vr, er, dkr, dvr = args
 
-    @jax.checkpoint
-    def compute(j, carry):
-      m, l, acc, count = carry
-      k0 = j * bk
-      kb = jax.lax.dynamic_slice_in_dim(kr, k0, bk)
-      vb = jax.lax.dynamic_slice_in_dim(vr, k0, bk)
-      eb = jax.lax.dynamic_slice_in_dim(er, k0, bk)
-      s = jnp.einsum("qkgd,skd->kgqs", qr, kb, preferred_element_type=jnp.float32) * cfg.scale
-      jj = k_start + k0 + jnp.arange(bk)
-      mask = (jj[None, :] <= i[:, None]) & (i[:, None] < eb[None, :])
-      m_new = jax.lax.stop_gradient(jnp.maximum(m, jnp.where(mask, s, MASK_VALUE).max(-1)))
-      # masked logits go through exp as m_new (exp(0) = 1, then zeroed): exp of a masked
-      # pair's real logit minus a still-masked running max would overflow and poison the VJP
-      p = jnp.where(mask, jnp.exp(jnp.where(mask, s, m_new[..., None]) - m_new[..., None]), 0.0)
-      alpha = jnp.exp(m - m_new)
-      pv = jnp.einsum("kgqs,skd->kgqd", p.astype(vr.dtype), vb, preferred_element_type=jnp.float32)
-      return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv, count + 1
+      def block(carry, k0):
+        dq, dk, dv = carry
+        kb, vb, eb = (jax.lax.dynamic_slice_in_dim(x, k0, bk) for x in (kr, vr, er))
+        s, mask = _block_logits(cfg, qr, kb, eb, src, k0)
+        p = jnp.where(mask, jnp.exp(s - lr[..., None]), 0.0)
+        dp = jnp.einsum("qkgd,skd->kgqs", dor, vb, preferred_element_type=jnp.float32)
+        ds = p * (dp - dr[..., None])
+        dq = dq + jnp.einsum("kgqs,skd->qkgd", ds.astype(kr.dtype), kb,
+                             preferred_element_type=jnp.float32)
+        dkb = jnp.einsum("kgqs,qkgd->skd", ds.astype(qr.dtype), qr,
+                         preferred_element_type=jnp.float32)
+        dvb = jnp.einsum("kgqs,qkgd->skd", p.astype(vr.dtype), dor,
+                         preferred_element_type=jnp.float32)
+        add = lambda acc, x: jax.lax.dynamic_update_slice_in_dim(
+            acc, jax.lax.dynamic_slice_in_dim(acc, k0, bk) + x, k0, 0)
+        return dq, add(dk, dkb), add(dv, dvb)
 
-    def body(j, carry):
-      visible = (k_start + j * bk <= q_lo + c - 1) & (kmax[j] > q_lo)
-      return jax.lax.cond(visible, functools.partial(compute, j), lambda x: x, carry)
+      return _blocks(cfg, kr, er, src, block, (dqr, dkr, dvr))
 
-    return jax.lax.fori_loop(0, nb, body, (m, l, acc, count))
+    dq, dk, dv = jax.lax.map(row, (qg, dog, lse, delta, dq) + tuple(chunk))
+    return dq, (dk, dv)
 
-  return jax.lax.map(row, (qg, kc, vc, ec) + tuple(state))
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  dq, (dk, dv) = _chunks(cfg, k, v, end, visit, zeros(qg), (zeros(k), zeros(v)))
+  dq = dq.reshape(q.shape) * cfg.scale
+  return dq.astype(q.dtype), (dk * cfg.scale).astype(k.dtype), dv.astype(v.dtype)
 
 
 def expected_block_counts(end: np.ndarray, shards: int, block: int = BLOCK) -> np.ndarray:
@@ -248,5 +352,6 @@ def expected_block_counts(end: np.ndarray, shards: int, block: int = BLOCK) -> n
   kmax = end.reshape(b, length // bk, bk).max(-1)  # [b, blocks]
   q_lo = np.arange(shards) * chunk
   q_hi = q_lo + chunk - 1
-  visible = (starts[None, None, :] <= q_hi[None, :, None]) & (kmax[:, None, :] > q_lo[None, :, None])
+  visible = ((starts[None, None, :] <= q_hi[None, :, None])
+             & (kmax[:, None, :] > q_lo[None, :, None]))
   return visible.sum(-1)
