@@ -85,7 +85,8 @@ class EngineConfig:
 
   slots: int = 8                  # sequences decoded together (the decode batch)
   max_seq_len: int = 2048         # longest sequence (input + output) a cache row holds
-  prefix_cache_rows: int = 8      # cache rows beyond `slots`, kept for prefix reuse (LRU)
+  prefix_cache_rows: int = 8      # cache rows beyond `slots`, kept for prefix reuse (LRU);
+                                  # paged: most idle sequences kept for prefix reuse
   min_prefix: int = 8             # shortest cached prefix worth reusing (shorter: prefill)
   prefill_chunk: int = 512        # most tokens per row in one prefill call
   prefill_bucket: int = 64        # prefill lengths are padded to a multiple of this
