@@ -131,7 +131,10 @@ class PagedPool:
     self.seqs: dict[int, _Seq] = {}
     self._next_id = 0
     self._tick = 0
-    self._copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) not yet run on device
+    # Copy-on-write copies not yet run on device, {dst: src}. Pages are only written by
+    # prefill and decode calls, which run the copies first, so a pending copy reads the
+    # source as it is now.
+    self._copies: dict[int, int] = {}
 
   # ---------------------------------------------------------------- bookkeeping
 
@@ -162,7 +165,13 @@ class PagedPool:
   def _drop(self, sid: int) -> None:
     """Forgets a sequence and gives its pages back."""
     for page in self.seqs.pop(sid).pages:
-      self.alloc.drop(page)
+      self._drop_page(page)
+
+  def _drop_page(self, page: int) -> None:
+    """One holder fewer; a page that falls free needs no pending copy into it."""
+    self.alloc.drop(page)
+    if self.alloc.refs[page] == 0:
+      self._copies.pop(page, None)
 
   def _evict_one(self, keep: Optional[int] = None) -> bool:
     """Drops the least recently used sequence nobody runs (never `keep`); False if none."""
@@ -289,9 +298,9 @@ class PagedPool:
         return False
     first = seq.length // self.page_size
     if seq.length < upto and first < len(seq.pages) and self.alloc.refs[seq.pages[first]] > 1:
-      page = self.alloc.alloc()
-      self._copies.append((seq.pages[first], page))
-      self.alloc.drop(seq.pages[first])
+      page, old = self.alloc.alloc(), seq.pages[first]
+      self._copies[page] = self._copies.get(old, old)  # a page still waiting for its own copy
+      self._drop_page(old)                             # is read from that copy's source
       seq.pages[first] = page
       self._count(page_copies=1, pages_allocated=1)
     new = max(0, -(-upto // self.page_size) - len(seq.pages))
@@ -316,7 +325,7 @@ class PagedPool:
     n = 1 << (len(self._copies) - 1).bit_length()  # few shapes: few compiles
     src = np.zeros(n, np.int32)
     dst = np.full(n, self.num_pages, np.int32)  # padding: dropped
-    src[:len(self._copies)], dst[:len(self._copies)] = zip(*self._copies)
+    dst[:len(self._copies)], src[:len(self._copies)] = zip(*self._copies.items())
     self.caches = sampler.copy_pages(self.caches, src, dst)
     self._copies.clear()
 

@@ -18,6 +18,7 @@
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -201,9 +202,27 @@ def test_pool_sharing_copy_on_write_and_eviction(dense_model):
   assert pool.reserve(b, 8)  # position 6 lies in the shared second page: copied
   assert pool.seqs[b].pages[0] == pool.seqs[a].pages[0]
   assert pool.seqs[b].pages[1] != pool.seqs[a].pages[1]
-  assert pool._copies == [(pool.seqs[a].pages[1], pool.seqs[b].pages[1])]
+  assert pool._copies == {pool.seqs[b].pages[1]: pool.seqs[a].pages[1]}
   assert counts["page_copies"] == 1
   check_refs(pool)
+  # a third sequence shares b's copy before it ran: its own copy reads a's page
+  c = pool.claim("c", b, 5, version=0)
+  assert pool.seqs[c].pages == pool.seqs[b].pages[:2] and pool.reserve(c, 6)
+  assert pool._copies[pool.seqs[c].pages[1]] == pool.seqs[a].pages[1]
+  pool.free(c)  # its page falls free: no copy into it any more
+  assert len(pool._copies) == 1
+  check_refs(pool)
+  rng = np.random.default_rng(0)
+  pool.caches = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype),
+                             pool.caches)
+  before = jax.tree.map(np.asarray, pool.caches)
+  pool.flush()
+  src_page, dst_page = pool.seqs[a].pages[1], pool.seqs[b].pages[1]
+  for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(pool.caches)):
+    np.testing.assert_array_equal(np.asarray(new)[..., dst_page, :, :], old[..., src_page, :, :])
+    others = [p for p in range(8) if p != dst_page]
+    np.testing.assert_array_equal(np.asarray(new)[..., others, :, :], old[..., others, :, :])
+  assert not pool._copies
   assert pool.best_row(tokens, 1, min_prefix=4) == (None, 0)  # another weights version
   pool.release(a)
   pool.release(b)  # retain=1: a (least recently used) is evicted
