@@ -87,8 +87,9 @@ def test_reference_matches_numpy_and_kernel_matches_reference(name):
   want = numpy_attention(args, contiguous, scale=0.3)
   got = ref.paged_attention(**args, scale=0.3)
   np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
-  kernel = tpu.paged_attention(**args, scale=0.3, interpret=True)
-  np.testing.assert_allclose(np.asarray(kernel), np.asarray(got), atol=2e-5)
+  for per_block in (1, 2, 8):  # one page per grid step, blocks not dividing the table, one block
+    kernel = tpu.paged_attention(**args, scale=0.3, pages_per_block=per_block, interpret=True)
+    np.testing.assert_allclose(np.asarray(kernel), np.asarray(got), atol=2e-5)
 
 
 def test_kernel_bf16_and_tpu_interpret_params():
@@ -124,6 +125,8 @@ def test_shape_errors_name_the_argument():
     ref.paged_attention(**{**args, "q_start": args["q_start"][:2]}, scale=1.0)
   with pytest.raises(ValueError, match="q_rope and k_rope_pages"):
     tpu.paged_attention(**args, q_rope=args["q"], scale=1.0, interpret=True)
+  with pytest.raises(ValueError, match="pages_per_block=0"):
+    tpu.paged_attention(**args, scale=1.0, pages_per_block=0, interpret=True)
 
 
 @pytest.mark.parametrize("rope", [0, 64])
@@ -133,7 +136,7 @@ def test_kernel_compiles_for_tpu(rope):
   _, devices = aot.topology_devices("v5p:2x2x1")
   sharding = jax.sharding.SingleDeviceSharding(devices[0])
   spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-  b, h, ps, num_pages, n = 8, 16, 16, 64, 8
+  b, h, ps, num_pages, n = 8, 16, 16, 64, 20  # 3 grid steps of 8 pages
   if rope:
     s, kvh, d = 4, 1, 512
     fn = lambda q, k, table, start, qr, kr: tpu.paged_attention(

@@ -4,12 +4,13 @@ page table names, page by page, with an online softmax.
 Same signature and result as the XLA reference `models.kernels.paged_attention.paged_attention`
 (see its module docstring for the layouts), plus `interpret`.
 
-Grid (batch, kv_heads, pages_per_seq). For one sequence and key/value head the kernel keeps the
-s queries x heads-per-kv-head rows of that head group in VMEM and walks the sequence's pages:
-the page table and query starts are scalar-prefetched (SMEM), and each page's block index is
-read from the table, so the pipeline DMAs exactly the pages the sequence holds. Pages past the
-sequence's last query position are skipped (their block index repeats the last needed page, so
-nothing more is fetched); positions past a query are masked. MLA passes the rotary query and
+Grid (batch, kv_heads, pages_per_seq / pages_per_block). For one sequence and key/value head
+the kernel keeps the s queries x heads-per-kv-head rows of that head group in VMEM and walks the
+sequence's pages, `pages_per_block` per grid step: the page table and query starts are
+scalar-prefetched (SMEM), and the pages are `pages_per_block` inputs whose block indices are
+read from the table, so the pipeline DMAs exactly the pages the sequence holds, several at a
+time. Pages past the sequence's last query position are skipped (their block index repeats the
+last needed page); positions past a query are masked. MLA passes the rotary query and
 key as a second part whose logits add to the first's.
 
     CPU:  paged_attention(..., interpret=True)   # Pallas interpreter, for tests
@@ -43,12 +44,14 @@ def _precision(dtype) -> jax.lax.Precision:
   return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
-def _kernel(table_ref, start_ref, *refs, scale: float, s: int, group: int, n: int,
-            page_size: int, has_rope: bool):
-  if has_rope:
-    q_ref, k_ref, v_ref, qr_ref, kr_ref, o_ref, m_sc, l_sc, acc_sc = refs
-  else:
-    q_ref, k_ref, v_ref, o_ref, m_sc, l_sc, acc_sc = refs
+def _kernel(table_ref, start_ref, *refs, scale: float, s: int, group: int, blocks: int,
+            page_size: int, per_block: int, has_rope: bool):
+  refs = list(refs)
+  q_ref = refs.pop(0)
+  k_refs, v_refs = refs[:per_block], refs[per_block:2 * per_block]
+  refs = refs[2 * per_block:]
+  qr_ref, kr_refs = (refs[0], refs[1:1 + per_block]) if has_rope else (None, None)
+  o_ref, m_sc, l_sc, acc_sc = refs[-4:]
   b, i = pl.program_id(0), pl.program_id(2)
   start = start_ref[b]
   # Non-negative integers: lax.div (truncating) lowers without the sign fix-up of floor
@@ -61,31 +64,35 @@ def _kernel(table_ref, start_ref, *refs, scale: float, s: int, group: int, n: in
     l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
     acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-  @pl.when(i <= last)
-  def _():
+  def attend(j):
+    """Online-softmax update with the block's j-th page."""
     dims = (((1,), (1,)), ((), ()))  # q [rows, d] . k [page_size, d]^T
-    dot = functools.partial(jax.lax.dot_general, precision=_precision(k_ref.dtype),
+    dot = functools.partial(jax.lax.dot_general, precision=_precision(k_refs[j].dtype),
                             preferred_element_type=jnp.float32)
-    logits = dot(q_ref[...], k_ref[...], dims)
+    logits = dot(q_ref[...], k_refs[j][...], dims)
     if has_rope:
-      logits += dot(qr_ref[...], kr_ref[...], dims)
+      logits += dot(qr_ref[...], kr_refs[j][...], dims)
     logits = logits * scale
     rows = logits.shape[0]
     q_pos = start + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows, page_size), 0),
                                 group)
-    k_pos = i * page_size + jax.lax.broadcasted_iota(jnp.int32, (rows, page_size), 1)
+    k_pos = ((i * per_block + j) * page_size
+             + jax.lax.broadcasted_iota(jnp.int32, (rows, page_size), 1))
     logits = jnp.where(k_pos <= q_pos, logits, MASK_VALUE)
     m_prev = m_sc[...][:, :1]
     m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
     p = jnp.exp(logits - m_new)
     alpha = jnp.exp(m_prev - m_new)
     l_new = alpha * l_sc[...][:, :1] + jnp.sum(p, axis=1, keepdims=True)
-    v = v_ref[...]
+    v = v_refs[j][...]
     acc_sc[...] = alpha * acc_sc[...] + dot(p.astype(v.dtype), v, (((1,), (0,)), ((), ())))
     m_sc[...] = jnp.broadcast_to(m_new, m_sc.shape)
     l_sc[...] = jnp.broadcast_to(l_new, l_sc.shape)
 
-  @pl.when(i == n - 1)
+  for j in range(per_block):
+    pl.when(i * per_block + j <= last)(functools.partial(attend, j))
+
+  @pl.when(i == blocks - 1)
   def _():
     o_ref[...] = (acc_sc[...] / l_sc[...][:, :1]).astype(o_ref.dtype)
 
@@ -101,7 +108,7 @@ def _group_rows(x: jax.Array, kvh: int, rows: int) -> jax.Array:
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     page_table: jax.Array, q_start: jax.Array, *, scale: float,
                     q_rope: Optional[jax.Array] = None, k_rope_pages: Optional[jax.Array] = None,
-                    interpret: Any = False) -> jax.Array:
+                    pages_per_block: int = 8, interpret: Any = False) -> jax.Array:
   """Causal attention of s new queries per sequence over its pages (Pallas TPU kernel).
 
   Args:
@@ -114,15 +121,18 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     scale: softmax scale.
     q_rope: [batch, s, heads, rope_dim] second query part (MLA), or None.
     k_rope_pages: [kv_heads, num_pages, page_size, rope_dim] second key part, or None.
+    pages_per_block: pages one grid step reads (fewer grid steps for small pages).
     interpret: run the kernel in the Pallas interpreter (True, or `pltpu.InterpretParams()`).
 
   Returns:
     [batch, s, heads, v_dim] in q's dtype.
 
   Raises:
-    ValueError: shapes that do not fit together.
+    ValueError: shapes that do not fit together, or pages_per_block < 1.
   """
   check_shapes(q, k_pages, v_pages, page_table, q_start, q_rope, k_rope_pages)
+  if pages_per_block < 1:
+    raise ValueError(f"pages_per_block={pages_per_block}: must be >= 1")
   b, s, h, d = q.shape
   kvh, num_pages, page_size, _ = k_pages.shape
   dv = v_pages.shape[-1]
@@ -135,27 +145,33 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   table = jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1).reshape(-1)
   q_start = q_start.astype(jnp.int32)
 
-  def page_map(b_, h_, i, table_ref, start_ref):
-    last = jax.lax.div(start_ref[b_] + s - 1, page_size)
-    return h_, table_ref[b_ * n + jnp.minimum(i, last)], 0, 0
+  per_block = min(pages_per_block, n)
+  blocks = -(-n // per_block)
+
+  def page_map(j):
+    """Block index of the j-th page of grid step i: pages past the last one any query sees
+    repeat it (the pipeline fetches nothing new for them)."""
+    def index(b_, h_, i, table_ref, start_ref):
+      last = jnp.minimum(jax.lax.div(start_ref[b_] + s - 1, page_size), n - 1)
+      return h_, table_ref[b_ * n + jnp.minimum(i * per_block + j, last)], 0, 0
+    return index
 
   row_map = lambda b_, h_, i, *_: (b_, h_, 0, 0)
-  in_specs = [pl.BlockSpec((None, None, rows, d), row_map),
-              pl.BlockSpec((None, None, page_size, d), page_map),
-              pl.BlockSpec((None, None, page_size, dv), page_map)]
-  args = [_group_rows(q, kvh, rows), k_pages, v_pages]
+  pages = lambda dim: [pl.BlockSpec((None, None, page_size, dim), page_map(j))
+                       for j in range(per_block)]
+  in_specs = [pl.BlockSpec((None, None, rows, d), row_map), *pages(d), *pages(dv)]
+  args = [_group_rows(q, kvh, rows), *[k_pages] * per_block, *[v_pages] * per_block]
   if has_rope:
     dr = q_rope.shape[-1]
-    in_specs += [pl.BlockSpec((None, None, rows, dr), row_map),
-                 pl.BlockSpec((None, None, page_size, dr), page_map)]
-    args += [_group_rows(q_rope, kvh, rows), k_rope_pages]
-  kernel = functools.partial(_kernel, scale=scale, s=s, group=group, n=n, page_size=page_size,
-                             has_rope=has_rope)
+    in_specs += [pl.BlockSpec((None, None, rows, dr), row_map), *pages(dr)]
+    args += [_group_rows(q_rope, kvh, rows), *[k_rope_pages] * per_block]
+  kernel = functools.partial(_kernel, scale=scale, s=s, group=group, blocks=blocks,
+                             page_size=page_size, per_block=per_block, has_rope=has_rope)
   out = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=2,
-          grid=(b, kvh, n),
+          grid=(b, kvh, blocks),
           in_specs=in_specs,
           out_specs=pl.BlockSpec((None, None, rows, dv), row_map),
           scratch_shapes=[pltpu.VMEM((rows, LANES), jnp.float32),  # running max
