@@ -31,8 +31,8 @@ ROW = 128
 ROWS = 4
 # (sequence, fsdp) meshes of the 8 devices
 MESHES = ((2, 4), (4, 2), (8, 1))
-CHECKS = ["kernel ring 8", "kernel all_gather 2", "counts", "model dense 2", "model dense 8",
-          "model moe_mla 4"]
+CHECKS = ["kernel ring 8", "kernel all_gather 2", "counts", "model dense ring 2",
+          "model moe_mla auto 4"]
 
 
 def test_mesh_rejects_row_not_divisible_by_sequence():
@@ -185,8 +185,12 @@ def _loss(model, batch, cfg):
   return loss, (lp, aux["max_logits"])
 
 
-def check_model(name, cfg, seqs):
-  """Tree-packed log-probs, loss, gradients and max logits on each mesh equal one device's."""
+def check_model(name, cfg, seqs, method="auto"):
+  """Tree-packed log-probs, loss, gradients and max logits on each mesh equal one device's.
+
+  The model's attention picks its method by K/V size ("auto": all-gather at these sizes);
+  method "ring" makes it take the ring.
+  """
   trees = [build_tree(g) for g in _groups()]
   tb = pack(trees, ROW, ROWS)
   assert len(tb) == 1, len(tb)
@@ -207,13 +211,18 @@ def check_model(name, cfg, seqs):
   (ref_loss, (ref_lp, ref_max)), ref_grad = jax.jit(step, static_argnums=3)(params, rest, batch,
                                                                             None)
   valid = np.asarray(batch["weight"]) > 0
+  limit = context_parallel.ALL_GATHER_MAX_BYTES
   for seq in seqs:
     mesh = _mesh(seq)
     with jax.set_mesh(mesh):
       _, p, r = nnx.split(sharding.shard_model(model, mesh), nnx.Param, ...)
       bs = {k: jax.device_put(a, sharding.batch_sharding(cfg, mesh, a.ndim))
             for k, a in batch.items()}
-      (loss, (lp, max_logits)), grad = jax.jit(step, static_argnums=3)(p, r, bs, cfg)
+      try:
+        context_parallel.ALL_GATHER_MAX_BYTES = 0 if method == "ring" else limit
+        (loss, (lp, max_logits)), grad = jax.jit(step, static_argnums=3)(p, r, bs, cfg)
+      finally:
+        context_parallel.ALL_GATHER_MAX_BYTES = limit
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(lp)[valid], np.asarray(ref_lp)[valid], rtol=1e-5,
                                atol=1e-6)
@@ -222,7 +231,7 @@ def check_model(name, cfg, seqs):
     for (path, a), b in zip(flat, jax.tree.leaves(ref_grad)):
       err, norm = float(jnp.linalg.norm(a - b)), float(jnp.linalg.norm(b))
       assert err <= 1e-5 * norm + 1e-7, (jax.tree_util.keystr(path), err, norm)
-    print(f"ok model {name} {seq}: |Δloss|={abs(float(loss - ref_loss)):.1e}")
+    print(f"ok model {name} {method} {seq}: |Δloss|={abs(float(loss - ref_loss)):.1e}")
 
 
 def main():
@@ -235,8 +244,10 @@ def main():
                       else [("ring", 8), ("all_gather", 2)]):
     check_kernel(method, seq)
   check_counts()
-  check_model("dense", TINY_DENSE, seqs if every else (2, 8))
-  check_model("moe_mla", TINY_MOE_MLA, seqs if every else (4,))
+  for method in ("ring", "auto") if every else ("ring",):
+    check_model("dense", TINY_DENSE, seqs if every else (2,), method)
+  for method in ("ring", "auto") if every else ("auto",):
+    check_model("moe_mla", TINY_MOE_MLA, seqs if every else (4,), method)
   sys.stdout.flush()
 
 
