@@ -99,9 +99,11 @@ def write_pages(pages: jax.Array, new: jax.Array, page_table: jax.Array, index: 
 
 
 def _paged_attention(q, k_pages, v_pages, page_table, q_start, **kwargs):
-  """Paged attention through the Pallas TPU kernel when kernels target a TPU, else the XLA
-  reference (`models.kernels.paged_attention.paged_attention`, same arguments)."""
-  if target_platform() == "tpu":
+  """Paged attention: decode steps (one query per row) through the Pallas TPU kernel when
+  kernels target a TPU; else, and for prefill chunks (whose query rows would not fit the
+  kernel's VMEM blocks), the XLA reference (`models.kernels.paged_attention.paged_attention`,
+  same arguments)."""
+  if target_platform() == "tpu" and q.shape[1] == 1:
     return paged_attention_tpu.paged_attention(q, k_pages, v_pages, page_table, q_start,
                                                **kwargs)
   return paged_attention(q, k_pages, v_pages, page_table, q_start, **kwargs)

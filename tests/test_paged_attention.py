@@ -5,6 +5,7 @@ writes of models/attention.py, and the kernel and the engine's paged decode prog
 for TPU by libtpu's compiler."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -152,10 +153,16 @@ def test_kernel_compiles_for_tpu(rope):
   assert "tpu_custom_call" in compiled.as_text()
 
 
+def kernel_calls(compiled) -> int:
+  """Calls of the paged attention kernel in a compiled program (its Mosaic custom calls)."""
+  return len(re.findall(r"^\s*%paged_attention[.\d]* = .*custom-call\(", compiled.as_text(),
+                        re.MULTILINE))
+
+
 @pytest.mark.parametrize("cfg", [TINY_DENSE, TINY_MOE_MLA], ids=["gqa", "moe_mla"])
 def test_engine_paged_decode_compiles_for_tpu(cfg):
   """The engine's paged decode call (`sampler.decode_paged`, bf16 tiny model) traced for TPU
-  takes the Pallas kernel in every layer and compiles."""
+  takes the Pallas kernel in every layer and compiles; its prefill call compiles too."""
   _, devices = aot.topology_devices("v5p:2x2x1")
   sharding = jax.sharding.SingleDeviceSharding(devices[0])
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -173,6 +180,9 @@ def test_engine_paged_decode_compiles_for_tpu(cfg):
   # conftest sets "highest" for the CPU references; Mosaic takes no fp32 contraction of bf16
   with kernels.compile_for("tpu"), jax.default_matmul_precision("default"):
     compiled = sampler.decode_paged.lower(graphdef, 8, 0, False, *args).compile()
-  text = compiled.as_text()
-  assert "paged_attention" in text
-  assert text.count("tpu_custom_call") >= cfg.num_layers
+  assert kernel_calls(compiled) == cfg.num_layers
+  # prefill chunks take the XLA reference (their query rows would not fit the kernel's blocks)
+  with kernels.compile_for("tpu"), jax.default_matmul_precision("default"):
+    compiled = sampler.prefill_paged.lower(graphdef, state, pages, i32(2, n), i32(2, 64),
+                                           i32(2)).compile()
+  assert kernel_calls(compiled) == 0
