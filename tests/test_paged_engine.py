@@ -1,8 +1,9 @@
 """The engine with a paged KV cache (models/paged_cache.py) against the contiguous engine.
 
-- Same tokens, log-probs, entropies and MoE expert ids as the contiguous engine (and log-probs
-  equal to a teacher-forced forward pass) for a dense GQA and a MoE + MLA model, greedy and
-  seeded sampling, requests of different lengths and a group sharing a prompt.
+- Same tokens, log-probs, top log-probs, entropies, stop-string cuts and MoE expert ids as the
+  contiguous engine (and log-probs equal to a teacher-forced forward pass) for a dense GQA and
+  a MoE + MLA model, greedy and seeded sampling, requests of different lengths and a group
+  sharing a prompt.
 - A group of G requests with one prompt prefills it once and shares its pages; the shared
   partial last page is copied on write.
 - With fewer pages than slots x max_seq_len positions, the engine admits by free pages,
@@ -34,7 +35,7 @@ MAX_LEN = 96
 PAGE = 8
 CONFIG = EngineConfig(slots=4, max_seq_len=MAX_LEN, prefix_cache_rows=4, min_prefix=4,
                       prefill_chunk=32, prefill_bucket=32, prefill_rows=2, steps_per_call=8,
-                      max_stop_token_ids=4, page_size=PAGE)
+                      max_stop_token_ids=4, top_logprobs=2, page_size=PAGE)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def models(dense_model, moe_mla_model):
 
 def make_engine(model, **changes):
   cfg = dataclasses.replace(CONFIG, return_expert_ids=model.cfg.is_moe, **changes)
-  return Engine(model, cfg)
+  return Engine(model, cfg, detokenize=lambda ids: "".join(f"<{i}>" for i in ids))
 
 
 def workload(vocab, seed=0):
@@ -55,6 +56,7 @@ def workload(vocab, seed=0):
   params = [SamplingParams(max_tokens=int(n), temperature=t, seed=i)
             for i, (n, t) in enumerate(zip((12, 20, 7, 16, 11, 9, 14, 10),
                                            (0, 0.9, 0, 1.0, 0.7, 1.0, 0, 0.8)))]
+  params[1] = dataclasses.replace(params[1], stop=["1"])  # any token id with a digit 1
   return prompts, params
 
 
@@ -64,6 +66,11 @@ def assert_same(a, b):
     assert x.finish_reason == y.finish_reason
     np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
     np.testing.assert_allclose(x.entropies, y.entropies, atol=1e-5)
+    if x.top_logprobs is not None:
+      assert [[i for i, _ in t] for t in x.top_logprobs] == [[i for i, _ in t]
+                                                             for t in y.top_logprobs]
+      np.testing.assert_allclose([[p for _, p in t] for t in x.top_logprobs],
+                                 [[p for _, p in t] for t in y.top_logprobs], atol=1e-5)
     if x.expert_ids is not None:
       np.testing.assert_array_equal(x.expert_ids, y.expert_ids)
 
@@ -77,6 +84,7 @@ def test_paged_equals_contiguous(which, models):
   got = eng.generate(prompts, params)
   assert_same(want, got)
   check_logprobs(model, prompts, got)
+  assert got[1].finish_reason == "stop" and "1" in "".join(f"<{i}>" for i in got[1].output_ids)
   c = eng.counters
   assert c["pages_shared"] > 0 and c["cache_hits"] >= 2
   if model.cfg.is_moe:
