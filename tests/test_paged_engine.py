@@ -6,6 +6,7 @@
   sharing a prompt.
 - A group of G requests with one prompt prefills it once and shares its pages; the shared
   partial last page is copied on write.
+- Branches of an episode's next turn take the previous turn's pages (also with few pages).
 - With fewer pages than slots x max_seq_len positions, the engine admits by free pages,
   preempts (and recomputes) when pages run out, and finishes a workload with the tokens of an
   unconstrained run, running more requests at once than a contiguous pool of the same memory
@@ -105,6 +106,35 @@ def test_group_shares_prompt_pages(models):
   # prompt's partial page and the page the decode call writes into)
   assert c["pages_peak"] == 3 + 4 * 2
   check_logprobs(model, [prompt] * 4, outs)
+
+
+def test_branched_turns_share_pages(models):
+  """Two branches of each episode's second turn extend its first turn (prompt + output + new
+  tokens): they take the first turn's pages (cached_tokens) and decode as the contiguous
+  engine does, also when few pages force evictions and preemptions."""
+  model = models["dense"]
+  vocab = model.cfg.vocab_size
+  rng = np.random.default_rng(6)
+  prompts = random_prompts(rng, (12, 20, 9), vocab)
+  first = SamplingParams(max_tokens=10, temperature=1.0, seed=1)
+  results = {}
+  for name, changes in [("contiguous", {}), ("paged", {"cache": "paged"}),
+                        ("tight", {"cache": "paged", "num_pages": 16})]:
+    eng = make_engine(model, **changes)
+    turn1 = eng.generate(prompts, first)
+    turn2 = [p + o.output_ids + random_prompts(np.random.default_rng(i), [3 + b], vocab)[0]
+             for i, (p, o) in enumerate(zip(prompts, turn1)) for b in range(2)]
+    outs = eng.generate(turn2, SamplingParams(max_tokens=12, temperature=1.0, seed=2))
+    results[name] = (turn1 + outs, eng.counters, [o.cached_tokens for o in outs])
+  want, _, cached = results["contiguous"]
+  for name in ("paged", "tight"):
+    got, counters, got_cached = results[name]
+    assert_same(want, got)
+    assert counters["pages_shared"] > 0
+  assert results["paged"][2] == cached
+  assert all(c >= len(prompts[i // 2]) + 9 for i, c in enumerate(cached))  # the first turn
+  tight = results["tight"][1]
+  assert tight["pages_peak"] <= 16 and tight["evictions"] > 0
 
 
 def test_admission_by_pages_and_preemption(models):
