@@ -12,15 +12,28 @@ decode step (its `rl.concurrency` slots of `rl.max_context_tokens`) are compiled
 XLA TPU compiler on this machine (no TPU) and set beside the arithmetic's per-chip memory and
 roofline step. `--update_docs` rewrites the "compiled" block of docs/scaling.md (between
 `<!-- aot:start -->` and `<!-- aot:end -->`) from every plan with a JSON in --out_dir.
+
+Long-context plans (`LONG_PLANS`, the "Long contexts" section of docs/scaling.md between
+`<!-- aot-long:start -->` and `<!-- aot-long:end -->`) train rows of 65,536 or 131,072 tokens
+(the `-128k` YaRN presets; RoPE settings do not change the cost) with the same tokens per step
+(256 rows of 32,768), with and without a `sequence` (context-parallel) mesh axis. Their train
+step is compiled (`--programs` defaults to train for them); their estimate is arithmetic scaled
+from the 32,768-token sizing (`long_estimate`), and the compiled roofline gets the causal
+attention FLOPs added, which the compiled count leaves out (`attention_flops`).
+
+    python -m benchmarks.aot_plans --plans=long --out_dir=docs/aot --update_docs
+    python -m benchmarks.aot_plans --docs_only --out_dir=docs/aot --update_docs  # tables only
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import time
+from typing import NamedTuple
 
 from benchmarks import common, sizing
 from configs import rl as rl_config
@@ -28,6 +41,7 @@ from models.presets import get_preset
 from trainer import aot
 
 PROGRAMS = ("train", "score", "decode")  # prefill: `--programs` (the unrolled engine model)
+LONG_PROGRAMS = ("train",)  # long-context plans: the train step (compiles take minutes each)
 
 # the residual stream (and the layer inputs full remat saves) split over `tensor`
 SPLIT_RESIDUAL = {"sharding_rules": {"act_embed": "tensor"}}
@@ -61,9 +75,53 @@ PLANS = {
 ROW_LEN, SEQ_LEN = 32768, 8192  # docs/scaling.md: one trajectory's trie fills a row
 
 
+class Plan(NamedTuple):
+  """A compiled plan: model, slice, mesh, batch shape."""
+  preset: str  # models/presets.py name
+  family: str  # configs/rl.py argument
+  topology: str  # libtpu topology, "GEN:AxB[xC]"
+  slice: str  # the sizing arithmetic's slice name (benchmarks/sizing.py)
+  mesh: dict  # axis -> size (fsdp, tensor, expert, sequence)
+  remat: str  # ModelConfig.remat
+  micro_batches: int  # micro-batches per step
+  overrides: dict  # further ModelConfig fields
+  row_len: int = ROW_LEN  # training row length (tokens)
+
+
+# Long rows: the same 8.4M tokens per step as the 32,768-token plans (256 rows); rows per
+# micro-batch = the batch shards (data x fsdp x expert), each row split over `sequence`.
+_QWEN32_LONG = ("qwen2.5-coder-32b-128k", "qwen2.5-coder", "v5p:4x4x4", "v5p-128")
+_DSV3_LONG = ("deepseek-v3", "deepseek-v3", "v5p:8x8x8", "v5p-1024")
+_DSV3_MOE = {"moe_dispatch": "all_to_all", "moe_dispatch_chunk": 1024, **SPLIT_RESIDUAL}
+LONG_PLANS = {
+    # the 32,768-token plan's mesh, then the residual stream split over tensor 4
+    "qwen32b-v5p-64k": Plan(*_QWEN32_LONG, {"fsdp": 64, "tensor": 1}, "full", 2, {}, 65536),
+    "qwen32b-v5p-64k-tp4": Plan(*_QWEN32_LONG, {"fsdp": 16, "tensor": 4}, "full", 8,
+                                SPLIT_RESIDUAL, 65536),
+    "qwen32b-v5p-128k-tp4": Plan(*_QWEN32_LONG, {"fsdp": 16, "tensor": 4}, "full", 4,
+                                 SPLIT_RESIDUAL, 131072),
+    # context parallelism: each row over 4 chips, 32,768 positions per chip
+    "qwen32b-v5p-128k-cp4": Plan(*_QWEN32_LONG, {"fsdp": 16, "tensor": 1, "sequence": 4},
+                                 "full", 4, {}, 131072),
+    # the 32,768-token plan's mesh (fsdp 8 x tensor 8 x expert 8) at 64K and 128K rows
+    "dsv3-v5p-64k": Plan(*_DSV3_LONG, {"fsdp": 8, "tensor": 8, "expert": 8}, "full", 2,
+                         _DSV3_MOE, 65536),
+    "dsv3-v5p-128k": Plan(*_DSV3_LONG, {"fsdp": 8, "tensor": 8, "expert": 8}, "full", 1,
+                          _DSV3_MOE, 131072),
+    # the same mesh 4 times over `sequence`: 2,048 chips, 32,768 positions per chip
+    "dsv3-v5p-128k-cp4": Plan("deepseek-v3", "deepseek-v3", "v5p:8x16x16", "v5p-4096",
+                              {"fsdp": 8, "tensor": 8, "expert": 8, "sequence": 4}, "full", 1,
+                              _DSV3_MOE, 131072),
+}
+PLANS = {name: Plan(*plan) for name, plan in PLANS.items()}
+ALL_PLANS = {**PLANS, **LONG_PLANS}
+
+
 def plan_config(name: str):
   """The RL config of plan `name` (no files needed: model.init stays random)."""
-  preset, family, _, _, mesh, remat, micro_batches, overrides = PLANS[name]
+  plan = ALL_PLANS[name]
+  preset, family, mesh, remat, micro_batches, overrides = (
+      plan.preset, plan.family, plan.mesh, plan.remat, plan.micro_batches, plan.overrides)
   c = rl_config.get_config(family)
   c.model.preset, c.model.init = preset, "random"
   c.optimizer.name = "muon"  # as the sizing arithmetic assumes
@@ -72,7 +130,10 @@ def plan_config(name: str):
   c.model.overrides.update(overrides)
   c.mesh.data, c.mesh.expert = 1, mesh.get("expert", 1)
   c.mesh.fsdp, c.mesh.tensor = mesh["fsdp"], mesh["tensor"]
-  c.data.row_len, c.data.seq_len = ROW_LEN, SEQ_LEN
+  if mesh.get("sequence", 1) > 1:
+    c.mesh.sequence = mesh["sequence"]
+  c.data.row_len, c.data.seq_len = plan.row_len, SEQ_LEN
+  c.rl.max_context_tokens = max(c.rl.max_context_tokens, plan.row_len)
   batch_shards = mesh["fsdp"] * mesh.get("expert", 1)
   c.data.rows_per_batch = c.data.max_seqs = batch_shards  # one row per batch shard
   c.data.microbatches = micro_batches
@@ -82,7 +143,7 @@ def plan_config(name: str):
 def estimate(name: str) -> dict:
   """The sizing arithmetic's figures for the plan: per-chip GB (`sizing.memory_per_chip`) and
   the roofline step (`sizing.step_time`: seconds, and its ICI part over the step)."""
-  preset, _, _, slice_, mesh, remat, _, _ = PLANS[name]
+  preset, _, _, slice_, mesh, remat, _, _, _ = PLANS[name]
   cfg, m = get_preset(preset), sizing.Mesh(mesh["fsdp"], mesh["tensor"], mesh.get("expert", 1))
   memory = sizing.memory_per_chip(cfg, m, remat, "muon")
   chip, _ = sizing.slice_chips(slice_)
@@ -91,16 +152,78 @@ def estimate(name: str) -> dict:
           "ici_s": round(step["ici"] * step["micro_batches"], 2)}
 
 
+def attention_seconds(name: str) -> float:
+  """Per-chip compute seconds of a step's causal attention (`attention_flops` / peak)."""
+  plan = ALL_PLANS[name]
+  cfg, mesh = get_preset(plan.preset), plan.mesh
+  chip, _ = sizing.slice_chips(plan.slice)
+  chips = math.prod(mesh.values())
+  tokens = plan.micro_batches * mesh["fsdp"] * mesh.get("expert", 1) * plan.row_len
+  return attention_flops(cfg, plan.row_len, tokens, plan.remat, mesh.get("sequence", 1)) / (
+      chips * chip.peak_flops)
+
+
+def attention_flops(cfg, row_len: int, tokens: int, remat: str, sequence: int = 1) -> float:
+  """FLOPs of causal attention over full rows, all chips together, as the slowest chip sets
+  the pace.
+
+  Per query and layer, QK and PV cost 2 x heads x (qk width + value width) per key; a causal
+  row's queries see row_len / 2 keys on average. Passes: forward, backward (2x), and the
+  forward again under full remat. Rows split into `sequence` contiguous chunks leave the last
+  chunk's chip (queries at the end of the row) with 2 - 1/sequence times the average keys.
+
+  Args:
+    cfg: the model config.
+    row_len: tokens per row.
+    tokens: row positions per step.
+    remat: the remat policy ("full" adds a forward pass).
+    sequence: the context-parallel axis size.
+
+  Returns:
+    The step's attention FLOPs (times chips: divide by the chips for per-chip FLOPs).
+  """
+  passes = 3 + (remat == "full")
+  keys = row_len / 2 * (2 - 1 / sequence)
+  return (2 * cfg.num_layers * cfg.num_heads * (cfg.qk_head_dim + cfg.value_head_dim) * keys
+          * tokens * passes)
+
+
+def long_estimate(name: str) -> dict:
+  """Arithmetic for a long-context plan: `sizing.memory_per_chip` at 32,768 tokens per chip
+  with its token-proportional items (saved activations, the layer working set) scaled to the
+  plan's row_len / sequence tokens per chip (the saved activations also split over `tensor`
+  when the plan splits the residual stream); the compute roofline of the step (matmuls over
+  every row position, 2 x active parameters per pass, plus `attention_flops`)."""
+  plan = ALL_PLANS[name]
+  cfg, mesh = get_preset(plan.preset), plan.mesh
+  m = sizing.Mesh(mesh["fsdp"], mesh["tensor"], mesh.get("expert", 1))
+  memory = sizing.memory_per_chip(cfg, m, plan.remat, "muon")
+  scale = plan.row_len / mesh.get("sequence", 1) / sizing.ROW
+  for item in ("activations", "layer working set"):
+    memory[item] *= scale
+  if plan.overrides.get("sharding_rules", {}).get("act_embed") == "tensor":
+    memory["activations"] /= mesh["tensor"]  # the saved layer inputs split over tensor
+  chip, _ = sizing.slice_chips(plan.slice)
+  chips = math.prod(mesh.values())
+  tokens = plan.micro_batches * m.batch_shards * plan.row_len
+  matmuls = 2 * sizing.active_matmul_params(cfg) * tokens * (3 + (plan.remat == "full"))
+  attention = attention_seconds(name)
+  return {"gb": round(sum(memory.values()), 1), "attention_s": round(attention, 2),
+          "step_s": round(matmuls / chips / chip.peak_flops + attention, 2)}
+
+
 def run(name: str, programs=PROGRAMS, search: bool = False) -> dict:
   """Compiles plan `name`; the aot report plus the plan, the estimate and, with `search`, the
   settings tried when the train step does not fit (`aot.search`)."""
   t0 = time.perf_counter()
   config = plan_config(name)
-  report = aot.compile_run(config, PLANS[name][2], programs)
+  report = aot.compile_run(config, ALL_PLANS[name].topology, programs)
   report["plan"] = name
-  report["estimate"] = estimate(name)
+  report["estimate"] = long_estimate(name) if name in LONG_PLANS else estimate(name)
+  if name in LONG_PLANS:
+    report["preset"] = ALL_PLANS[name].preset
   if search:
-    report["search"] = aot.search(config, PLANS[name][2], report)
+    report["search"] = aot.search(config, ALL_PLANS[name].topology, report)
   report["wall_s"] = round(time.perf_counter() - t0, 1)
   return report
 
@@ -155,34 +278,78 @@ def markdown(reports: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def long_markdown(reports: list[dict]) -> str:
+  """The docs table of the long-context plans: compiled vs estimated HBM per chip and step."""
+  lines = [f"Compiled {common.today()} on {common.machine()} with libtpu (no TPU); "
+           "`python -m benchmarks.aot_plans --plans=long --out_dir=docs/aot --update_docs`. "
+           "Each step trains 256 x 32,768 = 8.4M row positions. **Compiled** HBM is the train "
+           "step's peak with the resident optimizer state; the compiled step is the compiled "
+           "roofline with the causal attention's compute added (`attention s`: the compiler's "
+           "FLOP count leaves the attention kernel out); **estimate** columns are the "
+           "arithmetic (`aot_plans.long_estimate`).", "",
+           "| plan | model | slice (chips) | row tokens | mesh | sequence axis | train peak GB / "
+           "chip (compiled) | estimate | fits? | attention s | step s (compiled + attention) | "
+           "estimate | compile s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in reports:
+    p, est, peak = r["programs"], r["estimate"], r.get("train_peak_gb", {})
+    g, u = p.get("train/gradients", {}), p.get("train/update", {})
+    refused = "error" in g or "error" in u
+    mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items() if v > 1)
+    seq = r["mesh"].get("sequence", 1)
+    attention = attention_seconds(r["plan"])
+    if refused or not peak:
+      train, fits, step = (f"> {peak['total']:.1f} (refused)" if peak else "-"), "no", "-"
+    else:
+      roof = g["roofline_s"]
+      step_s = max(roof["compute"] + attention, roof["hbm"], roof["ici"]) + \
+          u["roofline_s"]["step"]
+      train, fits, step = f"{peak['total']:.1f}", "yes" if peak["fits"] else "no", f"{step_s:.1f}"
+    lines.append(
+        f"| {r['plan']} | {r.get('preset', '-')} | {r['topology']} ({r['chips']}) | "
+        f"{r['batch']['row_len']:,} | {mesh} | {seq if seq > 1 else 'none'} | {train} | "
+        f"{est['gb']} | {fits} | {attention:.1f} | {step} | {est['step_s']} | "
+        f"{sum(x['compile_s'] for x in p.values()):.0f} |")
+  return "\n".join(lines)
+
+
 def _total(program: dict | None) -> str:
   if program is None:
     return "-"
   return "no fit" if "error" in program else f"{program['hbm_gb']['total']:.1f}"
 
 
-def write_docs(block: str) -> None:
-  """Replaces the aot block of docs/scaling.md."""
+def write_docs(block: str, tag: str = "aot") -> None:
+  """Replaces the `tag` block of docs/scaling.md ("aot", or "aot-long" for long contexts)."""
   with open(sizing.DOC) as f:
     text = f.read()
-  new = re.sub(r"<!-- aot:start -->.*<!-- aot:end -->",
-               lambda _: f"<!-- aot:start -->\n{block}\n<!-- aot:end -->", text, flags=re.S)
+  new = re.sub(rf"<!-- {tag}:start -->.*<!-- {tag}:end -->",
+               lambda _: f"<!-- {tag}:start -->\n{block}\n<!-- {tag}:end -->", text, flags=re.S)
   with open(sizing.DOC, "w") as f:
     f.write(new)
 
 
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--plans", default=",".join(PLANS), help=f"comma-separated, of {list(PLANS)}")
+  p.add_argument("--plans", default=",".join(PLANS),
+                 help=f"comma-separated, of {list(ALL_PLANS)}; 'long' = {list(LONG_PLANS)}")
   p.add_argument("--out_dir", default="", help="also write <plan>.json here")
   p.add_argument("--update_docs", action="store_true", help="rewrite docs/scaling.md's block")
-  p.add_argument("--programs", default=",".join(PROGRAMS), help=f"of {aot.PROGRAMS}")
+  p.add_argument("--programs", default="",
+                 help=f"of {aot.PROGRAMS}; default {PROGRAMS}, long-context plans {LONG_PROGRAMS}")
   p.add_argument("--search", action="store_true",
                  help="when a train step does not fit, compile alternatives (aot.search)")
+  p.add_argument("--docs_only", action="store_true",
+                 help="compile nothing: rewrite the docs blocks from the JSONs in --out_dir")
   args = p.parse_args()
+  names = ",".join(LONG_PLANS) if args.plans == "long" else args.plans
   reports = []
-  for name in args.plans.split(","):
-    report = run(name, tuple(args.programs.split(",")), args.search)
+  for name in [] if args.docs_only else names.split(","):
+    if name not in ALL_PLANS:
+      p.error(f"--plans: {name!r} is not one of {list(ALL_PLANS)}")
+    default = LONG_PROGRAMS if name in LONG_PLANS else PROGRAMS
+    programs = tuple(args.programs.split(",")) if args.programs else default
+    report = run(name, programs, args.search)
     print(json.dumps(report), flush=True)
     if args.out_dir:
       os.makedirs(args.out_dir, exist_ok=True)
@@ -190,15 +357,16 @@ def main() -> None:
         json.dump(report, f, indent=1)
     reports.append(report)
   if args.update_docs:  # every plan with a report in --out_dir, in PLANS order
-    if args.out_dir:
-      done = {r["plan"]: r for r in reports}
-      for name in PLANS:
-        path = os.path.join(args.out_dir, f"{name}.json")
-        if name not in done and os.path.isfile(path):
-          with open(path) as f:
-            done[name] = json.load(f)
-      reports = [done[n] for n in PLANS if n in done]
-    write_docs(markdown(reports))
+    done = {r["plan"]: r for r in reports}
+    for name in ALL_PLANS if args.out_dir else ():
+      path = os.path.join(args.out_dir, f"{name}.json")
+      if name not in done and os.path.isfile(path):
+        with open(path) as f:
+          done[name] = json.load(f)
+    if any(n in done for n in PLANS):
+      write_docs(markdown([done[n] for n in PLANS if n in done]))
+    if any(n in done for n in LONG_PLANS):
+      write_docs(long_markdown([done[n] for n in LONG_PLANS if n in done]), "aot-long")
 
 
 if __name__ == "__main__":

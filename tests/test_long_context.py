@@ -229,3 +229,38 @@ def test_long_context_config_applies_the_yarn_recipe(tmp_path):
         {f: getattr(PRESETS[want], f) for f in ROPE_FIELDS}
     assert cfg.max_position_embeddings >= c.data.row_len == long_context.ROW_LEN
     assert c.data.row_len % c.mesh.sequence == 0
+
+
+# --- ahead-of-time plans for long rows (benchmarks/aot_plans.py; compiled by hand, see
+# docs/scaling.md "Long contexts")
+
+
+@pytest.mark.parametrize("sequence", [1, 4])
+def test_attention_flops_count_the_slowest_shards_causal_pairs(sequence):
+  from benchmarks import aot_plans
+
+  cfg, length = get_preset("tiny-moe-mla-yarn"), 4096
+  chunk = length // sequence
+  i = np.arange(length - chunk, length)  # the last shard's queries; query i sees i + 1 keys
+  pairs = (i + 1).sum()
+  per_pair = 2 * cfg.num_layers * cfg.num_heads * (cfg.qk_head_dim + cfg.value_head_dim)
+  got = aot_plans.attention_flops(cfg, length, length, "full", sequence) / sequence
+  assert got == pytest.approx(pairs * per_pair * 4, rel=2e-3)  # fwd, bwd (2x), remat fwd
+
+
+def test_long_plans_configs():
+  from benchmarks import aot_plans
+  from trainer import config as config_lib
+
+  assert {p.row_len for p in aot_plans.LONG_PLANS.values()} == {65536, 131072}
+  for name, plan in aot_plans.LONG_PLANS.items():
+    c = aot_plans.plan_config(name)
+    chips = int(np.prod(list(plan.mesh.values())))
+    shape = dict(zip(("data", "fsdp", "tensor", "expert", "sequence"),
+                     config_lib.mesh_shape(c, chips)))
+    assert shape["sequence"] == plan.mesh.get("sequence", 1) and c.data.row_len == plan.row_len
+    # the same tokens per step as the 32,768-token plans: 256 rows
+    assert c.data.microbatches * c.data.rows_per_batch * plan.row_len == 256 * 32768, name
+    assert config_lib.model_config(c).max_position_embeddings >= plan.row_len
+    est = aot_plans.long_estimate(name)
+    assert 0 < est["attention_s"] < est["step_s"]
