@@ -118,10 +118,11 @@ def _tree_ends(rng, rows, length):
 def check_kernel(method, seq):
   """Forward, max logits and gradients equal the "xla" reference on random tree rows."""
   rng = np.random.default_rng(seq)
-  b, h, kvh, d = 2, 4, 2, 8
-  q, k, v = (jnp.asarray(rng.normal(size=(b, ROW, n, d)), jnp.float32) for n in (h, kvh, kvh))
+  b, h, kvh, d, dv = 2, 4, 2, 8, 6
+  q, k, v = (jnp.asarray(rng.normal(size=(b, ROW, n, e)), jnp.float32)
+             for n, e in ((h, d), (kvh, d), (kvh, dv)))
   end = jnp.asarray(_tree_ends(rng, b, ROW))
-  w = jnp.asarray(rng.normal(size=(b, ROW, h, d)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(b, ROW, h, dv)), jnp.float32)
 
   def loss(attend):
     def f(q, k, v):

@@ -11,7 +11,10 @@ rows; a key block [k0, k1) is visible to the shard's queries [q_lo, q_hi] iff
     k0 <= q_hi  and  max(end[k0:k1]) > q_lo,
 
 and a block that fails the test is skipped with `lax.cond` (no matmul). The test needs only
-the block's start and the maximum of its `end` values, which travel with the chunk.
+the block's start and the maximum of its `end` values, which travel with the chunk. A visible
+block is seen only by the contiguous queries [k0, max(end[k0:k1])), so it is computed against
+the query blocks of that range only (a tree row of many short subtrees costs what its mask
+allows, not C x C per chunk pair).
 `expected_block_counts` gives, with NumPy, how many blocks each shard computes;
 `tree_attention(..., return_counts=True)` reports what the kernel did.
 
@@ -22,7 +25,8 @@ with `lax.ppermute`. A chunk from a later shard is skipped whole. The forward ke
 output and each query's log-sum-exp. The backward (a custom VJP, the flash backward with
 recomputed probabilities) runs the same ring again: dQ accumulates on the query's shard, and
 each chunk's dK/dV accumulators travel with it and take one last step home. A shard holds
-two chunks of K/V (its own and the visiting one) and [C, block] probabilities at a time.
+two chunks of K/V (its own and the visiting one) and one [block, block] tile of
+probabilities at a time.
 
 All-gather ("all_gather"). One `all_gather` of K/V/end along the axis, then the same
 per-chunk loop; its backward gathers again and reduce-scatters dK/dV (`psum_scatter`). It
@@ -229,27 +233,51 @@ def _chunks(cfg, k, v, end, visit, state, carried=()):
                       for a in acc)
 
 
-def _blocks(cfg, kr, er, src, fn, carry):
-  """fn(carry, k0) over the key blocks of a chunk (from shard src) visible to this shard."""
+def _blocks(cfg, kr, er, src, fn, carry, per_key_block=None):
+  """Runs fn(carry, k0, q0) on the (query block, key block) tiles that can hold an allowed pair.
+
+  Key blocks [k0, k1) of the chunk of shard `src` that fail the shard test are skipped; for
+  the others, the queries that can see any of their keys are the contiguous rows [k0,
+  max(end[k0:k1])), so only the query blocks meeting that range run (a dynamic trip count:
+  the loops are never differentiated, the backward being explicit).
+  `per_key_block(carry, k0, fn_loop)` wraps the query loop of a visible key block.
+  """
   c, bk = cfg.chunk, cfg.block
   q_lo = jax.lax.axis_index(cfg.seq) * c
   kmax = er.reshape(c // bk, bk).max(-1)
 
   def body(j, carry):
-    visible = (src * c + j * bk <= q_lo + c - 1) & (kmax[j] > q_lo)
-    return jax.lax.cond(visible, lambda x: fn(x, j * bk), lambda x: x, carry)
+    k0 = j * bk
+    start = src * c + k0  # the block's first key, a row index
+    visible = (start <= q_lo + c - 1) & (kmax[j] > q_lo)
+
+    def queries(carry):
+      first = jnp.maximum(start - q_lo, 0) // bk
+      last = (jnp.minimum(kmax[j] - q_lo, c) - 1) // bk
+      return jax.lax.fori_loop(first, last + 1, lambda qi, x: fn(x, k0, qi * bk), carry)
+
+    run = queries if per_key_block is None else lambda x: per_key_block(x, k0, queries)
+    return jax.lax.cond(visible, run, lambda x: x, carry)
 
   return jax.lax.fori_loop(0, c // bk, body, carry)
 
 
-def _block_logits(cfg, qr, kb, eb, src, k0):
-  """Masked scaled logits [kv_heads, groups, C, block] fp32 of a key block, and the mask."""
+def _block_logits(cfg, qb, kb, eb, src, k0, q0):
+  """Masked scaled logits [kv_heads, groups, block, block] fp32 of a tile, and its mask."""
   c = cfg.chunk
-  i = jax.lax.axis_index(cfg.seq) * c + jnp.arange(c)
+  i = jax.lax.axis_index(cfg.seq) * c + q0 + jnp.arange(qb.shape[0])
   jj = src * c + k0 + jnp.arange(kb.shape[0])
-  s = jnp.einsum("qkgd,skd->kgqs", qr, kb, preferred_element_type=jnp.float32) * cfg.scale
+  s = jnp.einsum("qkgd,skd->kgqs", qb, kb, preferred_element_type=jnp.float32) * cfg.scale
   mask = (jj[None, :] <= i[:, None]) & (i[:, None] < eb[None, :])
   return jnp.where(mask, s, MASK_VALUE), mask
+
+
+def _slice(x, start, size, axis):
+  return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def _put(x, update, start, axis):
+  return jax.lax.dynamic_update_slice_in_dim(x, update, start, axis=axis)
 
 
 def _forward_local(cfg, q, k, v, end):
@@ -263,19 +291,22 @@ def _forward_local(cfg, q, k, v, end):
     def row(args):
       qr, kr, vr, er, m, l, acc, count = args
 
-      def block(carry, k0):
+      def tile(carry, k0, q0):
         m, l, acc, count = carry
-        kb, vb, eb = (jax.lax.dynamic_slice_in_dim(x, k0, bk) for x in (kr, vr, er))
-        s, mask = _block_logits(cfg, qr, kb, eb, src, k0)
-        m_new = jnp.maximum(m, s.max(-1))
+        kb, vb, eb = (_slice(x, k0, bk, 0) for x in (kr, vr, er))
+        s, mask = _block_logits(cfg, _slice(qr, q0, bk, 0), kb, eb, src, k0, q0)
+        m_b, l_b, acc_b = _slice(m, q0, bk, 2), _slice(l, q0, bk, 2), _slice(acc, q0, bk, 2)
+        m_new = jnp.maximum(m_b, s.max(-1))
         # a masked logit minus a still-masked running max would be exp(0); zero it
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m - m_new)
+        alpha = jnp.exp(m_b - m_new)
         pv = jnp.einsum("kgqs,skd->kgqd", p.astype(vr.dtype), vb,
                         preferred_element_type=jnp.float32)
-        return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv, count + 1
+        return (_put(m, m_new, q0, 2), _put(l, l_b * alpha + p.sum(-1), q0, 2),
+                _put(acc, acc_b * alpha[..., None] + pv, q0, 2), count)
 
-      return _blocks(cfg, kr, er, src, block, (m, l, acc, count))
+      counted = lambda carry, k0, queries: queries(carry[:3] + (carry[3] + 1,))
+      return _blocks(cfg, kr, er, src, tile, (m, l, acc, count), counted)
 
     return jax.lax.map(row, (qg,) + tuple(chunk) + tuple(state)), ()
 
@@ -304,24 +335,30 @@ def _backward_local(cfg, q, k, v, end, out, lse, d_out):
     def row(args):
       qr, dor, lr, dr, dqr, kr, vr, er, dkr, dvr = args
 
-      def block(carry, k0):
+      def tile(carry, k0, q0):
+        dq, dk, dv, dkb, dvb = carry
+        kb, vb, eb = (_slice(x, k0, bk, 0) for x in (kr, vr, er))
+        qb, dob = _slice(qr, q0, bk, 0), _slice(dor, q0, bk, 0)
+        s, mask = _block_logits(cfg, qb, kb, eb, src, k0, q0)
+        p = jnp.where(mask, jnp.exp(s - _slice(lr, q0, bk, 2)[..., None]), 0.0)
+        dp = jnp.einsum("qkgd,skd->kgqs", dob, vb, preferred_element_type=jnp.float32)
+        ds = p * (dp - _slice(dr, q0, bk, 2)[..., None])
+        dq_b = _slice(dq, q0, bk, 0) + jnp.einsum("kgqs,skd->qkgd", ds.astype(kr.dtype), kb,
+                                                  preferred_element_type=jnp.float32)
+        dkb = dkb + jnp.einsum("kgqs,qkgd->skd", ds.astype(qr.dtype), qb,
+                               preferred_element_type=jnp.float32)
+        dvb = dvb + jnp.einsum("kgqs,qkgd->skd", p.astype(vr.dtype), dob,
+                               preferred_element_type=jnp.float32)
+        return _put(dq, dq_b, q0, 0), dk, dv, dkb, dvb
+
+      def key_block(carry, k0, queries):
         dq, dk, dv = carry
-        kb, vb, eb = (jax.lax.dynamic_slice_in_dim(x, k0, bk) for x in (kr, vr, er))
-        s, mask = _block_logits(cfg, qr, kb, eb, src, k0)
-        p = jnp.where(mask, jnp.exp(s - lr[..., None]), 0.0)
-        dp = jnp.einsum("qkgd,skd->kgqs", dor, vb, preferred_element_type=jnp.float32)
-        ds = p * (dp - dr[..., None])
-        dq = dq + jnp.einsum("kgqs,skd->qkgd", ds.astype(kr.dtype), kb,
-                             preferred_element_type=jnp.float32)
-        dkb = jnp.einsum("kgqs,qkgd->skd", ds.astype(qr.dtype), qr,
-                         preferred_element_type=jnp.float32)
-        dvb = jnp.einsum("kgqs,qkgd->skd", p.astype(vr.dtype), dor,
-                         preferred_element_type=jnp.float32)
-        add = lambda acc, x: jax.lax.dynamic_update_slice_in_dim(
-            acc, jax.lax.dynamic_slice_in_dim(acc, k0, bk) + x, k0, 0)
+        zero = lambda acc: jnp.zeros((bk,) + acc.shape[1:], jnp.float32)
+        dq, dk, dv, dkb, dvb = queries((dq, dk, dv, zero(dk), zero(dv)))
+        add = lambda acc, x: _put(acc, _slice(acc, k0, bk, 0) + x, k0, 0)
         return dq, add(dk, dkb), add(dv, dvb)
 
-      return _blocks(cfg, kr, er, src, block, (dqr, dkr, dvr))
+      return _blocks(cfg, kr, er, src, tile, (dqr, dkr, dvr), key_block)
 
     dq, dk, dv = jax.lax.map(row, (qg, dog, lse, delta, dq) + tuple(chunk))
     return dq, (dk, dv)
