@@ -22,7 +22,7 @@ from the 32,768-token sizing (`long_estimate`), and the compiled roofline gets t
 attention FLOPs added, which the compiled count leaves out (`attention_flops`).
 
     python -m benchmarks.aot_plans --plans=long --out_dir=docs/aot --update_docs
-    python -m benchmarks.aot_plans --docs_only --out_dir=docs/aot --update_docs  # tables only
+    python -m benchmarks.aot_plans --plans=long --docs_only --out_dir=docs/aot --update_docs
 """
 
 from __future__ import annotations
@@ -222,6 +222,7 @@ def run(name: str, programs=PROGRAMS, search: bool = False) -> dict:
   report["estimate"] = long_estimate(name) if name in LONG_PLANS else estimate(name)
   if name in LONG_PLANS:
     report["preset"] = ALL_PLANS[name].preset
+    report["compiled"] = {"date": common.today(), "machine": common.machine()}
   if search:
     report["search"] = aot.search(config, ALL_PLANS[name].topology, report)
   report["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -280,7 +281,9 @@ def markdown(reports: list[dict]) -> str:
 
 def long_markdown(reports: list[dict]) -> str:
   """The docs table of the long-context plans: compiled vs estimated HBM per chip and step."""
-  lines = [f"Compiled {common.today()} on {common.machine()} with libtpu (no TPU); "
+  when = reports[0].get("compiled", {}) if reports else {}
+  lines = [f"Compiled {when.get('date', common.today())} on "
+           f"{when.get('machine', common.machine())} with libtpu (no TPU); "
            "`python -m benchmarks.aot_plans --plans=long --out_dir=docs/aot --update_docs`. "
            "Each step trains 256 x 32,768 = 8.4M row positions. **Compiled** HBM is the train "
            "step's peak with the resident optimizer state; the compiled step is the compiled "
@@ -340,7 +343,7 @@ def main() -> None:
   p.add_argument("--search", action="store_true",
                  help="when a train step does not fit, compile alternatives (aot.search)")
   p.add_argument("--docs_only", action="store_true",
-                 help="compile nothing: rewrite the docs blocks from the JSONs in --out_dir")
+                 help="compile nothing: rewrite the blocks of --plans from the JSONs in --out_dir")
   args = p.parse_args()
   names = ",".join(LONG_PLANS) if args.plans == "long" else args.plans
   reports = []
@@ -358,7 +361,7 @@ def main() -> None:
     reports.append(report)
   if args.update_docs:  # every plan with a report in --out_dir, in PLANS order
     done = {r["plan"]: r for r in reports}
-    for name in ALL_PLANS if args.out_dir else ():
+    for name in (names.split(",") if args.docs_only else ALL_PLANS) if args.out_dir else ():
       path = os.path.join(args.out_dir, f"{name}.json")
       if name not in done and os.path.isfile(path):
         with open(path) as f:
