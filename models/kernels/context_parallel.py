@@ -70,7 +70,7 @@ from jax.sharding import PartitionSpec
 
 from models.kernels.mask import MASK_VALUE
 
-BLOCK = 128  # key rows per skip test inside a chunk
+BLOCK = 128  # rows per key block (skip test) and per query tile inside a chunk
 METHODS = ("ring", "all_gather", "auto")
 ALL_GATHER_MAX_BYTES = 256 * 2**20  # "auto": gather K/V when a shard's rows' K/V is this small
 
@@ -95,7 +95,8 @@ def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array, *, 
     axis: the mesh axis (or tuple of axes) the L dimension is split over.
     batch: mesh axes of the batch dimension, or None.
     heads: mesh axes of the head dimension, or None (ignored unless they divide kv_heads).
-    block: key rows per skip test; the largest divisor of the chunk length up to it is used.
+    block: rows per key block (skip test) and per query tile; the largest divisor of the
+      chunk length up to it is used.
     method: "ring" | "all_gather" | "auto" (see the module docstring).
     return_counts: also return the [batch, n] int32 count of key blocks each shard computed.
 
@@ -146,7 +147,7 @@ class _Cfg(tuple):
     return super().__new__(cls, (scale, block, chunk, shards, groups, method, seq, batch, heads))
 
   scale = property(lambda s: s[0])
-  block = property(lambda s: s[1])  # key rows per skip test
+  block = property(lambda s: s[1])  # rows per key block and per query tile
   chunk = property(lambda s: s[2])  # C, a shard's rows
   shards = property(lambda s: s[3])  # n
   groups = property(lambda s: s[4])  # query heads per key/value head
