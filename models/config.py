@@ -29,7 +29,7 @@ DEFAULT_SHARDING_RULES: tuple[tuple[str, Optional[tuple[str, ...]]], ...] = (
     ("act_mlp", ("tensor",)),      # activation MLP dimension
     ("act_vocab", ("tensor",)),    # activation vocabulary dimension (logits)
     ("vocab", ("tensor",)),        # embedding / lm_head vocabulary dimension
-    ("embed", ("fsdp",)),          # parameter hidden dimension (FSDP-sharded)
+    ("embed", ("fsdp", "sequence")),  # parameter hidden dimension (FSDP over fsdp x sequence)
     ("heads", ("tensor",)),        # attention heads (query, and key/value in GQA)
     ("kv", None),                  # per-head feature dimension
     ("kv_heads", ("tensor",)),     # key/value heads
