@@ -280,6 +280,11 @@ def _rl() -> ml_collections.ConfigDict:
   s.rollout_workers = "inprocess"  # "inprocess" (asyncio) | "queue" (remote workers)
   s.episode_timeout_s = 600.0  # wall-clock limit of one episode (termination "timeout")
   s.concurrency = 8  # in-process episodes run at once
+  # the engine's KV cache: "contiguous" (a row of max_context_tokens per slot) | "paged"
+  # (fixed-size pages shared copy-on-write across a group's prompt and branched turns)
+  s.kv_cache = "contiguous"
+  s.kv_page_size = 16  # rl.kv_cache="paged": positions per page
+  s.kv_pages = 0  # rl.kv_cache="paged": pages per layer (0 = the contiguous cache's memory)
   s.queue_url = ""  # queue workers: "memory" | redis://host:port | rediss://... ("" = memory)
   s.queue_password_file = ""  # file holding the Redis password ("" = none)
   # queue: a group still short this long after its first member arrived is dropped

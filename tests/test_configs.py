@@ -281,6 +281,18 @@ def test_rollout_engine_records_experts_for_moe_policies_with_replay():
   assert not engine_config(c, moe).return_expert_ids
 
 
+def test_rollout_engine_takes_the_paged_cache_fields():
+  from trainer.rollouts import engine_config
+  c = load("rl", "qwen2.5-coder")
+  assert engine_config(c).cache == "contiguous"
+  c.rl.kv_cache, c.rl.kv_page_size, c.rl.kv_pages = "paged", 32, 1024
+  e = engine_config(c)
+  assert (e.cache, e.page_size, e.num_pages) == ("paged", 32, 1024)
+  c.rl.kv_cache = "pages"
+  with pytest.raises(ConfigError, match=r"config.rl.kv_cache='pages': expected one of"):
+    config_lib._validate_rl_mode(c, files=False)
+
+
 def test_sharding_rule_overrides_replace_named_rules_and_name_bad_values():
   c = load("rl", "qwen2.5-coder")
   c.model.init, c.model.preset = "random", "tiny-moe-mla"

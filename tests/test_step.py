@@ -11,6 +11,7 @@ per-token log-probs and entropies).
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 
 import jax
@@ -22,6 +23,7 @@ from flax import nnx
 from models.logprobs import token_logprobs
 from rl import corrections, losses
 from rl.batch import Counts, SeqBatch
+from rl.packing import shard_pairs
 from rl.tree import CallTokens, TrajectoryTokens
 from tests.conftest import TINY_DENSE, TINY_MOE_MLA, run_check
 from tests.test_tree_training import groups as tree_groups
@@ -247,6 +249,20 @@ def test_micro_batches_layout():
   with_adv = mb.with_scalars(advantage=adv)
   np.testing.assert_array_equal(with_adv.scalars["advantage"],
                                 np.where(mb.seq_id >= 0, adv[np.maximum(mb.seq_id, 0)], 0))
+
+
+def test_micro_batches_balance_sequence_shards():
+  """BatchShape.shards orders each row's parts for the sequence axis: the same trajectories,
+  the busiest shard's visible (query, key) pairs no higher; a shard count must divide rows."""
+  groups = make_groups()
+  plain = B.make_micro_batches(groups, SHAPE)
+  balanced = B.make_micro_batches(groups, dataclasses.replace(SHAPE, shards=4))
+  assert sorted(balanced.seq_id[balanced.seq_id >= 0]) == sorted(plain.seq_id[plain.seq_id >= 0])
+  assert B.describe(balanced)["logical_tokens"] == B.describe(plain)["logical_tokens"]
+  busiest = lambda mb: max(shard_pairs(e, 4).max() for e in mb.end)
+  assert busiest(balanced) <= busiest(plain)
+  with pytest.raises(ValueError, match="BatchShape.shards=3"):
+    dataclasses.replace(SHAPE, shards=3)
 
 
 @pytest.mark.parametrize("loss", ["sft", "grpo"])

@@ -145,10 +145,14 @@ class BatchShape:
   seqs: Optional[int] = None           # S: sequences (trajectories) per micro-batch
   seq_len: Optional[int] = None        # T: sampled tokens per sequence (longest trajectory)
   micro_batches: Optional[int] = None  # M: micro-batches per step (padding ones are skipped)
+  shards: int = 1                      # sequence-axis shards per row: balances their work
 
   def __post_init__(self):
     if not isinstance(self.row_len, int) or self.row_len <= 0 or self.row_len % 128:
       raise ValueError(f"BatchShape.row_len={self.row_len!r}: must be a positive multiple of 128")
+    if not isinstance(self.shards, int) or self.shards < 1 or self.row_len % self.shards:
+      raise ValueError(f"BatchShape.shards={self.shards!r}: must be an int >= 1 dividing "
+                       f"row_len={self.row_len}")
     if not isinstance(self.rows, int) or self.rows < 1:
       raise ValueError(f"BatchShape.rows={self.rows!r}: must be an int >= 1")
     for name in ("seqs", "seq_len", "micro_batches"):
@@ -219,7 +223,7 @@ def make_micro_batches(groups: Sequence[Union[Sequence[TrajectoryTokens], Tree]]
   longest = max((len(s.index) for t in trees for s in t.seqs), default=0)
   T = _bucket(longest, shape.seq_len, "seq_len", "the longest trajectory (sampled tokens)", 8)
   try:
-    batches = pack(trees, shape.row_len, shape.rows, T)
+    batches = pack(trees, shape.row_len, shape.rows, T, shards=shape.shards)
   except ValueError as e:
     raise ValueError(f"BatchShape(row_len={shape.row_len}, rows={shape.rows}): {e}") from None
   S = _bucket(max(len(b.seq_valid) for b in batches), shape.seqs, "seqs",

@@ -433,6 +433,9 @@ def _validate_rl_mode(config, files: bool) -> None:
   if rl.max_new_tokens >= rl.max_context_tokens:
     _fail("rl.max_new_tokens", rl.max_new_tokens, f"fewer than rl.max_context_tokens="
           f"{rl.max_context_tokens}")
+  _choice(config, "rl.kv_cache", ("contiguous", "paged"))
+  _int(config, "rl.kv_page_size", 1)
+  _int(config, "rl.kv_pages", 0)
 
 
 DEMO_FIELDS = ("mode", "seed", "seeds", "sft", "rl")
@@ -781,7 +784,7 @@ def _validate_serve(config) -> None:
 
 
 def _validate_eval(config) -> None:
-  path = _str(config, "eval.tasks")
+  _str(config, "eval.tasks")
   _int(config, "eval.num_tasks", 1)
   k = _int(config, "eval.k", 1)
   samples = _int(config, "eval.samples", 1)

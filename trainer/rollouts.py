@@ -233,7 +233,8 @@ def engine_config(config: ml_collections.ConfigDict, model_cfg=None) -> EngineCo
 
   A slot per concurrent episode (`rl.concurrency`), as many rows for prefix reuse, rows long
   enough for `rl.max_context_tokens` (rounded up to a multiple of 128); it records every
-  position's experts when the policy is MoE and `rl.routing_replay` is on.
+  position's experts when the policy is MoE and `rl.routing_replay` is on; the cache is
+  contiguous or paged (`rl.kv_cache`, `rl.kv_page_size`, `rl.kv_pages`).
 
   Args:
     config: the run's config (`rl.concurrency`, `rl.max_context_tokens`, `seed`,
@@ -247,7 +248,8 @@ def engine_config(config: ml_collections.ConfigDict, model_cfg=None) -> EngineCo
   replay = bool(model_cfg is not None and model_cfg.is_moe and rl.routing_replay)
   return EngineConfig(slots=rl.concurrency, max_seq_len=-(-rl.max_context_tokens // 128) * 128,
                       prefix_cache_rows=rl.concurrency, prefill_chunk=512, seed=config.seed,
-                      return_expert_ids=replay)
+                      return_expert_ids=replay, cache=rl.kv_cache, page_size=rl.kv_page_size,
+                      num_pages=rl.kv_pages)
 
 
 def branch_config(config: ml_collections.ConfigDict) -> Optional[BranchConfig]:
