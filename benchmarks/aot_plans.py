@@ -192,20 +192,23 @@ def long_estimate(name: str) -> dict:
   """Arithmetic for a long-context plan: `sizing.memory_per_chip` at 32,768 tokens per chip
   with its token-proportional items (saved activations, the layer working set) scaled to the
   plan's row_len / sequence tokens per chip (the saved activations also split over `tensor`
-  when the plan splits the residual stream); the compute roofline of the step (matmuls over
+  when the plan splits the residual stream; parameters and optimizer state over fsdp x
+  sequence); the compute roofline of the step (matmuls over
   every row position, 2 x active parameters per pass, plus `attention_flops`)."""
   plan = ALL_PLANS[name]
   cfg, mesh = get_preset(plan.preset), plan.mesh
-  m = sizing.Mesh(mesh["fsdp"], mesh["tensor"], mesh.get("expert", 1))
+  seq = mesh.get("sequence", 1)
+  # parameters and optimizer state: FSDP over fsdp x sequence (the `embed` rule)
+  m = sizing.Mesh(mesh["fsdp"] * seq, mesh["tensor"], mesh.get("expert", 1))
   memory = sizing.memory_per_chip(cfg, m, plan.remat, "muon")
-  scale = plan.row_len / mesh.get("sequence", 1) / sizing.ROW
+  scale = plan.row_len / seq / sizing.ROW
   for item in ("activations", "layer working set"):
     memory[item] *= scale
   if plan.overrides.get("sharding_rules", {}).get("act_embed") == "tensor":
     memory["activations"] /= mesh["tensor"]  # the saved layer inputs split over tensor
   chip, _ = sizing.slice_chips(plan.slice)
   chips = math.prod(mesh.values())
-  tokens = plan.micro_batches * m.batch_shards * plan.row_len
+  tokens = plan.micro_batches * mesh["fsdp"] * mesh.get("expert", 1) * plan.row_len
   matmuls = 2 * sizing.active_matmul_params(cfg) * tokens * (3 + (plan.remat == "full"))
   attention = attention_seconds(name)
   return {"gb": round(sum(memory.values()), 1), "attention_s": round(attention, 2),
