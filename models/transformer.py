@@ -243,15 +243,7 @@ class Transformer(nnx.Module):
       rest of the shape); an unstacked model has a list of per-layer {name: [batch, ...]} per
       stack.
     """
-    out = {}
-    for name, stack in (("dense", self.dense_layers), ("moe", self.moe_layers)):
-      if isinstance(stack, nnx.List):
-        out[name] = [block.attn.init_cache(batch, capacity) for block in stack]
-      elif stack is not None:
-        n = _num_layers(stack)
-        one = stack.attn.init_cache(batch, capacity)
-        out[name] = jax.tree.map(lambda a: jnp.broadcast_to(a, (n,) + a.shape), one)
-    return out
+    return self._per_layer(lambda attn: attn.init_cache(batch, capacity))
 
   def init_paged_cache(self, num_pages: int, page_size: int) -> dict:
     """Zeroed paged decode caches: one pool of pages per layer, shared by all sequences.
@@ -265,14 +257,17 @@ class Transformer(nnx.Module):
       layers' `init_paged_cache`); an unstacked model has a list of per-layer
       {name: [kv_heads, num_pages, page_size, dim]} per stack.
     """
+    return self._per_layer(lambda attn: attn.init_paged_cache(num_pages, page_size))
+
+  def _per_layer(self, make) -> dict:
+    """{stack: make(attention) per layer}: a list on an unstacked model, else stacked."""
     out = {}
     for name, stack in (("dense", self.dense_layers), ("moe", self.moe_layers)):
       if isinstance(stack, nnx.List):
-        out[name] = [block.attn.init_paged_cache(num_pages, page_size) for block in stack]
+        out[name] = [make(block.attn) for block in stack]
       elif stack is not None:
         n = _num_layers(stack)
-        one = stack.attn.init_paged_cache(num_pages, page_size)
-        out[name] = jax.tree.map(lambda a: jnp.broadcast_to(a, (n,) + a.shape), one)
+        out[name] = jax.tree.map(lambda a: jnp.broadcast_to(a, (n,) + a.shape), make(stack.attn))
     return out
 
   def decode_step(self, tokens: jax.Array, cache: dict, index: jax.Array,

@@ -727,7 +727,7 @@ def test_sft_sources_on_a_slice_keep_their_order():
     ("--tpu=v5p-4", "--tpu='v5p-4'"),  # 2 chips: not a whole host
     ("--tpu=v5litepod-12", "--tpu='v5litepod-12'"),
     ("--tpu=v4-0", "--tpu='v4-0'"),
-    ("--config.mesh.tensor=3", "config.mesh={'data': 1, 'expert': 1, 'fsdp': -1, 'tensor': 3}"),
+    ("--config.mesh.tensor=3", "config.mesh={'data': 1, 'expert': 1, 'fsdp': -1, 'sequence': 1, 'tensor': 3}"),
     ("--config.mesh.fsdp=8", "the 32 chips of --tpu=v5p-64"),  # 8 x 2 != 32, no -1
     ("--config.mesh.tensor=x", "--config.mesh.tensor=x"),
     ("--config.data.rows_per_batch=8", "config.data.rows_per_batch=8"),

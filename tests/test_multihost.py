@@ -120,7 +120,7 @@ def test_two_processes_equal_one(tmp_path):
   params = {n: np.load(o.with_suffix(".npz")) for n, o in outs.items()}
   single = res["single"]
   assert single["process_count"] == 1 and single["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1,
-                                                              "expert": 1}
+                                                              "expert": 1, "sequence": 1}
   assert [res["p0"]["process_index"], res["p1"]["process_index"]] == [0, 1]
   assert single["step"] == single["policy_version"] == 2
   loss = [m["loss"] for m in single["metrics"]]

@@ -20,6 +20,8 @@ COMMANDS = {
     "make test": "CI: .ci/run runs it on a clean clone",
     "make demo": "validate configs/demo.py (below); tests/test_rl.py runs a shortened demo",
     "python -m trainer.main --config=configs/NAME.py[:ARG]": "the syntax line",
+    "python -m trainer.main --config=configs/sft_demo.py --config.mode=eval": "tests/"
+        "test_eval_formats.py runs mode eval on generated, LiveCodeBench and Terminal-Bench tasks",
     "python -m trainer.main --config=configs/sft_demo.py": "run its start-up checks (below)",
     "python -m trainer.main --config=configs/sft.py:qwen3": "a template: fails naming the "
                                                             "placeholder (below)",
@@ -36,6 +38,13 @@ COMMANDS = {
                                 "test_official_rows_check_out_from_a_mirror",
     "python -m trainer.main --config=configs/rl.py --config.rl.tasks=": "a template (a SWE-bench "
         "Parquet file): tests/test_tasks.py loads official rows, tests/test_rl.py runs RL",
+    "python -m envs.synth": "tests/test_synth.py::test_command_line_resumes",
+    "python -m envs.validate": "tests/test_synth.py::test_validate_rejects_hand_broken_rows",
+    "python -m envs.pypi_tasks": "minutes: docs/benchmarks.md records its run; tests/"
+                                 "test_pypi_tasks.py synthesizes from a bundled package",
+    "python -m trainer.rejection": "tests/test_rejection.py: the command line with a completions "
+                                   "teacher; RFT rounds",
+    "python -m envs.decontam": "tests/test_decontam.py::test_command_line_writes_the_clean_records",
     "python -m benchmarks.sizing": "run (below)",
     "python -m benchmarks.": "minutes each: docs/benchmarks.md records their runs",
 }
@@ -48,11 +57,12 @@ def readme_blocks(language: str) -> list[str]:
 
 
 def readme_commands() -> list[str]:
-  """The README's shell commands, continuation lines joined, comments dropped."""
+  """The README's shell commands, continuation lines joined, comments (whole lines or
+  trailing) dropped."""
   out = []
   for block in readme_blocks("sh"):
     for command in block.replace("\\\n", " ").splitlines():
-      command = re.sub(r"\s+#.*$", "", command).strip()
+      command = re.sub(r"(^|\s+)#.*$", "", command).strip()
       if command:
         out.append(re.sub(r"\s+", " ", command))
   return out
