@@ -37,6 +37,8 @@ setup(
         "flax>=0.12.8,<0.13",
         "optax>=0.2.8,<0.3",
         "orbax-checkpoint>=0.12.8,<0.13",
+        # LoRA / QLoRA adapters and quantized weights (models/lora.py)
+        "qwix>=0.1.8,<0.2",
         "grain>=0.2.18,<0.3",
         "tensorstore>=0.1.86,<0.2",
         "sentencepiece>=0.2.3,<0.3",

@@ -102,6 +102,15 @@ def _model() -> ml_collections.ConfigDict:
   # splits the residual stream, hence the layer inputs full remat saves, over tensor
   s.overrides.sharding_rules = ml_collections.ConfigDict()
   s.overrides.sharding_rules.act_embed = placeholder(str)  # the residual stream's hidden axis
+  # LoRA / QLoRA (models/lora.py, through qwix): the base frozen, low-rank adapters trained;
+  # checkpoints hold the adapters and refer to model.init for the base
+  s.lora = ml_collections.ConfigDict()
+  s.lora.rank = 0  # adapter rank; 0 = full fine-tuning
+  s.lora.alpha = 16.0  # adapters' output scale alpha / rank
+  s.lora.dropout = 0.0  # only 0.0 (scanned layers carry no per-module dropout keys)
+  s.lora.modules = "attention,mlp"  # projections with adapters: attention | mlp (shared experts)
+  s.lora.base_qtype = placeholder(str)  # QLoRA: the frozen base stored as "int8" | "int4" |
+  #                                       "float8_e4m3fn" | "float8_e5m2"; None = its dtype
   return s
 
 

@@ -43,6 +43,12 @@ DEFAULT_SHARDING_RULES: tuple[tuple[str, Optional[tuple[str, ...]]], ...] = (
 )
 
 
+# projections LoRA adapts (models/lora.py): routed experts run `ragged_dot`, which qwix's LoRA
+# does not intercept, and MLA's kv_b_proj is absorbed into the query and output for decoding
+LORA_MODULES = ("attention", "mlp")
+BASE_QTYPES = ("int8", "int4", "float8_e4m3fn", "float8_e5m2")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Architecture and numerics of a decoder-only transformer.
@@ -125,6 +131,14 @@ class ModelConfig:
   logits_chunk: int = 1024  # tokens per vocabulary-projection chunk in log-prob helpers
   initializer_range: float = 0.02  # stddev of the normal initialiser
   sharding_rules: tuple = DEFAULT_SHARDING_RULES  # logical axis -> mesh axes table
+  # --- LoRA / QLoRA (models/lora.py, through qwix): the base frozen, adapters trained
+  lora_rank: int = 0  # adapter rank; 0 = no adapters (full fine-tuning)
+  lora_alpha: float = 16.0  # adapter output scale alpha / rank
+  lora_dropout: float = 0.0  # dropout on the adapters' input (0 only: see models/lora.py)
+  lora_modules: tuple = ("attention", "mlp")  # projections with adapters (lora.MODULES)
+  # the frozen base's storage: None (the parameter dtype) or a qwix type, e.g. "int8",
+  # "int4", "float8_e4m3fn" (QLoRA); needs lora_rank > 0
+  base_qtype: Optional[str] = None
 
   def __post_init__(self):
     def fail(field, value, why):
@@ -187,6 +201,22 @@ class ModelConfig:
     for name, _ in self.sharding_rules:
       if not isinstance(name, str):
         fail("sharding_rules", name, "logical axis names must be strings")
+    if self.lora_rank < 0:
+      fail("lora_rank", self.lora_rank, "must be >= 0 (0 = no adapters)")
+    if self.lora_rank:
+      if self.lora_alpha <= 0:
+        fail("lora_alpha", self.lora_alpha, "must be positive")
+      if self.lora_dropout != 0.0:
+        fail("lora_dropout", self.lora_dropout,
+             "only 0.0: qwix draws LoRA dropout from per-module keys that scanned layers "
+             "cannot carry")
+      if not self.lora_modules or set(self.lora_modules) - set(LORA_MODULES):
+        fail("lora_modules", self.lora_modules, f"expected a non-empty subset of {LORA_MODULES}")
+    if self.base_qtype is not None:
+      if not self.lora_rank:
+        fail("base_qtype", self.base_qtype, "a quantized frozen base needs lora_rank > 0")
+      if self.base_qtype not in BASE_QTYPES:
+        fail("base_qtype", self.base_qtype, f"expected None or one of {BASE_QTYPES}")
 
   # --- derived sizes
   @property

@@ -45,6 +45,7 @@ from models.hf_names import Entry, entries
 from models.safetensors_io import (SafetensorsDir, TensorSpec, is_scale_name, slice_bounds,
                                    write_dir)
 from models.sharding import state_shardings
+from models import lora
 from models.transformer import Transformer, abstract
 
 logger = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ def load_with_stats(path: str | os.PathLike, dtype: Optional[str] = None, *,
   arch = FAMILY_ARCHITECTURES[family_of(hf_config)]
   if dtype is not None:
     overrides["dtype"] = dtype
-  cfg = cfg.replace(**overrides)
+  cfg = lora.base_config(cfg.replace(**overrides))  # adapters come later (with_adapters)
   ckpt = SafetensorsDir(path)
   graphdef, state = nnx.split(abstract(cfg))
   variables = dict(nnx.to_flat_state(state))
@@ -396,6 +397,8 @@ def config_from_json(d: dict) -> ModelConfig:
   if "sharding_rules" in d:
     d["sharding_rules"] = tuple((name, None if axes is None else tuple(axes))
                                 for name, axes in d["sharding_rules"])
+  if "lora_modules" in d:
+    d["lora_modules"] = tuple(d["lora_modules"])
   return ModelConfig(**d)
 
 

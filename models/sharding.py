@@ -206,11 +206,14 @@ def state_shardings(state: nnx.State, cfg: ModelConfig, mesh) -> nnx.State:
   """
   def one(var):
     axes = var.get_metadata().get("axes")
-    shape = var.shape if hasattr(var, "shape") else var[...].shape
+    value = var.get_value()
     if axes is None:
-      return var.replace(NamedSharding(mesh, PartitionSpec()))
-    spec = param_spec(axes, shape, cfg.sharding_rules, mesh)
-    return var.replace(NamedSharding(mesh, spec))
+      return var.replace(jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), value))
+    # a quantized kernel (`models.lora.QuantizedKernel`) holds values and scales: each by the
+    # kernel's axes (a scale's size-1 dimensions replicated)
+    return var.replace(jax.tree.map(
+        lambda leaf: NamedSharding(mesh, param_spec(axes, leaf.shape, cfg.sharding_rules, mesh)),
+        value))
   return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 

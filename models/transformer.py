@@ -22,12 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models import lora
 from models.attention import GQA, MLA
 from models.config import ModelConfig
 from models.layers import MLP, RMSNorm, dtype_of, initial_value, param, round_to
 from models.moe import MoE, update_router_bias
 from models.rope import cos_sin
-from models.sharding import constrain, state_shardings
+from models.sharding import constrain, shard_model, state_shardings
 
 REMAT_POLICIES = {
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -350,27 +351,84 @@ def _loop(blocks: nnx.List, cfg: ModelConfig, x, inputs: LayerInputs, caches, ex
 def unstack(model: Transformer) -> Transformer:
   """The same model with each layer as a Block of its own.
 
+  Each layer's Block is the stacked Block's graph merged with that layer's slice of every
+  variable, so whatever the Blocks hold (LoRA adapters, qwix-quantized kernels) carries over.
+
   Args:
     model: a stacked Transformer.
 
   Returns:
-    A `Transformer(stacked=False)` holding copies of the model's weights.
+    A `Transformer(stacked=False)` (the same class, adapters included) holding copies of the
+    model's weights.
   """
-  out = nnx.eval_shape(lambda: Transformer(model.cfg, stacked=False))
-  values = nnx.to_pure_dict(nnx.state(model))
+  out = nnx.clone(model)
   for name in ("dense_layers", "moe_layers"):
-    if name in values:
-      values[name] = {i: jax.tree.map(lambda a: a[i], values[name])
-                      for i in range(len(getattr(out, name)))}
-  state = nnx.state(out)
-  nnx.replace_by_pure_dict(state, values)
-  nnx.update(out, state)
+    stack = getattr(model, name)
+    if stack is None:
+      continue
+    graphdef, state = nnx.split(stack)
+    blocks = []
+    for i in range(_num_layers(stack)):
+      block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+      for _, var in nnx.iter_graph(block):
+        if isinstance(var, nnx.Variable) and var.get_metadata().get("axes", ())[:1] == ("layers",):
+          var.set_metadata(axes=var.get_metadata()["axes"][1:])
+      blocks.append(block)
+    setattr(out, name, nnx.List(blocks))
   return out
 
 
 def abstract(cfg: ModelConfig) -> Transformer:
-  """The model with ShapeDtypeStruct leaves: shapes and axes without allocating anything."""
-  return nnx.eval_shape(lambda: Transformer(cfg))
+  """The model with ShapeDtypeStruct leaves: shapes and axes without allocating anything
+  (with `cfg.lora_rank`, its adapters and quantized base too)."""
+  return nnx.eval_shape(lambda: with_adapters(Transformer(cfg)))
+
+
+def with_adapters(model: Transformer, cfg: ModelConfig | None = None, seed: int = 0
+                  ) -> Transformer:
+  """The model with the LoRA adapters (and quantized base) a config asks for (`models.lora`).
+
+  Args:
+    model: a Transformer, e.g. a plain base loaded from a checkpoint.
+    cfg: the config with the adapter settings (default the model's own).
+    seed: seed of the adapters' A matrices.
+
+  Returns:
+    The model itself when `cfg.lora_rank` is 0 or it has adapters already, else a new model
+    (sharing the base's arrays) whose `cfg` is `cfg`.
+  """
+  cfg = cfg or model.cfg
+  if not cfg.lora_rank or lora.has_adapters(model):
+    return model
+  return lora.apply(model, cfg, Transformer, seed)
+
+
+def merge_adapters(model: Transformer) -> Transformer:
+  """The plain model a LoRA model computes: every adapted kernel W + (alpha / rank) A B, every
+  quantized kernel dequantized (`lora.merge`, by qwix), the rest shared.
+
+  Args:
+    model: a stacked Transformer with adapters or quantized kernels.
+
+  Returns:
+    A stacked fp32-parameter Transformer of `lora.base_config(model.cfg)`.
+  """
+  kernels = lora.merge(model, model.cfg)
+  graphdef, state = nnx.split(abstract(lora.base_config(model.cfg)))
+  flat = []
+  for path, var in nnx.to_flat_state(state):
+    if path[-1] == "kernel" and path[:-1] in kernels:
+      value = kernels[path[:-1]]
+    else:
+      value = _module_at(model, path[:-1]).__dict__[path[-1]].get_value()
+    flat.append((path, var.replace(value)))
+  return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _module_at(root, path):
+  for key in path:
+    root = root[key] if isinstance(key, int) else getattr(root, key)
+  return root
 
 
 def init(cfg: ModelConfig, seed: int = 0) -> Transformer:
@@ -387,7 +445,7 @@ def init(cfg: ModelConfig, seed: int = 0) -> Transformer:
   Returns:
     The model, each parameter drawn by the initialiser `layers.param` recorded.
   """
-  graphdef, state = nnx.split(abstract(cfg))
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg)))
   rng = np.random.default_rng(seed)
 
   def value(var):
@@ -396,8 +454,9 @@ def init(cfg: ModelConfig, seed: int = 0) -> Transformer:
       return jnp.asarray(meta["std"] * rng.standard_normal(var.shape, np.float32))
     return (jnp.ones if meta.get("init") == "ones" else jnp.zeros)(var.shape, var.dtype)
 
-  return nnx.merge(graphdef, jax.tree.map(lambda v: v.replace(value(v)), state,
-                                          is_leaf=lambda x: isinstance(x, nnx.Variable)))
+  return with_adapters(nnx.merge(graphdef, jax.tree.map(
+      lambda v: v.replace(value(v)), state, is_leaf=lambda x: isinstance(x, nnx.Variable))),
+      seed=seed)
 
 
 def initial_state(abstract_state: nnx.State, key: jax.Array) -> nnx.State:
@@ -431,9 +490,10 @@ def init_sharded(cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int = 0) -> Tr
   Returns:
     The model with every variable sharded on `mesh`.
   """
-  graphdef, abstract_state = nnx.split(abstract(cfg))
+  graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg)))
   shardings = state_shardings(abstract_state, cfg, mesh)
   create = jax.jit(lambda key: initial_state(abstract_state, key), out_shardings=shardings)
   with jax.set_mesh(mesh):
     state = create(jax.random.key(seed))
-  return nnx.merge(graphdef, state)
+  model = nnx.merge(graphdef, state)
+  return shard_model(with_adapters(model, seed=seed), mesh) if cfg.lora_rank else model

@@ -246,7 +246,7 @@ def model_config(config):
   """
   init = config.model.get("init", "random")  # smoke configs have no init
   kind, path = init_kind(init)
-  over = overrides(config)
+  over = {**overrides(config), **lora_fields(config)}
   try:
     if kind == "random":
       return _with_overrides(get_preset(config.model.preset), over)
@@ -256,6 +256,18 @@ def model_config(config):
       return _with_overrides(hf.config_from_json(json.load(f)), over)
   except (ValueError, TypeError) as e:
     raise ConfigError(f"config.model (init={init!r}, overrides {over}): {e}") from e
+
+
+def lora_fields(config) -> dict:
+  """The ModelConfig LoRA fields of config.model.lora (none for configs without the section)."""
+  lora = config.model.get("lora")
+  if lora is None:
+    return {}
+  modules = lora.modules if isinstance(lora.modules, (tuple, list)) else lora.modules.split(",")
+  return {"lora_rank": lora.rank, "lora_alpha": float(lora.alpha),
+          "lora_dropout": float(lora.dropout),
+          "lora_modules": tuple(m.strip() for m in modules if m.strip()),
+          "base_qtype": lora.get("base_qtype")}
 
 
 def data_config(config, *, sources: tuple[str, ...] = (), eval: bool = False):

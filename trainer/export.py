@@ -33,7 +33,7 @@ import ml_collections
 from flax import nnx
 
 from envs.chat.formats import builtin_template
-from models import hf
+from models import hf, transformer
 from trainer import config as config_lib
 from trainer import harness
 from trainer import state as state_lib
@@ -84,6 +84,8 @@ def export_run(ckpt: str, out: str, dtype: str = "float32") -> dict:
     model_cfg = hf.config_from_json(json.load(f))
   params, rest, step = harness.run_weights(workdir, step)
   model = nnx.merge(state_lib.graphdef(model_cfg), params, rest)
+  if model_cfg.lora_rank:  # adapters merged into their kernels (a quantized base dequantized)
+    model = transformer.merge_adapters(model)
   ids, files, source = _companions(config, workdir)
   spm_model = _arbor_sentencepiece(source, files)
   if spm_model:  # converted below; the sentencepiece file itself is not for transformers
@@ -106,7 +108,7 @@ def export_run(ckpt: str, out: str, dtype: str = "float32") -> dict:
     with open(os.path.join(out, "generation_config.json"), "w") as f:
       json.dump(generation, f, indent=2)
     names.append("generation_config.json")
-  params_count = sum(int(v.size) for v in jax.tree.leaves(params))
+  params_count = sum(int(v.size) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
   has_tokenizer = any(n in ("tokenizer.json", "tokenizer.model", "vocab.json") for n in names)
   return {"step": step, "tensors": tensors, "params": params_count, "files": sorted(set(names)),
           "tokenizer": source if has_tokenizer else None,

@@ -40,7 +40,7 @@ import ml_collections
 from etils import epath
 from flax import nnx
 
-from models import hf
+from models import hf, lora, transformer
 from trainer import checkpoint, metrics, optim, report
 from trainer import config as config_lib
 from trainer import state as state_lib
@@ -81,7 +81,19 @@ def initial_model(config: ml_collections.ConfigDict, model_cfg, mesh=None):
     except FileNotFoundError as e:
       raise config_lib.ConfigError(f"config.model.init={config.model.init!r}: {e}") from None
     metrics.say(config.mode, f"starting from the weights of step {step} of {path}")
-  return nnx.merge(state_lib.graphdef(model_cfg), params, rest)
+  # A plain source (full fine-tuning, an import) is the base: a LoRA run adds its adapters at
+  # state.create. A LoRA source continues as it is when this run's adapter settings are its
+  # own, else it is merged into a plain model first.
+  adapted = any(jax.tree_util.keystr(path).endswith("_lora_a']")
+                for path, _ in jax.tree_util.tree_leaves_with_path(params))
+  if not adapted:
+    return nnx.merge(state_lib.graphdef(lora.base_config(model_cfg)), params, rest)
+  with open(os.path.join(path, "model_config.json")) as f:
+    source_cfg = hf.config_from_json(json.load(f))
+  model = nnx.merge(state_lib.graphdef(source_cfg), params, rest)
+  same = all(getattr(source_cfg, k) == getattr(model_cfg, k) for k in config_lib.lora_fields(
+      config) or ("lora_rank",))
+  return model if same else transformer.merge_adapters(model)
 
 
 def run_weights(workdir: str, step: Optional[int] = None) -> tuple[Any, Any, int]:
@@ -107,11 +119,16 @@ def run_weights(workdir: str, step: Optional[int] = None) -> tuple[Any, Any, int
     source_cfg = hf.config_from_json(json.load(f))
   opt = optim.build(source.optimizer, source_cfg)
   with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
-    target = state_lib.abstract(source_cfg, opt)
+    target = state_lib.without_base(state_lib.abstract(source_cfg, opt), source_cfg)
     restored = ckpt.restore_latest(target) if step is None else ckpt.restore(step, target)
   if restored is None:
     raise FileNotFoundError(f"no checkpoint in {os.path.join(workdir, 'checkpoints')}")
-  return restored.state.params, restored.state.model_state, restored.step
+  state = restored.state
+  if state_lib.frozen_paths(source_cfg):  # a LoRA run: its base from its own model.init
+    _, base_state = state_lib.split_model(
+        initial_model(source, source_cfg) or transformer.init(source_cfg, source.seed), source_cfg)
+    state = state_lib.with_base(state, base_state, source_cfg)
+  return state.params, state.model_state, restored.step
 
 
 def write_run_files(config: ml_collections.ConfigDict, model_cfg, workdir: str) -> None:
@@ -242,8 +259,8 @@ class Run:
         self.checkpointer.close()  # its background work ends before the process does
         raise
     write_run_files(config, self.model_cfg, workdir)
-    self.restored = self.checkpointer.restore_latest(
-        state_lib.abstract(self.model_cfg, self.optimizer, mesh))
+    self.restored = self.checkpointer.restore_latest(state_lib.without_base(
+        state_lib.abstract(self.model_cfg, self.optimizer, mesh), self.model_cfg))
     self.start = self.restored.step if self.restored is not None else 0
     self.summary: dict[str, Any] = {"start_step": self.start, "steps": self.start,
                                     "preempted": False,
@@ -265,7 +282,12 @@ class Run:
     """
     if self.restored is not None:
       self.say(f"resumed from the checkpoint of step {self.start} in {self.workdir}")
-      return self.restored.state
+      if not state_lib.frozen_paths(self.model_cfg):
+        return self.restored.state
+      # a LoRA checkpoint holds no base: rebuilt from model.init as the run started
+      fresh = state_lib.create(self.model_cfg, self.optimizer, seed=self.config.seed,
+                               mesh=self.mesh, model=initial())
+      return state_lib.with_base(self.restored.state, fresh.model_state, self.model_cfg)
     return state_lib.create(self.model_cfg, self.optimizer, seed=self.config.seed,
                             mesh=self.mesh, model=initial())
 
@@ -337,7 +359,10 @@ class Run:
       state: the TrainState.
       extra: the loop's resume data (JSON, see `checkpoint.Checkpointer.save`).
     """
-    if self.checkpointer.save(step, state, extra, force=True):
+    if self.model_cfg.lora_rank:  # adapters only; the base is this reference
+      extra = {**extra, "lora_base": self.config.model.get("init", "random")}
+    if self.checkpointer.save(step, state_lib.without_base(state, self.model_cfg), extra,
+                              force=True):
       self.summary["checkpoint"] = step
 
   def finish(self, report_keys: Sequence[str], title: str) -> dict:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models import sharding, transformer
+from models import lora, sharding, transformer
 from models.config import ModelConfig
 from trainer import distributed, optim
 
@@ -33,9 +33,11 @@ class TrainState:
   """Everything one training step reads and writes, as one pytree of arrays.
 
   Attributes:
-    params: pure `nnx.Param` state of the Transformer (fp32).
+    params: pure `nnx.Param` state of the Transformer (fp32); with `ModelConfig.lora_rank`, the
+      LoRA adapters (`nnx.LoRAParam`) alone.
     model_state: pure non-Param variables (the MoE `RouterBias`; empty for dense models):
-      updated by the step outside the gradient, never seen by the optimizer.
+      updated by the step outside the gradient, never seen by the optimizer; with LoRA, also
+      the frozen base (qwix-quantized with `ModelConfig.base_qtype`).
     opt_state: `Optimizer.init(params)`.
     step: int32 [], optimizer steps taken.
     rng: uint32 [2], raw key data (`jax.random.wrap_key_data` to use it); the step does not
@@ -70,9 +72,15 @@ def graphdef(model_cfg: ModelConfig) -> nnx.GraphDef:
   return nnx.graphdef(transformer.abstract(model_cfg))
 
 
-def split_model(model: transformer.Transformer) -> tuple[Any, Any]:
-  """(params, model_state) of an nnx Transformer, both pure states."""
-  _, params, rest = nnx.split(model, nnx.Param, ...)
+def split_model(model: transformer.Transformer, model_cfg: Optional[ModelConfig] = None
+                ) -> tuple[Any, Any]:
+  """(params, model_state) of an nnx Transformer, both pure states.
+
+  With `lora_rank` (of `model_cfg`, default the model's config), params are the adapters
+  (added to a plain model here) and model_state holds the frozen, possibly quantized, base.
+  """
+  model = transformer.with_adapters(model, model_cfg)
+  _, params, rest = nnx.split(model, lora.trainable(model.cfg), ...)
   return nnx.as_pure(params), nnx.as_pure(rest)
 
 
@@ -110,7 +118,7 @@ def create(model_cfg: ModelConfig, optimizer: Union[optim.Optimizer, Any], seed:
   if model is None:
     model = (transformer.init(model_cfg, seed) if mesh is None
              else transformer.init_sharded(model_cfg, mesh, seed))
-  params, model_state = split_model(model)
+  params, model_state = split_model(model, model_cfg)
   if mesh is None:
     opt_state = jax.jit(opt.init)(params)
     return TrainState(params=params, model_state=model_state, opt_state=opt_state,
@@ -139,7 +147,7 @@ def shardings(model_cfg: ModelConfig, optimizer: Union[optim.Optimizer, Any],
     A TrainState of `NamedSharding`s.
   """
   opt = _build(optimizer, model_cfg)
-  _, params, rest = nnx.split(transformer.abstract(model_cfg), nnx.Param, ...)
+  _, params, rest = nnx.split(transformer.abstract(model_cfg), lora.trainable(model_cfg), ...)
   param_sh = nnx.as_pure(sharding.state_shardings(params, model_cfg, mesh))
   rest_sh = nnx.as_pure(sharding.state_shardings(rest, model_cfg, mesh))
   replicated = NamedSharding(mesh, PartitionSpec())
@@ -169,3 +177,45 @@ def abstract(model_cfg: ModelConfig, optimizer: Union[optim.Optimizer, Any],
     return shapes
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                       shapes, shardings(model_cfg, opt, mesh))
+
+
+@functools.lru_cache(maxsize=None)
+def frozen_paths(model_cfg: ModelConfig) -> frozenset:
+  """Paths in `TrainState.model_state` of the frozen base (LoRA runs; empty otherwise).
+
+  A LoRA checkpoint leaves them out: the base is rebuilt from the run's `model.init` on
+  resume, so a checkpoint holds the adapters, their optimizer state and the router bias.
+  """
+  if not model_cfg.lora_rank:
+    return frozenset()
+  _, _, frozen, _ = nnx.split(transformer.abstract(model_cfg), lora.trainable(model_cfg),
+                              nnx.Param, ...)
+  return frozenset(path for path, _ in nnx.to_flat_state(frozen))
+
+
+def without_base(state: TrainState, model_cfg: ModelConfig) -> TrainState:
+  """The state a checkpoint holds: a LoRA run's TrainState without the frozen base."""
+  frozen = frozen_paths(model_cfg)
+  if not frozen:
+    return state
+  kept = [(p, v) for p, v in nnx.to_flat_state(nnx.State(state.model_state)) if p not in frozen]
+  return state.replace(model_state=nnx.from_flat_state(kept))
+
+
+def with_base(state: TrainState, base_state: Any, model_cfg: ModelConfig) -> TrainState:
+  """A checkpoint's state (`without_base`) completed with the frozen base of `base_state`.
+
+  Args:
+    state: the restored state.
+    base_state: the model_state of a fresh state of the same run (`create`).
+    model_cfg: the run's ModelConfig.
+
+  Returns:
+    The full TrainState.
+  """
+  frozen = frozen_paths(model_cfg)
+  if not frozen:
+    return state
+  base = [(p, v) for p, v in nnx.to_flat_state(nnx.State(base_state)) if p in frozen]
+  return state.replace(model_state=nnx.from_flat_state(
+      list(nnx.to_flat_state(nnx.State(state.model_state))) + base))

@@ -148,6 +148,10 @@ def build(cfg: Any, model_cfg: ModelConfig, params: Any = None) -> Optimizer:
       not match the model.
   """
   cfg = OptimizerConfig.from_config(cfg)
+  if cfg.uses_qk_clip and model_cfg.lora_rank:
+    raise ValueError(f"optimizer.name={cfg.name!r}: QK-Clip rescales the query/key kernels, "
+                     "which LoRA freezes (ModelConfig.lora_rank="
+                     f"{model_cfg.lora_rank}); use 'muon' or 'adamw'")
   table = routing_table(cfg, model_cfg)
   if params is not None:
     got = {path_names(p): tuple(x.shape) for p, x in jax.tree.leaves_with_path(nnx.as_pure(params))}

@@ -3,7 +3,8 @@ each parameter gets, decided from its logical axes (models/layers.py `param`) an
 projections, the input rank recorded in `models.layers.Dense.n_in`.
 
 Embeddings, lm_head, norm gains, biases and router weights go to AdamW; every other matrix to
-Muon (under `muon` / `muon_clip`). Layer stacks (`layers` axis) and MoE experts (`experts`
+Muon (under `muon` / `muon_clip`), LoRA adapters included (A [in, rank] and B [rank, out] each
+orthogonalised as a matrix of its own). Layer stacks (`layers` axis) and MoE experts (`experts`
 axis) are Muon batch axes: every layer's matrix, and every expert's matrix, is orthogonalised on
 its own. Attention projections are orthogonalised as whole [in, heads·dim] matrices unless
 `muon.per_head_attention`, which makes the head axis a batch axis too. A parameter no rule
@@ -20,6 +21,7 @@ import jax
 from flax import nnx
 from optax.contrib import MuonDimensionNumbers
 
+from models import lora
 from models.config import ModelConfig
 from models.layers import Dense
 from models.transformer import abstract
@@ -106,7 +108,8 @@ def param_suffix(path) -> tuple[str, ...]:
 
 def model_param_info(model_cfg: ModelConfig
                      ) -> dict[tuple[str, ...], tuple[tuple, tuple, Optional[int]]]:
-  """What routing needs of every `nnx.Param` of the model, read from its abstract instance.
+  """What routing needs of every trained parameter of the model (every `nnx.Param`, or the LoRA
+  adapters alone), read from its abstract instance.
 
   Args:
     model_cfg: the model.
@@ -118,7 +121,7 @@ def model_param_info(model_cfg: ModelConfig
   n_in = {tuple(str(p) for p in path): node.n_in for path, node in nnx.iter_graph(model)
           if isinstance(node, Dense)}
   info = {}
-  state = nnx.state(model, nnx.Param)
+  state = nnx.state(model, lora.trainable(model_cfg))
   for path, var in jax.tree.leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
     names = path_names(path)
     dense_in = n_in.get(names[:-1]) if names[-1] == "kernel" else None
@@ -168,7 +171,10 @@ def route(cfg: Any, path: tuple[str, ...], shape: tuple[int, ...], axes: tuple[s
     return Route(path, shape, axes, "bias", "adamw", None, None, False)
   if path[-1] == "router":
     return Route(path, shape, axes, "router", "adamw", None, None, decay_matrix)
-  if dense_in is not None:
+  if path[-1].endswith(("_lora_a", "_lora_b")):  # [layers.., in, rank] / [layers.., rank, out]
+    role = "lora"
+    reduction, output = [lead], [lead + 1]
+  elif dense_in is not None:
     role = "attention" if "attn" in path else "mlp"
     reduction = list(range(lead, lead + dense_in))
     output = list(range(lead + dense_in, len(shape)))

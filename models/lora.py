@@ -1,0 +1,313 @@
+"""LoRA / QLoRA adapters and weight-only quantization of a Transformer, all through qwix.
+
+qwix (github.com/google/qwix) adapts and quantizes a Flax model by intercepting the matmuls
+its method runs: while `Transformer.hidden` runs, each projection's `dot_general` on a matched
+module's kernel becomes `x W + (alpha / rank) (x A) B` (`qwix.LoraProvider`; A [in, rank]
+drawn He-uniform, B [rank, out] zero, over the kernel's flattened in / out dimensions), and a
+kernel replaced by a qwix array (`base_qtype`, or `quantize` for rollouts) is multiplied in its
+quantized form. Nothing of that is written here; this module fits qwix to the Transformer:
+
+- qwix creates adapters and quantized kernels lazily, on a first call, as attributes of the
+  modules it runs. Scanned layers are copies made inside `lax.scan`, so the first call runs on
+  a template (one unstacked layer per stack, `nnx.eval_shape`); the adapters and quantized
+  kernels it made are then built for every layer of the real model: a leading `layers` axis on
+  a stacked model (`Transformer.stacked`), one per Block on an unstacked one.
+- Adapters are `nnx.LoRAParam` (a Param subclass): `nnx.split(model, nnx.LoRAParam, ...)`
+  separates them from the frozen base; they carry logical `axes` metadata like every
+  parameter, so `models.sharding` places them.
+- `merge` evaluates each adapted projection on the identity (through qwix again) to get
+  W + (alpha / rank) A B, for export to Hugging Face.
+
+Which projections (`ModelConfig.lora_modules`): "attention" = q/k/v/o and MLA's q_proj,
+q_a_proj, q_b_proj, kv_a_proj, o_proj (kv_b_proj is left out: decoding absorbs it into the
+query and output, outside any projection call); "mlp" = dense SwiGLU MLPs and MoE shared
+experts. Routed experts run `jax.lax.ragged_dot`, which qwix's LoRA provider does not
+intercept, so they stay frozen without adapters.
+
+    cfg = cfg.replace(lora_rank=16, lora_alpha=32.0)    # base_qtype="int8" for QLoRA
+    model = lora.apply(base_model, cfg)                  # adapters A random, B zero
+    _, adapters, frozen = nnx.split(model, nnx.LoRAParam, ...)
+
+References:
+  Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", arXiv:2106.09685.
+  Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs", arXiv:2305.14314.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import qwix
+from flax import nnx
+
+from models.config import ModelConfig
+from models.layers import Dense
+
+# module names (last path component) of the projections each `lora_modules` entry adapts
+MODULES = {
+    "attention": ("q_proj", "q_a_proj", "q_b_proj", "k_proj", "v_proj", "kv_a_proj", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+}
+# qwix intercepts `Transformer.hidden`: the forward pass, prefill and decoding all run it
+METHOD = "hidden"
+
+
+def _path_regex(modules) -> str:
+  names = "|".join(n for m in modules for n in MODULES[m])
+  return rf"(.*/)?({names})"
+
+
+def _rules(cfg: ModelConfig, weight_qtype: str | None) -> list:
+  """qwix rules: adapters (and the base's quantization) on the adapted projections, and the
+  base's quantization alone on the other projections."""
+  rules = []
+  if cfg.lora_rank:
+    rules.append(qwix.LoraRule(module_path=_path_regex(cfg.lora_modules), rank=cfg.lora_rank,
+                               alpha=cfg.lora_alpha, weight_qtype=weight_qtype))
+  if weight_qtype is not None:
+    rules.append(qwix.QuantizationRule(module_path=_path_regex(MODULES),
+                                       weight_qtype=weight_qtype))
+  return rules
+
+
+def _provider(cfg: ModelConfig, weight_qtype: str | None):
+  rules = _rules(cfg, weight_qtype)
+  return qwix.LoraProvider(rules) if cfg.lora_rank else qwix.PtqProvider(rules)
+
+
+def _template_config(cfg: ModelConfig) -> ModelConfig:
+  """One layer per stack the model has (dense first)."""
+  n_dense, n_moe = min(cfg.num_dense_layers, 1), min(cfg.num_moe_layers, 1)
+  return cfg.replace(num_layers=n_dense + n_moe,
+                     first_k_dense_replace=n_dense if cfg.num_experts else 0)
+
+
+def _inputs():
+  tokens = jnp.zeros((1, 2), jnp.int32)
+  return tokens, jnp.arange(2, dtype=jnp.int32)[None], jnp.full((1, 2), 2, jnp.int32)
+
+
+class QuantizedKernel(nnx.Param):
+  """A frozen kernel stored as qwix quantized (`WithAux` of a `QArray`: integer or float8
+  values and their scales), held in a Variable so that nnx states, shardings, abstract shapes
+  and checkpoints treat its arrays like any parameter's. A Param subclass: qwix looks a
+  matmul's weight up among the module's Params."""
+
+
+@functools.lru_cache(maxsize=16)
+def _template(cfg: ModelConfig, weight_qtype: str | None, make: Callable[..., nnx.Module]):
+  """The abstract template after qwix's first call: {stack name: its one Block} (cached: it
+  holds shapes only, and re-quantizing at every weight sync reuses it)."""
+  tcfg = _template_config(cfg)
+
+  def run():
+    model = qwix.quantize_model(make(tcfg, stacked=False), _provider(cfg, weight_qtype),
+                                *_inputs(), methods=(METHOD,), rngs=nnx.Rngs(0))
+    # a second call: on the first, qwix replaces a kernel by its quantized form before its LoRA
+    # step looks the kernel up, and creates that kernel's adapters only on the next call
+    model.set_attributes(qwix_rngs=nnx.Rngs(0))
+    model.hidden(*_inputs())
+    return model
+
+  template = nnx.eval_shape(run)
+  return {name: getattr(template, name)[0] for name in ("dense_layers", "moe_layers")
+          if getattr(template, name) is not None}
+
+
+def _module(root: nnx.Module, path: tuple) -> nnx.Module:
+  for key in path:
+    root = root[key] if isinstance(key, int) else getattr(root, key)
+  return root
+
+
+def _adapter_axes(dense: Dense, name: str) -> tuple:
+  """Logical axes of an adapter matrix: A [in, rank] keeps the input's axis, B [rank, out] the
+  output's, when the flattened dimension is a single one (else unsharded)."""
+  axes = dense.kernel.get_metadata()["axes"]
+  axes = axes[1:] if axes[0] == "layers" else axes
+  in_axes, out_axes = axes[:dense.n_in], axes[dense.n_in:]
+  one = lambda a: a[0] if len(a) == 1 else None
+  return (one(in_axes), None) if name.endswith("_lora_a") else (None, one(out_axes))
+
+
+def _build_layer_variables(block: nnx.Module, template_block: nnx.Module, layers: int | None,
+                           rules: list, key: jax.Array) -> None:
+  """Give `block` the adapters and quantized kernels qwix made on `template_block`.
+
+  Args:
+    block: a Block of the real model (a stacked one when `layers` is given).
+    template_block: the template's Block after qwix's first call.
+    layers: the stacked Block's layer count, or None for a single layer.
+    rules: the qwix rules (the LoRA rule first, when there is one).
+    key: PRNG key for the adapters' A matrices.
+  """
+  # adapters first: their axes come from the real kernel before it is quantized
+  made = [(path, node) for path, node in nnx.iter_graph(template_block)
+          if isinstance(node, nnx.LoRAParam)]
+  made += [(path, node) for path, node in nnx.iter_graph(template_block)
+           if type(node).__name__ == "WithAux"]
+  for i, (path, node) in enumerate(made):
+    module, name = _module(block, path[:-1]), path[-1]
+    if isinstance(node, nnx.LoRAParam):
+      rule = rules[0]
+      init = rule.lora_a_initializer if name.endswith("_lora_a") else rule.lora_b_initializer
+      base = module.kernel
+      dtype = base.dtype if isinstance(base, nnx.Variable) else jnp.float32
+      draw = lambda k: init(k, node.shape, dtype)
+      k = jax.random.fold_in(key, i)
+      value = draw(k) if layers is None else jax.vmap(draw)(jax.random.split(k, layers))
+      axes = _adapter_axes(module, name)
+      setattr(module, name, nnx.LoRAParam(value, axes=(("layers",) if layers else ()) + axes))
+    else:  # a kernel qwix quantized: quantize the real one the same way, layer by layer
+      quantize = lambda w: qwix.quantize_params({name: w}, {name: node})[name]
+      var = getattr(module, name)
+      weight = var[...]
+      value = quantize(weight) if layers is None else jax.vmap(quantize)(weight)
+      setattr(module, name, QuantizedKernel(value, **var.get_metadata()))
+
+
+def _transform(model: nnx.Module, cfg: ModelConfig, weight_qtype: str | None, seed: int,
+               make: Callable[..., nnx.Module]) -> nnx.Module:
+  model = nnx.clone(model)  # the variables are added in place; the arrays stay shared
+  templates = _template(cfg, weight_qtype, make)
+  rules = _rules(cfg, weight_qtype)
+  key = jax.random.key(seed)
+  for s, name in enumerate(templates):
+    stack = getattr(model, name)
+    if isinstance(stack, nnx.List):
+      for i, block in enumerate(stack):
+        _build_layer_variables(block, templates[name], None, rules,
+                               jax.random.fold_in(key, 1000 * s + i))
+    else:
+      n = jax.tree.leaves(nnx.state(stack, nnx.Param))[0].shape[0]
+      _build_layer_variables(stack, templates[name], n, rules, jax.random.fold_in(key, s))
+  # qwix's class swap (its interception of `hidden`) and module paths, with no first call:
+  # everything it would create exists already
+  model = qwix.quantize_model(model, _provider(cfg, weight_qtype), *_inputs(),
+                              methods=(METHOD,), skip_nnx_init=True)
+  model.cfg = cfg
+  return model
+
+
+def apply(model: nnx.Module, cfg: ModelConfig, make: Callable[..., nnx.Module],
+          seed: int = 0) -> nnx.Module:
+  """The model with LoRA adapters (and a quantized frozen base with `cfg.base_qtype`).
+
+  Args:
+    model: a Transformer (stacked or unstacked) without adapters, with `cfg`'s architecture.
+    cfg: the model config; `lora_rank` > 0.
+    make: the Transformer constructor, `make(cfg, stacked=...)` (builds the template).
+    seed: seed of the adapters' A matrices (B starts at zero, so the model is unchanged).
+
+  Returns:
+    A new model sharing the base's arrays (quantized copies with `base_qtype`).
+
+  Raises:
+    ValueError: cfg.lora_rank is 0, or the model has adapters already.
+  """
+  if not cfg.lora_rank:
+    raise ValueError("lora.apply: ModelConfig.lora_rank=0 (no adapters to add)")
+  if has_adapters(model):
+    raise ValueError("lora.apply: the model has adapters already")
+  return _transform(model, cfg, cfg.base_qtype, seed, make)
+
+
+def quantize(model: nnx.Module, cfg: ModelConfig, qtype: str,
+             make: Callable[..., nnx.Module]) -> nnx.Module:
+  """A weight-only quantized copy of a model without adapters (e.g. a rollout engine's).
+
+  Every projection `lora.MODULES` names gets a qwix `qtype` kernel (absmax, per output
+  channel); embeddings, norms, the output head, routers, routed experts and MLA's kv_b_proj
+  keep their dtype.
+
+  Args:
+    model: a Transformer (stacked or unstacked) without adapters.
+    cfg: its config (lora_rank 0).
+    qtype: a qwix type name, e.g. "int8", "float8_e4m3fn".
+    make: the Transformer constructor.
+
+  Returns:
+    The quantized model (new arrays for the quantized kernels, the rest shared).
+  """
+  if cfg.lora_rank or has_adapters(model):
+    raise ValueError("lora.quantize: the model has adapters; quantize its merged copy "
+                     "(lora.merge) or train with ModelConfig.base_qtype")
+  return _transform(model, cfg, qtype, 0, make)
+
+
+def base_config(cfg: ModelConfig) -> ModelConfig:
+  """The config of the plain base model: no adapters, no quantization."""
+  return cfg.replace(lora_rank=0, base_qtype=None)
+
+
+def trainable(cfg: ModelConfig):
+  """The nnx filter of the variables training updates: the adapters (`nnx.LoRAParam`) when
+  `cfg.lora_rank` > 0, else every `nnx.Param`."""
+  return nnx.LoRAParam if cfg.lora_rank else nnx.Param
+
+
+def has_adapters(model: nnx.Module) -> bool:
+  """Whether the model holds LoRA adapters."""
+  return any(isinstance(v, nnx.LoRAParam) for _, v in nnx.iter_graph(model))
+
+
+def is_quantized(model: nnx.Module) -> bool:
+  """Whether some kernel of the model is quantized."""
+  return any(isinstance(v, QuantizedKernel) for _, v in nnx.iter_graph(model))
+
+
+def merge(model: nnx.Module, cfg: ModelConfig) -> dict:
+  """Effective kernels W + (alpha / rank) A B of the adapted or quantized projections, by qwix.
+
+  Each such Dense runs once, under qwix's interception, on the identity over its flattened
+  input (fp32, bias left out): its output is exactly the kernel it applies. A quantized base
+  gives its dequantized kernel (plus the adapters' product).
+
+  Args:
+    model: a Transformer from `apply` or `quantize` (stacked or unstacked).
+    cfg: its config.
+
+  Returns:
+    {module path (as `nnx.iter_graph` gives it): fp32 kernel [(layers,) in.., out..]}.
+  """
+  out = {}
+  for path, dense in nnx.iter_graph(model):
+    adapted = hasattr(dense, "kernel_lora_a")
+    if isinstance(dense, Dense) and (adapted or isinstance(dense.kernel, QuantizedKernel)):
+      provider = (qwix.LoraProvider(module_path=".*", rank=cfg.lora_rank, alpha=cfg.lora_alpha,
+                                    weight_qtype=cfg.base_qtype) if adapted else
+                  qwix.PtqProvider([qwix.QuantizationRule(module_path=".*",
+                                                          weight_qtype=cfg.base_qtype)]))
+      stacked = len(path) > 1 and not isinstance(path[1], int)
+      out[path] = _effective_kernel(dense, provider, stacked)
+  return out
+
+
+def _effective_kernel(dense: Dense, provider, stacked: bool) -> jax.Array:
+  graphdef, state = nnx.split(dense)
+
+  def one(layer_state):
+    d = nnx.merge(graphdef, layer_state)
+    d.bias, d.dtype = None, jnp.float32
+    in_shape = tuple(d.kernel.get_value().shape[:d.n_in])
+    n = math.prod(in_shape)
+    eye = jnp.eye(n, dtype=jnp.float32).reshape((n,) + in_shape)
+    y = qwix.quantize_model(d, provider, eye, skip_nnx_init=True)(eye)  # [n, out..]
+    return y.reshape(in_shape + y.shape[1:])
+
+  return jax.vmap(one)(state) if stacked else one(state)
+
+
+def adapter_count(model: nnx.Module) -> int:
+  """Number of adapter parameters."""
+  return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+
+
+def describe(cfg: ModelConfig) -> dict[str, Any]:
+  """The adapter settings of a config, for logs and checkpoints."""
+  return {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "modules": list(cfg.lora_modules),
+          "base_qtype": cfg.base_qtype}
