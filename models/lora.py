@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -46,6 +47,10 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import Dense
+
+# qwix 0.1.8 calls flax APIs that flax 0.12 deprecates (`.value`, `iter_modules`,
+# `VariableState`): not the user's to fix
+warnings.filterwarnings("ignore", category=DeprecationWarning, module="qwix")
 
 # module names (last path component) of the projections each `lora_modules` entry adapts
 MODULES = {
