@@ -96,7 +96,8 @@ def abstract_model(model_cfg: ModelConfig, mesh) -> tuple[nnx.GraphDef, nnx.Stat
     `transformer.unstack(model)` (the jit cache key); the state's variables hold
     `jax.ShapeDtypeStruct`s (fp32 parameters) carrying their `state_shardings`.
   """
-  model = nnx.eval_shape(lambda: transformer.Transformer(model_cfg, stacked=False))
+  model = nnx.eval_shape(lambda: transformer.with_adapters(
+      transformer.Transformer(model_cfg, stacked=False)))  # LoRA adapters, quantized base
   graphdef, state = nnx.split(model)
   shardings = sharding.state_shardings(state, model_cfg, mesh)
   state = jax.tree.map(lambda v, sh: _struct(v.shape, v.dtype, sh), state, shardings)
