@@ -26,6 +26,15 @@ How it works (all shapes static, so nothing recompiles after warm-up):
   are waiting.
 - Weights are a jit argument: `update_params` swaps them between calls without recompiling.
 
+Quantized rollouts: with `EngineConfig(weight_qtype="int8")` (or "float8_e4m3fn", ...) the
+engine samples from a weight-only qwix-quantized copy of the policy (`models.lora.quantize`):
+it quantizes the model at construction and re-quantizes the full-precision weights each
+`update_params` brings (one jitted call), and holds only the quantized copy; the trainer keeps
+its own precision. Log-probs are the quantized model's, so the trainer's mismatch corrections
+(rl.corrections) see the quantization error. A LoRA engine (a model with `nnx.LoRAParam`
+adapters) takes the adapters alone in `update_params` (`nnx.state(model, nnx.LoRAParam)`,
+stacked or unstacked): its frozen base stays where it is and only the adapters move.
+
 With `EngineConfig(cache="paged")` the cache is a pool of `num_pages` pages of `page_size`
 positions instead (models/paged_cache.py): a sequence holds the pages its positions fill, so
 memory follows the tokens actually cached rather than `max_seq_len` per row, and `slots` can
@@ -60,6 +69,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
 from typing import Any, Callable, Optional, Sequence
@@ -69,14 +79,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import sampler, transformer
+from models import lora, sampler, transformer
 from models.cache_pool import CachePool
+from models.config import BASE_QTYPES
 from models.paged_cache import PagedPool
 
 logger = logging.getLogger(__name__)
 
 ON_UPDATE = ("finish", "resubmit", "restart")
 CACHES = ("contiguous", "paged")
+WEIGHT_QTYPES = BASE_QTYPES  # qwix weight types an engine may sample with
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +116,9 @@ class EngineConfig:
   page_size: int = 16             # paged: positions per page
   num_pages: int = 0              # paged: pages in the pool (0 = the contiguous pool's memory,
                                   # (slots + prefix_cache_rows) * ceil(max_seq_len / page_size))
+  weight_qtype: Optional[str] = None  # None: sample with the model's own weights | a qwix type
+                                  # (WEIGHT_QTYPES, e.g. "int8", "float8_e4m3fn"): sample with
+                                  # a weight-only quantized copy, re-quantized at update_params
 
 
 @dataclasses.dataclass
@@ -166,6 +181,102 @@ def _is_stacked_state(state: nnx.State) -> bool:
              for name in ("dense_layers", "moe_layers"))
 
 
+def _is_adapter_state(state: Any) -> bool:
+  """Whether `state` holds LoRA adapters alone (`nnx.state(model, nnx.LoRAParam)`)."""
+  if not isinstance(state, nnx.State):
+    return False
+  variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return bool(variables) and all(isinstance(v, nnx.LoRAParam) for v in variables)
+
+
+def _unstack_values(values: dict) -> dict:
+  """A pure-dict state with each layer stack [layers, ...] split into per-layer entries
+  {0: ..., 1: ...}, as `transformer.unstack` lays them out."""
+  out = dict(values)
+  for name in ("dense_layers", "moe_layers"):
+    if name in out and not all(isinstance(k, int) for k in out[name]):
+      n = jax.tree.leaves(out[name])[0].shape[0]
+      out[name] = {i: jax.tree.map(lambda a, i=i: a[i], out[name]) for i in range(n)}
+  return out
+
+
+def _abstract(state: nnx.State) -> nnx.State:
+  """The state with ShapeDtypeStruct values: its structure, shapes and dtypes, no arrays."""
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+
+
+def _rebuild(reference: nnx.State, params: nnx.State) -> nnx.State:
+  """`params`' values in `reference`'s tree structure (a structure, shape or dtype that differs
+  raises).
+
+  Only values are taken: variable metadata (e.g. an initialiser's std) is part of a state's tree
+  structure, and a different structure would retrace the engine's jitted calls.
+
+  Args:
+    reference: the state (or abstract state) whose structure the result has.
+    params: a state with the same variables.
+
+  Returns:
+    A state of `reference`'s structure holding `params`' arrays.
+
+  Raises:
+    ValueError: other variables, or a variable of another shape or dtype.
+  """
+  new_values, old_values = nnx.to_pure_dict(params), nnx.to_pure_dict(reference)
+  if jax.tree.structure(new_values) != jax.tree.structure(old_values):
+    raise ValueError("update_params: the new weights do not have the engine model's "
+                     "structure (other layers or parameters)")
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree.leaves_with_path(old_values)]
+  new_leaves, old_leaves = jax.tree.leaves(new_values), jax.tree.leaves(old_values)
+  for path, a, b in zip(paths, old_leaves, new_leaves):
+    if a.shape != b.shape or a.dtype != b.dtype:
+      raise ValueError(f"update_params: {path} is {b.dtype}{list(b.shape)}, expected "
+                       f"{a.dtype}{list(a.shape)}")
+  return jax.tree.unflatten(jax.tree.structure(reference), [jnp.asarray(b) for b in new_leaves])
+
+
+@functools.lru_cache(maxsize=16)
+def _quantizer(graphdef: nnx.GraphDef, stacked: bool, qtype: str
+               ) -> Callable[[nnx.State], nnx.State]:
+  """The jitted full-precision state -> qwix-quantized unstacked state, for a stacked or an
+  unstacked model's graphdef (cached: engines and weight syncs of one model share it)."""
+
+  def quantize(state: nnx.State) -> nnx.State:
+    model = nnx.merge(graphdef, state)
+    model = transformer.unstack(model) if stacked else model
+    return nnx.state(lora.quantize(model, model.cfg, qtype, transformer.Transformer))
+  return jax.jit(quantize)
+
+
+_QUANTIZED_GRAPHDEFS: dict[tuple, nnx.GraphDef] = {}  # (graphdef, qtype) -> quantized one's
+
+
+def _quantized_graphdef(graphdef: nnx.GraphDef, qtype: str, state: nnx.State) -> nnx.GraphDef:
+  """The graphdef of an unstacked model's quantized copy.
+
+  qwix gives every quantized copy a class of its own, so the graphdefs of two copies never
+  compare equal and two engines would compile their calls twice: engines quantizing the same
+  model structure to the same type share the first one's graphdef, and its compiled calls.
+
+  Args:
+    graphdef: the full-precision unstacked model's graphdef.
+    qtype: the qwix weight type.
+    state: that model's state (only shapes are read).
+
+  Returns:
+    The quantized copy's graphdef.
+  """
+  key = (graphdef, qtype)
+  if key not in _QUANTIZED_GRAPHDEFS:
+    if len(_QUANTIZED_GRAPHDEFS) >= 16:
+      _QUANTIZED_GRAPHDEFS.pop(next(iter(_QUANTIZED_GRAPHDEFS)))
+    def quantize(s):
+      model = nnx.merge(graphdef, s)
+      return lora.quantize(model, model.cfg, qtype, transformer.Transformer)
+    _QUANTIZED_GRAPHDEFS[key] = nnx.graphdef(nnx.eval_shape(quantize, state))
+  return _QUANTIZED_GRAPHDEFS[key]
+
+
 def _common(a: np.ndarray, b: np.ndarray) -> int:
   """Length of the common prefix of two token arrays."""
   n = min(len(a), len(b))
@@ -200,10 +311,32 @@ class Engine:
     self.num_pages = c.num_pages or self.num_rows * -(-c.max_seq_len // c.page_size)
     self.capacity = c.max_seq_len
     self.prefill_rows = c.prefill_rows or c.slots
+    if c.weight_qtype is not None and (model.cfg.lora_rank or lora.has_adapters(model)):
+      raise ValueError(
+          f"EngineConfig.weight_qtype={c.weight_qtype!r}: the model has LoRA adapters "
+          f"(ModelConfig.lora_rank={model.cfg.lora_rank}); sample from its merged weights "
+          "(models.lora.merge) or quantize the frozen base with ModelConfig.base_qtype")
+    if c.weight_qtype is not None and lora.is_quantized(model):
+      raise ValueError(f"EngineConfig.weight_qtype={c.weight_qtype!r}: the model is quantized "
+                       "already; pass its full-precision weights")
     # Decoding runs the unstacked model: every layer reads its own weight and cache buffers.
     self._stacked_graphdef = None if _is_unstacked(model) else nnx.graphdef(model)
+    # weight_qtype: {stacked: (graphdef, abstract state)} of the full-precision models that
+    # update_params quantizes (no full-precision array is kept)
+    self._full: dict[bool, tuple[Any, nnx.State]] = {}
+    if c.weight_qtype is not None and self._stacked_graphdef is not None:
+      self._full[True] = (self._stacked_graphdef, _abstract(nnx.state(model)))
     model = model if _is_unstacked(model) else transformer.unstack(model)
+    if c.weight_qtype is not None:
+      graphdef, state = nnx.split(model)
+      self._full[False] = (graphdef, _abstract(state))
+      model = nnx.merge(_quantized_graphdef(graphdef, c.weight_qtype, state),
+                        _quantizer(graphdef, False, c.weight_qtype)(state))
+      del state  # the engine holds the quantized copy only
     self._graphdef, self._state = nnx.split(model)
+    # paths of the LoRA adapters in the (unstacked) state: update_params may bring these alone
+    self._adapter_paths = frozenset(path for path, _ in
+                                    nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)))
     self.version = 0
     if self.paged:
       self._pool = PagedPool(model, self.num_pages, c.page_size, self.capacity, self._count,
@@ -252,6 +385,8 @@ class Engine:
     if c.num_pages and c.num_pages * c.page_size < c.max_seq_len:
       fail("num_pages", f"x page_size={c.page_size} cannot hold one sequence of max_seq_len="
                         f"{c.max_seq_len} positions")
+    if c.weight_qtype is not None and c.weight_qtype not in WEIGHT_QTYPES:
+      fail("weight_qtype", f"expected None or one of {WEIGHT_QTYPES}")
 
   # ------------------------------------------------------------------ public API
 
@@ -314,42 +449,108 @@ class Engine:
   def update_params(self, params, version: int, on_update: Optional[str] = None) -> None:
     """Use new weights from the next decode call on; nothing recompiles.
 
+    With `EngineConfig.weight_qtype` the new full-precision weights are quantized here (one
+    jitted call) and the engine keeps the quantized copy only. A LoRA engine also takes a
+    state of its adapters alone, `nnx.state(model, nnx.LoRAParam)` of the trained model
+    (stacked or unstacked): they replace the engine's adapters and the frozen base stays.
+
     Args:
-      params: a Transformer (stacked or not) or the full nnx.State of one, with the engine
-        model's shapes and dtypes.
+      params: a Transformer (stacked or not) or the full nnx.State of one, with the shapes and
+        dtypes of the model the engine was built from (full precision with `weight_qtype`).
+        For a model with LoRA adapters, any nnx.State (of Variables or pure, stacked or not)
+        that holds all its adapters: those variables are replaced, the others kept (e.g.
+        `nnx.state(model, nnx.LoRAParam)`, plus a MoE router's bias if it trains).
       version: policy version tagged on the tokens the new weights sample.
       on_update: what in-flight requests do (see `EngineConfig.on_update`; default that).
 
     Raises:
-      ValueError: unknown `on_update`, or weights of another structure, shape or dtype.
+      ValueError: unknown `on_update`, or weights of another structure, shape or dtype
+        (adapters for an engine without them; a partial state missing adapters).
     """
     on_update = on_update or self.cfg.on_update
     if on_update not in ON_UPDATE:
       raise ValueError(f"on_update={on_update!r}: expected one of {ON_UPDATE}")
-    if isinstance(params, nnx.State) and _is_stacked_state(params):
-      if self._stacked_graphdef is None:
+    if isinstance(params, nnx.State) and self._adapter_paths:
+      state = self._with_leaves(params)
+    elif _is_adapter_state(params):
+      raise ValueError("update_params: got LoRA adapters alone, but the engine's model has "
+                       "none; pass the full weights")
+    else:
+      stacked = (_is_stacked_state(params) if isinstance(params, nnx.State)
+                 else not _is_unstacked(params))
+      if isinstance(params, nnx.State) and stacked and self._stacked_graphdef is None:
         raise ValueError("update_params: got a stacked state for an engine built from an "
                          "unstacked model; pass a Transformer")
-      params = nnx.merge(self._stacked_graphdef, params)
-    if not isinstance(params, nnx.State):
-      params = nnx.state(params if _is_unstacked(params) else transformer.unstack(params))
-    # Compare and rebuild by value only: variable metadata (e.g. an initialiser's std) is part
-    # of the state's tree structure, and a different structure would retrace the jit.
-    new_values, old_values = nnx.to_pure_dict(params), nnx.to_pure_dict(self._state)
-    if jax.tree.structure(new_values) != jax.tree.structure(old_values):
-      raise ValueError("update_params: the new weights do not have the engine model's "
-                       "structure (other layers or parameters)")
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree.leaves_with_path(old_values)]
-    new_leaves, old_leaves = jax.tree.leaves(new_values), jax.tree.leaves(old_values)
-    for path, a, b in zip(paths, old_leaves, new_leaves):
-      if a.shape != b.shape or a.dtype != b.dtype:
-        raise ValueError(f"update_params: {path} is {b.dtype}{list(b.shape)}, expected "
-                         f"{a.dtype}{list(a.shape)}")
-    state = jax.tree.unflatten(jax.tree.structure(self._state),
-                               [jnp.asarray(b) for b in new_leaves])
+      if self.cfg.weight_qtype is not None:
+        state = self._quantized(params, stacked)
+      else:
+        if isinstance(params, nnx.State) and stacked:
+          params = nnx.merge(self._stacked_graphdef, params)
+        if not isinstance(params, nnx.State):
+          params = nnx.state(params if _is_unstacked(params) else transformer.unstack(params))
+        state = _rebuild(self._state, params)
     with self._lock:
       self._pending_update = (state, int(version), on_update)
     self._wakeup.set()
+
+  def _quantized(self, params, stacked: bool) -> nnx.State:
+    """The engine's quantized state of new full-precision weights (`weight_qtype`)."""
+    if not isinstance(params, nnx.State):
+      if lora.is_quantized(params):
+        raise ValueError(f"update_params: EngineConfig.weight_qtype={self.cfg.weight_qtype!r} "
+                         "quantizes the weights itself; pass the full-precision model")
+      if stacked and True not in self._full:  # an engine built from an unstacked model
+        params, stacked = transformer.unstack(params), False
+      params = nnx.state(params)
+    full = _rebuild(self._full[stacked][1], params)
+    quantize = _quantizer(self._full[stacked][0], stacked, self.cfg.weight_qtype)
+    return _rebuild(self._state, quantize(full))
+
+  def _with_leaves(self, params: nnx.State) -> nnx.State:
+    """A LoRA engine's state with the variables `params` holds replaced, the rest kept.
+
+    Args:
+      params: an nnx.State (of Variables or pure), stacked or unstacked, holding every LoRA
+        adapter of the engine's model and any other of its variables (e.g. a MoE router's
+        bias, which training updates beside the adapters).
+
+    Returns:
+      The new state: `params`' arrays where it has them, the engine's own elsewhere.
+
+    Raises:
+      ValueError: an adapter missing, a variable the model does not have, or one of another
+        shape or dtype.
+    """
+    values = nnx.to_pure_dict(params)
+    if _is_stacked_state(params):
+      values = _unstack_values(values)
+    new = nnx.traversals.flatten_mapping(values)
+    with self._lock:  # on top of an update still waiting to be applied
+      current = self._pending_update[0] if self._pending_update else self._state
+    old = nnx.traversals.flatten_mapping(nnx.to_pure_dict(current))
+    missing = sorted("/".join(map(str, p)) for p in self._adapter_paths - set(new))
+    unknown = sorted("/".join(map(str, p)) for p in set(new) - set(old))
+    if missing or unknown:
+      raise ValueError(f"update_params: the weights are not the engine model's: adapters "
+                       f"missing {missing[:3]} ({len(missing)}), unknown variables "
+                       f"{unknown[:3]} ({len(unknown)})")
+    for path, b in new.items():
+      a = old[path]
+      if jax.tree.structure(a) != jax.tree.structure(b) or any(
+          x.shape != y.shape or x.dtype != y.dtype
+          for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))):
+        raise ValueError(f"update_params: {'/'.join(map(str, path))} is "
+                         f"{jax.tree.map(lambda x: (x.dtype, x.shape), b)}, expected "
+                         f"{jax.tree.map(lambda x: (x.dtype, x.shape), a)}")
+      old[path] = b
+    leaves = jax.tree.leaves(nnx.traversals.unflatten_mapping(old))
+    return jax.tree.unflatten(jax.tree.structure(self._state), [jnp.asarray(b) for b in leaves])
+
+  @property
+  def weights(self) -> nnx.State:
+    """The (unstacked) state the engine samples with now: quantized with `weight_qtype`."""
+    with self._lock:
+      return self._state
 
   def _count(self, **deltas: int) -> None:
     with self._lock:

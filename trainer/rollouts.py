@@ -234,22 +234,36 @@ def engine_config(config: ml_collections.ConfigDict, model_cfg=None) -> EngineCo
   A slot per concurrent episode (`rl.concurrency`), as many rows for prefix reuse, rows long
   enough for `rl.max_context_tokens` (rounded up to a multiple of 128); it records every
   position's experts when the policy is MoE and `rl.routing_replay` is on; the cache is
-  contiguous or paged (`rl.kv_cache`, `rl.kv_page_size`, `rl.kv_pages`).
+  contiguous or paged (`rl.kv_cache`, `rl.kv_page_size`, `rl.kv_pages`). With
+  `rl.rollout_qtype` (a qwix type, e.g. "int8", "float8_e4m3fn"; absent or None: the policy's
+  own weights) the engine samples from a weight-only quantized copy of the policy, re-quantized
+  at every weight sync (`EngineConfig.weight_qtype`); the trainer keeps full precision and its
+  mismatch correction (`rl.correction`) sees the quantization error in the log-probs.
 
   Args:
     config: the run's config (`rl.concurrency`, `rl.max_context_tokens`, `seed`,
-      `rl.routing_replay`).
+      `rl.routing_replay`, `rl.kv_cache`, `rl.kv_page_size`, `rl.kv_pages`,
+      `rl.rollout_qtype`).
     model_cfg: the policy's ModelConfig; None: no expert recording (evaluation).
 
   Returns:
     The EngineConfig.
+
+  Raises:
+    ValueError: `rl.rollout_qtype` for a LoRA policy (its engine keeps the frozen base and
+      takes adapters alone; quantize the base with `ModelConfig.base_qtype` instead).
   """
   rl = config.rl
   replay = bool(model_cfg is not None and model_cfg.is_moe and rl.routing_replay)
+  qtype = rl.get("rollout_qtype")
+  if qtype is not None and model_cfg is not None and model_cfg.lora_rank:
+    raise ValueError(f"rl.rollout_qtype={qtype!r}: the policy has LoRA adapters "
+                     f"(lora_rank={model_cfg.lora_rank}); its engine samples from the frozen "
+                     "base plus adapters; quantize the base with ModelConfig.base_qtype instead")
   return EngineConfig(slots=rl.concurrency, max_seq_len=-(-rl.max_context_tokens // 128) * 128,
                       prefix_cache_rows=rl.concurrency, prefill_chunk=512, seed=config.seed,
                       return_expert_ids=replay, cache=rl.kv_cache, page_size=rl.kv_page_size,
-                      num_pages=rl.kv_pages)
+                      num_pages=rl.kv_pages, weight_qtype=qtype)
 
 
 def branch_config(config: ml_collections.ConfigDict) -> Optional[BranchConfig]:
