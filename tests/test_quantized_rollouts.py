@@ -6,9 +6,9 @@
 - `update_params` re-quantizes new full-precision weights: the engine then samples exactly as a
   freshly built quantized engine on them, and holds int8 kernels within half a quantization
   step of the new weights (NumPy absmax per output channel).
-- A LoRA engine takes the adapters alone (stacked or unstacked): the same tokens and log-probs
-  as a full update, its frozen base arrays untouched, log-probs equal to a teacher-forced pass
-  of the trained LoRA model.
+- A LoRA engine (QLoRA: int8 base) takes the trainer's adapters alone (a stacked pure state, or
+  unstacked Variables): the same tokens and log-probs as a full update, its frozen base arrays
+  untouched, log-probs equal to a teacher-forced pass of the trained model.
 - Config errors name the field; `trainer.rollouts.engine_config` reads `rl.rollout_qtype`.
 """
 
@@ -126,20 +126,23 @@ def test_update_params_requantizes(dense):
 
 
 def trained(model):
-  """A copy of a LoRA model with both adapter matrices moved (B is zero at init)."""
-  out = nnx.clone(model)
-  adapters = nnx.state(out, nnx.LoRAParam)
-  leaves, tree = jax.tree.flatten(adapters)
+  """(params, model): the trainer's params of a LoRA model (`lora.trainable`: the adapters,
+  as the pure state TrainState.params holds) moved, B included (zero at init), and the model
+  they make with the frozen base."""
+  graphdef, params, frozen = nnx.split(model, lora.trainable(model.cfg), ...)
+  leaves, tree = jax.tree.flatten(nnx.as_pure(params))
   keys = jax.random.split(jax.random.key(3), len(leaves))
-  nnx.update(out, jax.tree.unflatten(tree, [a + 0.3 * jax.random.normal(k, a.shape, a.dtype)
-                                            for a, k in zip(leaves, keys)]))
-  return out
+  params = jax.tree.unflatten(tree, [a + 0.3 * jax.random.normal(k, a.shape, a.dtype)
+                                     for a, k in zip(leaves, keys)])
+  return params, nnx.merge(graphdef, params, frozen)
 
 
 def test_lora_engine_takes_adapters_alone():
-  model_cfg = DENSE.replace(lora_rank=4, lora_alpha=8.0)
+  """QLoRA policy (int8 base): the weight sync of a LoRA run sends the trainer's adapters
+  (stacked, pure), not the frozen base."""
+  model_cfg = DENSE.replace(lora_rank=4, lora_alpha=8.0, base_qtype="int8")
   base = transformer.init(model_cfg, seed=0)
-  after = trained(base)
+  adapters, after = trained(base)
   inputs = prompts(model_cfg.vocab_size)
   full, alone = engine(base), engine(base)
   untouched = {k: v for k, v in nnx.traversals.flatten_mapping(
@@ -147,20 +150,21 @@ def test_lora_engine_takes_adapters_alone():
   before = sampled(alone.generate(inputs, PARAMS))
 
   full.update_params(after, version=1)
-  alone.update_params(nnx.state(after, nnx.LoRAParam), version=1)  # stacked adapters
+  alone.update_params(adapters, version=1)
   want = full.generate(inputs, PARAMS)
   got = alone.generate(inputs, PARAMS)
   assert [o.output_ids for o in got] == [o.output_ids for o in want]
   np.testing.assert_array_equal(sampled(got), sampled(want))
   np.testing.assert_allclose(sampled(got), teacher(after, inputs, got), atol=ATOL)
   assert np.abs(sampled(got) - before).max() > 10 * ATOL  # the adapters changed the policy
-  # the frozen base stayed: the same arrays, not copies
+  # the frozen base stayed: the same arrays (int8 values and scales), not copies
   state = nnx.traversals.flatten_mapping(nnx.to_pure_dict(alone.weights))
-  assert all(state[k] is v for k, v in untouched.items())
+  assert all(x is y for k, v in untouched.items()
+             for x, y in zip(jax.tree.leaves(state[k]), jax.tree.leaves(v)))
 
-  # unstacked, and pure (the trainer's params), after other weights
+  # unstacked nnx.Variable states, after other weights
   alone.update_params(base, version=2)
-  alone.update_params(nnx.as_pure(nnx.state(transformer.unstack(after), nnx.LoRAParam)), 3)
+  alone.update_params(nnx.state(transformer.unstack(after), nnx.LoRAParam), version=3)
   np.testing.assert_array_equal(sampled(alone.generate(inputs, PARAMS)), sampled(want))
 
   partial = nnx.state(after, nnx.LoRAParam)["dense_layers"]["mlp"]
