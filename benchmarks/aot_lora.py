@@ -6,7 +6,7 @@
     python -m benchmarks.aot_lora --docs_only --out_dir=docs/aot --update_docs
 
 Each plan is the RL template (configs/rl.py, its AdamW with fp32 moments) for Qwen2.5-Coder-7B
-or -32B on one host: v5p "2x2x1" (4 chips, 95 GiB each) or v6e "2x4" (8 chips, 32 GiB each),
+or -32B on one host: v5p "2x2x1" (4 chips, 95 GB each) or v6e "2x4" (8 chips, 32 GB each),
 FSDP over the host's chips, bf16 compute, full remat, the Pallas TPU tree kernel, one row of
 `ROW_LEN` tokens per chip per micro-batch. The fine-tuning modes:
 
@@ -15,6 +15,9 @@ FSDP over the host's chips, bf16 compute, full remat, the Pallas TPU tree kernel
               frozen base kept in the parameter dtype (fp32) in TrainState.model_state;
   qlora-int8  the same adapters over an int8 base (qwix weight-only quantization);
   qlora-int4  over an int4 base.
+
+The "-8k" plans rerun on v6e what does not fit there at 16,384 tokens (7B full fine-tuning,
+32B LoRA and QLoRA) with rows of 8,192 tokens and twice the micro-batches.
 
 The train step (the accumulation over micro-batches and the optimizer update, `trainer.aot`)
 is compiled by the XLA TPU compiler on this machine (no TPU). Per chip each report holds the
@@ -49,7 +52,8 @@ from trainer import optim
 from trainer import state as state_lib
 
 ROW_LEN, SEQ_LEN = 16384, 4096  # one trajectory's trie per row; sampled tokens per sequence
-MICRO_BATCHES = 4  # accumulation steps (the scan: memory does not grow with them)
+MICRO_BATCHES = 4  # accumulation steps at ROW_LEN (the scan: memory does not grow with them)
+SHORT_ROW = 8192  # the "-8k" plans: half the row, twice the micro-batches (same tokens per step)
 LORA_RANK, LORA_ALPHA, LORA_MODULES = 16, 32.0, "attention,mlp"
 HOSTS = {"v5p": "v5p:2x2x1", "v6e": "v6e:2x4"}  # one host each: 4 and 8 chips
 MODELS = {"qwen7b": "qwen2.5-coder-7b", "qwen32b": "qwen2.5-coder-32b"}
@@ -61,11 +65,17 @@ class Plan(NamedTuple):
   preset: str  # models/presets.py name
   topology: str  # libtpu topology of one host
   mode: str  # a key of MODES
+  row_len: int = ROW_LEN  # tokens per row (one row per chip per micro-batch)
 
 
 # 7B first, then 32B (the compiles of the larger model take longer)
 PLANS = {f"{m}-{HOSTS[h].replace(':', '-')}-{mode}": Plan(MODELS[m], HOSTS[h], mode)
          for m in MODELS for h in HOSTS for mode in MODES}
+# what does not fit at ROW_LEN on v6e's 32 GB, with 8,192-token rows
+PLANS.update({f"{name}-8k": plan._replace(row_len=SHORT_ROW) for name, plan in PLANS.items()
+              if plan.topology == HOSTS["v6e"] and (plan.preset, plan.mode) in (
+                  (MODELS["qwen7b"], "full"), (MODELS["qwen32b"], "lora"),
+                  (MODELS["qwen32b"], "qlora-int8"), (MODELS["qwen32b"], "qlora-int4"))})
 
 
 def plan_config(name: str):
@@ -75,8 +85,9 @@ def plan_config(name: str):
     name: a key of PLANS.
 
   Returns:
-    The config: FSDP over the host's chips, one row of ROW_LEN tokens per chip per
-    micro-batch, MICRO_BATCHES micro-batches, bf16 compute, full remat; LoRA fields per mode.
+    The config: FSDP over the host's chips, one row of the plan's row_len tokens per chip per
+    micro-batch, MICRO_BATCHES x ROW_LEN / row_len micro-batches (the same tokens per step),
+    bf16 compute, full remat; LoRA fields per mode.
   """
   plan = PLANS[name]
   chips = len(aot.topology_devices(plan.topology)[1])
@@ -86,10 +97,10 @@ def plan_config(name: str):
   c.model.overrides.remat = "full"
   c.model.overrides.attention_impl = "pallas_tpu"
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.mesh.expert = 1, chips, 1, 1
-  c.data.row_len, c.data.seq_len = ROW_LEN, SEQ_LEN
-  c.rl.max_context_tokens = max(c.rl.max_context_tokens, ROW_LEN)
+  c.data.row_len, c.data.seq_len = plan.row_len, SEQ_LEN
+  c.rl.max_context_tokens = max(c.rl.max_context_tokens, plan.row_len)
   c.data.rows_per_batch = c.data.max_seqs = chips  # one row per chip
-  c.data.microbatches = MICRO_BATCHES
+  c.data.microbatches = MICRO_BATCHES * ROW_LEN // plan.row_len
   if plan.mode != "full":
     c.model.lora.rank, c.model.lora.alpha = LORA_RANK, LORA_ALPHA
     c.model.lora.modules = LORA_MODULES
@@ -184,7 +195,8 @@ def markdown(reports: list[dict]) -> str:
       f"Compiled {when.get('date', common.today())} on {when.get('machine', common.machine())} "
       "with libtpu (no TPU); `python -m benchmarks.aot_lora --out_dir=docs/aot --update_docs`. "
       f"RL train step, AdamW (fp32 moments), bf16 compute, full remat, FSDP over the host, "
-      f"{MICRO_BATCHES} micro-batches of one {ROW_LEN:,}-token row per chip; LoRA rank "
+      f"{MICRO_BATCHES} micro-batches of one {ROW_LEN:,}-token row per chip ("
+      f"-8k plans: {MICRO_BATCHES * ROW_LEN // SHORT_ROW} of {SHORT_ROW:,}); LoRA rank "
       f"{LORA_RANK} (alpha {LORA_ALPHA:g}) on attention and MLP. GB per chip: **trained** = "
       "the fp32 parameters the optimizer updates (all weights, or the adapters), **frozen** = "
       "the LoRA base (fp32 for LoRA, qwix int8 / int4 for QLoRA), **optimizer** = the AdamW "
@@ -239,49 +251,64 @@ def _peak(r: Optional[dict]) -> Optional[float]:
 
 
 def reading(reports: list[dict]) -> str:
-  """Bullets that read the table: per model and host, what each mode needs against full
-  fine-tuning, and which modes fit; what the frozen base and the activations weigh."""
-  by = {r["plan"]: r for r in reports}
+  """Bullets that read the table: per model, host and row length, what each mode needs and
+  whether it fits; what the temporaries and the all-gathers show."""
+  groups: dict = {}  # (preset, topology, row_len) -> {mode: report}, in PLANS order
+  for name, plan in PLANS.items():
+    groups.setdefault((plan.preset, plan.topology, plan.row_len), {})[plan.mode] = next(
+        (r for r in reports if r["plan"] == name), None)
   lines = ["Reading (per chip):", ""]
-  for model in MODELS:
-    for host, topology in HOSTS.items():
-      key = lambda mode: f"{model}-{topology.replace(':', '-')}-{mode}"
-      rs = {mode: by.get(key(mode)) for mode in MODES}
-      if not any(rs.values()):
-        continue
-      parts = []
-      for mode, r in rs.items():
-        if r is None:
-          parts.append(f"{mode} not compiled")
-        elif "skipped" in r:
-          parts.append(f"{mode} does not fit: its state alone is {r['state_gb']['total']:.1f} "
-                       "GB (not compiled)")
-        elif "error" in r:
-          parts.append(f"{mode} failed to compile ({r['error'][:80]})")
-        elif _peak(r) is None:
-          parts.append(f"{mode} refused by the compiler (needs > "
-                       f"{r['train_peak_gb']['total']:.1f} GB)")
-        else:
-          st = r["state_gb"]
-          parts.append(f"{mode} {_peak(r):.1f} GB ({'fits' if r['train_peak_gb']['fits'] else 'does not fit'}; "
-                       f"state {st['total']:.1f} GB: "
-                       + (f"base {st['frozen']:.1f}, " if st["frozen"] else "")
-                       + f"optimizer {st['optimizer']:.2f})")
-      where = f"{topology} ({_capacity(topology):.0f} GB per chip)"
-      lines.append(f"- **{MODELS[model]} on {where}**: " + "; ".join(parts) + ".")
-  temps = {r["mode"]: [] for r in reports}
+  for (preset, topology, row_len), rs in groups.items():
+    if not any(rs.values()):
+      continue
+    parts = []
+    for mode, r in rs.items():
+      if r is None:
+        parts.append(f"{mode} not compiled")
+      elif "skipped" in r:
+        parts.append(f"{mode} does not fit: its state alone is {r['state_gb']['total']:.1f} "
+                     "GB (not compiled)")
+      elif "error" in r:
+        parts.append(f"{mode} failed to compile ({r['error'][:80]})")
+      elif _peak(r) is None:
+        parts.append(f"{mode} refused by the compiler (needs > "
+                     f"{r['train_peak_gb']['total']:.1f} GB)")
+      else:
+        st, fits = r["state_gb"], r["train_peak_gb"]["fits"]
+        parts.append(f"{mode} {_peak(r):.1f} GB ({'fits' if fits else 'does not fit'}; "
+                     f"state {st['total']:.1f} GB: "
+                     + (f"base {st['frozen']:.1f}, " if st["frozen"] else "")
+                     + f"optimizer {st['optimizer']:.2f})")
+    where = f"{topology} ({_capacity(topology):.0f} GB per chip), {row_len:,}-token rows"
+    lines.append(f"- **{preset} on {where}**: " + "; ".join(parts) + ".")
+  temps: dict = {}  # (preset, row_len) -> {"full" | "adapters": [GB]}
   for r in reports:
     if _peak(r) is not None:
-      temps[r["mode"]].append(r["programs"]["train/gradients"]["hbm_gb"]["temporaries"])
-  span = lambda xs: f"{min(xs):.1f}" if min(xs) == max(xs) else f"{min(xs):.1f} to {max(xs):.1f}"
-  adapted = [t for mode, ts in temps.items() if mode != "full" for t in ts]
-  if temps.get("full") and adapted:
-    lines.append(f"- The accumulation's temporaries are {span(temps['full'])} GB per chip for "
-                 f"full fine-tuning and {span(adapted)} GB with adapters: LoRA drops the "
-                 "gradient buffers of the base weights, not the activations full remat saves "
-                 f"for {MICRO_BATCHES} x {ROW_LEN:,}-token rows nor one layer's working set "
-                 "(gathered weights, the attention and MLP intermediates), which bound the row "
-                 "length once the state is small.")
+      plan = PLANS[r["plan"]]
+      temps.setdefault((plan.preset, plan.row_len), {}).setdefault(
+          "full" if plan.mode == "full" else "adapters", []).append(
+              r["programs"]["train/gradients"]["hbm_gb"]["temporaries"])
+  span = lambda xs: f"{min(xs):.1f}" if min(xs) == max(xs) else f"{min(xs):.1f}-{max(xs):.1f}"
+  if temps:
+    lines.append("- The accumulation's temporaries (GB per chip): " + "; ".join(
+        f"{preset}, {row_len:,}-token rows: " + ", ".join(
+            f"{kind} {span(xs)}" for kind, xs in sorted(t.items(), reverse=True))
+        for (preset, row_len), t in temps.items()) + ". Adapters drop the gradient buffers of "
+        "the base weights, not the activations full remat saves for the rows nor one layer's "
+        "working set (gathered weights, attention and MLP intermediates): once the state is "
+        "small these bound the row length.")
+  by = {r["plan"]: r for r in reports if _peak(r) is not None}
+  casts = []  # (LoRA plan, its temporaries over QLoRA int8's, the base's bf16 bytes per chip)
+  for name, r in by.items():
+    q = by.get(name.replace("-lora", "-qlora-int8"))
+    if PLANS[name].mode == "lora" and q is not None:
+      temp = lambda x: x["programs"]["train/gradients"]["hbm_gb"]["temporaries"]
+      casts.append((name, temp(r) - temp(q), r["state_gb"]["frozen"] / 2))
+  if casts:
+    lines.append("- LoRA's temporaries exceed QLoRA int8's by about the bf16 size of its base "
+                 "shard (" + "; ".join(f"{n}: {d:.1f} GB more, base in bf16 {b:.1f} GB"
+                                       for n, d, b in casts) + "): consistent with the fp32 "
+                 "base cast to the compute dtype once per step, beside its fp32 copy.")
   gather = {r["plan"]: r["programs"]["train/gradients"]["collectives"].get(
       "all-gather", {}).get("bytes", 0) / GB for r in reports if _peak(r) is not None}
   pairs = []  # (QLoRA plan, its all-gather GB, LoRA's)
