@@ -294,6 +294,10 @@ def _rl() -> ml_collections.ConfigDict:
   s.kv_cache = "contiguous"
   s.kv_page_size = 16  # rl.kv_cache="paged": positions per page
   s.kv_pages = 0  # rl.kv_cache="paged": pages per layer (0 = the contiguous cache's memory)
+  # the engine samples from a weight-only quantized copy of the policy (qwix: "int8" |
+  # "float8_e4m3fn" | ...), re-quantized at every weight sync; None = the training weights.
+  # The sampler's log-probs are the quantized policy's: pair with rl.correction (icepop, tis_*)
+  s.rollout_qtype = placeholder(str)
   s.queue_url = ""  # queue workers: "memory" | redis://host:port | rediss://... ("" = memory)
   s.queue_password_file = ""  # file holding the Redis password ("" = none)
   # queue: a group still short this long after its first member arrived is dropped
