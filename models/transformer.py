@@ -420,15 +420,10 @@ def merge_adapters(model: Transformer) -> Transformer:
     if path[-1] == "kernel" and path[:-1] in kernels:
       value = kernels[path[:-1]]
     else:
-      value = _module_at(model, path[:-1]).__dict__[path[-1]].get_value()
+      value = lora._module(model, path[:-1]).__dict__[path[-1]].get_value()
     flat.append((path, var.replace(value)))
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
-
-def _module_at(root, path):
-  for key in path:
-    root = root[key] if isinstance(key, int) else getattr(root, key)
-  return root
 
 
 def init(cfg: ModelConfig, seed: int = 0) -> Transformer:
