@@ -34,14 +34,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 import traceback
 from typing import NamedTuple, Optional
 
-import jax
-import jax.numpy as jnp
 from benchmarks import aot_plans, common
 from configs import rl as rl_config
 from models import sharding
@@ -108,24 +105,6 @@ def plan_config(name: str):
   return c
 
 
-def _bits(dtype) -> int:
-  """Storage bits of one element: 4 for int4 (packed two per byte on TPU), where numpy's
-  itemsize says 1."""
-  try:
-    return jnp.iinfo(dtype).bits
-  except ValueError:
-    try:
-      return jnp.finfo(dtype).bits
-    except ValueError:
-      return 8 * jnp.dtype(dtype).itemsize
-
-
-def per_chip_bytes(tree) -> float:
-  """The bytes one chip holds of a tree of sharded ShapeDtypeStructs (int4 at half a byte)."""
-  return sum(math.prod(x.sharding.shard_shape(x.shape)) * _bits(x.dtype) / 8
-             for x in jax.tree.leaves(tree))
-
-
 def state_bytes(config, topology: str) -> dict:
   """Per-chip GB of the TrainState's parts on the plan's mesh (its real shardings).
 
@@ -142,9 +121,9 @@ def state_bytes(config, topology: str) -> dict:
   mesh = sharding.make_mesh(sharding.MeshConfig(**dict(zip(sharding.MESH_AXES, shape))), devices)
   model_cfg = config_lib.model_config(config)
   state = state_lib.abstract(model_cfg, optim.build(config.optimizer, model_cfg), mesh)
-  parts = {"trained": per_chip_bytes(state.params),
-           "frozen": per_chip_bytes(state.model_state),
-           "optimizer": per_chip_bytes(state.opt_state)}
+  parts = {"trained": aot.per_chip_bytes(state.params),
+           "frozen": aot.per_chip_bytes(state.model_state),
+           "optimizer": aot.per_chip_bytes(state.opt_state)}
   parts["total"] = sum(parts.values())
   return {k: round(v / GB, 3) for k, v in parts.items()}
 

@@ -35,8 +35,7 @@ import jax
 import ml_collections
 
 from benchmarks.common import machine, today, write_section
-from benchmarks.teacher_sft import teacher_episodes
-from configs import demo
+from benchmarks.teacher_sft import teacher_stage
 from models import transformer
 from trainer import config as config_lib
 from trainer import demo as demo_lib
@@ -65,20 +64,8 @@ def main() -> None:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--update_docs", action="store_true")
   args = p.parse_args()
-  os.makedirs(args.workdir, exist_ok=True)
-  base = demo.get_config()
-  # The seed dir only names the RL stage's default init / tokenizer, both set here.
-  sft_base, rl_cfg = demo_lib.stage_configs(base, args.seed, os.path.dirname(args.teacher))
-  rl_cfg.model.init = f"ckpt:{args.teacher}"
-  rl_cfg.tokenizer.path = os.path.join(args.teacher, "tokenizer")
-  rl_cfg.eval.num_tasks = args.eval_tasks
   t0 = time.monotonic()
-
-  data = os.path.join(args.workdir, "teacher.jsonl")
-  stats = teacher_episodes(args, rl_cfg, data,
-                           rejection.FilterConfig(max_per_task=args.max_per_task))
-  print(rejection.summary_line(stats), flush=True)
-  sft_base.data.num_epochs = args.epochs
+  sft_base, rl_cfg, data, stats = teacher_stage(args)
   _, _, chat, _ = rejection.load_checkpoint(args.teacher)
   steps = rejection.sft_steps(rejection.round_sft_config(sft_base, args.teacher, data, 1), data,
                              chat)

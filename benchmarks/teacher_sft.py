@@ -58,23 +58,13 @@ def main() -> None:
                  help="also RFT rounds (trainer.rejection.rft) from the teacher on fresh tasks")
   p.add_argument("--update_docs", action="store_true")
   args = p.parse_args()
-  os.makedirs(args.workdir, exist_ok=True)
-  base = demo.get_config()
-  sft_base, rl_cfg = demo_lib.stage_configs(base, args.seed, os.path.dirname(args.teacher))
-  rl_cfg.model.init = f"ckpt:{args.teacher}"
-  rl_cfg.tokenizer.path = os.path.join(args.teacher, "tokenizer")
-  rl_cfg.eval.num_tasks = args.eval_tasks
   t0 = time.monotonic()
 
   # --- teacher rollouts and rejection sampling
-  data = os.path.join(args.workdir, "teacher.jsonl")
-  stats = teacher_episodes(args, rl_cfg, data,
-                           rejection.FilterConfig(max_per_task=args.max_per_task))
-  print(rejection.summary_line(stats), flush=True)
+  sft_base, rl_cfg, data, stats = teacher_stage(args)
 
   # --- SFT of the teacher's checkpoint on its verified episodes
   student = os.path.join(args.workdir, "student")
-  sft_base.data.num_epochs = args.epochs
   if args.lr:
     sft_base.optimizer.learning_rate = args.lr
   _, _, chat, _ = rejection.load_checkpoint(args.teacher)
@@ -118,6 +108,34 @@ def main() -> None:
     json.dump(out, f, indent=1)
   if args.update_docs:
     write_section("teacher_sft", _markdown(out))
+
+
+def teacher_stage(args) -> tuple[ml_collections.ConfigDict, ml_collections.ConfigDict, str,
+                                   dict]:
+  """The demo's stages pointed at the teacher, and the teacher's verified episodes.
+
+  Args:
+    args: the command line (--teacher, --workdir, --seed, --eval_tasks, --epochs, the sampling
+      flags of `teacher_episodes`).
+
+  Returns:
+    (sft_base, rl_cfg, data, stats): the demo's SFT stage config (`--epochs` over the data),
+    its RL stage config starting from the teacher (weights, tokenizer; `--eval_tasks` held-out
+    tasks), the JSONL of the kept episodes and their stats.
+  """
+  os.makedirs(args.workdir, exist_ok=True)
+  # The seed dir only names the RL stage's default init / tokenizer, both set here.
+  sft_base, rl_cfg = demo_lib.stage_configs(demo.get_config(), args.seed,
+                                            os.path.dirname(args.teacher))
+  rl_cfg.model.init = f"ckpt:{args.teacher}"
+  rl_cfg.tokenizer.path = os.path.join(args.teacher, "tokenizer")
+  rl_cfg.eval.num_tasks = args.eval_tasks
+  sft_base.data.num_epochs = args.epochs
+  data = os.path.join(args.workdir, "teacher.jsonl")
+  stats = teacher_episodes(args, rl_cfg, data,
+                           rejection.FilterConfig(max_per_task=args.max_per_task))
+  print(rejection.summary_line(stats), flush=True)
+  return sft_base, rl_cfg, data, stats
 
 
 def teacher_episodes(args, rl_cfg, data: str, filter_cfg: rejection.FilterConfig) -> dict:

@@ -123,7 +123,9 @@ def _template(cfg: ModelConfig, weight_qtype: str | None, make: Callable[..., nn
           if getattr(template, name) is not None}
 
 
-def _module(root: nnx.Module, path: tuple) -> nnx.Module:
+def module_at(root: nnx.Module, path: tuple) -> nnx.Module:
+  """The submodule of `root` at `path` (a path of `nnx.iter_graph`: attribute names, layer
+  indices)."""
   for key in path:
     root = root[key] if isinstance(key, int) else getattr(root, key)
   return root
@@ -156,7 +158,7 @@ def _build_layer_variables(block: nnx.Module, template_block: nnx.Module, layers
   made += [(path, node) for path, node in nnx.iter_graph(template_block)
            if type(node).__name__ == "WithAux"]
   for i, (path, node) in enumerate(made):
-    module, name = _module(block, path[:-1]), path[-1]
+    module, name = module_at(block, path[:-1]), path[-1]
     if isinstance(node, nnx.LoRAParam):
       rule = rules[0]
       init = rule.lora_a_initializer if name.endswith("_lora_a") else rule.lora_b_initializer

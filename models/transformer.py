@@ -420,7 +420,7 @@ def merge_adapters(model: Transformer) -> Transformer:
     if path[-1] == "kernel" and path[:-1] in kernels:
       value = kernels[path[:-1]]
     else:
-      value = lora._module(model, path[:-1]).__dict__[path[-1]].get_value()
+      value = lora.module_at(model, path[:-1]).__dict__[path[-1]].get_value()
     flat.append((path, var.replace(value)))
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 

@@ -112,7 +112,7 @@ def test_adapters_follow_the_lora_formula(name, models):
 
   plain = transformer.init(CONFIGS[name], seed=0)
   for path, dense in adapted_denses(adapted).items():
-    lora._module(plain, path).kernel[...] = jnp.asarray(numpy_merged(dense), jnp.float32)
+    lora.module_at(plain, path).kernel[...] = jnp.asarray(numpy_merged(dense), jnp.float32)
   want_logits = logits(plain)
   np.testing.assert_allclose(logits(adapted), want_logits, atol=2e-5, rtol=0)
   assert np.abs(logits(base) - want_logits).max() > 1e-2  # the adapters matter
@@ -120,7 +120,7 @@ def test_adapters_follow_the_lora_formula(name, models):
   merged = transformer.merge_adapters(adapted)
   assert not lora.has_adapters(merged)
   for path, dense in adapted_denses(adapted).items():
-    np.testing.assert_allclose(np.asarray(lora._module(merged, path).kernel[...]),
+    np.testing.assert_allclose(np.asarray(lora.module_at(merged, path).kernel[...]),
                                numpy_merged(dense), atol=1e-6, rtol=0)
   np.testing.assert_allclose(logits(merged), want_logits, atol=2e-5, rtol=0)
 
@@ -152,10 +152,10 @@ def test_qlora_base_is_absmax_quantized(qtype):
   assert qtype in dtypes
   merged = transformer.merge_adapters(model)  # B = 0: the dequantized base
   for path, dense in nnx.iter_graph(base):
-    if isinstance(dense, Dense) and isinstance(lora._module(model, path).kernel,
+    if isinstance(dense, Dense) and isinstance(lora.module_at(model, path).kernel,
                                                lora.QuantizedKernel):
       want, tie = numpy_quantized(np.asarray(dense.kernel[...]), dense.n_in, qtype)
-      got = np.asarray(lora._module(merged, path).kernel[...])
+      got = np.asarray(lora.module_at(merged, path).kernel[...])
       assert np.all(np.abs(got - want) <= 1e-6 * np.abs(want) + 1e-7 + 1.0001 * tie), path
   randomize_adapters(model)
   want = logits(model)

@@ -478,9 +478,20 @@ def search(config, topology: str, report: dict, max_tries: int = 4) -> list[dict
   return tried
 
 
-def per_chip_bytes(tree) -> int:
-  """The bytes one chip holds of a tree of sharded arrays or ShapeDtypeStructs."""
-  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+def storage_bits(dtype) -> int:
+  """Bits one element takes in HBM: 4 for int4 (TPUs pack two per byte; numpy says 1 byte)."""
+  dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.integer):
+    return jnp.iinfo(dtype).bits
+  if jnp.issubdtype(dtype, jnp.floating):
+    return jnp.finfo(dtype).bits
+  return 8 * dtype.itemsize
+
+
+def per_chip_bytes(tree) -> float:
+  """The bytes one chip holds of a tree of sharded arrays or ShapeDtypeStructs (int4 at half
+  a byte)."""
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * storage_bits(x.dtype) / 8
              for x in jax.tree.leaves(tree))
 
 

@@ -91,8 +91,7 @@ def initial_model(config: ml_collections.ConfigDict, model_cfg, mesh=None):
   with open(os.path.join(path, "model_config.json")) as f:
     source_cfg = hf.config_from_json(json.load(f))
   model = nnx.merge(state_lib.graphdef(source_cfg), params, rest)
-  same = all(getattr(source_cfg, k) == getattr(model_cfg, k) for k in config_lib.lora_fields(
-      config) or ("lora_rank",))
+  same = lora.describe(source_cfg) == lora.describe(model_cfg)
   return model if same else transformer.merge_adapters(model)
 
 
