@@ -2,8 +2,10 @@
 it: a kernel whose event loop is already running when the cells start.
 
 At its tiny size (ARBOR_NOTEBOOK_TINY=1) the notebook trains the tokenizer, runs a short SFT,
-RL steps with rollouts in bwrap sandboxes on a fixed pool of tasks, plots the rewards and
-prints how far RL moved the weights. The test reads what the cells printed and displayed.
+three RL steps with rollouts in bwrap sandboxes on a fixed pool of tasks, plots the rewards
+and prints how far RL moved the weights. The test reads what the cells printed and displayed
+and checks it against the run's metrics file: the mechanics, not how much RL learns in three
+steps (too few to tell at this size; configs/demo.py measures that).
 """
 
 import json
@@ -59,20 +61,22 @@ def test_quickstart_runs_under_a_jupyter_kernel(tmp_path, monkeypatch):
   assert sft, out
   assert float(sft.group(3)) < float(sft.group(2))
 
-  # RL: every step ran the train step; the reward is above zero and rises.
+  # RL: every step ran its 32 episodes, rewarded by tests run in sandboxes, and printed its
+  # metrics; a step that trained groups made a policy version; RL moved the weights exactly
+  # when it trained.
   steps = [(int(s), float(r), float(p), int(g)) for s, r, p, g in STEP_LINE.findall(out)]
-  assert [s for s, *_ in steps] == list(range(1, len(steps) + 1)) and len(steps) >= 4, out
-  rewards = [r for _, r, _, _ in steps]
-  assert max(rewards) > 0, rewards
-  half = len(rewards) // 2
-  assert sum(rewards[-half:]) / half > sum(rewards[:half]) / half, rewards
+  assert [s for s, *_ in steps] == [1, 2, 3], out
   rows = read_jsonl(workdir / "rl" / "rl" / "metrics.jsonl")
-  assert [round(rows[s]["reward_mean"], 3) for s, *_ in steps] == rewards  # what was printed
-  assert rows[len(steps)]["policy_version"] == sum(1 for *_, g in steps if g)
-
-  # RL changed the parameters (and the notebook says by how much).
+  for s, reward, pass_rate, groups in steps:
+    m = rows[s]
+    assert round(m["reward_mean"], 3) == reward and round(m.get("pass_rate", 0), 2) == pass_rate
+    assert m.get("groups_trained", 0) == groups
+    assert m["episodes"] == 32 and m["tests_run"] == 1.0
+  trained = sum(1 for *_, g in steps if g)
+  assert rows[len(steps)]["policy_version"] == trained
   moved = MOVED_LINE.search(out)
-  assert moved and float(moved.group(1)) > 0, out
+  assert moved, out
+  assert (float(moved.group(1)) > 0) == (trained > 0), (moved.group(0), steps)
 
   # The plot is displayed inline and saved.
   images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
