@@ -1,9 +1,9 @@
 """The RL loop (trainer/rl.py) and the demo pipeline (trainer/demo.py) through `trainer.main`.
 
 One shortened demo (tokenizer -> SFT -> held-out eval -> RL -> eval, one seed) runs as a
-subprocess; its SFT checkpoint then starts two RL runs of the same config file: an
-uninterrupted reference, and a run SIGKILLed once its first checkpoint is committed and rerun
-with the same command. References: the verifier's own test counts (rewards come from pytest
+subprocess; its SFT checkpoint then starts two LoRA RL runs of the same config file: an
+uninterrupted reference, and a run SIGKILLed once its first checkpoint (adapters alone) is
+committed and rerun with the same command (the frozen base rebuilt from the SFT checkpoint). References: the verifier's own test counts (rewards come from pytest
 runs in bwrap sandboxes), the SFT weights (RL changed them), the reference run's metrics
 (determinism: same seed, same first steps), the logged trajectory ids (none trained twice).
 The helpers (filters, advantages, batching) are checked against NumPy transcriptions.
@@ -71,7 +71,8 @@ def get_config(arg=None):
   return c
 '''
 
-# The demo's RL stage as its own config, starting from the demo run's SFT checkpoint.
+# The demo's RL stage as its own config, starting from the demo run's SFT checkpoint, with
+# LoRA adapters (rank 4) on the frozen SFT weights.
 RL = '''
 from tests_rl_demo_config import get_config as demo_config
 
@@ -82,6 +83,7 @@ def get_config(arg=None):
   c.model.init, c.model.preset = "ckpt:{sft}", ""
   c.tokenizer.path = "{sft}/tokenizer"
   c.seed = 5
+  c.model.lora.rank = 4
   c.metrics.report = False
   return c
 '''
@@ -213,6 +215,13 @@ def test_rl_resumes_after_kill_and_is_deterministic(demo_run):
   assert len(ids) == len(set(ids)) == RL_STEPS * 4, "a trajectory was trained twice"
   # Determinism: the same seed gives the same first step (sampling seeds, weights, math).
   assert comparable(resumed[1]) == comparable(reference[1])
+  # After every sync the engine samples as the trainer's LoRA policy (it got the adapters);
+  # the LoRA checkpoints leave the frozen base out.
+  assert all(abs(m["mismatch_kl_k3"]) < 1e-4 for m in resumed.values())
+  size = lambda d: sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+  sft = demo_run["workdir"] / "seed_0" / "sft" / "checkpoints"
+  assert size(committed) < 0.5 * size(max((p for p in sft.iterdir() if p.name.isdigit()),
+                                          key=lambda p: int(p.name)))
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -47,6 +47,7 @@ from typing import Any, Optional
 import jax
 import ml_collections
 import numpy as np
+from flax import nnx
 
 from models.engine import Engine
 from rl import corrections
@@ -54,6 +55,7 @@ from trainer import batches as batches_lib
 from trainer import config as config_lib
 from trainer import groups as groups_lib
 from trainer import harness, rollouts
+from trainer import state as state_lib
 from trainer import step as step_lib
 from trainer.rollout_sources import make_source
 from trainer.tasks import TaskSource
@@ -150,6 +152,24 @@ def train_epochs(train_step, state, mbs: list, epochs: int) -> tuple[Any, dict]:
   return state, groups_lib.mean_metrics(step_metrics)
 
 
+def engine_weights(state, model_cfg):
+  """What the engine's weight sync takes (`Engine.update_params`).
+
+  Args:
+    state: the TrainState.
+    model_cfg: the run's ModelConfig.
+
+  Returns:
+    The policy as a Transformer; for a LoRA policy an nnx.State of the variables training
+    changes (the adapters and a MoE router's bias): the frozen base is not copied.
+  """
+  if not model_cfg.lora_rank:
+    return state.model(model_cfg)
+  light = state_lib.without_base(state, model_cfg)
+  return nnx.from_flat_state([*nnx.to_flat_state(nnx.State(light.params)),
+                              *nnx.to_flat_state(nnx.State(light.model_state))])
+
+
 def _summary_line(line: dict) -> str:
   nan = float("nan")
   return (f"reward {line.get('reward_mean', nan):.3f}, pass {line.get('pass_rate', nan):.2f}, "
@@ -190,7 +210,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
   engine = Engine(state.model(model_cfg), rollouts.engine_config(config, model_cfg),
                   detokenize=chat.tokenizer.decode)
   version = int(state.policy_version)
-  engine.update_params(state.model(model_cfg), version)
+  engine.update_params(engine_weights(state, model_cfg), version)
   source = make_source(config, engine, chat, rollouts.scaffold_config(config),
                        TaskSource(config, workdir), consumed, restored_extra, run.checkpointer)
   train_step = step_lib.make_train_step(
@@ -244,7 +264,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
       # 6. sync the engine
       with run.timer.phase("sync"):
         version = int(state.policy_version)
-        engine.update_params(state.model(model_cfg), version)
+        engine.update_params(engine_weights(state, model_cfg), version)
       line["policy_version"] = version
       line["engine/prefill_tokens"] = engine.counters.get("prefill_tokens", 0)
       times = run.timer.flush()
