@@ -7,9 +7,10 @@ as well as sampling from the training weights, with a mismatch correction on?
 Each (rollout qtype, seed) is the demo's RL stage (configs/demo.py: CISPO, Muon, 12 steps of
 8 tasks x 8 samples on generated bug-fixing tasks, bwrap sandboxes) started from the SFT
 checkpoint `--sft`, with `rl.rollout_qtype` (the engine samples from a weight-only qwix copy,
-re-quantized at every weight sync; the trainer stays fp32) and `rl.correction`. Reported per
-run: the greedy held-out pass@1 of its last checkpoint (the demo's held-out tasks), the mean
-reward of the first and last steps, and the per-step train/sampler mismatch the step measures
+re-quantized at every weight sync; the trainer stays fp32) and `rl.correction`, which weighs
+the trainer's π_old (`rl.recompute_old`: one scoring pass per step) against the sampler's
+log-probs. Reported per run: the greedy held-out pass@1 of its last checkpoint (the demo's
+held-out tasks), the mean reward of the first and last steps, and the per-step train/sampler mismatch the step measures
 (`mismatch_kl_k3`, `mismatch_max_abs_log_ratio`: max |Δ log-prob| over the step's loss
 tokens); per qtype the seeds' mean pass@1 and its spread, and the paired bootstrap 95% interval
 of each quantized run minus the full-precision run of the same seed. Finished runs in
@@ -37,6 +38,7 @@ def rl_config(sft_dir: str, seed: int, qtype: str, correction: str, steps: int):
   cfg.model.init = f"ckpt:{sft_dir}"
   cfg.tokenizer.path = os.path.join(sft_dir, "tokenizer")
   cfg.rl.correction = correction
+  cfg.rl.recompute_old = correction != "none"  # the correction weighs the trainer's π_old / μ
   cfg.rl.rollout_qtype = None if qtype == "none" else qtype
   if steps:
     cfg.train.steps = cfg.optimizer.total_steps = steps

@@ -273,7 +273,7 @@ def _rl() -> ml_collections.ConfigDict:
   s.drop_constant_groups = True  # drop groups whose rewards are all equal (no signal)
   s.reference = "initial"  # KL reference (loss.kl_coef > 0): "initial" policy | "ckpt:<dir>"
   s.recompute_old = False  # score π_old with the trainer instead of trusting the sampler's
-  s.correction = "none"  # mismatch correction: rl.corrections.KINDS
+  s.correction = "none"  # mismatch correction: rl.corrections.KINDS (needs recompute_old / MCLA)
   s.mcla_passes = 0  # MCLA scoring passes averaged for π_old (0 = off)
   s.mcla_mode = "logprob"  # MCLA average: "logprob" | "prob"
   s.routing_replay = True  # MoE policies: the training forward replays the engine's experts
@@ -296,7 +296,8 @@ def _rl() -> ml_collections.ConfigDict:
   s.kv_pages = 0  # rl.kv_cache="paged": pages per layer (0 = the contiguous cache's memory)
   # the engine samples from a weight-only quantized copy of the policy (qwix: "int8" |
   # "float8_e4m3fn" | ...), re-quantized at every weight sync; None = the training weights.
-  # The sampler's log-probs are the quantized policy's: pair with rl.correction (icepop, tis_*)
+  # The sampler's log-probs are the quantized policy's: pair with rl.recompute_old and
+  # rl.correction (icepop, tis_*)
   s.rollout_qtype = placeholder(str)
   s.queue_url = ""  # queue workers: "memory" | redis://host:port | rediss://... ("" = memory)
   s.queue_password_file = ""  # file holding the Redis password ("" = none)

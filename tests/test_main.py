@@ -126,6 +126,7 @@ CASES = [  # (field path, value, substrings of the message)
     ("rl.queue_url", "http://q", ["config.rl.queue_url='http://q'", "redis://"]),
     ("rl.group_size", 1, ["config.rl.group_size=1", ">= 2"]),
     ("rl.correction", "clip", ["config.rl.correction='clip'", "'icepop'"]),
+    ("rl.correction", "icepop", ["config.rl.correction='icepop'", "rl.recompute_old=True"]),
     ("distill.teachers", ("/x",), ["config.distill.teachers=", "'domain=ckpt:<dir>'"]),
     ("eval.samples", 0, ["config.eval.samples=0", ">= 1"]),
 ]

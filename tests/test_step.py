@@ -285,6 +285,26 @@ def test_step_gradients_equal_unpacked(name, loss, request):
   np.testing.assert_allclose(float(metrics["max_logit"]), s["max_logits"].max(), rtol=1e-5)
 
 
+def test_mismatch_metrics_compare_the_sampler_with_the_trained_policy(request):
+  """Without a correction the mismatch metrics compare the sampler's log-probs with the
+  trainer's own π_θ (NumPy k3 over the unpacked model's log-probs), whether π_old is absent
+  or the sampler's own copy (an RL step without rl.recompute_old)."""
+  s = setup(request, "dense")
+  loss_cfg, _ = LOSSES["grpo"]
+  sampler, ref_lp = s["fields"]["logprobs"], s["fields"]["ref_logprobs"]
+  step = T.make_train_step(s["cfg"], loss_cfg, s["opt"], entropy=True, donate=False)
+  live = s["ref"].mask > 0
+  d = s["lp"][live].astype(np.float64) - sampler[live]  # log π_θ - log μ
+  for fields in ({"logprobs": sampler, "ref_logprobs": ref_lp},
+                 {"logprobs": sampler, "old_logprobs": sampler, "ref_logprobs": ref_lp}):
+    mb = B.make_micro_batches(with_fields(s["groups"], fields, s["scalars"]), SHAPE)
+    _, _, metrics = step.gradients(s["state"], mb)
+    np.testing.assert_allclose(float(metrics["mismatch_kl_k3"]), np.mean(np.exp(d) - 1 - d),
+                               rtol=1e-4)
+    np.testing.assert_allclose(float(metrics["mismatch_max_abs_log_ratio"]), np.abs(d).max(),
+                               rtol=1e-4)
+
+
 # ----------------------------------------------------------------------------- 2. update
 
 

@@ -732,6 +732,11 @@ def _validate_rl(config) -> None:
   _bool(config, "rl.recompute_old")
   _choice(config, "rl.correction", corrections.KINDS)
   _int(config, "rl.mcla_passes", 0)
+  if (config.rl.correction != "none" and not config.rl.recompute_old
+      and not config.rl.mcla_passes):  # else π_old is the sampler's own: every weight is 1
+    _fail("rl.correction", config.rl.correction, "'none' unless the trainer scores π_old "
+          "(rl.recompute_old=True or rl.mcla_passes > 0), which the correction weighs "
+          "against the sampler's log-probs")
   _choice(config, "rl.mcla_mode", corrections.MCLA_MODES)
   _bool(config, "rl.routing_replay")
   _number(config, "rl.temperature", 0.0)

@@ -421,14 +421,15 @@ class TrainStep:
     seq = from_tree_batch(mb, lp, ent if use_entropy else None, counts=counts)
     metrics = {}
     if seq.sampler_logprobs is not None:
-      # π_train for the mismatch: the recomputed π_old when given, else the current π_θ
-      train = seq.old_logprobs if seq.old_logprobs is not None else jax.lax.stop_gradient(lp)
       if self.correction_cfg is not None and self.correction_cfg.kind != "none":
+        # the correction weighs the trainer's π_old (rescored), else the current π_θ
+        train = seq.old_logprobs if seq.old_logprobs is not None else jax.lax.stop_gradient(lp)
         weights, m = corrections.apply(self.correction_cfg, train, seq.sampler_logprobs,
                                        seq.mask, seq.advantages)
         seq = seq.replace(weights=weights)
-      else:
-        m = corrections.mismatch_metrics(train, seq.sampler_logprobs, seq.mask)
+      else:  # the sampler against the policy trained (π_old may be the sampler's own copy)
+        m = corrections.mismatch_metrics(jax.lax.stop_gradient(lp), seq.sampler_logprobs,
+                                         seq.mask)
       metrics.update(m)
     if "replay_flips" in aux:  # share of replayed (token, MoE layer) pairs routed differently
       flips = aux["replay_flips"]
@@ -447,7 +448,6 @@ class TrainStep:
 
   def _accumulate(self, params, model_state, mb: MicroBatches):
     """(loss, summed gradients, metrics, max_logits [layers, heads], load [moe_layers, E])."""
-    cfg = self.model_cfg
     counts = _counts(mb, self.loss_cfg)
     rows_real = (jnp.asarray(mb.token_weights).sum(-1) > 0).sum()
     # the per-row balance loss: a mean over the real rows of all micro-batches
