@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 from benchmarks.common import machine, today, write_section
 from configs import demo
@@ -49,9 +48,7 @@ def one_run(args, qtype: str, seed: int) -> dict:
   """RL (reused when finished), its held-out eval and its per-step metrics."""
   cfg = rl_config(args.sft, seed, qtype, args.correction, args.steps)
   run_dir = os.path.join(args.workdir, f"{qtype}_seed{seed}")
-  t0 = time.monotonic()
   rl.run(cfg, run_dir)
-  minutes = (time.monotonic() - t0) / 60
   # evaluated in full precision, as every other checkpoint: the policy learnt, not its sampler
   eval_cfg = rl_config(args.sft, seed, "none", args.correction, args.steps)
   result = demo_lib.held_out_eval(eval_cfg, run_dir, os.path.join(run_dir, "eval.json"), None)
@@ -60,6 +57,7 @@ def one_run(args, qtype: str, seed: int) -> dict:
   kl = [s["mismatch_kl_k3"] for s in steps if "mismatch_kl_k3" in s]
   dmax = [s["mismatch_max_abs_log_ratio"] for s in steps if "mismatch_max_abs_log_ratio" in s]
   rewards = [s["reward_mean"] for s in steps if "reward_mean" in s]
+  minutes = sum(s.get("time/step", 0.0) for s in steps) / 60  # the run's own steps (reused too)
   return {"qtype": qtype, "seed": seed, "pass@1": result["pass@1"],
           "per_task": result["per_task"], "reward_first": rewards[0], "reward_last": rewards[-1],
           "mismatch_kl_k3_mean": statistics.fmean(kl), "mismatch_kl_k3_max": max(kl),
@@ -117,11 +115,14 @@ def markdown(out: dict) -> str:
       "## Quantized rollouts in RL\n\n"
       f"{today()}, {machine()}; `python -m benchmarks.quantized_rl`. The demo's RL stage "
       f"(CISPO, Muon) from the SFT demo checkpoint (held-out greedy pass@1 "
-      f"{out['sft_pass@1']:.3f}), with `rl.correction={out['correction']}`; `rl.rollout_qtype` "
+      f"{out['sft_pass@1']:.3f}), with `rl.correction={out['correction']}` weighing the fp32 "
+      "trainer's π_old (`rl.recompute_old`) against the sampler's log-probs; `rl.rollout_qtype` "
       "makes the engine sample from a weight-only qwix copy re-quantized at every weight sync "
       "(the trainer stays fp32). Mismatch: the step's k3 KL between trainer and sampler "
       "log-probs over its loss tokens (mean over steps, and the largest step) and max |Δ "
-      "log-prob|.\n\n"
+      "log-prob|. Runs of one seed draw the same random numbers, so their samples part only "
+      "where quantization moves a token across a draw's threshold. Minutes: the RL steps' "
+      "time on a shared machine.\n\n"
       "| rollouts | seed | held-out pass@1 | reward first -> last step | mismatch KL (k3) | "
       "max abs Δ log-prob | minus full precision, same seed (95%) | minutes |\n"
       "| --- | --- | --- | --- | --- | --- | --- | --- |\n"
