@@ -108,7 +108,9 @@ def _model() -> ml_collections.ConfigDict:
   s.lora.rank = 0  # adapter rank; 0 = full fine-tuning
   s.lora.alpha = 16.0  # adapters' output scale alpha / rank
   s.lora.dropout = 0.0  # only 0.0 (scanned layers carry no per-module dropout keys)
-  s.lora.modules = "attention,mlp"  # projections with adapters: attention | mlp (shared experts)
+  # what gets adapters: attention | mlp (dense MLPs, shared experts) | experts (routed experts)
+  s.lora.modules = "attention,mlp"
+  s.lora.experts = "per_expert"  # routed experts' adapters: "per_expert" | "shared" by a layer
   s.lora.base_qtype = placeholder(str)  # QLoRA: the frozen base stored as "int8" | "int4" |
   #                                       "float8_e4m3fn" | "float8_e5m2"; None = its dtype
   return s

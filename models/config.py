@@ -43,9 +43,10 @@ DEFAULT_SHARDING_RULES: tuple[tuple[str, Optional[tuple[str, ...]]], ...] = (
 )
 
 
-# projections LoRA adapts (models/lora.py): routed experts run `ragged_dot`, which qwix's LoRA
-# does not intercept, and MLA's kv_b_proj is absorbed into the query and output for decoding
-LORA_MODULES = ("attention", "mlp")
+# what LoRA adapts (models/lora.py): attention projections, dense MLPs (and shared experts),
+# routed experts; MLA's kv_b_proj is absorbed into the query and output for decoding, so never
+LORA_MODULES = ("attention", "mlp", "experts")
+LORA_EXPERTS = ("per_expert", "shared")
 BASE_QTYPES = ("int8", "int4", "float8_e4m3fn", "float8_e5m2")
 
 
@@ -135,7 +136,10 @@ class ModelConfig:
   lora_rank: int = 0  # adapter rank; 0 = no adapters (full fine-tuning)
   lora_alpha: float = 16.0  # adapter output scale alpha / rank
   lora_dropout: float = 0.0  # dropout on the adapters' input (0 only: see models/lora.py)
-  lora_modules: tuple = ("attention", "mlp")  # projections with adapters (lora.MODULES)
+  lora_modules: tuple = ("attention", "mlp")  # projections with adapters (LORA_MODULES)
+  # routed experts' adapters ("experts" in lora_modules): "per_expert" (A [E, in, r], B [E, r,
+  # out] per layer) | "shared" (one A [in, r], B [r, out] per layer, added to every expert)
+  lora_experts: str = "per_expert"
   # the frozen base's storage: None (the parameter dtype) or a qwix type, e.g. "int8",
   # "int4", "float8_e4m3fn" (QLoRA); needs lora_rank > 0
   base_qtype: Optional[str] = None
@@ -212,6 +216,20 @@ class ModelConfig:
              "cannot carry")
       if not self.lora_modules or set(self.lora_modules) - set(LORA_MODULES):
         fail("lora_modules", self.lora_modules, f"expected a non-empty subset of {LORA_MODULES}")
+      if set(self.lora_modules) == {"experts"} and not self.num_experts:
+        fail("lora_modules", self.lora_modules, "a model without routed experts has no "
+             "'experts' to adapt")
+      if self.lora_experts not in LORA_EXPERTS:
+        fail("lora_experts", self.lora_experts, f"expected one of {LORA_EXPERTS}")
+      if self.lora_experts_on:
+        # the adapters join the routed experts' grouped matmuls, which the all-experts
+        # reference and the expert-parallel shard_map do not run under qwix's interception
+        if self.moe_impl != "ragged":
+          fail("moe_impl", self.moe_impl, "routed-expert adapters (lora_modules with 'experts') "
+               "need moe_impl='ragged'")
+        if self.moe_dispatch == "all_to_all":
+          fail("moe_dispatch", self.moe_dispatch, "routed-expert adapters (lora_modules with "
+               "'experts') run with the global dispatch ('global' or 'auto')")
     if self.base_qtype is not None:
       if not self.lora_rank:
         fail("base_qtype", self.base_qtype, "a quantized frozen base needs lora_rank > 0")
@@ -223,6 +241,11 @@ class ModelConfig:
   def is_moe(self) -> bool:
     """Whether the model has routed experts."""
     return self.num_experts > 0
+
+  @property
+  def lora_experts_on(self) -> bool:
+    """Whether the routed experts carry LoRA adapters."""
+    return bool(self.lora_rank and self.num_experts and "experts" in self.lora_modules)
 
   @property
   def num_dense_layers(self) -> int:

@@ -113,7 +113,8 @@ def plan(cfg: ModelConfig) -> Layout | None:
 
   `moe_dispatch="auto"` takes the all-to-all dispatch when a mesh is set (`jax.set_mesh`),
   its `experts` axes have size > 1 and divide `num_experts`; "all_to_all" requires it;
-  "global" (and `moe_impl="dense"`) never takes it.
+  "global" (and `moe_impl="dense"`, and routed-expert LoRA adapters, which join the global
+  dispatch's grouped matmuls) never takes it.
 
   Args:
     cfg: the model config (`moe_dispatch`, `moe_dispatch_chunk`, `moe_impl`, `num_experts`,
@@ -126,7 +127,7 @@ def plan(cfg: ModelConfig) -> Layout | None:
     ValueError: "all_to_all" without a mesh whose experts axes have size > 1 and divide
       `num_experts`.
   """
-  if cfg.moe_dispatch == "global" or cfg.moe_impl == "dense":
+  if cfg.moe_dispatch == "global" or cfg.moe_impl == "dense" or cfg.lora_experts_on:
     return None
   mesh = jax.sharding.get_abstract_mesh()
   expert_axes = () if mesh.empty else _axes(cfg, "experts", mesh)

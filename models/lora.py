@@ -21,8 +21,19 @@ quantized form. Nothing of that is written here; this module fits qwix to the Tr
 Which projections (`ModelConfig.lora_modules`): "attention" = q/k/v/o and MLA's q_proj,
 q_a_proj, q_b_proj, kv_a_proj, o_proj (kv_b_proj is left out: decoding absorbs it into the
 query and output, outside any projection call); "mlp" = dense SwiGLU MLPs and MoE shared
-experts. Routed experts run `jax.lax.ragged_dot`, which qwix's LoRA provider does not
-intercept, so they stay frozen without adapters.
+experts; "experts" = the routed experts' gate / up / down stacks [E, in, out].
+
+Routed experts run grouped matmuls (`models.grouped_matmul`, `jax.lax.ragged_dot` over rows
+sorted by expert), which qwix 0.1.8's LoRA provider does not intercept. `Provider` is
+`qwix.LoraProvider` with that one interception added, in qwix's own terms: a rule
+(`ExpertLoraRule`, matched on the MoE module and the op "ragged_dot"), the stack found by
+`find_param`, adapters created by qwix's LoRA parameter helper, and rows of expert g getting
+x W_g + (alpha / rank) (x A_g) B_g, with A [E, in, rank], B [E, rank, out] per expert
+(`lora_experts="per_expert"`) or A [in, rank], B [rank, out] shared by the layer's experts
+("shared"). It needs the global dispatch (`moe_dispatch` "global" or "auto"; the
+expert-parallel all-to-all runs the experts inside `shard_map`, out of qwix's reach) and
+`moe_impl="ragged"`. Quantization (QLoRA's base, rollouts) leaves routed experts in their
+dtype: qwix's PTQ does not intercept grouped matmuls either.
 
     cfg = cfg.replace(lora_rank=16, lora_alpha=32.0)    # base_qtype="int8" for QLoRA
     model = lora.apply(base_model, cfg)                  # adapters A random, B zero
@@ -35,6 +46,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
@@ -44,7 +56,10 @@ import jax
 import jax.numpy as jnp
 import qwix
 from flax import nnx
+from qwix._src.providers import lora as qwix_lora
+from qwix._src.utils import flax_util
 
+from models import grouped_matmul as gmm
 from models.config import ModelConfig
 from models.layers import Dense
 
@@ -57,31 +72,107 @@ MODULES = {
     "attention": ("q_proj", "q_a_proj", "q_b_proj", "k_proj", "v_proj", "kv_a_proj", "o_proj"),
     "mlp": ("gate_proj", "up_proj", "down_proj"),
 }
+# the MoE module (a Block's `mlp`), whose grouped matmuls "experts" adapts
+EXPERTS_MODULE = "mlp"
+EXPERT_STACKS = ("gate_proj", "up_proj", "down_proj")
 # qwix intercepts `Transformer.hidden`: the forward pass, prefill and decoding all run it
 METHOD = "hidden"
 
 
-def _path_regex(modules) -> str:
-  names = "|".join(n for m in modules for n in MODULES[m])
-  return rf"(.*/)?({names})"
+def _path_regex(names) -> str:
+  return rf"(.*/)?({'|'.join(names)})"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExpertLoraRule(qwix.LoraRule):
+  """A qwix LoRA rule for routed experts' grouped matmuls.
+
+  Attributes:
+    shared: one adapter pair A [in, rank], B [rank, out] for all of a layer's experts; False =
+      one per expert, A [E, in, rank], B [E, rank, out].
+  """
+
+  shared: bool = False
+
+
+def expert_delta(x: jax.Array, a: jax.Array, b: jax.Array, sizes: jax.Array,
+                 scale: float) -> jax.Array:
+  """The adapters' term of a grouped matmul: scale (x A_g) B_g for the rows of group g.
+
+  Args:
+    x: [rows, in] rows sorted by group; rows past the last group give zeros.
+    a: [groups, in, rank] per group, or [in, rank] shared.
+    b: [groups, rank, out] per group, or [rank, out] shared.
+    sizes: [groups] int32 rows per group.
+    scale: alpha / rank.
+
+  Returns:
+    [rows, out] in x's dtype.
+  """
+  a, b = a.astype(x.dtype), b.astype(x.dtype)
+  if a.ndim == 2:
+    valid = jnp.arange(x.shape[0]) < sizes.sum()
+    return jnp.where(valid[:, None], (x @ a) @ b * scale, 0).astype(x.dtype)
+  return gmm.grouped_matmul(gmm.grouped_matmul(x, a, sizes), b, sizes) * scale
+
+
+class Provider(qwix.LoraProvider):
+  """`qwix.LoraProvider` that also adapts the routed experts' grouped matmuls.
+
+  qwix 0.1.8 intercepts dot_general, einsum and conv for LoRA, not `ragged_dot`; this adds the
+  interception of `models.grouped_matmul.grouped_matmul` (the routed experts' only product),
+  matched by `ExpertLoraRule`s on the op name "ragged_dot", with the adapters made by qwix's
+  own LoRA parameter helper (created on a first call, read afterwards).
+  """
+
+  def grouped_matmul(self, x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """x [rows, in] times w [E, in, out] by group, plus the adapters of the matched stack."""
+    out = gmm.grouped_matmul(x, w, sizes)  # qwix runs a handler with its interceptions off
+    rule, _ = self._get_current_rule_and_op_id("ragged_dot")
+    if not isinstance(rule, ExpertLoraRule):
+      return out
+    name = flax_util.find_param(w)
+    if name is None:
+      raise ValueError("lora: a routed-expert grouped matmul whose weight is not a parameter of "
+                       "the current module (expert adapters need the global dispatch, "
+                       "ModelConfig.moe_dispatch 'global' or 'auto')")
+    e, n_in, n_out = w.shape
+    r = rule.rank
+    shapes = (((n_in, r), (1, None), (r, n_out), (None, 2)) if rule.shared else
+              ((e, n_in, r), (0, 1, None), (e, r, n_out), (0, None, 2)))
+    a, b = qwix_lora._get_or_create_lora_params(  # pylint: disable=protected-access
+        name=name, rule=rule, a_shape=shapes[0], a_sharding_transpose=shapes[1],
+        b_shape=shapes[2], b_sharding_transpose=shapes[3])
+    return out + expert_delta(x, a, b, sizes, rule.alpha / r)
+
+  def get_intercept_map(self):
+    return super().get_intercept_map() | {
+        "models.grouped_matmul.grouped_matmul": self.grouped_matmul}
 
 
 def _rules(cfg: ModelConfig, weight_qtype: str | None) -> list:
-  """qwix rules: adapters (and the base's quantization) on the adapted projections, and the
-  base's quantization alone on the other projections."""
+  """qwix rules: adapters (and the base's quantization) on the adapted projections, adapters on
+  the routed experts, and the base's quantization alone on the other projections."""
   rules = []
   if cfg.lora_rank:
-    rules.append(qwix.LoraRule(module_path=_path_regex(cfg.lora_modules), rank=cfg.lora_rank,
-                               alpha=cfg.lora_alpha, weight_qtype=weight_qtype))
+    names = [n for m in cfg.lora_modules if m in MODULES for n in MODULES[m]]
+    if names:
+      rules.append(qwix.LoraRule(module_path=_path_regex(names), rank=cfg.lora_rank,
+                                 alpha=cfg.lora_alpha, weight_qtype=weight_qtype))
+    if cfg.lora_experts_on:
+      rules.append(ExpertLoraRule(module_path=_path_regex([EXPERTS_MODULE]),
+                                  op_names=("ragged_dot",), rank=cfg.lora_rank,
+                                  alpha=cfg.lora_alpha, shared=cfg.lora_experts == "shared"))
   if weight_qtype is not None:
-    rules.append(qwix.QuantizationRule(module_path=_path_regex(MODULES),
-                                       weight_qtype=weight_qtype))
+    rules.append(qwix.QuantizationRule(
+        module_path=_path_regex([n for names in MODULES.values() for n in names]),
+        weight_qtype=weight_qtype))
   return rules
 
 
 def _provider(cfg: ModelConfig, weight_qtype: str | None):
   rules = _rules(cfg, weight_qtype)
-  return qwix.LoraProvider(rules) if cfg.lora_rank else qwix.PtqProvider(rules)
+  return Provider(rules) if cfg.lora_rank else qwix.PtqProvider(rules)
 
 
 def _template_config(cfg: ModelConfig) -> ModelConfig:
@@ -131,14 +222,20 @@ def module_at(root: nnx.Module, path: tuple) -> nnx.Module:
   return root
 
 
-def _adapter_axes(dense: Dense, name: str) -> tuple:
+def _adapter_axes(module: nnx.Module, name: str, ndim: int) -> tuple:
   """Logical axes of an adapter matrix: A [in, rank] keeps the input's axis, B [rank, out] the
-  output's, when the flattened dimension is a single one (else unsharded)."""
-  axes = dense.kernel.get_metadata()["axes"]
+  output's, when the flattened dimension is a single one (else unsharded); a per-expert
+  adapter [E, ...] keeps the experts axis first."""
+  base = getattr(module, name.removesuffix("_lora_a").removesuffix("_lora_b"))
+  axes = base.get_metadata()["axes"]
   axes = axes[1:] if axes[0] == "layers" else axes
-  in_axes, out_axes = axes[:dense.n_in], axes[dense.n_in:]
+  lead = ()
+  if not isinstance(module, Dense):  # a routed-expert stack [E, in, out]
+    lead, axes = (axes[:1] if ndim == 3 else ()), axes[1:]
+  n_in = module.n_in if isinstance(module, Dense) else 1
+  in_axes, out_axes = axes[:n_in], axes[n_in:]
   one = lambda a: a[0] if len(a) == 1 else None
-  return (one(in_axes), None) if name.endswith("_lora_a") else (None, one(out_axes))
+  return lead + ((one(in_axes), None) if name.endswith("_lora_a") else (None, one(out_axes)))
 
 
 def _build_layer_variables(block: nnx.Module, template_block: nnx.Module, layers: int | None,
@@ -149,7 +246,7 @@ def _build_layer_variables(block: nnx.Module, template_block: nnx.Module, layers
     block: a Block of the real model (a stacked one when `layers` is given).
     template_block: the template's Block after qwix's first call.
     layers: the stacked Block's layer count, or None for a single layer.
-    rules: the qwix rules (the LoRA rule first, when there is one).
+    rules: the qwix rules.
     key: PRNG key for the adapters' A matrices.
   """
   # adapters first: their axes come from the real kernel before it is quantized
@@ -160,14 +257,14 @@ def _build_layer_variables(block: nnx.Module, template_block: nnx.Module, layers
   for i, (path, node) in enumerate(made):
     module, name = module_at(block, path[:-1]), path[-1]
     if isinstance(node, nnx.LoRAParam):
-      rule = rules[0]
+      rule = next(r for r in rules if isinstance(r, qwix.LoraRule))
       init = rule.lora_a_initializer if name.endswith("_lora_a") else rule.lora_b_initializer
-      base = module.kernel
+      base = getattr(module, name.removesuffix("_lora_a").removesuffix("_lora_b"))
       dtype = base.dtype if isinstance(base, nnx.Variable) else jnp.float32
       draw = lambda k: init(k, node.shape, dtype)
       k = jax.random.fold_in(key, i)
       value = draw(k) if layers is None else jax.vmap(draw)(jax.random.split(k, layers))
-      axes = _adapter_axes(module, name)
+      axes = _adapter_axes(module, name, len(node.shape))
       setattr(module, name, nnx.LoRAParam(value, axes=(("layers",) if layers else ()) + axes))
     else:  # a kernel qwix quantized: quantize the real one the same way, layer by layer
       quantize = lambda w: qwix.quantize_params({name: w}, {name: node})[name]
@@ -268,30 +365,48 @@ def is_quantized(model: nnx.Module) -> bool:
 
 
 def merge(model: nnx.Module, cfg: ModelConfig) -> dict:
-  """Effective kernels W + (alpha / rank) A B of the adapted or quantized projections, by qwix.
+  """Effective weights W + (alpha / rank) A B of the adapted or quantized projections and
+  expert stacks.
 
   Each such Dense runs once, under qwix's interception, on the identity over its flattened
   input (fp32, bias left out): its output is exactly the kernel it applies. A quantized base
-  gives its dequantized kernel (plus the adapters' product).
+  gives its dequantized kernel (plus the adapters' product). A routed-expert stack with
+  adapters adds `expert_delta` (the term `Provider` adds) of each expert's identity rows.
 
   Args:
     model: a Transformer from `apply` or `quantize` (stacked or unstacked).
     cfg: its config.
 
   Returns:
-    {module path (as `nnx.iter_graph` gives it): fp32 kernel [(layers,) in.., out..]}.
+    {parameter path (module path as `nnx.iter_graph` gives it, then "kernel" or the expert
+    stack's name): fp32 weight [(layers,) in.., out..] or [(layers,) E, in, out]}.
   """
   out = {}
-  for path, dense in nnx.iter_graph(model):
-    adapted = hasattr(dense, "kernel_lora_a")
-    if isinstance(dense, Dense) and (adapted or isinstance(dense.kernel, QuantizedKernel)):
+  for path, module in nnx.iter_graph(model):
+    stacked = len(path) > 1 and not isinstance(path[1], int)
+    adapted = hasattr(module, "kernel_lora_a")
+    if isinstance(module, Dense) and (adapted or isinstance(module.kernel, QuantizedKernel)):
       provider = (qwix.LoraProvider(module_path=".*", rank=cfg.lora_rank, alpha=cfg.lora_alpha,
                                     weight_qtype=cfg.base_qtype) if adapted else
                   qwix.PtqProvider([qwix.QuantizationRule(module_path=".*",
                                                           weight_qtype=cfg.base_qtype)]))
-      stacked = len(path) > 1 and not isinstance(path[1], int)
-      out[path] = _effective_kernel(dense, provider, stacked)
+      out[path + ("kernel",)] = _effective_kernel(module, provider, stacked)
+    elif isinstance(module, nnx.Module) and hasattr(module, EXPERT_STACKS[0] + "_lora_a"):
+      for name in EXPERT_STACKS:
+        out[path + (name,)] = _effective_experts(module, name, cfg.lora_alpha / cfg.lora_rank,
+                                                 stacked)
   return out
+
+
+def _effective_experts(moe: nnx.Module, name: str, scale: float, stacked: bool) -> jax.Array:
+  def one(w, a, b):
+    e, n_in, _ = w.shape
+    eye = jnp.tile(jnp.eye(n_in, dtype=jnp.float32), (e, 1))  # expert g's rows: identity
+    delta = expert_delta(eye, a, b, jnp.full((e,), n_in, jnp.int32), scale)
+    return w.astype(jnp.float32) + delta.reshape(w.shape)
+
+  w, a, b = (getattr(moe, n)[...] for n in (name, name + "_lora_a", name + "_lora_b"))
+  return jax.vmap(one)(w, a, b) if stacked else one(w, a, b)
 
 
 def _effective_kernel(dense: Dense, provider, stacked: bool) -> jax.Array:
@@ -317,4 +432,5 @@ def adapter_count(model: nnx.Module) -> int:
 def describe(cfg: ModelConfig) -> dict[str, Any]:
   """The adapter settings of a config, for logs and checkpoints."""
   return {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "modules": list(cfg.lora_modules),
+          "experts": cfg.lora_experts if cfg.lora_experts_on else None,
           "base_qtype": cfg.base_qtype}

@@ -404,8 +404,8 @@ def with_adapters(model: Transformer, cfg: ModelConfig | None = None, seed: int 
 
 
 def merge_adapters(model: Transformer) -> Transformer:
-  """The plain model a LoRA model computes: every adapted kernel W + (alpha / rank) A B, every
-  quantized kernel dequantized (`lora.merge`, by qwix), the rest shared.
+  """The plain model a LoRA model computes: every adapted kernel or expert stack
+  W + (alpha / rank) A B, every quantized kernel dequantized (`lora.merge`), the rest shared.
 
   Args:
     model: a stacked Transformer with adapters or quantized kernels.
@@ -417,8 +417,8 @@ def merge_adapters(model: Transformer) -> Transformer:
   graphdef, state = nnx.split(abstract(lora.base_config(model.cfg)))
   flat = []
   for path, var in nnx.to_flat_state(state):
-    if path[-1] == "kernel" and path[:-1] in kernels:
-      value = kernels[path[:-1]]
+    if path in kernels:
+      value = kernels[path]
     else:
       value = lora.module_at(model, path[:-1]).__dict__[path[-1]].get_value()
     flat.append((path, var.replace(value)))

@@ -27,8 +27,13 @@ from trainer import optim as O
 from trainer import state as S
 from trainer import step as T
 
-CONFIGS = {"dense": TINY_DENSE, "moe_mla": TINY_MOE_MLA}
 RANK, ALPHA = 4, 8.0
+EXPERTS = ("attention", "mlp", "experts")
+# base config, the adapters' settings
+CONFIGS = {"dense": (TINY_DENSE, {}), "moe_mla": (TINY_MOE_MLA, {}),
+           "moe_experts": (TINY_MOE_MLA, dict(lora_modules=EXPERTS)),
+           "moe_shared_experts": (TINY_MOE_MLA, dict(lora_modules=("experts",),
+                                                     lora_experts="shared"))}
 TOKENS = np.random.default_rng(0).integers(0, 128, (2, 12)).astype(np.int32)
 
 
@@ -62,6 +67,22 @@ def numpy_merged(dense) -> np.ndarray:
   return w + (ALPHA / RANK) * np.einsum("lir,lro->lio", a, b).reshape(w.shape)
 
 
+def numpy_merged_experts(moe, name: str) -> np.ndarray:
+  """W_e + (alpha / rank) A_e B_e per expert e, [layers, E, in, out]; a shared pair (A [layers,
+  in, rank], B [layers, rank, out]) is every expert's A_e, B_e."""
+  w = np.asarray(getattr(moe, name)[...], np.float64)
+  a = np.asarray(getattr(moe, name + "_lora_a")[...], np.float64)
+  b = np.asarray(getattr(moe, name + "_lora_b")[...], np.float64)
+  if a.ndim == 3:
+    a, b = (np.broadcast_to(x[:, None], (x.shape[0], w.shape[1]) + x.shape[1:]) for x in (a, b))
+  return w + (ALPHA / RANK) * np.einsum("leir,lero->leio", a, b)
+
+
+def adapted_experts(model):
+  """{path: MoE} of the MoE modules whose routed experts hold adapters."""
+  return {p: m for p, m in nnx.iter_graph(model) if hasattr(m, "gate_proj_lora_a")}
+
+
 def numpy_quantized(w: np.ndarray, n_in: int, qtype: str) -> tuple[np.ndarray, np.ndarray]:
   """Symmetric absmax quantization per output channel (scale over the contracted input axes):
   int8 rounds w / s with s = max|w| / 127.5 (the bound qwix documents: qmax + 1/2), clipped to
@@ -88,11 +109,11 @@ def numpy_quantized(w: np.ndarray, n_in: int, qtype: str) -> tuple[np.ndarray, n
 @pytest.fixture(scope="module")
 def models():
   """Per config: the plain model and its LoRA model (same base, random adapters)."""
-  out = {}
-  for name, cfg in CONFIGS.items():
-    base = transformer.init(cfg, seed=0)
+  out, bases = {}, {}
+  for name, (cfg, settings) in CONFIGS.items():
+    base = bases.setdefault(cfg, transformer.init(cfg, seed=0))
     adapted = randomize_adapters(transformer.with_adapters(
-        base, cfg.replace(lora_rank=RANK, lora_alpha=ALPHA)))
+        base, cfg.replace(lora_rank=RANK, lora_alpha=ALPHA, **settings)))
     out[name] = (base, adapted)
   return out
 
@@ -100,29 +121,50 @@ def models():
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_adapters_follow_the_lora_formula(name, models):
   """Which projections get adapters, and the adapted forward equals the plain model with every
-  adapted kernel replaced by the NumPy W + (alpha/r) A B; `merge_adapters` gives those kernels."""
+  adapted kernel (routed experts: every expert's stack) replaced by the NumPy W + (alpha/r) A B;
+  `merge_adapters` gives those weights."""
   base, adapted = models[name]
+  cfg, settings = CONFIGS[name]
+  modules = settings.get("lora_modules", ("attention", "mlp"))
   got = {p[-1] for p in adapted_denses(adapted)}
-  want = ({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-          if name == "dense" else
-          {"q_a_proj", "q_b_proj", "kv_a_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+  attention = ({"q_proj", "k_proj", "v_proj", "o_proj"} if name == "dense" else
+               {"q_a_proj", "q_b_proj", "kv_a_proj", "o_proj"})
+  want = (attention if "attention" in modules else set()) | \
+         ({"gate_proj", "up_proj", "down_proj"} if "mlp" in modules else set())
   assert got == want
-  assert not any("experts" in p or p[-1] == "kv_b_proj" for p in adapted_denses(adapted))
+  assert not any(p[-1] == "kv_b_proj" for p in adapted_denses(adapted))
+  experts = adapted_experts(adapted)
+  assert set(experts) == ({("moe_layers", "mlp")} if "experts" in modules else set())
+  for moe in experts.values():  # per expert: [layers, E, in, rank]; shared: [layers, in, rank]
+    assert moe.gate_proj_lora_a.shape == ((2, 8, 64, RANK) if "lora_experts" not in settings
+                                          else (2, 64, RANK))
   assert lora.adapter_count(adapted) > 0 and not lora.is_quantized(adapted)
 
-  plain = transformer.init(CONFIGS[name], seed=0)
+  plain = transformer.init(cfg, seed=0)
+  merged_weights = {}
   for path, dense in adapted_denses(adapted).items():
-    lora.module_at(plain, path).kernel[...] = jnp.asarray(numpy_merged(dense), jnp.float32)
+    merged_weights[path + ("kernel",)] = numpy_merged(dense)
+  for path, moe in experts.items():
+    for stack in ("gate_proj", "up_proj", "down_proj"):
+      merged_weights[path + (stack,)] = numpy_merged_experts(moe, stack)
+  for path, w in merged_weights.items():
+    getattr(lora.module_at(plain, path[:-1]), path[-1])[...] = jnp.asarray(w, jnp.float32)
   want_logits = logits(plain)
   np.testing.assert_allclose(logits(adapted), want_logits, atol=2e-5, rtol=0)
   assert np.abs(logits(base) - want_logits).max() > 1e-2  # the adapters matter
 
   merged = transformer.merge_adapters(adapted)
   assert not lora.has_adapters(merged)
-  for path, dense in adapted_denses(adapted).items():
-    np.testing.assert_allclose(np.asarray(lora.module_at(merged, path).kernel[...]),
-                               numpy_merged(dense), atol=1e-6, rtol=0)
+  for path, w in merged_weights.items():
+    got = getattr(lora.module_at(merged, path[:-1]), path[-1])[...]
+    np.testing.assert_allclose(np.asarray(got), w, atol=1e-6, rtol=0)
   np.testing.assert_allclose(logits(merged), want_logits, atol=2e-5, rtol=0)
+  if experts:  # the engine's path: unstacked layers, decoding from a cache
+    unstacked = transformer.unstack(adapted)
+    cache = unstacked.init_cache(TOKENS.shape[0], 16)
+    step_logits, _ = nnx.jit(lambda m, t, c: m.decode_step(t, c, jnp.zeros((2,), jnp.int32)))(
+        unstacked, TOKENS, cache)
+    np.testing.assert_allclose(np.asarray(step_logits), want_logits, atol=2e-5)
 
 
 def test_zero_b_is_the_base_model_and_config_errors(models):
@@ -136,6 +178,12 @@ def test_zero_b_is_the_base_model_and_config_errors(models):
                          (dict(lora_rank=-1), "lora_rank")):
     with pytest.raises(ValueError, match=f"ModelConfig.{field}="):
       TINY_DENSE.replace(**changes)
+  experts = dict(lora_rank=4, lora_modules=EXPERTS)
+  for changes, field in ((dict(experts, lora_experts="per_layer"), "lora_experts"),
+                         (dict(experts, moe_impl="dense"), "moe_impl"),
+                         (dict(experts, moe_dispatch="all_to_all"), "moe_dispatch")):
+    with pytest.raises(ValueError, match=f"ModelConfig.{field}="):
+      TINY_MOE_MLA.replace(**changes)
   with pytest.raises(ValueError, match="QK-Clip"):
     O.build({"name": "muon_clip"}, TINY_DENSE.replace(lora_rank=4))
 
@@ -143,8 +191,10 @@ def test_zero_b_is_the_base_model_and_config_errors(models):
 @pytest.mark.parametrize("qtype", ["int8", "float8_e4m3fn"])
 def test_qlora_base_is_absmax_quantized(qtype):
   """A QLoRA base holds qwix's 1-byte kernels; its effective kernels are the NumPy absmax
-  quantization of the base's; adapters add to them; the unstacked and decoding paths agree."""
-  cfg = TINY_MOE_MLA.replace(lora_rank=RANK, lora_alpha=ALPHA, base_qtype=qtype)
+  quantization of the base's; adapters add to them (and to the unquantized routed experts); the
+  unstacked and decoding paths agree."""
+  cfg = TINY_MOE_MLA.replace(lora_rank=RANK, lora_alpha=ALPHA, base_qtype=qtype,
+                             lora_modules=EXPERTS)  # routed experts: adapters, no quantization
   base = transformer.init(TINY_MOE_MLA, seed=0)
   model = transformer.with_adapters(base, cfg)
   assert lora.is_quantized(model)
@@ -169,15 +219,20 @@ def test_qlora_base_is_absmax_quantized(qtype):
 
 
 def test_train_step_trains_adapters_only_like_unpacked_training(models):
-  """The tree-packed, micro-batched GRPO step's loss and adapter gradients equal the unpacked
-  per-call reference's (design §3 tolerances); an optimizer step changes the adapters and
-  nothing of the frozen base; the optimizer state holds the adapters' moments alone."""
-  cfg = TINY_MOE_MLA.replace(lora_rank=RANK, lora_alpha=ALPHA)
-  base, _ = models["moe_mla"]
+  """The tree-packed, micro-batched GRPO step's loss and adapter gradients (routed experts'
+  per-expert adapters included) equal the unpacked per-call reference's (design §3
+  tolerances); an optimizer step changes the adapters and nothing of the frozen base; the
+  optimizer state holds the adapters' moments alone."""
+  cfg = TINY_MOE_MLA.replace(lora_rank=RANK, lora_alpha=ALPHA, lora_modules=EXPERTS)
+  base, _ = models["moe_experts"]
   opt = O.build({"name": "muon", "learning_rate": 1e-2, "schedule": "constant"}, cfg)
   assert {r.role for r in opt.table} == {"lora"}
-  assert all(r.optimizer == "muon" and r.batch_axes == (0,) for r in opt.table)
+  for r in opt.table:  # one matrix per layer (and per expert)
+    assert r.optimizer == "muon" and r.batch_axes == ((0, 1) if "experts" in r.axes else (0,))
+  assert any("experts" in r.axes for r in opt.table)
   state = S.create(cfg, opt, model=base)
+  trained = randomize_adapters(state.model(cfg))  # B != 0: A's gradients are not zero
+  state = state.replace(params=nnx.as_pure(nnx.state(trained, nnx.LoRAParam)))
   names = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state.params)}
   assert names and all(n.endswith(("_lora_a']", "_lora_b']")) for n in names)
   n_adapters = sum(x.size for x in jax.tree.leaves(state.params))
@@ -243,12 +298,13 @@ def test_adapter_checkpoint_holds_no_base(models, tmp_path):
   np.testing.assert_array_equal(logits(again.model(cfg)), logits(state.model(cfg)))
 
 
-def test_merged_export_loads_in_transformers(models, tmp_path):
-  """The merged LoRA model written as an HF checkpoint loads in transformers with the LoRA
-  model's logits (fp32)."""
+@pytest.mark.parametrize("name", ["dense", "moe_experts"])
+def test_merged_export_loads_in_transformers(name, models, tmp_path):
+  """The merged LoRA model (Qwen2; DeepSeek-V3 with per-expert adapters on its routed experts)
+  written as an HF checkpoint loads in transformers with the LoRA model's logits (fp32)."""
   torch = pytest.importorskip("torch")
   from transformers import AutoModelForCausalLM
-  _, adapted = models["dense"]
+  _, adapted = models[name]
   hf.save(transformer.merge_adapters(adapted), tmp_path)
   model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
   with torch.no_grad():

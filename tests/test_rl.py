@@ -72,7 +72,7 @@ def get_config(arg=None):
 '''
 
 # The demo's RL stage as its own config, starting from the demo run's SFT checkpoint, with
-# LoRA adapters (rank 4) on the frozen SFT weights.
+# LoRA adapters (rank 4, per-expert ones on the routed experts) on the frozen SFT weights.
 RL = '''
 from tests_rl_demo_config import get_config as demo_config
 
@@ -84,6 +84,7 @@ def get_config(arg=None):
   c.tokenizer.path = "{sft}/tokenizer"
   c.seed = 5
   c.model.lora.rank = 4
+  c.model.lora.modules = "attention,mlp,experts"
   c.metrics.report = False
   return c
 '''
@@ -193,6 +194,18 @@ def comparable(metrics):
   return {k: v for k, v in metrics.items() if not any(k.startswith(p) for p in NOT_DETERMINISTIC)}
 
 
+def assert_same_step(got, want):
+  """Same metrics; floats to rounding: the sampler's log-probs may differ in the last bits with
+  what the engine happened to prefill, decode and reuse together, which worker timing decides."""
+  got, want = comparable(got), comparable(want)
+  assert set(got) == set(want)
+  for k, v in want.items():
+    if isinstance(v, float):
+      assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    else:
+      assert got[k] == v, k
+
+
 def test_rl_resumes_after_kill_and_is_deterministic(demo_run):
   d, config = demo_run["dir"], demo_run["rl_config"]
   run_main(config, d / "reference")
@@ -214,7 +227,7 @@ def test_rl_resumes_after_kill_and_is_deterministic(demo_run):
   ids = [i for s in resumed.values() for i in s["trajectory_ids"]]
   assert len(ids) == len(set(ids)) == RL_STEPS * 4, "a trajectory was trained twice"
   # Determinism: the same seed gives the same first step (sampling seeds, weights, math).
-  assert comparable(resumed[1]) == comparable(reference[1])
+  assert_same_step(resumed[1], reference[1])
   # After every sync the engine samples as the trainer's LoRA policy (it got the adapters);
   # the LoRA checkpoints leave the frozen base out.
   assert all(abs(m["mismatch_kl_k3"]) < 1e-4 for m in resumed.values())

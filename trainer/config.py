@@ -267,6 +267,7 @@ def lora_fields(config) -> dict:
   return {"lora_rank": lora.rank, "lora_alpha": float(lora.alpha),
           "lora_dropout": float(lora.dropout),
           "lora_modules": tuple(m.strip() for m in modules if m.strip()),
+          "lora_experts": lora.get("experts", "per_expert"),
           "base_qtype": lora.get("base_qtype")}
 
 

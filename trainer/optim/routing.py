@@ -171,9 +171,11 @@ def route(cfg: Any, path: tuple[str, ...], shape: tuple[int, ...], axes: tuple[s
     return Route(path, shape, axes, "bias", "adamw", None, None, False)
   if path[-1] == "router":
     return Route(path, shape, axes, "router", "adamw", None, None, decay_matrix)
-  if path[-1].endswith(("_lora_a", "_lora_b")):  # [layers.., in, rank] / [layers.., rank, out]
+  if path[-1].endswith(("_lora_a", "_lora_b")):
+    # [layers.., (experts,) in, rank] / [layers.., (experts,) rank, out]: one matrix per expert
     role = "lora"
-    reduction, output = [lead], [lead + 1]
+    rest = [i for i in range(lead, len(axes)) if axes[i] != "experts"]
+    reduction, output = [rest[0]], [rest[1]]
   elif dense_in is not None:
     role = "attention" if "attn" in path else "mlp"
     reduction = list(range(lead, lead + dense_in))
