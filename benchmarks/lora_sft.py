@@ -15,7 +15,9 @@ optimizer differ:
   - lora_r{R}_lr{LR}: LoRA adapters of rank R on the attention and MLP projections
     (alpha = 2 R), Muon, for every R in `--ranks` and LR in `--lrs`;
   - ..._adamw: the best Muon LoRA setting (held-out pass@1, then the lower last loss) with AdamW;
-  - ..._int8: the same setting as QLoRA, the frozen base stored as int8.
+  - ..._int8: the same setting as QLoRA, the frozen base stored as int8;
+  - ..._experts / ..._shared_experts: the same setting with adapters on the routed experts too,
+    one pair per expert or one per layer shared by its experts (`--expert_adapters`).
 
 Each is evaluated by the greedy held-out pass@1 on the demo's `--eval_tasks` held-out tasks
 (`trainer.demo.held_out_eval`; a LoRA checkpoint is merged into a plain model first), with the
@@ -59,6 +61,9 @@ def main() -> None:
   p.add_argument("--lrs", default="3e-3,1e-2", help="peak learning rates of the Muon sweep")
   p.add_argument("--qlora_qtype", default="int8", help="base_qtype of the QLoRA run ('': none)")
   p.add_argument("--no_adamw", action="store_true", help="skip the AdamW LoRA run")
+  p.add_argument("--expert_adapters", default="per_expert,shared",
+                 help="config.model.lora.experts modes of the runs that add routed-expert "
+                      "adapters to the best Muon setting ('': none)")
   p.add_argument("--teacher_eval", action="store_true",
                  help="also evaluate the teacher itself (the starting point)")
   p.add_argument("--seed", type=int, default=0)
@@ -89,7 +94,11 @@ def main() -> None:
     if args.qlora_qtype:
       runs.append(_run(ctx, dict(best, name=f"{best['name']}_{args.qlora_qtype}",
                                  base_qtype=args.qlora_qtype), ref))
-    for r in runs[1 + len(sweep):]:  # AdamW, QLoRA: against the Muon LoRA run they repeat
+    for mode in [m.strip() for m in args.expert_adapters.split(",") if m.strip()]:
+      suffix = "experts" if mode == "per_expert" else f"{mode}_experts"
+      runs.append(_run(ctx, dict(best, name=f"{best['name']}_{suffix}",
+                                 modules="attention,mlp,experts", experts=mode), ref))
+    for r in runs[1 + len(sweep):]:  # against the Muon LoRA run they repeat
       r["minus_best_muon"] = evaluate.paired_bootstrap(best["per_task"], r["per_task"])
   if args.teacher_eval:
     t = demo_lib.held_out_eval(rl_cfg, args.teacher,
@@ -118,9 +127,10 @@ def _floats(s: str) -> list[float]:
 
 
 def _spec(name: str, rank: int, lr: float, optimizer: str, base_qtype: str | None = None) -> dict:
-  """A run's settings: LoRA rank (0: full fine-tuning, alpha = 2 rank), peak lr, optimizer."""
+  """A run's settings: LoRA rank (0: full fine-tuning, alpha = 2 rank), peak lr, optimizer,
+  adapted modules (`config.model.lora.modules`, `.experts`)."""
   return {"name": name, "rank": rank, "alpha": 2.0 * rank, "lr": lr, "optimizer": optimizer,
-          "base_qtype": base_qtype}
+          "base_qtype": base_qtype, "modules": "attention,mlp", "experts": "per_expert"}
 
 
 def run_config(sft_base: ml_collections.ConfigDict, teacher: str, data: str, steps: int,
@@ -143,7 +153,8 @@ def run_config(sft_base: ml_collections.ConfigDict, teacher: str, data: str, ste
   cfg.model.lora.rank = spec["rank"]
   if spec["rank"]:
     cfg.model.lora.alpha = spec["alpha"]
-    cfg.model.lora.modules = "attention,mlp"
+    cfg.model.lora.modules = spec.get("modules", "attention,mlp")
+    cfg.model.lora.experts = spec.get("experts", "per_expert")
     cfg.model.lora.base_qtype = spec["base_qtype"]
   return cfg
 
@@ -204,13 +215,19 @@ def _ci(c: dict) -> str:
   return f"{c['diff']:+.3f} ({c['low']:+.3f} .. {c['high']:+.3f})"
 
 
+def _expert_label(r: dict) -> str:
+  if "experts" not in r.get("modules", ""):
+    return ""
+  return " + routed experts" + (" (shared)" if r.get("experts") == "shared" else " (per expert)")
+
+
 def _markdown(s: dict) -> str:
   full = s["runs"][0]
   rows = []
   for r in s["runs"]:
     kind = ("full fine-tuning" if not r["rank"] else
             f"{'QLoRA ' + r['base_qtype'] if r['base_qtype'] else 'LoRA'} r{r['rank']} "
-            f"alpha {r['alpha']:g}")
+            f"alpha {r['alpha']:g}" + _expert_label(r))
     rows.append(
         f"| {kind} | {r['optimizer']} | {r['lr']:g} | {r['trainable_params']:,} | "
         f"{r['checkpoint_bytes'] / 1e6:.2f} MB "
@@ -226,10 +243,11 @@ def _markdown(s: dict) -> str:
       f"{s['tasks']} training-split tasks; {s['verified']} were verified and {s['kept']} kept "
       f"({s['kept_tokens']} sampled tokens). Every run SFTs the teacher on them with the same "
       f"{s['sft_steps']} steps ({s['epochs']} epochs, cosine) and the same data order; LoRA "
-      "adapters sit on the attention and MLP projections, alpha = 2 rank. The LoRA sweep uses "
-      "Muon; AdamW and QLoRA (the frozen base stored int8) repeat the best Muon setting "
+      "adapters sit on the attention and MLP projections (\"+ routed experts\": on the "
+      "MoE layers' routed experts too), alpha = 2 rank. The LoRA sweep uses Muon; AdamW, QLoRA "
+      "(the frozen base stored int8) and the routed-expert runs repeat the best Muon setting "
       f"(`{s.get('best_muon_lora', '-')}`), chosen by the held-out pass@1 itself, so that "
-      "row's gap is optimistic. Checkpoint: bytes of the latest checkpoints/N directory (a "
+      "setting's gap is optimistic. Checkpoint: bytes of the latest checkpoints/N directory (a "
       "LoRA checkpoint holds the adapters, their optimizer state and the MoE router bias; in "
       "parentheses the ratio to full fine-tuning's). SFT minutes: the steps' time, compile "
       f"included, on a shared machine. Greedy held-out pass@1 on the same {s['eval_tasks']} "
@@ -244,16 +262,22 @@ def _markdown(s: dict) -> str:
                  f"minus the teacher {_ci(s['minus_teacher'][full['name']])}.")
   for r in s["runs"]:
     if "minus_best_muon" in r:
-      what = ("AdamW minus Muon" if r["optimizer"] == "adamw"
-              else f"QLoRA {r['base_qtype']} minus the unquantized base")
-      notes.append(f"{what} (same adapters, lr and data): {_ci(r['minus_best_muon'])}"
+      if r["optimizer"] == "adamw":
+        what = "AdamW minus Muon (same adapters, lr and data)"
+      elif r["base_qtype"]:
+        what = f"QLoRA {r['base_qtype']} minus the unquantized base (same adapters, lr and data)"
+      else:
+        what = (f"Adding routed-expert adapters{_expert_label(r)[len(' + routed experts'):]} "
+                f"({r['trainable_params']:,} trainable parameters) to the attention and MLP "
+                "ones (same lr and data)")
+      notes.append(f"{what}: {_ci(r['minus_best_muon'])}"
                    + ("; one peak lr for both, AdamW's own best lr was not searched."
                       if r["optimizer"] == "adamw" else "."))
   notes.append("Checkpoint sizes follow the saved state: fp32 parameters plus one momentum "
                "(Muon) or two moments (AdamW) per trained parameter; a QLoRA checkpoint is "
                "the LoRA one, since the quantized base is rebuilt from the teacher.")
   sweep = [r for r in s["runs"] if r["rank"] and r["optimizer"] == "muon" and
-           not r["base_qtype"]]
+           not r["base_qtype"] and not _expert_label(r)]
   if sweep:
     above = [r for r in sweep if r["minus_full"]["low"] > 0]
     below = [r for r in sweep if r["minus_full"]["high"] < 0]
@@ -264,7 +288,7 @@ def _markdown(s: dict) -> str:
         f"lowest last-step loss ({full['loss'][1]:.4f}): on {s['kept']} episodes the "
         "low-rank update is the milder one at this lr. One data draw, one seed and one set "
         "of held-out tasks; the LoRA settings were not compared with each other by a "
-        "bootstrap (only AdamW and QLoRA against the setting they repeat), and full "
+        "bootstrap (only the runs that repeat the best setting, against it), and full "
         "fine-tuning's learning rate was not swept.")
   return text + " ".join(notes) + "\n"
 

@@ -295,13 +295,15 @@ class Engine:
     model: the Transformer (stacked or unstacked) whose weights the engine starts with.
     config: sizes and behaviour.
     detokenize: token ids -> text, needed only for requests with stop strings.
+    version: policy version of the model's weights, tagged on the tokens they sample (a
+      resumed RL run's engine starts at its checkpoint's version).
 
   Raises:
     ValueError: an EngineConfig field is out of range for the model.
   """
 
   def __init__(self, model, config: EngineConfig = EngineConfig(),
-               detokenize: Optional[Callable[[Sequence[int]], str]] = None):
+               detokenize: Optional[Callable[[Sequence[int]], str]] = None, version: int = 0):
     self.cfg = config
     self.model_cfg = model.cfg
     self.detokenize = detokenize
@@ -338,7 +340,7 @@ class Engine:
     # paths of the LoRA adapters in the (unstacked) state: update_params may bring these alone
     self._adapter_paths = frozenset(path for path, _ in
                                     nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)))
-    self.version = 0
+    self.version = version
     if self.paged:
       self._pool = PagedPool(model, self.num_pages, c.page_size, self.capacity, self._count,
                              experts=c.return_expert_ids, retain=c.prefix_cache_rows)

@@ -47,6 +47,11 @@ def test_run_config_sets_the_run_settings(tmp_path):
                           lora_sft._spec("q", 8, 1e-2, "adamw", "int8"))
   assert (q.model.lora.rank, q.model.lora.alpha, q.model.lora.base_qtype) == (8, 16.0, "int8")
   assert (q.optimizer.name, q.optimizer.learning_rate) == ("adamw", 1e-2)
+  assert q.model.lora.modules == "attention,mlp"
+  e = lora_sft.run_config(base, str(tmp_path), "data.jsonl", 24,
+                          dict(lora_sft._spec("e", 8, 1e-2, "muon"),
+                               modules="attention,mlp,experts", experts="shared"))
+  assert (e.model.lora.modules, e.model.lora.experts) == ("attention,mlp,experts", "shared")
   assert base.model.lora.rank == 0  # the base config is not changed
 
 

@@ -207,10 +207,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
                   Teachers(config, mesh) if config.mode == "distill" else None, mesh)
 
   # --- the engine (the policy's weights, updated in memory) and where the groups come from
-  engine = Engine(state.model(model_cfg), rollouts.engine_config(config, model_cfg),
-                  detokenize=chat.tokenizer.decode)
   version = int(state.policy_version)
-  engine.update_params(engine_weights(state, model_cfg), version)
+  engine = Engine(state.model(model_cfg), rollouts.engine_config(config, model_cfg),
+                  detokenize=chat.tokenizer.decode, version=version)
   source = make_source(config, engine, chat, rollouts.scaffold_config(config),
                        TaskSource(config, workdir), consumed, restored_extra, run.checkpointer)
   train_step = step_lib.make_train_step(
