@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Callable, NamedTuple
 
 import jax
@@ -127,11 +128,17 @@ def plan(cfg: ModelConfig) -> Layout | None:
     ValueError: "all_to_all" without a mesh whose experts axes have size > 1 and divide
       `num_experts`.
   """
-  if cfg.moe_dispatch == "global" or cfg.moe_impl == "dense" or cfg.lora_experts_on:
+  if cfg.moe_dispatch == "global" or cfg.moe_impl == "dense":
     return None
   mesh = jax.sharding.get_abstract_mesh()
   expert_axes = () if mesh.empty else _axes(cfg, "experts", mesh)
   ep = math.prod(mesh.shape[a] for a in expert_axes)
+  if cfg.lora_experts_on:
+    if expert_axes:
+      warnings.warn(f"routed-expert LoRA adapters run the global MoE dispatch, not the "
+                    f"all-to-all over the mesh's experts axes {expert_axes}: tokens and expert "
+                    "weights are gathered across them", stacklevel=2)
+    return None
   if not expert_axes or cfg.num_experts % ep:
     if cfg.moe_dispatch == "all_to_all":
       raise ValueError(f"ModelConfig.moe_dispatch='all_to_all': needs a mesh (jax.set_mesh) "

@@ -293,7 +293,9 @@ def _transform(model: nnx.Module, cfg: ModelConfig, weight_qtype: str | None, se
   # everything it would create exists already
   model = qwix.quantize_model(model, _provider(cfg, weight_qtype), *_inputs(),
                               methods=(METHOD,), skip_nnx_init=True)
-  model.cfg = cfg
+  for _, module in nnx.iter_graph(model):  # every module as `make(cfg)` would have built it
+    if isinstance(module, nnx.Module) and isinstance(getattr(module, "cfg", None), ModelConfig):
+      module.cfg = cfg
   return model
 
 

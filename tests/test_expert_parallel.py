@@ -12,7 +12,7 @@ from tests.conftest import TINY_MOE_MLA, run_check
 
 def test_all_to_all_dispatch_matches_global_dispatch():
   stdout = run_check("ep_check")
-  assert stdout.count("ok ") == 6, stdout
+  assert stdout.count("ok ") == 7, stdout
 
 
 def test_dispatch_choice_without_a_mesh():

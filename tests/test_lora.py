@@ -139,6 +139,8 @@ def test_adapters_follow_the_lora_formula(name, models):
     assert moe.gate_proj_lora_a.shape == ((2, 8, 64, RANK) if "lora_experts" not in settings
                                           else (2, 64, RANK))
   assert lora.adapter_count(adapted) > 0 and not lora.is_quantized(adapted)
+  adapted_cfg = cfg.replace(lora_rank=RANK, lora_alpha=ALPHA, **settings)
+  assert all(m.cfg == adapted_cfg for _, m in nnx.iter_graph(adapted) if hasattr(m, "cfg"))
 
   plain = transformer.init(cfg, seed=0)
   merged_weights = {}
