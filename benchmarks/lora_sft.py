@@ -267,9 +267,9 @@ def _markdown(s: dict) -> str:
       elif r["base_qtype"]:
         what = f"QLoRA {r['base_qtype']} minus the unquantized base (same adapters, lr and data)"
       else:
-        what = (f"Adding routed-expert adapters{_expert_label(r)[len(' + routed experts'):]} "
-                f"({r['trainable_params']:,} trainable parameters) to the attention and MLP "
-                "ones (same lr and data)")
+        kind = "shared" if r.get("experts") == "shared" else "per-expert"
+        what = (f"Adding {kind} routed-expert adapters to the attention and MLP ones "
+                f"({r['trainable_params']:,} trainable parameters in all; same lr and data)")
       notes.append(f"{what}: {_ci(r['minus_best_muon'])}"
                    + ("; one peak lr for both, AdamW's own best lr was not searched."
                       if r["optimizer"] == "adamw" else "."))
