@@ -27,8 +27,9 @@ How it works (all shapes static, so nothing recompiles after warm-up):
 - Weights are a jit argument: `update_params` swaps them between calls without recompiling.
 
 Quantized rollouts: with `EngineConfig(weight_qtype="int8")` (or "float8_e4m3fn", ...) the
-engine samples from a weight-only qwix-quantized copy of the policy (`models.lora.quantize`):
-it quantizes the model at construction and re-quantizes the full-precision weights each
+engine samples from a weight-only qwix-quantized copy of the policy (`models.lora.quantize`;
+with `act_qtype` too, the projections' inputs are quantized at every call, weights and
+activations multiplied quantized): it quantizes the model at construction and re-quantizes the full-precision weights each
 `update_params` brings (one jitted call), and holds only the quantized copy; the trainer keeps
 its own precision. Log-probs are the quantized model's, so the trainer's mismatch corrections
 (rl.corrections) see the quantization error. A LoRA engine (a model with `nnx.LoRAParam`
@@ -90,6 +91,7 @@ logger = logging.getLogger(__name__)
 ON_UPDATE = ("finish", "resubmit", "restart")
 CACHES = ("contiguous", "paged")
 WEIGHT_QTYPES = BASE_QTYPES  # qwix weight types an engine may sample with
+ACT_QTYPES = ("float8_e4m3fn", "float8_e5m2")  # and activation types
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +122,8 @@ class EngineConfig:
   weight_qtype: Optional[str] = None  # None: sample with the model's own weights | a qwix type
                                   # (WEIGHT_QTYPES, e.g. "int8", "float8_e4m3fn"): sample with
                                   # a weight-only quantized copy, re-quantized at update_params
+  act_qtype: Optional[str] = None  # with weight_qtype: also quantize the projections' inputs
+                                  # (ACT_QTYPES, float8; qwix's dynamic per-token absmax)
 
 
 @dataclasses.dataclass
@@ -237,7 +241,7 @@ def _rebuild(reference: nnx.State, params: nnx.State) -> nnx.State:
 
 
 @functools.lru_cache(maxsize=16)
-def _quantizer(graphdef: nnx.GraphDef, stacked: bool, qtype: str
+def _quantizer(graphdef: nnx.GraphDef, stacked: bool, qtype: str, act_qtype: Optional[str]
                ) -> Callable[[nnx.State], nnx.State]:
   """The jitted full-precision state -> qwix-quantized unstacked state, for a stacked or an
   unstacked model's graphdef (cached: engines and weight syncs of one model share it)."""
@@ -245,14 +249,15 @@ def _quantizer(graphdef: nnx.GraphDef, stacked: bool, qtype: str
   def quantize(state: nnx.State) -> nnx.State:
     model = nnx.merge(graphdef, state)
     model = transformer.unstack(model) if stacked else model
-    return nnx.state(lora.quantize(model, model.cfg, qtype, transformer.Transformer))
+    return nnx.state(lora.quantize(model, model.cfg, qtype, transformer.Transformer, act_qtype))
   return jax.jit(quantize)
 
 
-_QUANTIZED_GRAPHDEFS: dict[tuple, nnx.GraphDef] = {}  # (graphdef, qtype) -> quantized one's
+_QUANTIZED_GRAPHDEFS: dict[tuple, nnx.GraphDef] = {}  # (graphdef, qtypes) -> quantized one's
 
 
-def _quantized_graphdef(graphdef: nnx.GraphDef, qtype: str, state: nnx.State) -> nnx.GraphDef:
+def _quantized_graphdef(graphdef: nnx.GraphDef, qtype: str, act_qtype: Optional[str],
+                        state: nnx.State) -> nnx.GraphDef:
   """The graphdef of an unstacked model's quantized copy.
 
   qwix gives every quantized copy a class of its own, so the graphdefs of two copies never
@@ -262,18 +267,19 @@ def _quantized_graphdef(graphdef: nnx.GraphDef, qtype: str, state: nnx.State) ->
   Args:
     graphdef: the full-precision unstacked model's graphdef.
     qtype: the qwix weight type.
+    act_qtype: the qwix activation type, or None.
     state: that model's state (only shapes are read).
 
   Returns:
     The quantized copy's graphdef.
   """
-  key = (graphdef, qtype)
+  key = (graphdef, qtype, act_qtype)
   if key not in _QUANTIZED_GRAPHDEFS:
     if len(_QUANTIZED_GRAPHDEFS) >= 16:
       _QUANTIZED_GRAPHDEFS.pop(next(iter(_QUANTIZED_GRAPHDEFS)))
     def quantize(s):
       model = nnx.merge(graphdef, s)
-      return lora.quantize(model, model.cfg, qtype, transformer.Transformer)
+      return lora.quantize(model, model.cfg, qtype, transformer.Transformer, act_qtype)
     _QUANTIZED_GRAPHDEFS[key] = nnx.graphdef(nnx.eval_shape(quantize, state))
   return _QUANTIZED_GRAPHDEFS[key]
 
@@ -333,8 +339,8 @@ class Engine:
     if c.weight_qtype is not None:
       graphdef, state = nnx.split(model)
       self._full[False] = (graphdef, _abstract(state))
-      model = nnx.merge(_quantized_graphdef(graphdef, c.weight_qtype, state),
-                        _quantizer(graphdef, False, c.weight_qtype)(state))
+      model = nnx.merge(_quantized_graphdef(graphdef, c.weight_qtype, c.act_qtype, state),
+                        _quantizer(graphdef, False, c.weight_qtype, c.act_qtype)(state))
       del state  # the engine holds the quantized copy only
     self._graphdef, self._state = nnx.split(model)
     # paths of the LoRA adapters in the (unstacked) state: update_params may bring these alone
@@ -390,6 +396,10 @@ class Engine:
                         f"{c.max_seq_len} positions")
     if c.weight_qtype is not None and c.weight_qtype not in WEIGHT_QTYPES:
       fail("weight_qtype", f"expected None or one of {WEIGHT_QTYPES}")
+    if c.act_qtype is not None and c.act_qtype not in ACT_QTYPES:
+      fail("act_qtype", f"expected None or one of {ACT_QTYPES}")
+    if c.act_qtype is not None and c.weight_qtype is None:
+      fail("act_qtype", "quantized activations need quantized weights (weight_qtype)")
 
   # ------------------------------------------------------------------ public API
 
@@ -506,7 +516,8 @@ class Engine:
         params, stacked = transformer.unstack(params), False
       params = nnx.state(params)
     full = _rebuild(self._full[stacked][1], params)
-    quantize = _quantizer(self._full[stacked][0], stacked, self.cfg.weight_qtype)
+    quantize = _quantizer(self._full[stacked][0], stacked, self.cfg.weight_qtype,
+                          self.cfg.act_qtype)
     return _rebuild(self._state, quantize(full))
 
   def _with_leaves(self, params: nnx.State) -> nnx.State:

@@ -150,9 +150,10 @@ class Provider(qwix.LoraProvider):
         "models.grouped_matmul.grouped_matmul": self.grouped_matmul}
 
 
-def _rules(cfg: ModelConfig, weight_qtype: str | None) -> list:
+def _rules(cfg: ModelConfig, weight_qtype: str | None, act_qtype: str | None = None) -> list:
   """qwix rules: adapters (and the base's quantization) on the adapted projections, adapters on
-  the routed experts, and the base's quantization alone on the other projections."""
+  the routed experts, and the base's quantization alone on the other projections (with their
+  inputs quantized too with `act_qtype`)."""
   rules = []
   if cfg.lora_rank:
     names = [n for m in cfg.lora_modules if m in MODULES for n in MODULES[m]]
@@ -166,12 +167,12 @@ def _rules(cfg: ModelConfig, weight_qtype: str | None) -> list:
   if weight_qtype is not None:
     rules.append(qwix.QuantizationRule(
         module_path=_path_regex([n for names in MODULES.values() for n in names]),
-        weight_qtype=weight_qtype))
+        weight_qtype=weight_qtype, act_qtype=act_qtype))
   return rules
 
 
-def _provider(cfg: ModelConfig, weight_qtype: str | None):
-  rules = _rules(cfg, weight_qtype)
+def _provider(cfg: ModelConfig, weight_qtype: str | None, act_qtype: str | None = None):
+  rules = _rules(cfg, weight_qtype, act_qtype)
   return Provider(rules) if cfg.lora_rank else qwix.PtqProvider(rules)
 
 
@@ -195,13 +196,14 @@ class QuantizedKernel(nnx.Param):
 
 
 @functools.lru_cache(maxsize=16)
-def _template(cfg: ModelConfig, weight_qtype: str | None, make: Callable[..., nnx.Module]):
+def _template(cfg: ModelConfig, weight_qtype: str | None, act_qtype: str | None,
+              make: Callable[..., nnx.Module]):
   """The abstract template after qwix's first call: {stack name: its one Block} (cached: it
   holds shapes only, and re-quantizing at every weight sync reuses it)."""
   tcfg = _template_config(cfg)
 
   def run():
-    model = qwix.quantize_model(make(tcfg, stacked=False), _provider(cfg, weight_qtype),
+    model = qwix.quantize_model(make(tcfg, stacked=False), _provider(cfg, weight_qtype, act_qtype),
                                 *_inputs(), methods=(METHOD,), rngs=nnx.Rngs(0))
     # a second call: on the first, qwix replaces a kernel by its quantized form before its LoRA
     # step looks the kernel up, and creates that kernel's adapters only on the next call
@@ -275,10 +277,10 @@ def _build_layer_variables(block: nnx.Module, template_block: nnx.Module, layers
 
 
 def _transform(model: nnx.Module, cfg: ModelConfig, weight_qtype: str | None, seed: int,
-               make: Callable[..., nnx.Module]) -> nnx.Module:
+               make: Callable[..., nnx.Module], act_qtype: str | None = None) -> nnx.Module:
   model = nnx.clone(model)  # the variables are added in place; the arrays stay shared
-  templates = _template(cfg, weight_qtype, make)
-  rules = _rules(cfg, weight_qtype)
+  templates = _template(cfg, weight_qtype, act_qtype, make)
+  rules = _rules(cfg, weight_qtype, act_qtype)
   key = jax.random.key(seed)
   for s, name in enumerate(templates):
     stack = getattr(model, name)
@@ -291,7 +293,7 @@ def _transform(model: nnx.Module, cfg: ModelConfig, weight_qtype: str | None, se
       _build_layer_variables(stack, templates[name], n, rules, jax.random.fold_in(key, s))
   # qwix's class swap (its interception of `hidden`) and module paths, with no first call:
   # everything it would create exists already
-  model = qwix.quantize_model(model, _provider(cfg, weight_qtype), *_inputs(),
+  model = qwix.quantize_model(model, _provider(cfg, weight_qtype, act_qtype), *_inputs(),
                               methods=(METHOD,), skip_nnx_init=True)
   for _, module in nnx.iter_graph(model):  # every module as `make(cfg)` would have built it
     if isinstance(module, nnx.Module) and isinstance(getattr(module, "cfg", None), ModelConfig):
@@ -323,18 +325,21 @@ def apply(model: nnx.Module, cfg: ModelConfig, make: Callable[..., nnx.Module],
 
 
 def quantize(model: nnx.Module, cfg: ModelConfig, qtype: str,
-             make: Callable[..., nnx.Module]) -> nnx.Module:
-  """A weight-only quantized copy of a model without adapters (e.g. a rollout engine's).
+             make: Callable[..., nnx.Module], act_qtype: str | None = None) -> nnx.Module:
+  """A quantized copy of a model without adapters (e.g. a rollout engine's): weight-only, or
+  weights and activations.
 
   Every projection `lora.MODULES` names gets a qwix `qtype` kernel (absmax, per output
   channel); embeddings, norms, the output head, routers, routed experts and MLA's kv_b_proj
-  keep their dtype.
+  keep their dtype. With `act_qtype`, qwix also quantizes those projections' inputs at every
+  call (absmax per token over the contracted dimensions) and multiplies the quantized operands.
 
   Args:
     model: a Transformer (stacked or unstacked) without adapters.
     cfg: its config (lora_rank 0).
     qtype: a qwix type name, e.g. "int8", "float8_e4m3fn".
     make: the Transformer constructor.
+    act_qtype: None (weight-only) or the qwix type of the projections' inputs.
 
   Returns:
     The quantized model (new arrays for the quantized kernels, the rest shared).
@@ -342,7 +347,7 @@ def quantize(model: nnx.Module, cfg: ModelConfig, qtype: str,
   if cfg.lora_rank or has_adapters(model):
     raise ValueError("lora.quantize: the model has adapters; quantize its merged copy "
                      "(lora.merge) or train with ModelConfig.base_qtype")
-  return _transform(model, cfg, qtype, 0, make)
+  return _transform(model, cfg, qtype, 0, make, act_qtype)
 
 
 def base_config(cfg: ModelConfig) -> ModelConfig:

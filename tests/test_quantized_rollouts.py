@@ -9,7 +9,11 @@
 - A LoRA engine (QLoRA: int8 base) takes the trainer's adapters alone (a stacked pure state, or
   unstacked Variables): the same tokens and log-probs as a full update, its frozen base arrays
   untouched, log-probs equal to a teacher-forced pass of the trained model.
-- Config errors name the field; `trainer.rollouts.engine_config` reads `rl.rollout_qtype`.
+- With `act_qtype` (float8) the projections' inputs are quantized too: the quantized model
+  equals the full-precision one with NumPy-dequantized weights and every quantized projection's
+  input rounded by the absmax rule per token (s = max|x| / 448, x -> e4m3(x / s) s).
+- Config errors name the field; `trainer.rollouts.engine_config` reads `rl.rollout_qtype` and
+  `rl.rollout_act_qtype`.
 """
 
 import dataclasses
@@ -24,8 +28,10 @@ from configs.base import base_config
 from envs.policy import SamplingParams
 from models import lora, transformer
 from models.engine import Engine, EngineConfig
+from models.layers import Dense
 from models.presets import PRESETS
 from rl.corrections import mismatch_metrics
+from tests.test_lora import numpy_quantized
 from trainer.rollouts import engine_config
 
 # initializer_range 0.1: next-token distributions far from uniform, so quantization shows
@@ -77,15 +83,19 @@ def dense():
   return transformer.init(DENSE, seed=0)
 
 
-@pytest.mark.parametrize("qtype", ["int8", "float8_e4m3fn"])
-def test_quantized_engine_samples_from_the_quantized_model(dense, qtype):
+@pytest.mark.parametrize("qtype,act_qtype", [("int8", None), ("float8_e4m3fn", None),
+                                             ("float8_e4m3fn", "float8_e4m3fn")])
+def test_quantized_engine_samples_from_the_quantized_model(dense, qtype, act_qtype):
   inputs = prompts(DENSE.vocab_size)
-  outs = engine(dense, weight_qtype=qtype).generate(inputs, PARAMS)
+  outs = engine(dense, weight_qtype=qtype, act_qtype=act_qtype).generate(inputs, PARAMS)
   assert all(len(o.output_ids) == NEW for o in outs)
   got = sampled(outs)
   # the sampler's log-probs are those of the quantized model ...
-  quantized = lora.quantize(dense, DENSE, qtype, transformer.Transformer)
+  quantized = lora.quantize(dense, DENSE, qtype, transformer.Transformer, act_qtype)
   np.testing.assert_allclose(got, teacher(quantized, inputs, outs), atol=ATOL)
+  if act_qtype:  # ... whose activations are quantized too
+    weight_only = lora.quantize(dense, DENSE, qtype, transformer.Transformer)
+    assert np.abs(teacher(weight_only, inputs, outs) - got).max() > 10 * ATOL
   # ... which differ from the full-precision trainer's by a small, nonzero amount
   full = teacher(dense, inputs, outs)
   m = {k: float(v) for k, v in mismatch_metrics(jnp.asarray(full), jnp.asarray(got),
@@ -95,6 +105,40 @@ def test_quantized_engine_samples_from_the_quantized_model(dense, qtype):
   assert 0 < m["mismatch_kl_k3"] < 1e-2
   # int8 keeps 8 bits per channel, e4m3 4 significant bits: int8 is the closer one
   assert m["mismatch_max_abs_log_ratio"] < (0.1 if qtype == "int8" else 0.3)
+
+
+def test_activation_quantization_follows_the_absmax_rule(dense, monkeypatch):
+  """fp8 weights and activations: the model equals the full-precision one whose quantized
+  projections use NumPy-dequantized kernels and round their inputs per token."""
+  qtype = "float8_e4m3fn"
+  quantized = lora.quantize(dense, DENSE, qtype, transformer.Transformer, qtype)
+  reference = transformer.init(DENSE, seed=0)
+  rounded = 0
+  for path, d in nnx.iter_graph(quantized):
+    if isinstance(d, Dense) and isinstance(d.kernel, lora.QuantizedKernel):
+      ref = lora.module_at(reference, path)
+      w, _ = numpy_quantized(np.asarray(ref.kernel[...]), ref.n_in, qtype)
+      ref.kernel[...] = jnp.asarray(w)
+      ref.round_inputs, rounded = True, rounded + 1
+  assert rounded == 7  # q, k, v, o, gate, up, down of the layer stack
+
+  plain_call = Dense.__call__
+
+  def rounded_call(self, x):
+    if getattr(self, "round_inputs", False):  # per token over the contracted dimensions
+      axes = tuple(range(x.ndim - self.n_in, x.ndim))
+      s = jnp.max(jnp.abs(x), axis=axes, keepdims=True) / 448.0
+      x = (x / s).astype(jnp.float8_e4m3fn).astype(x.dtype) * s
+    return plain_call(self, x)
+
+  tokens = jnp.asarray(np.stack(prompts(DENSE.vocab_size)[3:] * 2))
+  got = np.asarray(_logp(quantized, tokens))
+  weight_only = np.asarray(_logp(lora.quantize(dense, DENSE, qtype, transformer.Transformer),
+                                 tokens))
+  monkeypatch.setattr(Dense, "__call__", rounded_call)
+  want = np.asarray(_logp(reference, tokens))
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  assert np.abs(weight_only - want).max() > 1e-2  # the rounded inputs matter
 
 
 def test_update_params_requantizes(dense):
@@ -177,6 +221,10 @@ def test_lora_engine_takes_adapters_alone():
 def test_config_errors(dense):
   with pytest.raises(ValueError, match=r"EngineConfig.weight_qtype='int3': expected None or "):
     engine(dense, weight_qtype="int3")
+  with pytest.raises(ValueError, match=r"EngineConfig.act_qtype='int8': expected None or "):
+    engine(dense, weight_qtype="int8", act_qtype="int8")
+  with pytest.raises(ValueError, match=r"EngineConfig.act_qtype='float8_e4m3fn': quantized "):
+    engine(dense, act_qtype="float8_e4m3fn")
   adapters = nnx.state(transformer.init(DENSE.replace(lora_rank=2), seed=0), nnx.LoRAParam)
   with pytest.raises(ValueError, match="got LoRA adapters alone, but the engine's model has"):
     engine(dense).update_params(adapters, version=1)
@@ -190,5 +238,9 @@ def test_engine_config_reads_rollout_qtype():
   with config.unlocked():
     config.rl.rollout_qtype = "float8_e4m3fn"
   assert engine_config(config, DENSE).weight_qtype == "float8_e4m3fn"
+  assert engine_config(config, DENSE).act_qtype is None
+  with config.unlocked():
+    config.rl.rollout_act_qtype = "float8_e4m3fn"
+  assert engine_config(config, DENSE).act_qtype == "float8_e4m3fn"
   with pytest.raises(ValueError, match="rl.rollout_qtype='float8_e4m3fn': the policy has LoRA"):
     engine_config(config, DENSE.replace(lora_rank=4))

@@ -237,13 +237,15 @@ def engine_config(config: ml_collections.ConfigDict, model_cfg=None) -> EngineCo
   contiguous or paged (`rl.kv_cache`, `rl.kv_page_size`, `rl.kv_pages`). With
   `rl.rollout_qtype` (a qwix type, e.g. "int8", "float8_e4m3fn"; absent or None: the policy's
   own weights) the engine samples from a weight-only quantized copy of the policy, re-quantized
-  at every weight sync (`EngineConfig.weight_qtype`); the trainer keeps full precision and its
-  mismatch correction (`rl.correction`) sees the quantization error in the log-probs.
+  at every weight sync (`EngineConfig.weight_qtype`), and with `rl.rollout_act_qtype` from a
+  copy whose projections quantize their inputs too (`EngineConfig.act_qtype`); the trainer
+  keeps full precision and its mismatch correction (`rl.correction`) sees the quantization error
+  in the log-probs.
 
   Args:
     config: the run's config (`rl.concurrency`, `rl.max_context_tokens`, `seed`,
       `rl.routing_replay`, `rl.kv_cache`, `rl.kv_page_size`, `rl.kv_pages`,
-      `rl.rollout_qtype`).
+      `rl.rollout_qtype`, `rl.rollout_act_qtype`).
     model_cfg: the policy's ModelConfig; None: no expert recording (evaluation).
 
   Returns:
@@ -263,7 +265,8 @@ def engine_config(config: ml_collections.ConfigDict, model_cfg=None) -> EngineCo
   return EngineConfig(slots=rl.concurrency, max_seq_len=-(-rl.max_context_tokens // 128) * 128,
                       prefix_cache_rows=rl.concurrency, prefill_chunk=512, seed=config.seed,
                       return_expert_ids=replay, cache=rl.kv_cache, page_size=rl.kv_page_size,
-                      num_pages=rl.kv_pages, weight_qtype=qtype)
+                      num_pages=rl.kv_pages, weight_qtype=qtype,
+                      act_qtype=rl.get("rollout_act_qtype"))
 
 
 def branch_config(config: ml_collections.ConfigDict) -> Optional[BranchConfig]:
