@@ -4,7 +4,8 @@
 
 The engine (models/engine.py) samples with the policy's own weights (fp32, or fp32 weights with
 bf16 compute) or with a weight-only qwix-quantized copy (`EngineConfig.weight_qtype`: int8,
-float8_e4m3fn); the trainer stays fp32. Model: the demo's SFT checkpoint (`--ckpt`, an Arbor
+float8_e4m3fn), or fp8 weights and activations (`EngineConfig.act_qtype`); the trainer stays
+fp32. Model: the demo's SFT checkpoint (`--ckpt`, an Arbor
 run directory: tiny-moe-mla-x2, vocab 2048) when it exists, else random tiny-moe-mla-x2 weights
 (vocab 2048, initializer_range 0.1). Prompts: the first `--prompts` conversations of the run's
 eval split rendered with its chat format (system + user turn, tool schemas, generation
@@ -50,13 +51,14 @@ flags.DEFINE_bool("update_docs", False, "rewrite the quantized_rollouts section 
 flags.DEFINE_string("out", None, "also write the JSON result to this path")
 FLAGS = flags.FLAGS
 
-# name -> (compute dtype, weight_qtype)
+# name -> (compute dtype, weight_qtype, act_qtype)
 ENGINES = {
-    "fp32": ("float32", None),
-    "bf16 compute": ("bfloat16", None),
-    "int8": ("float32", "int8"),
-    "fp8 (e4m3)": ("float32", "float8_e4m3fn"),
-    "int8, bf16 compute": ("bfloat16", "int8"),
+    "fp32": ("float32", None, None),
+    "bf16 compute": ("bfloat16", None, None),
+    "int8": ("float32", "int8", None),
+    "fp8 (e4m3)": ("float32", "float8_e4m3fn", None),
+    "fp8 (e4m3) weights + activations": ("float32", "float8_e4m3fn", "float8_e4m3fn"),
+    "int8, bf16 compute": ("bfloat16", "int8", None),
 }
 
 
@@ -139,12 +141,13 @@ def mismatch(model, prompts, outs) -> dict:
   return result
 
 
-def run_engine(model, dtype, qtype, prompts, params, repeats) -> dict:
+def run_engine(model, dtype, qtype, act_qtype, prompts, params, repeats) -> dict:
   sampler_model = with_dtype(model, dtype)
   max_len = -(-(max(map(len, prompts)) + FLAGS.new) // 128) * 128
   cfg = EngineConfig(slots=len(prompts), max_seq_len=max_len, prefix_cache_rows=0,
                      prefill_chunk=512, prefill_bucket=64, steps_per_call=16,
-                     return_expert_ids=model.cfg.is_moe, weight_qtype=qtype)
+                     return_expert_ids=model.cfg.is_moe, weight_qtype=qtype,
+                     act_qtype=act_qtype)
   Engine(sampler_model, cfg).generate(prompts, params)  # compile every shape the run takes
   times, outs = [], None
   for _ in range(repeats):
@@ -161,7 +164,7 @@ def run_engine(model, dtype, qtype, prompts, params, repeats) -> dict:
     syncs.append(time.perf_counter() - start)
   new = sum(len(o.output_ids) for o in outs)
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.weights))
-  return {"compute_dtype": dtype, "weight_qtype": qtype,
+  return {"compute_dtype": dtype, "weight_qtype": qtype, "act_qtype": act_qtype,
           "tokens_per_s": round(new / statistics.median(times), 1),
           "seconds": round(statistics.median(times), 3), "new_tokens": new,
           "weight_mb": round(weight_bytes / 2**20, 3),
@@ -185,7 +188,7 @@ def markdown(report: dict) -> str:
       "call that compiles. The trainer is the fp32 model's teacher-forced full pass over the "
       "same tokens, replaying the engine's experts (RL's routing replay); d = log p_trainer - "
       "log p_sampler per sampled token, KL(sampler ‖ trainer) by k3 and k1. Weights: the bytes "
-      "the engine holds (the embeddings, norms, output head, routers, routed experts and MLA's "
+      "the engine holds (the embeddings, norms, output head, routers and MLA's "
       "kv_b_proj stay fp32; see models/lora.py). Sync: one `update_params` of the fp32 policy "
       "(the jitted re-quantization with a weight type).",
       "",
@@ -207,7 +210,9 @@ def markdown(report: dict) -> str:
       "activations qwix dequantizes a kernel inside the matmul's fusion and multiplies in "
       "floating point, so what it saves is weight memory and, where decoding is bound by "
       "reading the weights (accelerators at small batch), bandwidth, which tokens/s on a CPU do "
-      "not show. Routing flips come from the quantized "
+      "not show. With fp8 activations too, qwix also rounds every projection's input to "
+      "e4m3 per token (scale max|x| / 448) at each call, and the error adds to the weights'. "
+      "Routing flips come from the quantized "
       "projections feeding the (unquantized) routers; replay makes the trainer follow the "
       "engine's experts.",
       "", "```", "python -m benchmarks.quantized_rollouts --update_docs", "```"]
@@ -220,8 +225,8 @@ def main(_):
   params = [SamplingParams(max_tokens=FLAGS.new, temperature=1.0, seed=i)
             for i in range(len(prompts))]
   engines = {}
-  for name, (dtype, qtype) in ENGINES.items():
-    engines[name] = run_engine(model, dtype, qtype, prompts, params, FLAGS.repeats)
+  for name, (dtype, qtype, act_qtype) in ENGINES.items():
+    engines[name] = run_engine(model, dtype, qtype, act_qtype, prompts, params, FLAGS.repeats)
     print(name, engines[name], flush=True)
   report = {"benchmark": "quantized_rollouts", "date": today(), "machine": machine(),
             "model": description, "requests": len(prompts), "new": FLAGS.new,

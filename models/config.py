@@ -231,6 +231,8 @@ class ModelConfig:
           fail("moe_dispatch", self.moe_dispatch, "routed-expert adapters (lora_modules with "
                "'experts') run with the global dispatch ('global' or 'auto')")
     if self.base_qtype is not None:
+      if self.num_experts and self.moe_impl != "ragged":
+        fail("base_qtype", self.base_qtype, "quantized routed experts need moe_impl='ragged'")
       if not self.lora_rank:
         fail("base_qtype", self.base_qtype, "a quantized frozen base needs lora_rank > 0")
       if self.base_qtype not in BASE_QTYPES:

@@ -24,16 +24,18 @@ query and output, outside any projection call); "mlp" = dense SwiGLU MLPs and Mo
 experts; "experts" = the routed experts' gate / up / down stacks [E, in, out].
 
 Routed experts run grouped matmuls (`models.grouped_matmul`, `jax.lax.ragged_dot` over rows
-sorted by expert), which qwix 0.1.8's LoRA provider does not intercept. `Provider` is
-`qwix.LoraProvider` with that one interception added, in qwix's own terms: a rule
-(`ExpertLoraRule`, matched on the MoE module and the op "ragged_dot"), the stack found by
-`find_param`, adapters created by qwix's LoRA parameter helper, and rows of expert g getting
+sorted by expert), which qwix 0.1.8's LoRA and PTQ providers do not intercept. `Provider` and
+`QuantProvider` are `qwix.LoraProvider` and `qwix.PtqProvider` with that one interception
+added, in qwix's own terms: rules matched on the MoE module and the op "ragged_dot", the stack
+found by `find_param`, quantized by qwix (`create_quantized_param`, absmax per expert and
+output channel; multiplied dequantized) when the rule has a `weight_qtype`, adapters created by
+qwix's LoRA parameter helper with an `ExpertLoraRule`: rows of expert g get
 x W_g + (alpha / rank) (x A_g) B_g, with A [E, in, rank], B [E, rank, out] per expert
 (`lora_experts="per_expert"`) or A [in, rank], B [rank, out] shared by the layer's experts
-("shared"). It needs the global dispatch (`moe_dispatch` "global" or "auto"; the
-expert-parallel all-to-all runs the experts inside `shard_map`, out of qwix's reach) and
-`moe_impl="ragged"`. Quantization (QLoRA's base, rollouts) leaves routed experts in their
-dtype: qwix's PTQ does not intercept grouped matmuls either.
+("shared"). Adapters need the global dispatch (`moe_dispatch` "global" or "auto"; the
+expert-parallel all-to-all runs the experts inside `shard_map`, where the stacks are no longer
+the module's parameters; quantized stacks travel there as they are) and `moe_impl="ragged"`, as
+quantized experts do.
 
     cfg = cfg.replace(lora_rank=16, lora_alpha=32.0)    # base_qtype="int8" for QLoRA
     model = lora.apply(base_model, cfg)                  # adapters A random, B zero
@@ -56,12 +58,15 @@ import jax
 import jax.numpy as jnp
 import qwix
 from flax import nnx
+from qwix._src.core import qarray
 from qwix._src.providers import lora as qwix_lora
+from qwix._src.providers import ptq
 from qwix._src.utils import flax_util
 
 from models import grouped_matmul as gmm
 from models.config import ModelConfig
 from models.layers import Dense
+from models.moe import MoE
 
 # qwix 0.1.8 calls flax APIs that flax 0.12 deprecates (`.value`, `iter_modules`,
 # `VariableState`): not the user's to fix
@@ -72,8 +77,10 @@ MODULES = {
     "attention": ("q_proj", "q_a_proj", "q_b_proj", "k_proj", "v_proj", "kv_a_proj", "o_proj"),
     "mlp": ("gate_proj", "up_proj", "down_proj"),
 }
-# the MoE module (a Block's `mlp`), whose grouped matmuls "experts" adapts
+# the MoE module (a Block's `mlp`), whose grouped matmuls "experts" adapts and quantization
+# quantizes, and the op name its rules match
 EXPERTS_MODULE = "mlp"
+EXPERTS_OP = "ragged_dot"
 EXPERT_STACKS = ("gate_proj", "up_proj", "down_proj")
 # qwix intercepts `Transformer.hidden`: the forward pass, prefill and decoding all run it
 METHOD = "hidden"
@@ -116,22 +123,30 @@ def expert_delta(x: jax.Array, a: jax.Array, b: jax.Array, sizes: jax.Array,
   return gmm.grouped_matmul(gmm.grouped_matmul(x, a, sizes), b, sizes) * scale
 
 
-class Provider(qwix.LoraProvider):
-  """`qwix.LoraProvider` that also adapts the routed experts' grouped matmuls.
+class _GroupedMatmulInterception:
+  """What `Provider` and `QuantProvider` add to qwix's providers: the routed experts' grouped
+  matmul (`models.grouped_matmul.grouped_matmul`), quantized and / or adapted by the rule that
+  matches the MoE module and the op "ragged_dot"."""
 
-  qwix 0.1.8 intercepts dot_general, einsum and conv for LoRA, not `ragged_dot`; this adds the
-  interception of `models.grouped_matmul.grouped_matmul` (the routed experts' only product),
-  matched by `ExpertLoraRule`s on the op name "ragged_dot", with the adapters made by qwix's
-  own LoRA parameter helper (created on a first call, read afterwards).
-  """
-
-  def grouped_matmul(self, x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
-    """x [rows, in] times w [E, in, out] by group, plus the adapters of the matched stack."""
-    out = gmm.grouped_matmul(x, w, sizes)  # qwix runs a handler with its interceptions off
-    rule, _ = self._get_current_rule_and_op_id("ragged_dot")
+  def grouped_matmul(self, x: jax.Array, w, sizes: jax.Array) -> jax.Array:
+    """x [rows, in] times w [E, in, out] by group (a qwix-quantized stack dequantized), plus
+    the adapters of an `ExpertLoraRule`."""
+    rule, _ = self._get_current_rule_and_op_id(EXPERTS_OP)  # pytype: disable=attribute-error
+    if rule is None:
+      return gmm.grouped_matmul(x, w, sizes)  # qwix runs a handler with its interceptions off
+    name = _quantized_stack_name(w) if isinstance(w, ptq.WithAux) else flax_util.find_param(w)
+    if rule.weight_qtype is not None and not isinstance(w, ptq.WithAux):
+      if name is None:
+        raise ValueError("lora: a routed-expert stack to quantize that is not a parameter of "
+                         "the MoE module")
+      how = qarray.HowToQuantize(qtype=rule.weight_qtype, channelwise_axes=(0, 2),
+                                 calibration_method=rule.weight_calibration_method)
+      w = ptq.create_quantized_param(name, w, how)  # absmax per expert and output channel
+    if isinstance(w, ptq.WithAux):
+      w = qwix.dequantize(w.array).astype(x.dtype)
+    out = gmm.grouped_matmul(x, w, sizes)
     if not isinstance(rule, ExpertLoraRule):
       return out
-    name = flax_util.find_param(w)
     if name is None:
       raise ValueError("lora: a routed-expert grouped matmul whose weight is not a parameter of "
                        "the current module (expert adapters need the global dispatch, "
@@ -146,8 +161,27 @@ class Provider(qwix.LoraProvider):
     return out + expert_delta(x, a, b, sizes, rule.alpha / r)
 
   def get_intercept_map(self):
-    return super().get_intercept_map() | {
+    return super().get_intercept_map() | {  # pytype: disable=attribute-error
         "models.grouped_matmul.grouped_matmul": self.grouped_matmul}
+
+
+def _quantized_stack_name(w: ptq.WithAux) -> str | None:
+  """The current module's parameter holding the quantized stack `w` (by its values' identity:
+  gate and up stacks have one shape, and qwix's `find_param` tells them apart only by shape
+  once they are quantized)."""
+  for name, node in vars(flax_util.get_current_module()).items():
+    value = node.get_value() if isinstance(node, nnx.Variable) else node
+    if isinstance(value, ptq.WithAux) and value.array.qvalue is w.array.qvalue:
+      return name
+  return None
+
+
+class Provider(_GroupedMatmulInterception, qwix.LoraProvider):
+  """`qwix.LoraProvider` that also adapts (and quantizes) the routed experts' grouped matmuls."""
+
+
+class QuantProvider(_GroupedMatmulInterception, qwix.PtqProvider):
+  """`qwix.PtqProvider` that also quantizes the routed experts' grouped matmuls."""
 
 
 def _rules(cfg: ModelConfig, weight_qtype: str | None, act_qtype: str | None = None) -> list:
@@ -162,18 +196,22 @@ def _rules(cfg: ModelConfig, weight_qtype: str | None, act_qtype: str | None = N
                                  alpha=cfg.lora_alpha, weight_qtype=weight_qtype))
     if cfg.lora_experts_on:
       rules.append(ExpertLoraRule(module_path=_path_regex([EXPERTS_MODULE]),
-                                  op_names=("ragged_dot",), rank=cfg.lora_rank,
-                                  alpha=cfg.lora_alpha, shared=cfg.lora_experts == "shared"))
+                                  op_names=(EXPERTS_OP,), rank=cfg.lora_rank,
+                                  alpha=cfg.lora_alpha, weight_qtype=weight_qtype,
+                                  shared=cfg.lora_experts == "shared"))
   if weight_qtype is not None:
     rules.append(qwix.QuantizationRule(
         module_path=_path_regex([n for names in MODULES.values() for n in names]),
         weight_qtype=weight_qtype, act_qtype=act_qtype))
+    if cfg.num_experts:  # weight-only: the experts' inputs keep their dtype
+      rules.append(qwix.QuantizationRule(module_path=_path_regex([EXPERTS_MODULE]),
+                                         op_names=(EXPERTS_OP,), weight_qtype=weight_qtype))
   return rules
 
 
 def _provider(cfg: ModelConfig, weight_qtype: str | None, act_qtype: str | None = None):
   rules = _rules(cfg, weight_qtype, act_qtype)
-  return Provider(rules) if cfg.lora_rank else qwix.PtqProvider(rules)
+  return Provider(rules) if cfg.lora_rank else QuantProvider(rules)
 
 
 def _template_config(cfg: ModelConfig) -> ModelConfig:
@@ -330,8 +368,8 @@ def quantize(model: nnx.Module, cfg: ModelConfig, qtype: str,
   weights and activations.
 
   Every projection `lora.MODULES` names gets a qwix `qtype` kernel (absmax, per output
-  channel); embeddings, norms, the output head, routers, routed experts and MLA's kv_b_proj
-  keep their dtype. With `act_qtype`, qwix also quantizes those projections' inputs at every
+  channel), every routed-expert stack too (per expert and output channel); embeddings, norms,
+  the output head, routers and MLA's kv_b_proj keep their dtype. With `act_qtype`, qwix also quantizes those projections' inputs at every
   call (absmax per token over the contracted dimensions) and multiplies the quantized operands.
 
   Args:
@@ -347,6 +385,9 @@ def quantize(model: nnx.Module, cfg: ModelConfig, qtype: str,
   if cfg.lora_rank or has_adapters(model):
     raise ValueError("lora.quantize: the model has adapters; quantize its merged copy "
                      "(lora.merge) or train with ModelConfig.base_qtype")
+  if cfg.num_experts and cfg.moe_impl != "ragged":
+    raise ValueError(f"lora.quantize: ModelConfig.moe_impl={cfg.moe_impl!r}; quantized routed "
+                     "experts run the grouped matmuls of moe_impl='ragged'")
   return _transform(model, cfg, qtype, 0, make, act_qtype)
 
 
@@ -377,8 +418,9 @@ def merge(model: nnx.Module, cfg: ModelConfig) -> dict:
 
   Each such Dense runs once, under qwix's interception, on the identity over its flattened
   input (fp32, bias left out): its output is exactly the kernel it applies. A quantized base
-  gives its dequantized kernel (plus the adapters' product). A routed-expert stack with
-  adapters adds `expert_delta` (the term `Provider` adds) of each expert's identity rows.
+  gives its dequantized kernel (plus the adapters' product). A routed-expert stack, quantized
+  or adapted, is dequantized and adds `expert_delta` (the term `Provider` adds) of each
+  expert's identity rows when adapted.
 
   Args:
     model: a Transformer from `apply` or `quantize` (stacked or unstacked).
@@ -398,21 +440,31 @@ def merge(model: nnx.Module, cfg: ModelConfig) -> dict:
                   qwix.PtqProvider([qwix.QuantizationRule(module_path=".*",
                                                           weight_qtype=cfg.base_qtype)]))
       out[path + ("kernel",)] = _effective_kernel(module, provider, stacked)
-    elif isinstance(module, nnx.Module) and hasattr(module, EXPERT_STACKS[0] + "_lora_a"):
+    elif isinstance(module, MoE) and (hasattr(module, EXPERT_STACKS[0] + "_lora_a") or
+                              isinstance(getattr(module, EXPERT_STACKS[0]), QuantizedKernel)):
       for name in EXPERT_STACKS:
-        out[path + (name,)] = _effective_experts(module, name, cfg.lora_alpha / cfg.lora_rank,
-                                                 stacked)
+        out[path + (name,)] = _effective_experts(module, name, cfg, stacked)
   return out
 
 
-def _effective_experts(moe: nnx.Module, name: str, scale: float, stacked: bool) -> jax.Array:
+def _effective_experts(moe: nnx.Module, name: str, cfg: ModelConfig, stacked: bool
+                       ) -> jax.Array:
+  """An expert stack [(layers,) E, in, out] as the grouped matmul applies it: dequantized, plus
+  `expert_delta` of each expert's identity rows when adapted."""
+  w = getattr(moe, name).get_value()
+  w = qwix.dequantize(w.array) if isinstance(w, ptq.WithAux) else w
+  w = w.astype(jnp.float32)
+  if not hasattr(moe, name + "_lora_a"):
+    return w
+  scale = cfg.lora_alpha / cfg.lora_rank
+
   def one(w, a, b):
     e, n_in, _ = w.shape
     eye = jnp.tile(jnp.eye(n_in, dtype=jnp.float32), (e, 1))  # expert g's rows: identity
     delta = expert_delta(eye, a, b, jnp.full((e,), n_in, jnp.int32), scale)
-    return w.astype(jnp.float32) + delta.reshape(w.shape)
+    return w + delta.reshape(w.shape)
 
-  w, a, b = (getattr(moe, n)[...] for n in (name, name + "_lora_a", name + "_lora_b"))
+  a, b = (getattr(moe, name + s)[...] for s in ("_lora_a", "_lora_b"))
   return jax.vmap(one)(w, a, b) if stacked else one(w, a, b)
 
 

@@ -129,8 +129,10 @@ class MoE(nnx.Module):
     ids, gates, scores, *flips = expert_parallel.token_local(
         cfg, functools.partial(_route_and_flips, cfg), (logits, given), (bias,))
     dt = dtype_of(cfg)
-    w_gate, w_up, w_down = (p[...].astype(dt) for p in (self.gate_proj, self.up_proj,
-                                                        self.down_proj))
+    # a stack quantized by qwix (`models.lora`) is passed on as it is, for its grouped matmul
+    # interception to read
+    w_gate, w_up, w_down = (_stack(p, dt) for p in (self.gate_proj, self.up_proj,
+                                                    self.down_proj))
     if cfg.moe_impl == "dense":
       h = jax.nn.silu(jnp.einsum("td,edf->tef", xt.astype(dt), w_gate)) \
           * jnp.einsum("td,edf->tef", xt.astype(dt), w_up)
@@ -152,6 +154,11 @@ class MoE(nnx.Module):
       aux["replay_flips"] = jax.lax.stop_gradient(
           (flips[0] * token_weights.reshape(-1, 1).astype(jnp.float32)).sum(0))
     return constrain(y.astype(x.dtype), ("batch", "seq", "act_embed"), cfg), aux
+
+
+def _stack(w, dtype) -> jax.Array:
+  w = w.get_value() if isinstance(w, nnx.Variable) else w
+  return w.astype(dtype) if isinstance(w, jax.Array) else w
 
 
 def _ragged_experts(x, ids, gates, w_gate, w_up, w_down):

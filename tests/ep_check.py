@@ -12,7 +12,8 @@ compiled program exchanges tokens by the emulated all-to-all and all-gathers nei
 weight stack nor all tokens. Function level, on (fsdp 2, tensor 2, expert 2), in one round and
 in rounds of 3 of 8 tokens: a token count the mesh does not divide, repeated experts within a
 token, and a tensor-split expert width, against the all-experts formula, values and gradients.
-Routed-expert LoRA adapters on (fsdp 2, expert 4) take the global dispatch, with a warning.
+Routed-expert LoRA adapters on (fsdp 2, expert 4) take the global dispatch, with a warning;
+int8-quantized expert stacks take the all-to-all, with the single-device model's logits.
 """
 
 import os
@@ -31,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from models import expert_parallel, sharding, transformer  # noqa: E402
+from models import expert_parallel, lora, sharding, transformer  # noqa: E402
 from models.kernels import attention  # noqa: E402
 from models.moe import update_router_bias  # noqa: E402
 from tests.conftest import TINY_MOE_MLA  # noqa: E402
@@ -273,7 +274,16 @@ def lora_checks():
   assert any("global MoE dispatch" in str(w.message) for w in caught), caught
   err = float(np.abs(got - ref).max() / np.abs(ref).max())
   assert err <= 1e-5, err
-  say(f"routed-expert LoRA on an experts mesh: global dispatch, logits rel err {err:.1e}")
+  # int8-quantized expert stacks travel through the all-to-all dispatch as they are
+  quantized = lora.quantize(transformer.init(CFG, seed=0), CFG, "int8", transformer.Transformer)
+  ref_q = np.asarray(forward(quantized, tokens, positions, end))
+  with jax.set_mesh(mesh):
+    assert expert_parallel.plan(CFG) is not None
+    got_q = np.asarray(forward(sharding.shard_model(quantized, mesh), *inputs))
+  err_q = float(np.abs(got_q - ref_q).max() / np.abs(ref_q).max())
+  assert err_q <= 1e-5, err_q
+  say(f"routed-expert LoRA on an experts mesh: global dispatch, logits rel err {err:.1e}; "
+      f"int8 experts, all-to-all: {err_q:.1e}")
 
 
 if __name__ == "__main__":

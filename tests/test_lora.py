@@ -83,8 +83,10 @@ def adapted_experts(model):
   return {p: m for p, m in nnx.iter_graph(model) if hasattr(m, "gate_proj_lora_a")}
 
 
-def numpy_quantized(w: np.ndarray, n_in: int, qtype: str) -> tuple[np.ndarray, np.ndarray]:
-  """Symmetric absmax quantization per output channel (scale over the contracted input axes):
+def numpy_quantized(w: np.ndarray, n_in: int, qtype: str,
+                    first: int = 1) -> tuple[np.ndarray, np.ndarray]:
+  """Symmetric absmax quantization per output channel (scale over the contracted input axes
+  `first`, ..., `first + n_in - 1`; per expert too for an expert stack, first = 2):
   int8 rounds w / s with s = max|w| / 127.5 (the bound qwix documents: qmax + 1/2), clipped to
   [-128, 127]; float8_e4m3fn casts w / s with s = max|w| / 448.
 
@@ -94,7 +96,7 @@ def numpy_quantized(w: np.ndarray, n_in: int, qtype: str) -> tuple[np.ndarray, n
     either side; 0 elsewhere).
   """
   w = w.astype(np.float32)  # fp32 arithmetic, as the kernels are stored
-  axes = tuple(range(1, 1 + n_in))  # after the layers axis
+  axes = tuple(range(first, first + n_in))  # after the layers (and experts) axes
   amax = np.abs(w).max(axis=axes, keepdims=True)
   if qtype == "int8":
     s = amax / np.float32(127.5)
@@ -192,11 +194,11 @@ def test_zero_b_is_the_base_model_and_config_errors(models):
 
 @pytest.mark.parametrize("qtype", ["int8", "float8_e4m3fn"])
 def test_qlora_base_is_absmax_quantized(qtype):
-  """A QLoRA base holds qwix's 1-byte kernels; its effective kernels are the NumPy absmax
-  quantization of the base's; adapters add to them (and to the unquantized routed experts); the
-  unstacked and decoding paths agree."""
+  """A QLoRA base holds qwix's 1-byte kernels and expert stacks; their effective weights are the
+  NumPy absmax quantization of the base's (per output channel, and per expert); adapters add
+  to them; the unstacked and decoding paths agree."""
   cfg = TINY_MOE_MLA.replace(lora_rank=RANK, lora_alpha=ALPHA, base_qtype=qtype,
-                             lora_modules=EXPERTS)  # routed experts: adapters, no quantization
+                             lora_modules=EXPERTS)
   base = transformer.init(TINY_MOE_MLA, seed=0)
   model = transformer.with_adapters(base, cfg)
   assert lora.is_quantized(model)
@@ -209,6 +211,12 @@ def test_qlora_base_is_absmax_quantized(qtype):
       want, tie = numpy_quantized(np.asarray(dense.kernel[...]), dense.n_in, qtype)
       got = np.asarray(lora.module_at(merged, path).kernel[...])
       assert np.all(np.abs(got - want) <= 1e-6 * np.abs(want) + 1e-7 + 1.0001 * tie), path
+  for name in ("gate_proj", "up_proj", "down_proj"):
+    assert isinstance(getattr(model.moe_layers.mlp, name), lora.QuantizedKernel)
+    want, tie = numpy_quantized(np.asarray(getattr(base.moe_layers.mlp, name)[...]), 1, qtype,
+                                first=2)
+    got = np.asarray(getattr(merged.moe_layers.mlp, name)[...])
+    assert np.all(np.abs(got - want) <= 1e-6 * np.abs(want) + 1e-7 + 1.0001 * tie), name
   randomize_adapters(model)
   want = logits(model)
   np.testing.assert_allclose(logits(transformer.merge_adapters(model)), want, atol=2e-5)

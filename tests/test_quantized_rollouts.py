@@ -5,7 +5,8 @@
   from the full-precision model's by a small, nonzero amount (rl.corrections.mismatch_metrics).
 - `update_params` re-quantizes new full-precision weights: the engine then samples exactly as a
   freshly built quantized engine on them, and holds int8 kernels within half a quantization
-  step of the new weights (NumPy absmax per output channel).
+  step of the new weights (NumPy absmax per output channel; per expert for the routed
+  experts' stacks).
 - A LoRA engine (QLoRA: int8 base) takes the trainer's adapters alone (a stacked pure state, or
   unstacked Variables): the same tokens and log-probs as a full update, its frozen base arrays
   untouched, log-probs equal to a teacher-forced pass of the trained model.
@@ -167,6 +168,13 @@ def test_update_params_requantizes(dense):
   assert np.all(np.abs(q * scale - w) <= scale / 2 + 1e-7)
   w_old = np.asarray(old.dense_layers.mlp.gate_proj.kernel[...])[0]
   assert np.abs(q * scale - w_old).max() > scale.max()
+  # and the routed experts' stacks, per expert and output channel
+  held = nnx.to_pure_dict(e.weights)["moe_layers"][0]["mlp"]["up_proj"].array
+  q, scale = np.asarray(held.qvalue), np.asarray(held.scale)
+  w = np.asarray(new.moe_layers.mlp.up_proj[...])[0]  # [experts, hidden, expert width]
+  assert q.dtype == np.int8 and scale.shape == (w.shape[0], 1, w.shape[2])
+  np.testing.assert_allclose(scale, np.abs(w).max(1, keepdims=True) / 127.5, rtol=1e-6)
+  assert np.all(np.abs(q * scale - w) <= scale / 2 + 1e-7)
 
 
 def trained(model):
