@@ -27,11 +27,11 @@ How it works (all shapes static, so nothing recompiles after warm-up):
 - Weights are a jit argument: `update_params` swaps them between calls without recompiling.
 
 Quantized rollouts: with `EngineConfig(weight_qtype="int8")` (or "float8_e4m3fn", ...) the
-engine samples from a weight-only qwix-quantized copy of the policy (`models.lora.quantize`;
-with `act_qtype` too, the projections' inputs are quantized at every call, weights and
-activations multiplied quantized): it quantizes the model at construction and re-quantizes the full-precision weights each
-`update_params` brings (one jitted call), and holds only the quantized copy; the trainer keeps
-its own precision. Log-probs are the quantized model's, so the trainer's mismatch corrections
+engine samples from a weight-only qwix-quantized copy of the policy (`models.lora.quantize`:
+projections and routed-expert stacks; with a float8 `act_qtype` the projections' inputs are
+quantized at every call too): it quantizes the model at construction and re-quantizes the
+full-precision weights each `update_params` brings (one jitted call), and holds only the
+quantized copy; the trainer keeps its own precision. Log-probs are the quantized model's, so the trainer's mismatch corrections
 (rl.corrections) see the quantization error. A LoRA engine (a model with `nnx.LoRAParam`
 adapters) takes the adapters alone in `update_params` (`nnx.state(model, nnx.LoRAParam)` or
 the trainer's pure `TrainState.params`, stacked or unstacked; with a MoE router's bias beside

@@ -131,7 +131,7 @@ class _GroupedMatmulInterception:
   def grouped_matmul(self, x: jax.Array, w, sizes: jax.Array) -> jax.Array:
     """x [rows, in] times w [E, in, out] by group (a qwix-quantized stack dequantized), plus
     the adapters of an `ExpertLoraRule`."""
-    rule, _ = self._get_current_rule_and_op_id(EXPERTS_OP)  # pytype: disable=attribute-error
+    rule, _ = self._get_current_rule_and_op_id(EXPERTS_OP)
     if rule is None:
       return gmm.grouped_matmul(x, w, sizes)  # qwix runs a handler with its interceptions off
     name = _quantized_stack_name(w) if isinstance(w, ptq.WithAux) else flax_util.find_param(w)
@@ -161,7 +161,7 @@ class _GroupedMatmulInterception:
     return out + expert_delta(x, a, b, sizes, rule.alpha / r)
 
   def get_intercept_map(self):
-    return super().get_intercept_map() | {  # pytype: disable=attribute-error
+    return super().get_intercept_map() | {
         "models.grouped_matmul.grouped_matmul": self.grouped_matmul}
 
 
@@ -369,8 +369,9 @@ def quantize(model: nnx.Module, cfg: ModelConfig, qtype: str,
 
   Every projection `lora.MODULES` names gets a qwix `qtype` kernel (absmax, per output
   channel), every routed-expert stack too (per expert and output channel); embeddings, norms,
-  the output head, routers and MLA's kv_b_proj keep their dtype. With `act_qtype`, qwix also quantizes those projections' inputs at every
-  call (absmax per token over the contracted dimensions) and multiplies the quantized operands.
+  the output head, routers and MLA's kv_b_proj keep their dtype. With `act_qtype`, qwix also
+  quantizes the projections' inputs at every call (absmax per token over the contracted
+  dimensions) and multiplies the quantized operands; the experts' inputs keep their dtype.
 
   Args:
     model: a Transformer (stacked or unstacked) without adapters.
