@@ -30,7 +30,7 @@ from trainer import step as T
 RANK, ALPHA = 4, 8.0
 EXPERTS = ("attention", "mlp", "experts")
 # base config, the adapters' settings
-CONFIGS = {"dense": (TINY_DENSE, {}), "moe_mla": (TINY_MOE_MLA, {}),
+CONFIGS = {"dense": (TINY_DENSE, {}),
            "moe_experts": (TINY_MOE_MLA, dict(lora_modules=EXPERTS)),
            "moe_shared_experts": (TINY_MOE_MLA, dict(lora_modules=("experts",),
                                                      lora_experts="shared"))}
@@ -185,7 +185,8 @@ def test_zero_b_is_the_base_model_and_config_errors(models):
   experts = dict(lora_rank=4, lora_modules=EXPERTS)
   for changes, field in ((dict(experts, lora_experts="per_layer"), "lora_experts"),
                          (dict(experts, moe_impl="dense"), "moe_impl"),
-                         (dict(experts, moe_dispatch="all_to_all"), "moe_dispatch")):
+                         (dict(experts, moe_dispatch="all_to_all"), "moe_dispatch"),
+                         (dict(lora_rank=4, base_qtype="int8", moe_impl="dense"), "base_qtype")):
     with pytest.raises(ValueError, match=f"ModelConfig.{field}="):
       TINY_MOE_MLA.replace(**changes)
   with pytest.raises(ValueError, match="QK-Clip"):
@@ -285,7 +286,7 @@ def test_adapter_checkpoint_holds_no_base(models, tmp_path):
   """A LoRA checkpoint leaves the frozen base out (a small fraction of a full one) and, with
   the base rebuilt, restores the exact state."""
   cfg = TINY_MOE_MLA.replace(lora_rank=RANK, lora_alpha=ALPHA, base_qtype="int8")
-  base, _ = models["moe_mla"]
+  base, _ = models["moe_experts"]
   opt = O.build({"name": "adamw"}, cfg)
   state = S.create(cfg, opt, model=base)
   trained = randomize_adapters(state.model(cfg))

@@ -236,6 +236,9 @@ def test_config_errors(dense):
   adapters = nnx.state(transformer.init(DENSE.replace(lora_rank=2), seed=0), nnx.LoRAParam)
   with pytest.raises(ValueError, match="got LoRA adapters alone, but the engine's model has"):
     engine(dense).update_params(adapters, version=1)
+  dense_moe = MOE_MLA.replace(moe_impl="dense")
+  with pytest.raises(ValueError, match="ModelConfig.moe_impl='dense'; quantized routed"):
+    lora.quantize(transformer.abstract(dense_moe), dense_moe, "int8", transformer.Transformer)
   with pytest.raises(ValueError, match="quantized already"):
     engine(lora.quantize(dense, DENSE, "int8", transformer.Transformer), weight_qtype="int8")
 
