@@ -301,7 +301,7 @@ def _rl() -> ml_collections.ConfigDict:
   # The sampler's log-probs are the quantized policy's: pair with rl.recompute_old and
   # rl.correction (icepop, tis_*)
   s.rollout_qtype = placeholder(str)
-  # with rollout_qtype: also quantize the projections' inputs ("float8_e4m3fn" |
+  # with rollout_qtype: also quantize the projections' inputs ("int8" | "float8_e4m3fn" |
   # "float8_e5m2", per token at every call); None = weight-only
   s.rollout_act_qtype = placeholder(str)
   s.queue_url = ""  # queue workers: "memory" | redis://host:port | rediss://... ("" = memory)

@@ -28,7 +28,7 @@ How it works (all shapes static, so nothing recompiles after warm-up):
 
 Quantized rollouts: with `EngineConfig(weight_qtype="int8")` (or "float8_e4m3fn", ...) the
 engine samples from a weight-only qwix-quantized copy of the policy (`models.lora.quantize`:
-projections and routed-expert stacks; with a float8 `act_qtype` the projections' inputs are
+projections and routed-expert stacks; with an `act_qtype` the projections' inputs are
 quantized at every call too): it quantizes the model at construction and re-quantizes the
 full-precision weights each `update_params` brings (one jitted call), and holds only the
 quantized copy; the trainer keeps its own precision. Log-probs are the quantized model's, so the trainer's mismatch corrections
@@ -91,7 +91,7 @@ logger = logging.getLogger(__name__)
 ON_UPDATE = ("finish", "resubmit", "restart")
 CACHES = ("contiguous", "paged")
 WEIGHT_QTYPES = BASE_QTYPES  # qwix weight types an engine may sample with
-ACT_QTYPES = ("float8_e4m3fn", "float8_e5m2")  # and activation types
+ACT_QTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")  # and activation types
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +123,7 @@ class EngineConfig:
                                   # (WEIGHT_QTYPES, e.g. "int8", "float8_e4m3fn"): sample with
                                   # a weight-only quantized copy, re-quantized at update_params
   act_qtype: Optional[str] = None  # with weight_qtype: also quantize the projections' inputs
-                                  # (ACT_QTYPES, float8; qwix's dynamic per-token absmax)
+                                  # (ACT_QTYPES; qwix's dynamic per-token absmax)
 
 
 @dataclasses.dataclass
