@@ -33,9 +33,10 @@ quantized at every call too): it quantizes the model at construction and re-quan
 full-precision weights each `update_params` brings (one jitted call), and holds only the
 quantized copy; the trainer keeps its own precision. Log-probs are the quantized model's, so
 the trainer's mismatch corrections (rl.corrections) see the quantization error. A LoRA
-engine (a model with `nnx.LoRAParam` adapters) takes the adapters alone in `update_params` (`nnx.state(model, nnx.LoRAParam)` or
-the trainer's pure `TrainState.params`, stacked or unstacked; with a MoE router's bias beside
-them when it trains): its frozen base stays where it is and only those variables move.
+engine (a model with `nnx.LoRAParam` adapters) takes the adapters alone in `update_params`
+(`nnx.state(model, nnx.LoRAParam)` or the trainer's pure `TrainState.params`, stacked or
+unstacked; with a MoE router's bias beside them when it trains): its frozen base stays where
+it is and only those variables move.
 
 With `EngineConfig(cache="paged")` the cache is a pool of `num_pages` pages of `page_size`
 positions instead (models/paged_cache.py): a sequence holds the pages its positions fill, so
