@@ -17,6 +17,9 @@ quantized form. Nothing of that is written here; this module fits qwix to the Tr
   parameter, so `models.sharding` places them.
 - `merge` evaluates each adapted projection on the identity (through qwix again) to get
   W + (alpha / rank) A B, for export to Hugging Face.
+- `lora_dropout` is qwix's dropout on an adapter's input, drawn from the module's `qwix_rngs`:
+  a training step gives its forward one stream per layer (`set_dropout_streams`); everywhere
+  else the modules hold none and `Provider` turns the dropout off.
 
 Which projections (`ModelConfig.lora_modules`): "attention" = q/k/v/o and MLA's q_proj,
 q_a_proj, q_b_proj, kv_a_proj, o_proj (kv_b_proj is left out: decoding absorbs it into the
@@ -158,7 +161,18 @@ class _GroupedMatmulInterception:
     a, b = qwix_lora._get_or_create_lora_params(  # pylint: disable=protected-access
         name=name, rule=rule, a_shape=shapes[0], a_sharding_transpose=shapes[1],
         b_shape=shapes[2], b_sharding_transpose=shapes[3])
+    if rule.dropout > 0:  # as qwix's LoRA does for dot_general
+      x = nnx.Dropout(rule.dropout, deterministic=False)(x, rngs=flax_util.make_rng("dropout"))
     return out + expert_delta(x, a, b, sizes, rule.alpha / r)
+
+  def _get_current_rule_and_op_id(self, op_name: str, **kwargs):
+    """qwix's rule lookup, with LoRA dropout off where the module holds no dropout streams:
+    everywhere but a training step's forward (`set_dropout_streams`)."""
+    rule, op_id = super()._get_current_rule_and_op_id(op_name, **kwargs)
+    if isinstance(rule, qwix.LoraRule) and rule.dropout > 0 and not isinstance(
+        getattr(flax_util.get_current_module(), "qwix_rngs", None), nnx.Rngs):
+      rule = dataclasses.replace(rule, dropout=0.0)
+    return rule, op_id
 
   def get_intercept_map(self):
     return super().get_intercept_map() | {
@@ -193,11 +207,13 @@ def _rules(cfg: ModelConfig, weight_qtype: str | None, act_qtype: str | None = N
     names = [n for m in cfg.lora_modules if m in MODULES for n in MODULES[m]]
     if names:
       rules.append(qwix.LoraRule(module_path=_path_regex(names), rank=cfg.lora_rank,
-                                 alpha=cfg.lora_alpha, weight_qtype=weight_qtype))
+                                 alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                                 weight_qtype=weight_qtype))
     if cfg.lora_experts_on:
       rules.append(ExpertLoraRule(module_path=_path_regex([EXPERTS_MODULE]),
                                   op_names=(EXPERTS_OP,), rank=cfg.lora_rank,
-                                  alpha=cfg.lora_alpha, weight_qtype=weight_qtype,
+                                  alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                                  weight_qtype=weight_qtype,
                                   shared=cfg.lora_experts == "shared"))
   if weight_qtype is not None:
     rules.append(qwix.QuantizationRule(
@@ -390,6 +406,33 @@ def quantize(model: nnx.Module, cfg: ModelConfig, qtype: str,
     raise ValueError(f"lora.quantize: ModelConfig.moe_impl={cfg.moe_impl!r}; quantized routed "
                      "experts run the grouped matmuls of moe_impl='ragged'")
   return _transform(model, cfg, qtype, 0, make, act_qtype)
+
+
+def set_dropout_streams(model: nnx.Module, key: jax.Array) -> None:
+  """Turn LoRA dropout on for one forward pass of `model` (a training step's).
+
+  qwix draws an adapter's dropout mask from the `qwix_rngs` of the module it runs in; a module
+  without one runs its adapters without dropout (`Provider`), which is how evaluation, scoring
+  and sampling run. This gives every module of a layer stack one dropout stream per layer (its
+  keys split from `key`, stacked over `layers` so that the scan slices them), so each layer and
+  each adapted matmul within it draws its own mask; call it on a model merged inside the step.
+
+  Args:
+    model: a Transformer with adapters (`cfg.lora_dropout` > 0), changed in place.
+    key: PRNG key of this forward (e.g. folded with the step and micro-batch).
+  """
+  for s, name in enumerate(("dense_layers", "moe_layers")):
+    stack = getattr(model, name, None)
+    if stack is None:
+      continue
+    k = jax.random.fold_in(key, s)
+    if isinstance(stack, nnx.List):
+      for i, block in enumerate(stack):
+        block.set_attributes(qwix_rngs=nnx.data(nnx.Rngs(dropout=jax.random.fold_in(k, i))))
+    else:
+      n = jax.tree.leaves(nnx.state(stack, nnx.Param))[0].shape[0]
+      rngs = nnx.vmap(lambda k: nnx.Rngs(dropout=k))(jax.random.split(k, n))
+      stack.set_attributes(qwix_rngs=nnx.data(rngs))
 
 
 def base_config(cfg: ModelConfig) -> ModelConfig:

@@ -175,7 +175,7 @@ def test_zero_b_is_the_base_model_and_config_errors(models):
   base, _ = models["dense"]
   fresh = transformer.with_adapters(base, TINY_DENSE.replace(lora_rank=RANK))
   np.testing.assert_array_equal(logits(fresh), logits(base))
-  for changes, field in ((dict(lora_rank=4, lora_dropout=0.1), "lora_dropout"),
+  for changes, field in ((dict(lora_rank=4, lora_dropout=1.0), "lora_dropout"),
                          (dict(lora_rank=4, lora_modules=("experts",)), "lora_modules"),
                          (dict(base_qtype="int8"), "base_qtype"),
                          (dict(lora_rank=4, base_qtype="int9"), "base_qtype"),
@@ -280,6 +280,46 @@ def test_train_step_trains_adapters_only_like_unpacked_training(models):
   for path, value in nnx.to_flat_state(nnx.State(new.model_state)):
     if path in frozen:
       np.testing.assert_array_equal(value, old_base[path])
+
+
+def test_dropout_in_training_steps_only(models):
+  """LoRA dropout (here on the routed experts' adapters, through `lora.Provider`) changes a
+  training step's loss, draws the same masks for the same step and new ones for the next, the
+  same per layer whether the layers are scanned or looped; evaluation and sampling (no dropout
+  streams) equal the dropout-free model, every adapted module included."""
+  base, _ = models["moe_experts"]
+  groups = make_groups()
+  ref = Unpacked(groups)
+  rng = np.random.default_rng(1)
+  zeros = np.zeros(ref.mask.shape, np.float32)
+  fields = {"logprobs": zeros, "old_logprobs": zeros, "ref_logprobs": zeros}
+  scalars = {"advantage": rng.normal(size=len(ref.trajectories)).astype(np.float32),
+             "reward": np.ones(len(ref.trajectories), np.float32)}
+  mb = B.make_micro_batches(with_fields(groups, fields, scalars), SHAPE)
+  loss_cfg, correction = LOSSES["grpo"]
+
+  def losses(cfg, steps=(0,)):
+    """The step's loss at each optimizer step count (one compiled step)."""
+    opt = O.build({"name": "adamw"}, cfg)
+    state = S.create(cfg, opt, model=base)
+    trained = randomize_adapters(state.model(cfg))  # B != 0: the adapters act
+    state = state.replace(params=nnx.as_pure(nnx.state(trained, nnx.LoRAParam)))
+    train_step = T.make_train_step(cfg, loss_cfg, opt, correction_cfg=correction, donate=False)
+    return [float(train_step.gradients(state.replace(step=jnp.asarray(s, jnp.int32)), mb)[0])
+            for s in steps]
+
+  cfg = TINY_MOE_MLA.replace(lora_rank=RANK, lora_alpha=ALPHA, lora_modules=("experts",),
+                             lora_dropout=0.5)
+  dropped, again, next_step = losses(cfg, (0, 0, 1))
+  assert dropped == again and dropped != next_step
+  assert dropped != losses(cfg.replace(lora_dropout=0.0))[0]
+  assert dropped == pytest.approx(losses(cfg.replace(scan_layers=False))[0], rel=1e-6)
+
+  cfg = TINY_MOE_MLA.replace(lora_rank=RANK, lora_alpha=ALPHA, lora_modules=EXPERTS)
+  with_dropout = randomize_adapters(transformer.with_adapters(base, cfg.replace(
+      lora_dropout=0.5)))
+  without = randomize_adapters(transformer.with_adapters(base, cfg))
+  np.testing.assert_array_equal(logits(with_dropout), logits(without))
 
 
 def test_adapter_checkpoint_holds_no_base(models, tmp_path):

@@ -53,7 +53,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models import sharding, transformer
+from models import lora, sharding, transformer
 from models.config import ModelConfig
 from models.logprobs import sequence_logprobs
 from rl import corrections, losses
@@ -212,9 +212,13 @@ def batch_shardings(model_cfg: ModelConfig, mesh, mb: MicroBatches) -> MicroBatc
 # ----------------------------------------------------------------------------- forward
 
 
-def _forward(graphdef, model_cfg: ModelConfig, params, model_state, mb: MicroBatches):
-  """One micro-batch: (log-probs [S, T], entropy [S, T], aux) of the sampled tokens."""
+def _forward(graphdef, model_cfg: ModelConfig, params, model_state, mb: MicroBatches,
+             dropout_key: Optional[jax.Array] = None):
+  """One micro-batch: (log-probs [S, T], entropy [S, T], aux) of the sampled tokens; with a
+  `dropout_key`, LoRA dropout on (`ModelConfig.lora_dropout`: training only)."""
   model = nnx.merge(graphdef, params, model_state)
+  if dropout_key is not None:
+    lora.set_dropout_streams(model, dropout_key)
   hidden, aux, _ = model.hidden(mb.tokens, mb.positions, mb.end, token_weights=mb.token_weights,
                                 expert_ids=mb.expert_ids)
   lp, ent = sequence_logprobs(hidden, model.lm_head_weight(), mb.seq_pred, mb.seq_tokens,
@@ -228,16 +232,17 @@ def _is_real(mb: MicroBatches) -> jax.Array:
 
 
 def _scan_real(fn: Callable, mb: MicroBatches, init, combine, out_shape):
-  """Fold `combine(carry, fn(mb_i), real_i)` over micro-batches; on padding micro-batches fn is
-  skipped and its output is zeros of `out_shape` (a tree of ShapeDtypeStructs)."""
+  """Fold `combine(carry, fn(mb_i, i), real_i)` over micro-batches i; on padding micro-batches
+  fn is skipped and its output is zeros of `out_shape` (a tree of ShapeDtypeStructs)."""
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
 
   def body(carry, xs):
-    mb_i, real_i = xs
-    out = jax.lax.cond(real_i, fn, lambda _: zeros, mb_i)
+    mb_i, real_i, i = xs
+    out = jax.lax.cond(real_i, fn, lambda *_: zeros, mb_i, i)
     return combine(carry, out, real_i), None
 
-  return jax.lax.scan(body, init, (mb, _is_real(mb)))[0]
+  real = _is_real(mb)
+  return jax.lax.scan(body, init, (mb, real, jnp.arange(real.shape[0])))[0]
 
 
 def _source(source) -> tuple[Any, Any]:
@@ -411,10 +416,10 @@ class TrainStep:
   # --- the pieces (traced)
 
   def _micro_loss(self, params, model_state, mb: MicroBatches, counts: Counts,
-                  row_scale: jax.Array):
+                  row_scale: jax.Array, dropout_key: Optional[jax.Array]):
     """Loss of one micro-batch (a masked sum normalised by the global counts) and its aux."""
     cfg, loss_cfg = self.model_cfg, self.loss_cfg
-    lp, ent, aux = _forward(self.graphdef, cfg, params, model_state, mb)
+    lp, ent, aux = _forward(self.graphdef, cfg, params, model_state, mb, dropout_key)
     # the entropy bonus and AEPO's entropy-aware advantage read the policy's token entropy
     use_entropy = (self.entropy or loss_cfg.entropy_coef > 0
                    or (loss_cfg.get("entropy_adv_coef") or 0) > 0)
@@ -446,16 +451,21 @@ class TrainStep:
       metrics["balance_loss"] = jax.lax.stop_gradient(balance)
     return loss, (metrics, aux)
 
-  def _accumulate(self, params, model_state, mb: MicroBatches):
-    """(loss, summed gradients, metrics, max_logits [layers, heads], load [moe_layers, E])."""
+  def _accumulate(self, params, model_state, mb: MicroBatches, rng: jax.Array, step: jax.Array):
+    """(loss, summed gradients, metrics, max_logits [layers, heads], load [moe_layers, E]);
+    `rng` / `step` (the TrainState's) seed LoRA dropout, per step and micro-batch."""
+    key = (jax.random.fold_in(jax.random.wrap_key_data(rng), step)
+           if self.model_cfg.lora_rank and self.model_cfg.lora_dropout > 0 else None)
     counts = _counts(mb, self.loss_cfg)
     rows_real = (jnp.asarray(mb.token_weights).sum(-1) > 0).sum()
     # the per-row balance loss: a mean over the real rows of all micro-batches
     row_scale = mb.tokens.shape[1] / jnp.maximum(rows_real, 1).astype(jnp.float32)
     grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
 
-    def one(mb_i):
-      (loss, (metrics, aux)), grads = grad_fn(params, model_state, mb_i, counts, row_scale)
+    def one(mb_i, i):
+      key_i = None if key is None else jax.random.fold_in(key, i)
+      (loss, (metrics, aux)), grads = grad_fn(params, model_state, mb_i, counts, row_scale,
+                                              key_i)
       if self._state_shardings is not None:  # reduce-scattered to the FSDP shards, not summed
         grads = jax.lax.with_sharding_constraint(grads, self._state_shardings.params)
       weight = (jnp.asarray(mb_i.seq_valid) * mb_i.fields["loss_mask"]).sum()
@@ -466,7 +476,7 @@ class TrainStep:
         out["load_weight"] = jnp.asarray(mb_i.token_weights).sum()
       return out
 
-    first = jax.eval_shape(one, jax.tree.map(lambda x: x[0], mb))
+    first = jax.eval_shape(one, jax.tree.map(lambda x: x[0], mb), 0)
     init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), first)
     if self._state_shardings is not None:
       init["grads"] = jax.lax.with_sharding_constraint(init["grads"], self._state_shardings.params)
@@ -525,7 +535,7 @@ class TrainStep:
                ) -> tuple[TrainState, dict]:
     state, mb = self._prepare(state, micro_batches)
     _, grads, metrics, max_logits, load = _placed(self.mesh, self._gradients)(
-        state.params, state.model_state, mb)
+        state.params, state.model_state, mb, state.rng, state.step)
     state, opt_metrics = _placed(self.mesh, self._apply)(state, grads, max_logits, load)
     # QK-Clip's own max_logit equals ours: the max of max_logits over micro-batches
     return state, {**metrics, **opt_metrics}
@@ -551,12 +561,14 @@ class TrainStep:
     with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
       t0 = time.perf_counter()
       try:
-        grads_fn = self._gradients.lower(state.params, state.model_state, micro_batches).compile()
+        grads_fn = self._gradients.lower(state.params, state.model_state, micro_batches,
+                                         state.rng, state.step).compile()
       except jax.errors.JaxRuntimeError as e:
         return {"gradients": (e, time.perf_counter() - t0)}
       out["gradients"] = (grads_fn, time.perf_counter() - t0)
       _, grads, _, max_logits, load = jax.eval_shape(
-          self._gradients, state.params, state.model_state, micro_batches)
+          self._gradients, state.params, state.model_state, micro_batches, state.rng,
+          state.step)
       if self.mesh is not None:
         shardings = grads_fn.output_shardings
         grads, max_logits, load = jax.tree.map(
@@ -582,8 +594,8 @@ class TrainStep:
       (loss, gradients summed over micro-batches (a params pytree), metrics).
     """
     state, mb = self._prepare(state, micro_batches)
-    loss, grads, metrics, _, _ = _placed(self.mesh, self._gradients)(state.params,
-                                                                     state.model_state, mb)
+    loss, grads, metrics, _, _ = _placed(self.mesh, self._gradients)(
+        state.params, state.model_state, mb, state.rng, state.step)
     return loss, grads, metrics
 
   def apply_gradients(self, state: TrainState, grads, max_logits: jax.Array,
