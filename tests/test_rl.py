@@ -72,7 +72,7 @@ def get_config(arg=None):
 '''
 
 # The demo's RL stage as its own config, starting from the demo run's SFT checkpoint, with
-# LoRA adapters (rank 4, per-expert ones on the routed experts) on the frozen SFT weights.
+# LoRA adapters (rank 4) on the frozen SFT weights.
 RL = '''
 from tests_rl_demo_config import get_config as demo_config
 
@@ -84,7 +84,6 @@ def get_config(arg=None):
   c.tokenizer.path = "{sft}/tokenizer"
   c.seed = 5
   c.model.lora.rank = 4
-  c.model.lora.modules = "attention,mlp,experts"
   c.metrics.report = False
   return c
 '''
