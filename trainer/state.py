@@ -41,7 +41,8 @@ class TrainState:
     opt_state: `Optimizer.init(params)`.
     step: int32 [], optimizer steps taken.
     rng: uint32 [2], raw key data (`jax.random.wrap_key_data` to use it); the step does not
-      consume it: loops derive keys with `jax.random.fold_in(key, step)`.
+      consume it: loops (and the train step's LoRA dropout) derive keys with
+      `jax.random.fold_in(key, step)`.
     policy_version: int32 [], version of `params`: +1 per optimizer step; the engine stamps
       rollouts with it, and staleness is measured in it.
   """
