@@ -7,8 +7,6 @@ computation casts them to the configured dtype.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx

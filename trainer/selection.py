@@ -37,7 +37,7 @@ import hashlib
 import logging
 import math
 import re
-from typing import Any, Hashable, Optional, Sequence
+from typing import Hashable, Optional, Sequence
 
 import numpy as np
 

@@ -37,7 +37,6 @@ import itertools
 import logging
 import os
 import time
-from typing import Any
 
 import jax
 import ml_collections
