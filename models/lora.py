@@ -278,11 +278,21 @@ def module_at(root: nnx.Module, path: tuple) -> nnx.Module:
   return root
 
 
+def _adapted(module: nnx.Module, adapter_name: str):
+  """The parameter an adapter ("<name>_lora_a" / "<name>_lora_b") belongs to."""
+  return getattr(module, adapter_name.removesuffix("_lora_a").removesuffix("_lora_b"))
+
+
+def _layer_count(stack: nnx.Module) -> int:
+  """Layers of a stacked Block (the leading axis of its parameters)."""
+  return jax.tree.leaves(nnx.state(stack, nnx.Param))[0].shape[0]
+
+
 def _adapter_axes(module: nnx.Module, name: str, ndim: int) -> tuple:
   """Logical axes of an adapter matrix: A [in, rank] keeps the input's axis, B [rank, out] the
   output's, when the flattened dimension is a single one (else unsharded); a per-expert
   adapter [E, ...] keeps the experts axis first."""
-  base = getattr(module, name.removesuffix("_lora_a").removesuffix("_lora_b"))
+  base = _adapted(module, name)
   axes = base.get_metadata()["axes"]
   axes = axes[1:] if axes[0] == "layers" else axes
   lead = ()
@@ -315,7 +325,7 @@ def _build_layer_variables(block: nnx.Module, template_block: nnx.Module, layers
     if isinstance(node, nnx.LoRAParam):
       rule = next(r for r in rules if isinstance(r, qwix.LoraRule))
       init = rule.lora_a_initializer if name.endswith("_lora_a") else rule.lora_b_initializer
-      base = getattr(module, name.removesuffix("_lora_a").removesuffix("_lora_b"))
+      base = _adapted(module, name)
       dtype = base.dtype if isinstance(base, nnx.Variable) else jnp.float32
       draw = lambda k: init(k, node.shape, dtype)
       k = jax.random.fold_in(key, i)
@@ -343,7 +353,7 @@ def _transform(model: nnx.Module, cfg: ModelConfig, weight_qtype: str | None, se
         _build_layer_variables(block, templates[name], None, rules,
                                jax.random.fold_in(key, 1000 * s + i))
     else:
-      n = jax.tree.leaves(nnx.state(stack, nnx.Param))[0].shape[0]
+      n = _layer_count(stack)
       _build_layer_variables(stack, templates[name], n, rules, jax.random.fold_in(key, s))
   # qwix's class swap (its interception of `hidden`) and module paths, with no first call:
   # everything it would create exists already
@@ -430,7 +440,7 @@ def set_dropout_streams(model: nnx.Module, key: jax.Array) -> None:
       for i, block in enumerate(stack):
         block.set_attributes(qwix_rngs=nnx.data(nnx.Rngs(dropout=jax.random.fold_in(k, i))))
     else:
-      n = jax.tree.leaves(nnx.state(stack, nnx.Param))[0].shape[0]
+      n = _layer_count(stack)
       rngs = nnx.vmap(lambda k: nnx.Rngs(dropout=k))(jax.random.split(k, n))
       stack.set_attributes(qwix_rngs=nnx.data(rngs))
 
