@@ -147,6 +147,9 @@ def run(config, workdir: str) -> dict:
     return smoke(config, workdir)
   initialize_distributed()
   cache_dir = (config.sft if config.mode == "demo" else config).compile_cache_dir
+  if config.mode == "demo" and not cache_dir:
+    # the seeds compile the same programs: later seeds (and a resumed demo) load them
+    cache_dir = os.path.join(workdir, "xla_cache")
   if cache_dir:
     jax.config.update("jax_compilation_cache_dir", cache_dir)
   mesh = make_mesh(config)
