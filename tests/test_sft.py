@@ -340,18 +340,24 @@ def test_same_config_and_seed_give_identical_metrics(killed_and_resumed, referen
     assert comparable(before[s]) == comparable(ref[s]), s
 
 
-def test_demo_inputs_are_generated_once(tmp_path):
-  """configs/sft_demo.py's inputs (no training): the trained tokenizer, scripted episodes in
-  bwrap, held-out tasks disjoint from the training tasks; a second call reuses them."""
+def small_demo_config():
+  """configs/sft_demo.py (the demo's model, optimizer and data pipeline) on fewer episodes."""
   from configs import sft_demo
-  from trainer import sft
-  from trainer.data import make_sft_dataset
-
   config = sft_demo.get_config()
   config.tokenizer.train_episodes = 16  # (the demo's vocabulary, from less text)
   config.data.demo.episodes = 6
   config.data.demo.eval_episodes = 3
   config.data.demo.error_rate = 1.0  # every edit after a failed one (few episodes here)
+  return config
+
+
+def test_demo_inputs_are_generated_once(tmp_path):
+  """configs/sft_demo.py's inputs (no training): the trained tokenizer, scripted episodes in
+  bwrap, held-out tasks disjoint from the training tasks; a second call reuses them."""
+  from trainer import sft
+  from trainer.data import make_sft_dataset
+
+  config = small_demo_config()
   workdir = str(tmp_path)
   config_lib.validate(config, workdir)
   sft.prepare_demo(config, workdir)
@@ -446,3 +452,31 @@ def test_start_from_an_hf_checkpoint_then_from_the_run(assets, tmp_path):
     want = theirs(torch.from_numpy(tokens).long()).logits.float().numpy()
   np.testing.assert_allclose(arbor_logits(ours, tokens), want, atol=1e-4, rtol=1e-4)
   assert_same_chat_rendering(out, make_chat("chatml", load_tokenizer(str(d / "tok"))))
+
+
+# The demo SFT stage's losses on small_demo_config() for seed 0, steps 1-3. The run is
+# deterministic; these values change only when what the demo computes changes (its data, tokenizer,
+# model, optimizer or their numerics). Such a change must be explained, its effect on `make demo`
+# measured, and the values recorded anew (they are printed on failure).
+PINNED_DEMO_LOSSES = [7.599224090576172, 7.085326671600342, 6.339372158050537]
+
+
+def test_the_demo_sft_stage_computes_what_it_computed(tmp_path):
+  """Three steps of the demo's SFT stage (its model, Muon, tree batches of scripted bwrap
+  episodes) give the pinned losses, to float32 rounding (1e-5 relative)."""
+  from trainer import sft
+
+  config = small_demo_config()
+  config.train.steps = 3
+  config.optimizer.warmup_steps = 1  # (the schedule spans the 3 steps)
+  config.train.eval_every = 0
+  config.train.checkpoint_every = 0
+  config.data.num_threads = 1
+  workdir = str(tmp_path)
+  config_lib.validate(config, workdir)
+  sft.run(config, workdir)
+  metrics = read_jsonl(tmp_path / "sft" / "metrics.jsonl")
+  losses = [metrics[s]["loss"] for s in sorted(metrics)]
+  print("demo SFT losses:", losses)
+  assert len(losses) == 3
+  np.testing.assert_allclose(losses, PINNED_DEMO_LOSSES, rtol=1e-5)
