@@ -12,8 +12,11 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 .PHONY: demo test venv clean
 
 # The README's main job: tokenizer -> SFT -> RL -> held-out eval per seed (configs/demo.py).
+# Its figures then join their history (docs/benchmarks_history.jsonl), compared with the best
+# recorded on this kind of machine (benchmarks/check.py).
 demo: $(VENV)/.stamp
 	$(PY) -m trainer.main --config=configs/demo.py --workdir=/tmp/arbor_demo
+	$(PY) -m benchmarks.check --only= --demo_results=/tmp/arbor_demo/demo_results.json --record
 
 # Two xdist workers; the slowest tests are listed so regressions in test time show up.
 test: $(VENV)/.stamp

@@ -608,8 +608,11 @@ def main(argv) -> None:
     with open(FLAGS.out, "w") as f:
       json.dump(result, f, indent=2)
   if FLAGS.update_docs:
+    from benchmarks import check, history
     from benchmarks.common import write_section
     write_section("rl_step", markdown(result))
+    if FLAGS.part in ("all", "step"):  # the headline figures join their history
+      history.record("rl_step", check.rl_step_figures(result), better=check.RL_STEP_FIGURES)
 
 
 if __name__ == "__main__":
