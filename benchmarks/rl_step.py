@@ -161,7 +161,8 @@ def optimizer_config():
 class ArborStep:
   """Arbor's step on one layout: `run(seed)` -> {"seconds", "ref_s", "loss", "kl"}."""
 
-  def __init__(self, w: dict, layout: str, row_len: int, model_cfg, splits: int = 1):
+  def __init__(self, w: dict, layout: str, row_len: int, model_cfg, splits: int = 1,
+               fused_ref: bool = False):
     import jax
     from models import transformer
     from trainer import optim, state as state_lib
@@ -178,6 +179,7 @@ class ArborStep:
     self.ref = state_lib.split_model(transformer.init(model_cfg, seed=0))
     self.score = make_score_fn(model_cfg)
     self.step = make_train_step(model_cfg, loss_config(), opt)
+    self.fused_ref = fused_ref
     t0 = time.perf_counter()
     first = self.run(0)
     self.ready = {"ready": True, "compile_s": round(time.perf_counter() - t0, 2),
@@ -187,9 +189,13 @@ class ArborStep:
     import jax
     del seed
     t, c = time.perf_counter(), time.process_time()
-    ref = jax.block_until_ready(self.score(self.ref, self.mb))
-    t_ref = time.perf_counter() - t
-    self.state, metrics = self.step(self.state, self.mb.with_fields(ref_logprobs=ref))
+    if self.fused_ref:  # the reference scored inside the train step's program
+      t_ref = float("nan")
+      self.state, metrics = self.step(self.state, self.mb, ref=self.ref)
+    else:
+      ref = jax.block_until_ready(self.score(self.ref, self.mb))
+      t_ref = time.perf_counter() - t
+      self.state, metrics = self.step(self.state, self.mb.with_fields(ref_logprobs=ref))
     loss = float(metrics["loss"])
     return {"seconds": time.perf_counter() - t, "cpu_s": time.process_time() - c,
             "ref_s": t_ref, "loss": loss, "kl": float(metrics["kl"])}

@@ -285,6 +285,28 @@ def test_step_gradients_equal_unpacked(name, loss, request):
   np.testing.assert_allclose(float(metrics["max_logit"]), s["max_logits"].max(), rtol=1e-5)
 
 
+def test_reference_scored_inside_the_step_equals_scored_before(request):
+  """A reference given to the step (`step(state, mb, ref=...)`) is scored in the step's own
+  program: the same metrics and update as its log-probs scored first (make_score_fn, itself
+  checked against teacher forcing above) and passed as mb.fields['ref_logprobs']."""
+  s = setup(request, "dense")
+  step = get_step(request, "dense", "grpo")
+  rng = np.random.default_rng(3)
+  ref = (jax.tree.map(lambda p: p + 0.02 * rng.standard_normal(p.shape).astype(p.dtype),
+                      s["params"]), s["rest"])
+  scored = T.make_score_fn(s["cfg"])(ref, s["mb"])
+  without = s["mb"].replace(fields={k: v for k, v in s["mb"].fields.items()
+                                    if k != "ref_logprobs"})
+  before, m_before = step(s["state"], without.with_fields(ref_logprobs=scored))
+  fused, m_fused = step(s["state"], without, ref=ref)
+  for key in ("loss", "kl", "grad_norm"):
+    np.testing.assert_allclose(float(m_fused[key]), float(m_before[key]), rtol=1e-6, err_msg=key)
+  assert float(m_fused["kl"]) > 0
+  assert_trees_close(fused.params, before.params)
+  with pytest.raises(ValueError, match="is missing"):  # neither a field nor a reference
+    step(s["state"], without)
+
+
 def test_mismatch_metrics_compare_the_sampler_with_the_trained_policy(request):
   """Without a correction the mismatch metrics compare the sampler's log-probs with the
   trainer's own π_θ (NumPy k3 over the unpacked model's log-probs), whether π_old is absent

@@ -107,12 +107,15 @@ class Scorer:
     reference: the KL reference model, or None.
     teachers: the distillation teachers, or None.
     mesh: the device mesh.
+    fuse_reference: the train step scores the reference itself (`train_epochs(..., ref=)`), in
+      the program of the policy's forward; the scorer leaves it out.
   """
 
   def __init__(self, config: ml_collections.ConfigDict, model_cfg, reference,
-               teachers: Optional[Teachers], mesh=None):
-    self.rl, self.reference, self.teachers = config.rl, reference, teachers
-    needed = reference is not None or self.rl.recompute_old or self.rl.mcla_passes
+               teachers: Optional[Teachers], mesh=None, fuse_reference: bool = False):
+    self.rl, self.teachers = config.rl, teachers
+    self.reference = None if fuse_reference else reference
+    needed = self.reference is not None or self.rl.recompute_old or self.rl.mcla_passes
     self.score = step_lib.make_score_fn(model_cfg, mesh=mesh) if needed else None
 
   def __call__(self, state, part: list[list], mb: batches_lib.MicroBatches,
@@ -132,7 +135,7 @@ class Scorer:
     return mb.with_fields(**extra) if extra else mb
 
 
-def train_epochs(train_step, state, mbs: list, epochs: int) -> tuple[Any, dict]:
+def train_epochs(train_step, state, mbs: list, epochs: int, ref=None) -> tuple[Any, dict]:
   """Runs `epochs` passes of one optimizer update per micro-batch set.
 
   Args:
@@ -140,6 +143,8 @@ def train_epochs(train_step, state, mbs: list, epochs: int) -> tuple[Any, dict]:
     state: the TrainState to update.
     mbs: the step's MicroBatches, one optimizer update each.
     epochs: passes over `mbs`.
+    ref: the KL reference the train step scores itself (None: `mbs` carry ref_logprobs, or
+      the loss has no KL term).
 
   Returns:
     (new state, the updates' metrics averaged).
@@ -147,7 +152,7 @@ def train_epochs(train_step, state, mbs: list, epochs: int) -> tuple[Any, dict]:
   step_metrics = []
   for _ in range(epochs):
     for mb in mbs:
-      state, m = train_step(state, mb)
+      state, m = train_step(state, mb) if ref is None else train_step(state, mb, ref=ref)
       step_metrics.append(jax.device_get(m))
   return state, groups_lib.mean_metrics(step_metrics)
 
@@ -203,8 +208,14 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
   state = run.resume_or(lambda: initial)
   restored_extra = run.restored.extra if run.restored is not None else {}
   consumed: set[str] = set(restored_extra.get("consumed_ids", ()))
-  scorer = Scorer(config, model_cfg, reference_model(config, model_cfg, initial, state),
-                  Teachers(config, mesh) if config.mode == "distill" else None, mesh)
+  reference = reference_model(config, model_cfg, initial, state)
+  # One update per step: the train step scores the reference in its own program (an
+  # independent forward the compiler may overlap with the policy's), instead of a pass before.
+  fuse_reference = (reference is not None and rl_cfg.epochs == 1 and jax.tree.structure(
+      state_lib.split_model(reference)[0]) == jax.tree.structure(state.params))
+  scorer = Scorer(config, model_cfg, reference,
+                  Teachers(config, mesh) if config.mode == "distill" else None, mesh,
+                  fuse_reference=fuse_reference)
 
   # --- the engine (the policy's weights, updated in memory) and where the groups come from
   version = int(state.policy_version)
@@ -254,7 +265,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
         with run.timer.phase("score"):
           mbs = [scorer(state, part, mb, step_tasks) for part, mb in parts]
         with run.timer.phase("train", tokens=line.get("loss_tokens", 0)):
-          state, step_metrics = train_epochs(train_step, state, mbs, rl_cfg.epochs)
+          state, step_metrics = train_epochs(train_step, state, mbs, rl_cfg.epochs,
+                                             ref=reference if fuse_reference else None)
           line.update(step_metrics)
       else:
         log.warning("step %d: no group left to train (%s)", step, dropped)

@@ -111,7 +111,8 @@ def required_inputs(loss_cfg: losses.LossConfig,
 
 def check_micro_batches(mb: MicroBatches, model_cfg: ModelConfig,
                         loss_cfg: Optional[losses.LossConfig] = None,
-                        correction_cfg: Optional[corrections.CorrectionConfig] = None) -> None:
+                        correction_cfg: Optional[corrections.CorrectionConfig] = None,
+                        computed: tuple[str, ...] = ()) -> None:
   """Checks a MicroBatches' shapes and inputs before the jitted step (plain Python, static shapes).
 
   Args:
@@ -119,6 +120,7 @@ def check_micro_batches(mb: MicroBatches, model_cfg: ModelConfig,
     model_cfg: the model (checks `expert_ids` [M, moe_layers, R, L, k] for routing replay).
     loss_cfg: the loss whose inputs must be present (None: shapes only).
     correction_cfg: the mismatch correction whose inputs must be present.
+    computed: inputs the step computes itself (e.g. "ref_logprobs" given a reference).
 
   Raises:
     ValueError: naming the micro-batch field for a missing input or a shape mismatch.
@@ -162,6 +164,8 @@ def check_micro_batches(mb: MicroBatches, model_cfg: ModelConfig,
   if loss_cfg is None:
     return
   for where, name, why in required_inputs(loss_cfg, correction_cfg):
+    if name in computed:
+      continue
     present = (name in mb.fields or name in mb.scalars) if where == "either" else \
         name in getattr(mb, where)
     if not present:
@@ -451,9 +455,13 @@ class TrainStep:
       metrics["balance_loss"] = jax.lax.stop_gradient(balance)
     return loss, (metrics, aux)
 
-  def _accumulate(self, params, model_state, mb: MicroBatches, rng: jax.Array, step: jax.Array):
+  def _accumulate(self, params, model_state, mb: MicroBatches, rng: jax.Array, step: jax.Array,
+                  ref=None):
     """(loss, summed gradients, metrics, max_logits [layers, heads], load [moe_layers, E]);
-    `rng` / `step` (the TrainState's) seed LoRA dropout, per step and micro-batch."""
+    `rng` / `step` (the TrainState's) seed LoRA dropout, per step and micro-batch; `ref`, a
+    (params, model_state) pair of the policy's graph, scores each micro-batch's
+    `ref_logprobs` in the same program (its forward is independent of the policy's, so the
+    compiler may overlap the two)."""
     key = (jax.random.fold_in(jax.random.wrap_key_data(rng), step)
            if self.model_cfg.lora_rank and self.model_cfg.lora_dropout > 0 else None)
     counts = _counts(mb, self.loss_cfg)
@@ -464,6 +472,10 @@ class TrainStep:
 
     def one(mb_i, i):
       key_i = None if key is None else jax.random.fold_in(key, i)
+      if ref is not None:  # the reference routes itself: the sampler was the policy
+        ref_lp, _, _ = _forward(self.graphdef, self.model_cfg, *ref, mb_i.replace(expert_ids=None))
+        ref_lp = jnp.where(jnp.asarray(mb_i.seq_valid), jax.lax.stop_gradient(ref_lp), 0.0)
+        mb_i = mb_i.replace(fields={**mb_i.fields, "ref_logprobs": ref_lp})
       (loss, (metrics, aux)), grads = grad_fn(params, model_state, mb_i, counts, row_scale,
                                               key_i)
       if self._state_shardings is not None:  # reduce-scattered to the FSDP shards, not summed
@@ -524,18 +536,39 @@ class TrainStep:
 
   # --- the calls
 
-  def _prepare(self, state: TrainState, mb: MicroBatches):
-    check_micro_batches(mb, self.model_cfg, self.loss_cfg, self.correction_cfg)
+  def _prepare(self, state: TrainState, mb: MicroBatches, ref=None):
+    check_micro_batches(mb, self.model_cfg, self.loss_cfg, self.correction_cfg,
+                        computed=("ref_logprobs",) if ref is not None else ())
+    if ref is not None:
+      ref = _source(ref)
+      if ref[0] is not None and jax.tree.structure(ref[0]) != jax.tree.structure(state.params):
+        raise ValueError("ref: the reference must have the policy's architecture (score a "
+                         "different model with make_score_fn into mb.fields['ref_logprobs'])")
     if self.mesh is not None:  # every process holds the whole batch (distributed.put)
       mb = distributed.put(mb, batch_shardings(self.model_cfg, self.mesh, mb))
       state = distributed.put(state, self._state_shardings)
-    return state, mb
+      if ref is not None:
+        ref = distributed.put(ref, (self._state_shardings.params,
+                                    self._state_shardings.model_state))
+    return state, mb, ref
 
-  def __call__(self, state: TrainState, micro_batches: MicroBatches
+  def __call__(self, state: TrainState, micro_batches: MicroBatches, ref=None
                ) -> tuple[TrainState, dict]:
-    state, mb = self._prepare(state, micro_batches)
+    """One optimizer step on the micro-batches.
+
+    Args:
+      state: the TrainState (donated when the step donates).
+      micro_batches: the step's MicroBatches.
+      ref: the KL reference (a TrainState, an nnx Transformer or a (params, model_state) pair
+        with the policy's architecture): its log-probs are computed inside the step instead of
+        read from `micro_batches.fields["ref_logprobs"]`. None: the field is used.
+
+    Returns:
+      (new state, metrics).
+    """
+    state, mb, ref = self._prepare(state, micro_batches, ref)
     _, grads, metrics, max_logits, load = _placed(self.mesh, self._gradients)(
-        state.params, state.model_state, mb, state.rng, state.step)
+        state.params, state.model_state, mb, state.rng, state.step, ref)
     state, opt_metrics = _placed(self.mesh, self._apply)(state, grads, max_logits, load)
     # QK-Clip's own max_logit equals ours: the max of max_logits over micro-batches
     return state, {**metrics, **opt_metrics}
@@ -593,7 +626,7 @@ class TrainStep:
     Returns:
       (loss, gradients summed over micro-batches (a params pytree), metrics).
     """
-    state, mb = self._prepare(state, micro_batches)
+    state, mb, _ = self._prepare(state, micro_batches)
     loss, grads, metrics, _, _ = _placed(self.mesh, self._gradients)(
         state.params, state.model_state, mb, state.rng, state.step)
     return loss, grads, metrics
