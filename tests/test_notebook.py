@@ -2,9 +2,9 @@
 it: a kernel whose event loop is already running when the cells start.
 
 At its tiny size (ARBOR_NOTEBOOK_TINY=1) the notebook trains the tokenizer, runs a short SFT,
-three RL steps with rollouts in bwrap sandboxes on a fixed pool of tasks, plots the rewards
+two RL steps with rollouts in bwrap sandboxes on a fixed pool of tasks, plots the rewards
 and prints how far RL moved the weights. The test reads what the cells printed and displayed
-and checks it against the run's metrics file: the mechanics, not how much RL learns in three
+and checks it against the run's metrics file: the mechanics, not how much RL learns in two
 steps (too few to tell at this size; configs/demo.py measures that).
 """
 
@@ -65,7 +65,7 @@ def test_quickstart_runs_under_a_jupyter_kernel(tmp_path, monkeypatch):
   # metrics; a step that trained groups made a policy version; RL moved the weights exactly
   # when it trained.
   steps = [(int(s), float(r), float(p), int(g)) for s, r, p, g in STEP_LINE.findall(out)]
-  assert [s for s, *_ in steps] == [1, 2, 3], out
+  assert [s for s, *_ in steps] == [1, 2], out
   rows = read_jsonl(workdir / "rl" / "rl" / "metrics.jsonl")
   for s, reward, pass_rate, groups in steps:
     m = rows[s]
