@@ -21,14 +21,19 @@ reading the file, without the fix, as a teacher that declares success early woul
 fails on such an ending, so SFT imitates it and the SFT model submits unfixed; the tests'
 rewards tell the endings apart, and CISPO on them teaches the model to make the edit.
 
-Measured 2026-11-23 with `make demo` (seeds 0 and 1, 2-core CPU, 200 held-out tasks):
-greedy pass@1 SFT 0.025 / 0.025 -> RL 0.305 / 0.435; improvement +34.5 points, paired
-bootstrap 95% interval +29.8 .. +39.2; 13.7 / 12.3 min per seed (SFT stage 7.5 / 6.9 min,
-each 200-task eval ~1 min, RL stage ~4 min: rollouts 11-19 s and training 3-10 s a step).
-Seed 2 (`--config.seeds="(2,)"`): 0.005 -> 0.345, 13.0 min.
-Sampled pass rate over the 12 RL steps 0.02-0.16 -> 0.50 / 0.63. After RL (seed 0, first 100
-held-out tasks) 1 episode submits unfixed (SFT: nearly all); the failures left are edits that
-apply but are wrong (24) and old_str values that are not in the file (~40).
+Measured 2026-12-06 with `make demo` (seeds 0 and 1, 2-core AMD EPYC VM, 200 held-out tasks):
+greedy pass@1 SFT 0.040 / 0.110 -> RL 0.255 / 0.340; improvement +22.3 points, paired
+bootstrap 95% interval +18.0 .. +26.5; 22.8 min for seed 1 on a quiet machine (SFT stage
+12.7 min at ~1.4 s a step, each 200-task eval ~1.5 min, RL stage ~7 min: rollouts 23-32 s and
+training 3-8 s a step once compiled; the first RL steps compile for each new batch shape, up
+to ~15 s). Sampled pass rate over the 12 RL steps 0.14 -> 0.36 (seed 0).
+On a 2-core Xeon VM (2026-11-23): SFT 0.025 / 0.025 -> RL 0.305 / 0.435, +34.5 (+29.8 ..
++39.2), 13.7 / 12.3 min per seed; seed 2 0.005 -> 0.345. Runs are deterministic on one
+machine, not across CPU kinds (kernels round differently, and 450 SFT + 12 RL steps carry the
+difference into other policies). There, the sampled pass rate rose 0.02-0.16 -> 0.50 / 0.63,
+and after RL (seed 0, first 100 held-out tasks) 1 episode submitted unfixed (SFT: nearly all);
+the failures left were edits that apply but are wrong (24) and old_str values that are not in
+the file (~40).
 What did not give a gain (held-out, seed 0, 12 RL steps): the hidden-64 model (`tiny-moe-mla`,
 600 SFT steps, faithful demonstrator; SFT 0.170, it mostly failed to copy the file path)
 with lr 1e-4 -> 0.170, lr 3e-4 -> 0.050, lr 3e-4 + seq_mean_token_mean -> 0.145, 4 epochs ->
@@ -81,7 +86,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   r.rl.task_seed = 1  # fresh tasks: SFT used taskgen seed 0
   r.data.row_len = 4096  # a group's tree (~0.6k shared prompt + 8 x ~0.3k) fits one row
   r.data.rows_per_batch = 2  # rows per micro-batch
-  r.train.steps = 12  # RL steps (~4.6 min: the 15-minute budget per seed)
+  r.train.steps = 12  # RL steps (~7 min on the 2-core AMD VM)
   r.train.checkpoint_every = 5  # checkpoints (and resume points) every 5 steps
   r.train.log_every = 1  # a line per step
   r.metrics.progress = True  # a bar on a terminal, and a log line per step

@@ -16,8 +16,10 @@ RL stage, configs/demo.py, learns from that). Then SFTs the model on trees of 4 
 the agent prompt (~620 prompt tokens + ~260 per episode), with Muon, and writes the eval loss
 on the held-out episodes and a report (sft/report.html).
 
-Measured 2026-11-23 on the 2-core CPU, this config (seed 0): 6.7 min for the SFT stage
-(tokenizer and 1024 bwrap episodes ~30 s, 450 steps at ~0.8 s plus held-out evals); training
+Measured 2026-11-23 on a 2-core Xeon VM, this config (seed 0): 6.7 min for the SFT stage
+(tokenizer and 1024 bwrap episodes ~30 s, 450 steps at ~0.8 s plus held-out evals; on the
+2-core AMD EPYC VM of 2026-12-06: 12.7 min, ~1.4 s a step, and 0.040 / 0.110 for seeds 0 / 1
+through `make demo`, see configs/demo.py); training
 loss 7.6 -> 0.02, held-out loss 0.089 / 0.079 / 0.073 / 0.077 at steps 300 / 350 / 400 / 450
 (plateaued). Greedy held-out pass@1 0.025 on the demo's 200 tasks: the model nearly always
 submits unfixed after the read (half of its demonstrations do, and error masking keeps a
@@ -66,7 +68,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.optimizer.warmup_steps = 20  # linear warmup
   c.optimizer.schedule = "cosine"  # to end_lr_ratio x peak at train.steps
   c.optimizer.weight_decay = 0.0  # short run: no decay
-  c.train.steps = 450  # the budget (~6.7 min on 2 cores)
+  c.train.steps = 450  # the budget (6.7 min on the 2-core Xeon VM, 12.7 on the AMD one)
   c.train.eval_every = 50  # held-out loss every 50 steps (and at the end)
   c.train.checkpoint_every = 50  # checkpoints every 50 steps (and at the end, and on SIGTERM)
   c.train.log_every = 25  # log line interval
