@@ -211,8 +211,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
   reference = reference_model(config, model_cfg, initial, state)
   # One update per step: the train step scores the reference in its own program (an
   # independent forward the compiler may overlap with the policy's), instead of a pass before.
-  fuse_reference = (reference is not None and rl_cfg.epochs == 1 and jax.tree.structure(
-      state_lib.split_model(reference)[0]) == jax.tree.structure(state.params))
+  ref_split = state_lib.split_model(reference) if reference is not None else None  # once
+  fuse_reference = (reference is not None and rl_cfg.epochs == 1 and
+                    jax.tree.structure(ref_split[0]) == jax.tree.structure(state.params))
   scorer = Scorer(config, model_cfg, reference,
                   Teachers(config, mesh) if config.mode == "distill" else None, mesh,
                   fuse_reference=fuse_reference)
@@ -266,7 +267,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
           mbs = [scorer(state, part, mb, step_tasks) for part, mb in parts]
         with run.timer.phase("train", tokens=line.get("loss_tokens", 0)):
           state, step_metrics = train_epochs(train_step, state, mbs, rl_cfg.epochs,
-                                             ref=reference if fuse_reference else None)
+                                             ref=ref_split if fuse_reference else None)
           line.update(step_metrics)
       else:
         log.warning("step %d: no group left to train (%s)", step, dropped)
