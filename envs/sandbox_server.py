@@ -55,9 +55,7 @@ import asyncio
 import base64
 import binascii
 import dataclasses
-import functools
 import hmac
-import json
 import logging
 import os
 import resource
@@ -74,11 +72,12 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from envs.net import is_loopback, read_secret, serve_in_thread
 from envs.sandbox import bwrap, cgroups, create_sandbox
 from envs.sandbox.base import Limits, PathError, Sandbox, SandboxError, SandboxFull
+from envs.untrusted.decode import TooDeep, loads
+from envs.untrusted.door import ConnectionLimits, Door, RequestError
 
 log = logging.getLogger("arbor.sandbox_server")
 
@@ -426,18 +425,6 @@ class SandboxService:
 MAX_JSON_DEPTH = 32  # request bodies are flat objects; deeper nesting is refused with 400
 
 
-def _depth_ok(value, limit: int) -> bool:
-  """Whether `value` nests at most `limit` containers deep (iteratively: no recursion)."""
-  stack = [(value, 1)]
-  while stack:
-    v, d = stack.pop()
-    if isinstance(v, (dict, list)):
-      if d > limit:
-        return False
-      stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
-  return True
-
-
 def parse_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
   """A request body: a JSON object nested at most `max_depth` deep ({} when empty).
 
@@ -453,100 +440,15 @@ def parse_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
   """
   if not raw:
     return {}
-  too_deep = HTTPError(400, f"body nests deeper than max_json_depth={max_depth}", "ValueError")
   try:
-    body = json.loads(raw)
-  except RecursionError:  # the decoder's own guard: far deeper than max_depth
-    raise too_deep from None
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise HTTPError(400, f"body is not valid JSON: {e}", "ValueError")
+    body = loads(raw, max_depth, "body")
+  except TooDeep as e:
+    raise HTTPError(400, str(e), "ValueError") from None
+  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an over-long integer
+    raise HTTPError(400, f"body is not valid JSON: {e}", "ValueError") from None
   if not isinstance(body, dict):
     raise HTTPError(400, "body must be a JSON object", "ValueError")
-  if not _depth_ok(body, max_depth):
-    raise too_deep
   return body
-
-
-@dataclasses.dataclass(frozen=True)
-class ConnectionLimits:
-  """What one client may hold of the HTTP front (each field's meaning beside it)."""
-  max_connections: int = 256       # open connections; a new one beyond evicts an idle one
-  handshake_s: float = 10.0        # TLS handshake must finish within this
-  header_s: float = 10.0           # a request's line + headers must arrive within this
-  body_s: float = 30.0             # a request's body must arrive within this once headers did
-  keep_alive_s: int = 5            # an idle keep-alive connection closes after this
-  max_header_bytes: int = 16 << 10  # request line + headers
-
-
-class _Connections:
-  """The open connections of one server, oldest first, and which ever carried a valid token."""
-
-  def __init__(self):
-    self.open: dict = {}            # protocol -> None, in connection order
-    self.by_peer: dict = {}         # (host, port) -> protocol: the app's scope names the peer
-    self.authenticated: set = set()  # protocols that carried a valid token
-    self.evicted = 0
-
-
-class _Protocol(H11Protocol):
-  """uvicorn's h11 protocol plus what it lacks against slow or idle clients.
-
-  uvicorn gives: h11 parsing with a header size cap, `timeout_keep_alive` between requests,
-  503 beyond `limit_concurrency`. It has no deadline for a connection's first request, none for
-  a request's headers once bytes started coming, and 503s a real client while idle sockets
-  hold every slot. Here: every request's headers must be complete `header_s` after the
-  connection opened or the previous response ended, and beyond `max_connections` the oldest
-  idle connection is closed, those that never carried a valid token first (the body deadline
-  is the app's; the TLS handshake's is asyncio's `ssl_handshake_timeout`).
-  """
-
-  conns: _Connections
-  limits: ConnectionLimits
-
-  def connection_made(self, transport) -> None:
-    super().connection_made(transport)
-    conns = self.conns
-    conns.open[self] = None
-    if self.client:
-      conns.by_peer[tuple(self.client)] = self
-    self._arm_header_deadline()
-    while len(conns.open) > self.limits.max_connections:
-      victim = self._victim()
-      if victim is None:  # every other one has a request in flight: refuse the newcomer
-        victim = self
-      conns.evicted += 1
-      victim.transport.close()
-      victim._forget()
-      if victim is self:
-        return
-
-  def _victim(self):
-    idle = [p for p in self.conns.open if p is not self
-            and (p.cycle is None or p.cycle.response_complete)]
-    fresh = [p for p in idle if p not in self.conns.authenticated]
-    return (fresh or idle or [None])[0]
-
-  def _forget(self) -> None:
-    self.conns.open.pop(self, None)
-    self.conns.authenticated.discard(self)
-    if self.client and self.conns.by_peer.get(tuple(self.client)) is self:
-      del self.conns.by_peer[tuple(self.client)]
-
-  def connection_lost(self, exc) -> None:
-    self._forget()
-    super().connection_lost(exc)
-
-  def _arm_header_deadline(self) -> None:
-    scope = self.scope  # a new request replaces it; the same one at expiry means none came
-    def expire():
-      if self.scope is scope and not self.transport.is_closing():
-        self.transport.close()
-    self.loop.call_later(self.limits.header_s, expire)
-
-  def on_response_complete(self) -> None:
-    super().on_response_complete()
-    if not self.transport.is_closing():
-      self._arm_header_deadline()
 
 
 class SandboxHTTP:
@@ -577,21 +479,15 @@ class SandboxHTTP:
     if tls_cert is None and not is_loopback(host):
       raise ValueError(f"host={host!r} is not loopback: exposing the sandbox server needs "
                        "--tls-cert/--tls-key (and the token)")
-    if connections.max_connections < 1:
-      raise ValueError(f"max_connections={connections.max_connections}: expected >= 1")
+    self.door = Door(connections)  # ValueError for a limit that is not positive
     self.service, self.token, self.max_request_bytes = service, token.encode(), max_request_bytes
-    self.limits, self.conns, self.tls = connections, _Connections(), tls_cert is not None
+    self.limits, self.conns, self.tls = connections, self.door.conns, tls_cert is not None
     methods = ["GET", "POST", "DELETE", "PUT", "PATCH", "HEAD", "OPTIONS"]
     self.app = Starlette(routes=[Route("/{path:path}", self._handle, methods=methods)])
-    protocol = type("BoundProtocol", (_Protocol,), {"conns": self.conns, "limits": connections})
     self.config = uvicorn.Config(
-        self.app, host=host, port=port, http=protocol, loop="asyncio", ws="none",
-        lifespan="off", log_config=None, access_log=False, server_header=False,
-        # a backstop only: _Protocol keeps the connections at max_connections
-        limit_concurrency=connections.max_connections + 1,
-        timeout_keep_alive=connections.keep_alive_s,
-        h11_max_incomplete_event_size=connections.max_header_bytes,
-        timeout_graceful_shutdown=10)
+        self.app, host=host, port=port, loop="asyncio", ws="none", lifespan="off",
+        log_config=None, access_log=False, server_header=False, timeout_graceful_shutdown=10,
+        **self.door.uvicorn_options())
     self.config.load()
     if tls_cert is not None:
       ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -603,11 +499,7 @@ class SandboxHTTP:
     self._thread: Optional[threading.Thread] = None
 
   async def _serve(self) -> None:
-    if self.tls:  # uvicorn passes no handshake deadline; asyncio's default is 60 s
-      loop = asyncio.get_running_loop()
-      loop.create_server = functools.partial(loop.create_server,
-                                             ssl_handshake_timeout=self.limits.handshake_s)
-    await self.server.serve()
+    await self.door.serve(self.server, self.tls)
 
   def start(self) -> int:
     """Serves from a daemon thread with its own event loop.
@@ -640,29 +532,11 @@ class SandboxHTTP:
   async def _body(self, request: Request) -> dict:
     if request.method in ("GET", "DELETE"):
       return {}
-    limit = self.max_request_bytes
-    too_large = HTTPError(413, f"body over max_request_bytes={limit}", "ValueError")
-    declared = request.headers.get("content-length")
-    if declared is not None:
-      if not declared.isdigit():
-        raise HTTPError(400, f"Content-Length={declared[:40]!r}: not an integer", "ValueError")
-      if int(declared) > limit:
-        raise too_large
-    parts, size = [], 0
-
-    async def read():
-      nonlocal size
-      async for part in request.stream():  # chunked bodies are counted as they arrive
-        size += len(part)
-        if size > limit:
-          raise too_large
-        parts.append(part)
     try:
-      await asyncio.wait_for(read(), self.limits.body_s)
-    except asyncio.TimeoutError:
-      raise HTTPError(408, f"body not received within body_timeout={self.limits.body_s} s",
-                      "ValueError") from None
-    return parse_body(b"".join(parts))
+      raw = await self.door.read_body(request, self.max_request_bytes, "max_request_bytes")
+    except RequestError as e:
+      raise HTTPError(e.status, str(e), "ValueError") from None
+    return parse_body(raw)
 
   async def _call(self, coro):
     """Runs a service coroutine on the service's loop (sandbox work never blocks this one)."""
@@ -675,10 +549,7 @@ class SandboxHTTP:
       if not self._authorized(request):
         close = True  # never read an unauthenticated body
         raise HTTPError(401, "missing or wrong token (Authorization: Bearer ...)", "AuthError")
-      if request.client is not None:
-        proto = self.conns.by_peer.get((request.client.host, request.client.port))
-        if proto is not None:
-          self.conns.authenticated.add(proto)
+      self.door.authenticated(request)
       if request.method not in ("GET", "POST", "DELETE"):
         close = True
         raise HTTPError(405, f"method {request.method} not allowed", "HTTPError")
