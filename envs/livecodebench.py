@@ -22,6 +22,13 @@ The compressed private tests are decoded without running pickle's object machine
 may only hold one string (`decode_test_cases` checks its opcodes and unpickles with
 `StrOnlyUnpickler`, which resolves no global), anything else is refused.
 
+Rows are untrusted input, read within bounds (`envs.untrusted`): compressed tests inflate a chunk
+at a time up to `max_decompressed_bytes` (default `MAX_DECOMPRESSED_BYTES` = 64 MiB), and every
+JSON document (the JSONL line, the test-case and metadata fields, each functional test's values)
+and every already-decoded field may nest at most `MAX_JSON_DEPTH` (100) arrays/objects deep,
+measured before parsing. A row over either bound is a ValueError naming the field (skipped with
+that reason under `skip_bad`), never a RecursionError or an unbounded allocation.
+
     tasks = load_livecodebench_jsonl("envs/data/livecodebench/problems.jsonl")
     rows = datasets.load_dataset("livecodebench/code_generation_lite", split="test",
                                  version_tag="release_v5")   # or the same rows, any source
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import io
 import json
 import pickle
@@ -39,10 +47,12 @@ import pickletools
 import zlib
 from typing import Any, Iterable, Mapping, Optional
 
-from envs.tasks import Task, _parse_all, jsonl_records
+from envs.tasks import Task, _parse_all
+from envs.untrusted.decode import MAX_JSON_DEPTH, TooDeep, TooLarge, check_depth, inflate, loads
 
 DEFAULT_TIME_LIMIT = 6.0    # seconds per test (LiveCodeBench's run_test timeout)
 DEFAULT_MEMORY_LIMIT = 1024  # MiB of address space per test process
+MAX_DECOMPRESSED_BYTES = 64 << 20  # compressed test sets inflate to at most this (bytes)
 PLATFORMS = ("leetcode", "codeforces", "atcoder")
 DIFFICULTIES = ("easy", "medium", "hard")
 TEST_TYPES = ("stdin", "functional")
@@ -108,33 +118,51 @@ def encode_test_cases(tests: Iterable[Mapping[str, str]], compress: bool = False
   return base64.b64encode(zlib.compress(pickle.dumps(text))).decode("ascii")
 
 
-def decode_test_cases(value: Any, field: str = "private_test_cases") -> list[dict]:
+def decode_test_cases(value: Any, field: str = "private_test_cases",
+                      max_decompressed_bytes: int = MAX_DECOMPRESSED_BYTES) -> list[dict]:
   """The test cases of a row's field: a JSON string (or an already-decoded list), else the
   compressed form base64 -> zlib -> pickle (of one str, `unpickle_str`) -> JSON.
 
   Args:
     value: the field's value.
     field: its name, for errors.
+    max_decompressed_bytes: the most the compressed form may inflate to.
 
   Returns:
     [{"input": str, "output": str, "testtype": "stdin" | "functional"}].
 
   Raises:
-    ValueError: naming the field and the problem.
+    ValueError: naming the field and the problem (among them: inflating beyond
+      `max_decompressed_bytes`, nesting deeper than `MAX_JSON_DEPTH`).
   """
+  what = f"field {field!r}"
   if isinstance(value, str):
     try:
-      value = json.loads(value)
-    except json.JSONDecodeError:
+      value = loads(value, MAX_JSON_DEPTH, what)
+    except TooDeep:
+      raise
+    except ValueError:
       try:
-        raw = zlib.decompress(base64.b64decode(value.encode("ascii"), validate=True))
-      except (binascii.Error, zlib.error, UnicodeEncodeError) as e:
-        raise ValueError(f"field {field!r}: neither JSON nor base64/zlib data ({e}): "
+        data = base64.b64decode(value.encode("ascii"), validate=True)
+      except (binascii.Error, UnicodeEncodeError) as e:
+        raise ValueError(f"{what}: neither JSON nor base64/zlib data ({e}): "
                          f"{value!r:.80}") from None
       try:
-        value = json.loads(unpickle_str(raw, field))
-      except json.JSONDecodeError as e:
-        raise ValueError(f"field {field!r}: the decompressed text is not JSON ({e})") from None
+        raw = inflate(data, max_decompressed_bytes, what)
+      except TooLarge:
+        raise
+      except ValueError as e:  # not a complete zlib stream
+        raise ValueError(f"{e}; neither JSON nor base64/zlib data: {value!r:.80}") from None
+      text = unpickle_str(raw, field)
+      del raw
+      try:
+        value = loads(text, MAX_JSON_DEPTH, f"{what} (decompressed)")
+      except TooDeep:
+        raise
+      except ValueError as e:
+        raise ValueError(f"{what}: the decompressed text is not JSON ({e})") from None
+  else:
+    check_depth(value, MAX_JSON_DEPTH, what)
   if not isinstance(value, list):
     raise ValueError(f"field {field!r}: expected a list of test cases, got {value!r:.100}")
   for i, t in enumerate(value):
@@ -149,12 +177,15 @@ def _verifier_case(t: Mapping[str, str], field: str, i: int) -> dict:
   """A test case as the python_io verifier runs it."""
   if t["testtype"] == "stdin":
     return {"input": t["input"], "output": t["output"]}
+  what = f"field '{field}[{i}]'"
   try:
-    args = [json.loads(line) for line in t["input"].split("\n")]
-    expected = json.loads(t["output"])
-  except json.JSONDecodeError as e:
-    raise ValueError(f"field '{field}[{i}]': a functional test needs one JSON value per input "
-                     f"line and a JSON output ({e})") from None
+    args = [loads(line, MAX_JSON_DEPTH, what) for line in t["input"].split("\n")]
+    expected = loads(t["output"], MAX_JSON_DEPTH, what)
+  except TooDeep:
+    raise
+  except ValueError as e:  # JSONDecodeError, or an integer literal too long to convert
+    raise ValueError(f"{what}: a functional test needs one JSON value per input line and a "
+                     f"JSON output ({e})") from None
   return {"args": args, "expected": expected}
 
 
@@ -202,11 +233,12 @@ def prompt(row: Mapping, public: list[dict], func_name: Optional[str]) -> str:
   return "\n".join(parts)
 
 
-def task_from_row(row: Mapping) -> Task:
+def task_from_row(row: Mapping, max_decompressed_bytes: int = MAX_DECOMPRESSED_BYTES) -> Task:
   """The "code" task (code_style "livecodebench") of one LiveCodeBench row.
 
   Args:
     row: the row (module docstring); fields other than the tests go to `metadata`.
+    max_decompressed_bytes: the most a compressed test set may inflate to.
 
   Returns:
     The task: id "lcb-<question_id>", tests = public + private, timeout = time_limit,
@@ -217,6 +249,8 @@ def task_from_row(row: Mapping) -> Task:
   """
   if not isinstance(row, Mapping):
     raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+  for field, value in row.items():  # decoded rows (e.g. a `datasets` split) nest how they like
+    check_depth(value, MAX_JSON_DEPTH, f"field {field!r}")
   for field in ("question_title", "question_content", "question_id"):
     if not _str_field(row, field).strip():
       raise ValueError(f"field {field!r}: empty")
@@ -228,13 +262,17 @@ def task_from_row(row: Mapping) -> Task:
     raise ValueError(f"field 'difficulty': {difficulty!r}: expected one of {DIFFICULTIES}")
   meta = row.get("metadata", "{}")
   try:
-    meta = json.loads(meta) if isinstance(meta, str) else meta
-  except json.JSONDecodeError as e:
+    meta = loads(meta, MAX_JSON_DEPTH, "field 'metadata'") if isinstance(meta, str) else meta
+  except TooDeep:
+    raise
+  except ValueError as e:
     raise ValueError(f"field 'metadata': not JSON ({e}): {meta!r:.100}") from None
   if not isinstance(meta, dict):
     raise ValueError(f"field 'metadata': expected a JSON object, got {meta!r:.100}")
-  public = decode_test_cases(row.get("public_test_cases", "[]"), "public_test_cases")
-  private = decode_test_cases(row.get("private_test_cases", "[]"), "private_test_cases")
+  public = decode_test_cases(row.get("public_test_cases", "[]"), "public_test_cases",
+                             max_decompressed_bytes)
+  private = decode_test_cases(row.get("private_test_cases", "[]"), "private_test_cases",
+                              max_decompressed_bytes)
   if not public + private:
     raise ValueError("field 'private_test_cases': no test cases (public ones neither)")
   functional = any(t["testtype"] == "functional" for t in public + private)
@@ -268,24 +306,44 @@ def is_livecodebench_row(record: Any) -> bool:
       "public_test_cases" in record or "private_test_cases" in record)
 
 
+def jsonl_rows(path: str, max_depth: int = MAX_JSON_DEPTH):
+  """(where "file:line", "line N", row) per non-blank line of a JSONL file, each line parsed with
+  its nesting bounded (`envs.untrusted.loads`); a line that is not JSON, or nests deeper than
+  `max_depth`, yields a ValueError as its row (the caller decides whether to skip it)."""
+  with open(path, encoding="utf-8") as f:
+    for lineno, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = loads(line, max_depth, "the line")
+      except json.JSONDecodeError as e:
+        record = ValueError(f"invalid JSON ({e.msg} at column {e.colno})")
+      except ValueError as e:  # nested too deep, or an integer literal too long to convert
+        record = ValueError(f"invalid JSON ({e})")
+      yield f"{path}:{lineno}", f"line {lineno}", record
+
+
 def load_livecodebench_jsonl(path: str, skip_bad: bool = False,
-                             errors: Optional[list] = None) -> list[Task]:
+                             errors: Optional[list] = None, *,
+                             max_decompressed_bytes: int = MAX_DECOMPRESSED_BYTES) -> list[Task]:
   """The tasks of a JSONL file of LiveCodeBench rows, in file order.
 
   Args:
     path: the file.
     skip_bad: log and skip a bad line instead of raising.
     errors: when given, the skipped lines' errors are appended to it.
+    max_decompressed_bytes: the most a row's compressed test set may inflate to.
 
   Raises:
     TaskFormatError: "FILE:LINE: field 'NAME': ..." for a bad line (unless skip_bad).
   """
-  return _parse_all(jsonl_records(path), task_from_row, skip_bad, errors, path)
+  parse = functools.partial(task_from_row, max_decompressed_bytes=max_decompressed_bytes)
+  return _parse_all(jsonl_rows(path), parse, skip_bad, errors, path)
 
 
 def load_livecodebench_rows(rows: Iterable[Mapping], skip_bad: bool = False,
-                            errors: Optional[list] = None, *, source: str = "rows"
-                            ) -> list[Task]:
+                            errors: Optional[list] = None, *, source: str = "rows",
+                            max_decompressed_bytes: int = MAX_DECOMPRESSED_BYTES) -> list[Task]:
   """The tasks of LiveCodeBench rows given as dicts (e.g. a Hugging Face `datasets` split).
 
   Args:
@@ -293,9 +351,11 @@ def load_livecodebench_rows(rows: Iterable[Mapping], skip_bad: bool = False,
     skip_bad: log and skip a bad row instead of raising.
     errors: when given, the skipped rows' errors are appended to it.
     source: how errors name the rows ("SOURCE[INDEX]: field ...").
+    max_decompressed_bytes: the most a row's compressed test set may inflate to.
 
   Raises:
     TaskFormatError: "SOURCE[INDEX]: field 'NAME': ..." for a bad row (unless skip_bad).
   """
   records = ((f"{source}[{i}]", f"{source}[{i}]", r) for i, r in enumerate(rows))
-  return _parse_all(records, task_from_row, skip_bad, errors, source)
+  parse = functools.partial(task_from_row, max_decompressed_bytes=max_decompressed_bytes)
+  return _parse_all(records, parse, skip_bad, errors, source)
