@@ -67,10 +67,10 @@ import json
 import os
 import random
 import re
-import subprocess
 import sys
 from typing import Iterable, Iterator, Optional, Sequence
 
+from envs import safe_git
 from envs.tasks import make_patch
 
 KINDS = ("operator", "comparison", "off_by_one", "drop_condition", "early_return",
@@ -878,11 +878,12 @@ def mutations(source: str, path: str, kinds: Sequence[str] = KINDS, *,
   return [f[3] for f in sorted(found, key=lambda f: f[:3])]
 
 
-def _git(repo_dir: str, *args: str) -> str:
-  result = subprocess.run(["git", "-C", repo_dir, *args], capture_output=True, text=True)
-  if result.returncode != 0:
-    raise ValueError(f"git {' '.join(args)} in {repo_dir!r} failed: {result.stderr.strip()}")
-  return result.stdout
+def _git(git_dir: str, *args: str) -> str:
+  """`envs.safe_git.git` as text; a failure is a ValueError (a bad revision or path)."""
+  try:
+    return safe_git.git(git_dir, *args).decode("utf-8", "surrogateescape")
+  except safe_git.GitError as e:
+    raise ValueError(str(e)) from None
 
 
 def _top_functions(tree: ast.AST) -> dict[tuple[str, int], ast.AST]:
@@ -925,23 +926,29 @@ def commit_reverts(repo_dir: str, commit: str = "HEAD",
     line of the function there.
 
   Raises:
-    ValueError: `repo_dir` is not a git repository or `commit` is not a commit in it.
+    ValueError: `repo_dir` is not a git repository, one that `envs.safe_git.check_repository`
+      refuses (git reads it through `envs.safe_git`: none of its configured programs runs), or
+      `commit` is not a commit in it.
   """
-  sha = _git(repo_dir, "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}").strip()
-  parents = _git(repo_dir, "rev-list", "--parents", "-n", "1", sha).split()[1:]
+  git_dir = safe_git.check_repository(safe_git.find_git_dir(repo_dir))
+  sha = safe_git.rev_parse(git_dir, commit)
+  if sha is None:
+    raise ValueError(f"commit={commit!r}: not a commit of {repo_dir!r}")
+  parents = _git(git_dir, "rev-list", "--parents", "-n", "1", sha).split()[1:]
   if not parents:
     return []
   parent = parents[0]
   wanted = None if paths is None else set(paths)
-  status = _git(repo_dir, "diff", "--name-status", "--no-renames", "-z", parent, sha, "--")
+  status = _git(git_dir, "diff-tree", "-r", "--name-status", "--no-renames", "--no-ext-diff",
+                "--no-textconv", "-z", parent, sha, "--")
   fields = status.split("\0")
   out = []
   for code, path in zip(fields[0::2], fields[1::2]):
     if (code != "M" or not path.endswith(".py") or is_test_file(path)
         or (wanted is not None and path not in wanted)):
       continue
-    old_text = _git(repo_dir, "show", f"{parent}:{path}")
-    new_text = _git(repo_dir, "show", f"{sha}:{path}")
+    old_text = _git(git_dir, "cat-file", "blob", f"{parent}:{path}")
+    new_text = _git(git_dir, "cat-file", "blob", f"{sha}:{path}")
     try:
       old_fns, new_fns = _top_functions(ast.parse(old_text)), _top_functions(ast.parse(new_text))
     except SyntaxError:
@@ -992,7 +999,8 @@ def main(argv: Optional[list[str]] = None) -> int:
   found = {}
   if args.repo:
     for m in commit_reverts(args.repo, args.commit):
-      original = _git(args.repo, "show", f"{args.commit}:{m.path}")
+      original = safe_git.read_blob(safe_git.find_git_dir(args.repo), args.commit,
+                                    m.path).decode("utf-8")
       found.setdefault(m.path, []).append((m, original))
   for file in args.files:
     with open(file, encoding="utf-8") as f:

@@ -66,7 +66,6 @@ import os
 import random
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -75,7 +74,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence, Union
 
-from envs import aio
+from envs import aio, safe_git
 from envs.mutate import KINDS, Mutation, commit_reverts, is_test_file, mutations
 from envs.sandbox import Limits, Sandbox, SandboxError, create_sandbox
 from envs.tasks import apply_patch, checkout, load_repo_files, make_patch, pytest_command, \
@@ -199,14 +198,6 @@ class Source:
   created_at: str = ""        # the commit's date (git), else ""
 
 
-def _git(repo: str, *args: str) -> str:
-  env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-  res = subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True, env=env)
-  if res.returncode:
-    raise SynthError(f"git {' '.join(args)} in {repo}: {res.stderr.strip()[-300:]}")
-  return res.stdout.strip()
-
-
 def _strip_top(files: dict[str, bytes]) -> dict[str, bytes]:
   """An sdist's files without its one top-level folder ("pkg-1.0/setup.py" -> "setup.py")."""
   tops = {p.split("/", 1)[0] for p in files}
@@ -236,6 +227,10 @@ def _metadata(files: Mapping[str, bytes], fallback: str) -> tuple[str, str]:
 def load_source(path: str, work_dir: str) -> Source:
   """The files of a git repository's HEAD, or of a directory or tarball of a source tree.
 
+  The path is the caller's; what the repository holds is not trusted: git reads it through
+  `envs.safe_git` (none of its configured programs runs, a repository of another user is
+  refused) and a directory's files are read without following links.
+
   Args:
     path: a git work tree, a directory, or a .tar / .tar.gz / .tgz archive (an sdist's single
       top-level folder is stripped).
@@ -245,7 +240,8 @@ def load_source(path: str, work_dir: str) -> Source:
     The source.
 
   Raises:
-    ValueError: naming `repo` when the path is none of these.
+    ValueError: naming `repo` when the path is none of these, or a repository that
+      `envs.safe_git.check_repository` refuses.
     SynthError: git failed.
   """
   path = os.path.abspath(os.path.expanduser(path))
@@ -253,16 +249,24 @@ def load_source(path: str, work_dir: str) -> Source:
     raise ValueError(f"repo={path!r}: does not exist")
   base = os.path.basename(path.rstrip("/"))
   fallback = re.sub(r"(\.tar\.gz|\.tgz|\.tar)$", "", base)
-  if os.path.isdir(path) and os.path.exists(os.path.join(path, ".git")):
-    commit = _git(path, "rev-parse", "HEAD")
-    tree = checkout(_git(path, "rev-parse", "--absolute-git-dir"), commit,
-                    os.path.join(work_dir, "checkout"), f"local/{fallback}")
-    files = load_repo_files(tree)
-    name, version = _metadata(files, fallback)
-    date = _git(path, "log", "-1", "--format=%ct", commit)
-    created = datetime.datetime.fromtimestamp(int(date), datetime.timezone.utc)
-    return Source(files, name, version or _git(path, "describe", "--tags", "--always", commit),
-                  commit, path, created.strftime("%Y-%m-%dT%H:%M:%SZ"))
+  if os.path.isdir(path) and os.path.lexists(os.path.join(path, ".git")):
+    try:
+      git_dir = safe_git.check_repository(safe_git.find_git_dir(path))
+      commit = safe_git.rev_parse(git_dir, "HEAD")
+      if commit is None:
+        raise SynthError(f"{path}: HEAD names no commit")
+      tree = checkout(git_dir, commit, os.path.join(work_dir, "checkout"), f"local/{fallback}")
+      files = load_repo_files(tree)
+      name, version = _metadata(files, fallback)
+      date = safe_git.commit_header(git_dir, commit)[1]
+      version = version or safe_git.git(git_dir, "describe", "--tags", "--always",
+                                        commit).decode().strip()
+    except safe_git.RepositoryError as e:
+      raise ValueError(f"repo={path!r}: {e}") from None
+    except safe_git.GitError as e:
+      raise SynthError(str(e)) from None
+    created = datetime.datetime.fromtimestamp(date, datetime.timezone.utc)
+    return Source(files, name, version, commit, path, created.strftime("%Y-%m-%dT%H:%M:%SZ"))
   try:
     files = load_repo_files(path)
   except ValueError as e:
@@ -660,11 +664,12 @@ def draw_candidates(source: Source, config: SynthConfig) -> tuple[list[Mutation]
   if config.commits:
     if not source.repo_dir:
       raise ValueError(f"commits={list(config.commits)!r}: only a git repository has commits")
+    git_dir = safe_git.find_git_dir(source.repo_dir)
     for rev in config.commits:
       for m in commit_reverts(source.repo_dir, rev):
         # The mutated text is the file at `rev`: it fits HEAD's tree only if HEAD has that file.
-        if m.path in texts and _git(source.repo_dir, "show", f"{rev}:{m.path}") == \
-            texts[m.path].strip():
+        if m.path in texts and safe_git.read_blob(git_dir, rev, m.path).decode(
+            "utf-8", "replace").strip() == texts[m.path].strip():
           pool.setdefault(REVERT, []).append(m)
         else:
           dropped["revert_of_changed_file"] += 1

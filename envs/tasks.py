@@ -32,10 +32,12 @@ SWE rows use the official fields of SWE-bench, SWE-bench Verified, SWE-Gym and S
   image_name (SWE-smith: the prepared container image, kept for the docker backend), log_parser
   (swebench >= 5: which log format the tests print). Other fields are kept in `metadata`.
 Where the repository comes from:
-  - `repo_path` (ours): a directory or .tar/.tar.gz/.tgz snapshot, relative to the file;
+  - `repo_path` (ours): a directory or .tar/.tar.gz/.tgz snapshot inside the file's folder;
   - otherwise `repo` + `base_commit` in a local mirror of git repositories (`mirror=DIR`, or the
     ARBOR_SWE_MIRROR environment variable): DIR/<owner>__<name>.git, DIR/<owner>__<name>,
-    DIR/<owner>/<name>.git or DIR/<owner>/<name>, bare or not. The commit is checked out once
+    DIR/<owner>/<name>.git or DIR/<owner>/<name>, bare or not, read only through
+    `envs.safe_git` (none of the repository's configured programs runs; a repository of
+    another user, or one linked into DIR, is refused). The commit is checked out once
     into a cache directory keyed by (repo, commit) (`cache_dir=`, ARBOR_SWE_CACHE, default
     ~/.cache/arbor/swe) when the repository is first read. A SWE-smith row (repo "swesmith/...")
     without base_commit starts from the branch named after its instance_id; when that branch's
@@ -45,7 +47,11 @@ How the tests run (`test_runner`, chosen per repository like swebench's specs, o
 "django" (django/django: `python3 tests/runtests.py --verbosity 2 --settings=test_sqlite
 --parallel 1 LABELS`) or "sympy" (sympy/sympy: `bin/test -C --verbose FILES`). A `test_command`
 field (ours) overrides the command. Ours also: `problem_statements` (more phrasings), `rootfs`
-(the sandbox's root filesystem), `timeout` (seconds for the test run).
+(the sandbox's root filesystem, a directory inside the file's folder), `timeout` (seconds for
+the test run).
+A dataset is untrusted: `repo_path` and `rootfs` are resolved by `envs.dataset_paths` inside the
+folder of the file (`base_dir` for rows given as dicts): an absolute path, "..", "~" or a
+symbolic link anywhere on the way is an error naming the field.
 
   {"instance_id": "calc-1", "repo": "me/calc", "base_commit": "1f2e...",
    "problem_statement": "...", "patch": "<fix>", "test_patch": "<adds the failing tests>",
@@ -68,10 +74,13 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
+import stat
 import tarfile
 import tempfile
 from typing import Any, Iterable, Mapping, Optional
+
+from envs import dataset_paths, safe_git
+from envs.safe_git import GitError  # noqa: F401  (re-exported: git failed on a mirror)
 
 log = logging.getLogger(__name__)
 
@@ -460,7 +469,8 @@ def swe_task_from_dict(d: Mapping, base_dir: str = ".", mirror: Optional[str] = 
 
   Args:
     d: the row; fields that are not Task fields go to the task's `metadata`.
-    base_dir: what relative `repo_path` and `rootfs` are resolved against.
+    base_dir: the dataset's folder: `repo_path` and `rootfs` are paths inside it
+      (`envs.dataset_paths`).
     mirror: the directory of git mirrors, for rows without `repo_path` (default: the
       ARBOR_SWE_MIRROR environment variable).
     cache_dir: where checkouts of mirrored commits go (default: ARBOR_SWE_CACHE, else
@@ -493,9 +503,7 @@ def swe_task_from_dict(d: Mapping, base_dir: str = ".", mirror: Optional[str] = 
   base_commit = _get(d, "base_commit", str, "")
   git_dir = None
   if repo_path is not None:
-    repo_path = os.path.normpath(os.path.join(base_dir, os.path.expanduser(repo_path)))
-    if not os.path.exists(repo_path):
-      raise ValueError(f"field 'repo_path': {repo_path!r} does not exist")
+    repo_path = dataset_paths.resolve(base_dir, repo_path, "field 'repo_path'")
   else:
     if not repo:
       raise ValueError("field 'repo_path': missing (or 'repo' and 'base_commit' with a mirror)")
@@ -522,7 +530,7 @@ def swe_task_from_dict(d: Mapping, base_dir: str = ".", mirror: Optional[str] = 
     raise ValueError(f"field 'test_command': {e}") from None
   rootfs = _get(d, "rootfs", str, None)
   if rootfs is not None:
-    rootfs = os.path.normpath(os.path.join(base_dir, rootfs))
+    rootfs = dataset_paths.resolve(base_dir, rootfs, "field 'rootfs'", kind="dir")
   timeout = _get(d, "timeout", (int, float), DEFAULT_TIMEOUT)
   if not 0 < timeout <= 3600:
     raise ValueError(f"field 'timeout': {timeout!r}: expected seconds in (0, 3600]")
@@ -671,7 +679,7 @@ def load_swe_rows(rows: Iterable[Mapping], skip_bad: bool = False,
     skip_bad: log and skip a bad row instead of raising.
     errors: when given, the skipped rows' errors are appended to it.
     source: how errors name the rows ("SOURCE[INDEX]: field ...").
-    base_dir: what relative `repo_path`s are resolved against.
+    base_dir: the dataset's folder, holding the rows' `repo_path` and `rootfs`.
     mirror: the directory of git mirrors for rows without `repo_path` (module docstring).
     cache_dir: where checkouts of mirrored commits go.
 
@@ -745,7 +753,8 @@ def task_to_swe_dict(task: Task, repo_path: Optional[str] = None) -> dict:
   Args:
     task: the task; its metadata fields are written back as row fields.
     repo_path: the row's repo_path; None: the task's (a mirrored task has none: reading the
-      row back needs the mirror again).
+      row back needs the mirror again). A row in a file names a path inside the file's
+      folder: pass it relative to that folder (the task's own is absolute).
   """
   d = dict(task.metadata)
   d.update(instance_id=task.instance_id, problem_statement=task.problem_statement,
@@ -784,25 +793,14 @@ _GIT_REF = re.compile(r"^[\w][\w./@+-]*$")  # a commit or branch name, never an 
 _REPO = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
-class GitError(RuntimeError):
-  """A git command on a mirror failed (its stderr is in the message)."""
-
-
-def _git(git_dir: str, *args: str, stdin: Optional[bytes] = None) -> bytes:
-  env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-  res = subprocess.run(["git", "--git-dir", git_dir, *args], input=stdin, capture_output=True,
-                       env={**env, "GIT_TERMINAL_PROMPT": "0"})
-  if res.returncode:
-    raise GitError(f"git {' '.join(args[:3])} in {git_dir}: "
-                   f"{res.stderr.decode(errors='replace').strip()[-500:]}")
-  return res.stdout
-
-
 def find_mirror(mirror: str, repo: str) -> str:
   """The git directory of `repo` ("owner/name") in a directory of mirrors.
 
   Looked for, in order: MIRROR/owner__name.git, MIRROR/owner__name, MIRROR/owner/name.git,
-  MIRROR/owner/name; each a bare repository or a clone with a .git directory.
+  MIRROR/owner/name; each a bare repository or a clone with a .git directory. The row's `repo`
+  names a path inside MIRROR (`envs.dataset_paths`: no "..", no symbolic link on the way), and
+  the repository must pass `envs.safe_git.check_repository` (owned by the user running this,
+  no linked config or objects, no alternates outside the folder holding it).
 
   Args:
     mirror: the directory of mirrors.
@@ -812,20 +810,30 @@ def find_mirror(mirror: str, repo: str) -> str:
     The absolute git directory.
 
   Raises:
-    ValueError: naming 'repo' (a malformed name, or no mirror of it).
+    ValueError: naming 'repo' (a malformed name, no mirror of it, or one that is refused).
   """
   if not _REPO.match(repo) or ".." in repo.split("/"):
     raise ValueError(f"field 'repo': {repo!r}: expected 'owner/name'")
   owner, name = repo.split("/")
+  mirror = os.path.abspath(os.path.expanduser(mirror))  # the caller's, not the row's
   tried = []
   for rel in (f"{owner}__{name}.git", f"{owner}__{name}", f"{owner}/{name}.git",
               f"{owner}/{name}"):
-    path = os.path.abspath(os.path.join(os.path.expanduser(mirror), rel))
-    tried.append(path)
-    if os.path.isdir(os.path.join(path, ".git")):
-      return os.path.join(path, ".git")
-    if os.path.isfile(os.path.join(path, "HEAD")) and os.path.isdir(os.path.join(path, "objects")):
-      return path
+    tried.append(os.path.join(mirror, rel))
+    try:
+      path = dataset_paths.resolve(mirror, rel, f"field 'repo': {repo!r}: mirror", kind="dir")
+    except dataset_paths.MissingPath:
+      continue
+    try:
+      git_dir = safe_git.find_git_dir(path)
+    except safe_git.RepositoryError as e:
+      if os.path.lexists(os.path.join(path, ".git")):  # a linked or file .git: refused
+        raise ValueError(f"field 'repo': {repo!r}: {e}") from None
+      continue  # a folder that is no repository (e.g. MIRROR/owner holding owner/name)
+    try:
+      return safe_git.check_repository(git_dir)
+    except safe_git.RepositoryError as e:
+      raise ValueError(f"field 'repo': {repo!r}: {e}") from None
   raise ValueError(f"field 'repo': {repo!r}: no git mirror of it (looked for {', '.join(tried)})")
 
 
@@ -840,29 +848,28 @@ def resolve_commit(git_dir: str, ref: str) -> str:
   if not _GIT_REF.match(ref) or ".." in ref:
     raise ValueError(f"field 'base_commit': {ref!r}: expected a commit id or branch name")
   for candidate in (ref, f"origin/{ref}"):
-    try:
-      return _git(git_dir, "rev-parse", "--verify", "--quiet", f"{candidate}^{{commit}}"
-                  ).decode().strip()
-    except GitError:
-      continue
+    commit = safe_git.rev_parse(git_dir, candidate)
+    if commit:
+      return commit
   raise ValueError(f"field 'base_commit': {ref!r}: no such commit in the mirror {git_dir}")
 
 
 def _smith_test_patch(git_dir: str, commit: str) -> str:
   """SWE-smith's test patch: when `commit` is its "Remove F2P Tests" commit, the diff that
   brings the failing tests back from its parent (the "Bug Patch" commit); else ""."""
-  if _git(git_dir, "log", "-1", "--format=%s", commit).decode().strip() != _SMITH_REMOVAL:
+  if safe_git.commit_header(git_dir, commit)[0] != _SMITH_REMOVAL:
     return ""
-  return _git(git_dir, "-c", "core.quotePath=false", "diff", "--no-color", "--no-ext-diff",
-              "--no-textconv", "--no-renames", "--src-prefix=a/", "--dst-prefix=b/", commit,
-              f"{commit}~1", "--").decode("utf-8", errors="replace")
+  return safe_git.git(git_dir, "-c", "core.quotePath=false", "diff-tree", "-r", "-p",
+                      "--no-color", "--no-ext-diff", "--no-textconv", "--no-renames",
+                      "--src-prefix=a/", "--dst-prefix=b/", commit, f"{commit}~1", "--"
+                      ).decode("utf-8", errors="replace")
 
 
 def checkout(git_dir: str, commit: str, cache_dir: str, repo: str) -> str:
   """The files of `commit` in a cache directory keyed by (repo, commit), written once.
 
-  The tree is read with `git ls-tree` + `git cat-file` (exact blob bytes: no export-ignore,
-  no end-of-line or filter conversion); regular files only (symlinks and submodules are left
+  The tree is read with `envs.safe_git.tree_files` (exact blob bytes: no export-ignore, no
+  end-of-line or filter conversion); regular files only (symlinks and submodules are left
   out, as `load_repo_files` would). It is written to a temporary directory that is renamed
   into place, so concurrent or interrupted checkouts never leave a partial tree.
 
@@ -877,6 +884,8 @@ def checkout(git_dir: str, commit: str, cache_dir: str, repo: str) -> str:
 
   Raises:
     GitError: git failed.
+    ValueError: the repository is refused (`envs.safe_git.check_repository`) or holds a path
+      that is not safe.
   """
   parent = os.path.join(cache_dir, repo.replace("/", "__"))
   final = os.path.join(parent, commit)
@@ -885,26 +894,12 @@ def checkout(git_dir: str, commit: str, cache_dir: str, repo: str) -> str:
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
   try:
-    entries = []
-    for entry in _git(git_dir, "ls-tree", "-r", "-z", "--full-tree", commit).split(b"\0"):
-      if entry:
-        meta, path = entry.split(b"\t", 1)
-        mode, kind, sha = meta.decode().split()
-        if kind == "blob" and mode in ("100644", "100755"):
-          entries.append((mode, sha, _check_rel(path.decode("utf-8", "surrogateescape"),
-                                                f"{repo}@{commit}")))
-    blobs = _git(git_dir, "cat-file", "--batch",
-                 stdin="".join(sha + "\n" for _, sha, _ in entries).encode())
-    at = 0
-    for mode, sha, path in entries:
-      header_end = blobs.index(b"\n", at)
-      size = int(blobs[at:header_end].split()[2])
-      target = os.path.join(tmp, path)
+    for mode, path, data in safe_git.tree_files(git_dir, commit):
+      target = os.path.join(tmp, _check_rel(path, f"{repo}@{commit}"))
       os.makedirs(os.path.dirname(target), exist_ok=True)
       with open(target, "wb") as f:
-        f.write(blobs[header_end + 1:header_end + 1 + size])
+        f.write(data)
       os.chmod(target, 0o755 if mode == "100755" else 0o644)
-      at = header_end + 1 + size + 1  # the blob, then "\n"
     try:
       os.rename(tmp, final)
     except OSError:
@@ -934,7 +929,9 @@ def repo_dir(task: Task) -> str:
 def load_repo_files(task_or_path) -> dict[str, bytes]:
   """The snapshot's regular files as {relative path: bytes} (caches and .git left out).
 
-  Symlinks and special files are skipped: the sandbox file API writes regular files only.
+  Symlinks and special files are skipped: the sandbox file API writes regular files only. A
+  directory is read with descriptors (`envs.dataset_paths.read_tree`), so no link inside it is
+  ever followed.
 
   Args:
     task_or_path: a Task (its `repo_dir`), or a path to a directory or a .tar / .tar.gz /
@@ -948,27 +945,26 @@ def load_repo_files(task_or_path) -> dict[str, bytes]:
   path = repo_dir(task_or_path) if isinstance(task_or_path, Task) else task_or_path
   if path is None:
     raise ValueError("repo_path=None: this task has no repository")
-  files: dict[str, bytes] = {}
   if os.path.isdir(path):
-    for dirpath, dirnames, filenames in os.walk(path):
-      dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
-      for name in sorted(filenames):
-        full = os.path.join(dirpath, name)
-        rel = os.path.relpath(full, path).replace(os.sep, "/")
-        if os.path.islink(full) or not os.path.isfile(full) or is_cache_path(rel):
-          continue
-        with open(full, "rb") as f:
-          files[rel] = f.read()
-  elif os.path.isfile(path) and tarfile.is_tarfile(path):
-    with tarfile.open(path) as tar:
+    return dataset_paths.read_tree(path, "", f"repo_path={path!r}", skip_dirs=_SKIP_DIRS,
+                                   keep=lambda rel: not is_cache_path(rel))
+  files: dict[str, bytes] = {}
+  try:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+  except OSError as e:
+    raise ValueError(f"repo_path={path!r}: not a directory or tar archive ({e.strerror})"
+                     ) from None
+  with os.fdopen(fd, "rb") as f:
+    if not (stat.S_ISREG(os.fstat(fd).st_mode) and tarfile.is_tarfile(f)):
+      raise ValueError(f"repo_path={path!r}: not a directory or tar archive")
+    f.seek(0)
+    with tarfile.open(fileobj=f) as tar:
       for m in tar:
         if not m.isfile():
           continue
         rel = _check_rel(m.name, f"repo_path={path!r}")
         if not is_cache_path(rel):
           files[rel] = tar.extractfile(m).read()
-  else:
-    raise ValueError(f"repo_path={path!r}: not a directory or tar archive")
   return files
 
 

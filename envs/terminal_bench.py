@@ -28,6 +28,11 @@ reward 1 iff run-tests.sh exits 0. Without run-tests.sh the check is `DEFAULT_RU
 
 Defaults (ours): max_agent_timeout_sec 360, max_test_timeout_sec 60, difficulty "unknown".
 
+A task folder is untrusted data: its files are read with descriptors (`envs.dataset_paths`),
+never through a symbolic link. A linked task folder, task.yaml, setup.sh, run-tests.sh,
+solution.sh, tests/ or file under tests/ is an error naming the task and the file (a task
+skipped with that reason under `skip_bad`).
+
     tasks = load_terminal_bench("envs/data/terminal_bench")    # a directory of task dirs
     task = load_terminal_bench_task("envs/data/terminal_bench/csv-total")
 """
@@ -40,6 +45,7 @@ from typing import Optional
 
 import yaml
 
+from envs import dataset_paths
 from envs.tasks import Task, TaskFormatError
 
 log = logging.getLogger(__name__)
@@ -58,9 +64,19 @@ cd "$TEST_DIR" && python3 -I -m pytest -c /dev/null --rootdir="$TEST_DIR" \\
 """
 
 
-def _read(path: str) -> str:
-  with open(path, encoding="utf-8") as f:
-    return f.read()
+def _read(task_dir: str, name: str, optional: bool = False) -> Optional[str]:
+  """The text of file `name` of a task folder (never through a link); None when optional and
+  missing."""
+  try:
+    data = dataset_paths.read_file(task_dir, name, task_dir)
+  except dataset_paths.MissingPath:
+    if optional:
+      return None
+    raise
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{task_dir}: {name!r}: not UTF-8 text ({e.reason})") from None
 
 
 def _seconds(spec: dict, field: str, default: float) -> float:
@@ -84,12 +100,14 @@ def load_terminal_bench_task(task_dir: str) -> Task:
     "solution_path" (solution.sh, when present), the other task.yaml fields}.
 
   Raises:
-    ValueError: "DIR/task.yaml: field 'NAME': ..." for a missing or malformed field or file.
+    ValueError: "DIR/task.yaml: field 'NAME': ..." for a missing or malformed field or file;
+      "DIR: 'FILE' is a symbolic link ..." for a linked file or folder.
   """
   task_dir = os.path.abspath(task_dir)
   where = os.path.join(task_dir, "task.yaml")
+  text = _read(task_dir, "task.yaml")
   try:
-    spec = yaml.safe_load(_read(where))
+    spec = yaml.safe_load(text)
     if not isinstance(spec, dict):
       raise ValueError(f"expected a mapping, got {spec!r:.100}")
     instruction = spec.get("instruction")
@@ -103,35 +121,35 @@ def load_terminal_bench_task(task_dir: str) -> Task:
       raise ValueError(f"field 'difficulty': {difficulty!r}: expected a string")
     agent_timeout = _seconds(spec, "max_agent_timeout_sec", DEFAULT_AGENT_TIMEOUT)
     test_timeout = _seconds(spec, "max_test_timeout_sec", DEFAULT_TEST_TIMEOUT)
-  except (OSError, yaml.YAMLError, ValueError) as e:
+  except (yaml.YAMLError, ValueError) as e:
     raise ValueError(f"{where}: {e}") from None
-  setup = os.path.join(task_dir, "setup.sh")
-  run_tests = os.path.join(task_dir, "run-tests.sh")
-  check_script = _read(run_tests) if os.path.isfile(run_tests) else DEFAULT_RUN_TESTS
-  files: dict[str, bytes] = {}
-  tests_dir = os.path.join(task_dir, "tests")
-  for dirpath, dirnames, filenames in os.walk(tests_dir):
-    dirnames[:] = sorted(d for d in dirnames if d not in ("__pycache__", ".pytest_cache"))
-    for name in sorted(filenames):
-      full = os.path.join(dirpath, name)
-      if os.path.islink(full) or name.endswith((".pyc", ".pyo")):
-        continue
-      with open(full, "rb") as f:
-        files[os.path.relpath(full, tests_dir).replace(os.sep, "/")] = f.read()
+  setup = _read(task_dir, "setup.sh", optional=True) or ""
+  check_script = _read(task_dir, "run-tests.sh", optional=True)
+  if check_script is None:
+    check_script = DEFAULT_RUN_TESTS
+  try:
+    files = dataset_paths.read_tree(task_dir, "tests", task_dir, links="error",
+                                    skip_dirs=("__pycache__", ".pytest_cache"),
+                                    keep=lambda rel: not rel.endswith((".pyc", ".pyo")))
+  except dataset_paths.MissingPath:
+    files = {}
   if parser == "pytest" and not files:
     raise ValueError(f"{task_dir}: parser_name 'pytest' needs test files in tests/")
-  solution = os.path.join(task_dir, "solution.sh")
+  try:
+    solution = dataset_paths.resolve(task_dir, "solution.sh", task_dir, kind="file")
+  except dataset_paths.MissingPath:
+    solution = None
   if os.path.isfile(os.path.join(task_dir, "Dockerfile")):
     log.info("%s: Dockerfile ignored (the environment is setup.sh)", task_dir)
   known = {"instruction", "difficulty", "max_agent_timeout_sec", "max_test_timeout_sec",
            "parser_name"}
   return Task(
       instance_id=os.path.basename(task_dir), kind="shell", problem_statements=(
-          instruction.strip(),), setup_script=_read(setup) if os.path.isfile(setup) else "",
+          instruction.strip(),), setup_script=setup,
       check_script=check_script, check_files=files, check_parser=parser,
       timeout=test_timeout, agent_timeout=agent_timeout,
       metadata={"format": "terminal-bench", "task_dir": task_dir, "difficulty": difficulty,
-                **({"solution_path": solution} if os.path.isfile(solution) else {}),
+                **({"solution_path": solution} if solution else {}),
                 **{k: v for k, v in spec.items() if k not in known}})
 
 
@@ -160,16 +178,19 @@ def load_terminal_bench(path: str, skip_bad: bool = False,
     TaskFormatError: naming the task's task.yaml and the field (unless skip_bad), or `path`
       holds no task.
   """
-  if os.path.isfile(os.path.join(path, "task.yaml")):
+  if os.path.lexists(os.path.join(path, "task.yaml")):
     dirs = [path]
   else:
     dirs = [os.path.join(path, d) for d in sorted(os.listdir(path))
-            if os.path.isfile(os.path.join(path, d, "task.yaml"))]
+            if os.path.lexists(os.path.join(path, d, "task.yaml"))]
   if not dirs:
     raise TaskFormatError(f"{path}: no task.yaml in it or in its subdirectories")
   tasks = []
   for d in dirs:
     try:
+      if d != path and os.path.islink(d):  # a task folder is the folder itself, not a link
+        raise ValueError(f"{path}: {os.path.basename(d)!r} is a symbolic link; task folders "
+                         "must be real folders")
       tasks.append(load_terminal_bench_task(d))
     except ValueError as e:
       if not skip_bad:
@@ -189,4 +210,4 @@ def reference_solution(task: Task) -> str:
   path = task.metadata.get("solution_path")
   if not path:
     raise ValueError(f"Task {task.instance_id!r}: no solution.sh")
-  return _read(path)
+  return _read(os.path.dirname(path), os.path.basename(path))

@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any, Mapping, Optional, Sequence
 
-from envs import aio
+from envs import aio, dataset_paths
 from envs.episode import make_sandbox_factory
 from envs.sandbox import SandboxError
 from envs.tasks import Task, jsonl_records, load_repo_files, load_swe_jsonl
@@ -190,24 +190,58 @@ def summary(report: Mapping[str, Any]) -> str:
   return "\n".join(lines)
 
 
-def write_rows(path: str, rows: Sequence[dict], source: str) -> None:
-  """Writes rows to a JSONL file, their relative `repo_path`s (and `rootfs`) rewritten to be
+def moved_rows(rows: Sequence[dict], source: str, path: str) -> list[dict]:
+  """The rows of `source` as a file at `path` must hold them: `repo_path` and `rootfs` made
   relative to the new file's folder.
 
+  A dataset's paths lie inside its own folder (`envs.dataset_paths`), so the new file must be
+  in the folder of `source` or a folder above it.
+
   Args:
-    path: the new file.
     rows: the rows as read from `source`.
-    source: the file they came from (its folder is what their paths are relative to).
+    source: the file they came from (its folder holds their paths).
+    path: the new file.
+
+  Returns:
+    New row dicts.
+
+  Raises:
+    ValueError: a row's path is not one a dataset may name, or it would be outside the new
+      file's folder.
   """
   old_dir = os.path.dirname(os.path.abspath(source))
   new_dir = os.path.dirname(os.path.abspath(path))
+  out = []
+  for row in rows:
+    row = dict(row)
+    for field in ("repo_path", "rootfs"):
+      value = row.get(field)
+      if isinstance(value, str):
+        comps = dataset_paths.parts(old_dir, value, f"field {field!r}")
+        moved = os.path.relpath(os.path.join(old_dir, *comps), new_dir)
+        if moved.split(os.sep)[0] == "..":
+          raise ValueError(f"{path}: field {field!r}: {value!r} would be {moved!r}, outside "
+                           f"the new file's folder; write it in {old_dir} or a folder above")
+        row[field] = moved.replace(os.sep, "/")
+    out.append(row)
+  return out
+
+
+def write_rows(path: str, rows: Sequence[dict], source: str) -> None:
+  """Writes rows to a JSONL file, their `repo_path`s (and `rootfs`) rewritten to be relative
+  to the new file's folder (`moved_rows`).
+
+  Args:
+    path: the new file (in the folder of `source` or a folder above it).
+    rows: the rows as read from `source`.
+    source: the file they came from (its folder is what their paths are relative to).
+
+  Raises:
+    ValueError: see `moved_rows` (nothing is written then).
+  """
+  rows = moved_rows(rows, source, path)
   with open(path, "w", encoding="utf-8") as f:
     for row in rows:
-      row = dict(row)
-      for field in ("repo_path", "rootfs"):
-        value = row.get(field)
-        if isinstance(value, str) and not os.path.isabs(os.path.expanduser(value)):
-          row[field] = os.path.relpath(os.path.join(old_dir, value), new_dir)
       f.write(json.dumps(row) + "\n")
 
 
@@ -225,6 +259,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument("--mirror", default=None, help="git mirrors for rows without repo_path")
   args = p.parse_args(argv)
   logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+  if args.out:  # rows whose paths could not be written there: say so before any run
+    old_dir, new_dir = (os.path.dirname(os.path.abspath(f)) for f in (args.tasks, args.out))
+    if os.path.relpath(old_dir, new_dir).split(os.sep)[0] == ".." and any(
+        isinstance(r, dict) and (r.get("repo_path") or r.get("rootfs"))
+        for _, _, r in jsonl_records(args.tasks)):
+      p.error(f"--out={args.out!r}: the rows name paths inside {old_dir}; write the accepted "
+              "rows in that folder or a folder above it")
   errors: list = []
   tasks = load_swe_jsonl(args.tasks, skip_bad=True, errors=errors, mirror=args.mirror)
   report = validate(tasks, make_sandbox_factory(args.backend), runs=args.runs,

@@ -412,10 +412,12 @@ def test_validate_rejects_hand_broken_rows(synthesized, tmp_path):
                      PASS_TO_PASS=row["PASS_TO_PASS"][1:])
   no_fix = dict(row, instance_id="no_fix", patch=rows[-1]["patch"] if rows[-1] is not row
                 else rows[0]["patch"])
-  path = out / "broken.jsonl"
-  path.write_text("".join(json.dumps(r) + "\n" for r in (row, mislabelled, no_fix)))
-  report_path, accepted_path = tmp_path / "r.json", tmp_path / "sub" / "accepted.jsonl"
-  accepted_path.parent.mkdir()
+  # The rows in a dataset folder of their own; the accepted ones written in the folder above.
+  shutil.copytree(out / row["repo_path"], tmp_path / "data" / "repos" / "tree")
+  path = tmp_path / "data" / "broken.jsonl"
+  path.write_text("".join(json.dumps(dict(r, repo_path="repos/tree")) + "\n"
+                          for r in (row, mislabelled, no_fix)))
+  report_path, accepted_path = tmp_path / "r.json", tmp_path / "accepted.jsonl"
   res = subprocess.run([sys.executable, "-m", "envs.validate", "--tasks", str(path), "--report",
                         str(report_path), "--out", str(accepted_path), "--runs", "1"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
@@ -427,6 +429,11 @@ def test_validate_rejects_hand_broken_rows(synthesized, tmp_path):
   assert report["rejected"]["no_fix"].startswith("gold patch fails")
   accepted = load_swe_jsonl(str(accepted_path))  # repo_path rewritten for the new folder
   assert [t.instance_id for t in accepted] == [row["instance_id"]]
+  assert json.loads(accepted_path.read_text())["repo_path"] == "data/repos/tree"
+  res = subprocess.run([sys.executable, "-m", "envs.validate", "--tasks", str(path), "--out",
+                        str(tmp_path / "data" / "sub" / "accepted.jsonl")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+  assert res.returncode == 2 and "write the accepted rows in that folder" in res.stderr
   assert load_repo_files(accepted[0]) == load_repo_files(load_swe_jsonl(str(path))[0])
 
 

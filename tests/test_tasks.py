@@ -134,9 +134,11 @@ def test_bundled_instances_load():
 
 
 def test_swe_records_round_trip(tmp_path):
-  tasks = load_swe_jsonl(DATA)
-  path = write_lines(tmp_path / "copy.jsonl", [task_to_swe_dict(t) for t in tasks])
-  assert load_swe_jsonl(path) == tasks
+  # A copy of the bundled set: a row's repo_path lies inside the folder of its file.
+  shutil.copytree(os.path.dirname(DATA), tmp_path / "swe")
+  tasks = load_swe_jsonl(str(tmp_path / "swe" / "tasks.jsonl"))
+  rows = [task_to_swe_dict(t, os.path.relpath(t.repo_path, tmp_path)) for t in tasks]
+  assert load_swe_jsonl(write_lines(tmp_path / "copy.jsonl", rows)) == tasks
 
 
 def test_prompt_sampling_uses_the_given_rng():
