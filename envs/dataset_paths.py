@@ -68,14 +68,15 @@ def parts(root: str, path: str, name: str) -> list[str]:
 
 def _refuse(fd: int, part: str, name: str, path: str, shown: str) -> DatasetPathError:
   """The error for a component that could not be opened as a folder."""
+  where = f"{path!r}" if shown == path else f"{path!r}: {shown!r}"
   try:
     mode = os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode
   except FileNotFoundError:
-    return MissingPath(f"{name}: {path!r}: {shown!r} does not exist")
+    return MissingPath(f"{name}: {where} does not exist")
   if stat.S_ISLNK(mode):
-    return DatasetPathError(f"{name}: {path!r}: {shown!r} is a symbolic link; dataset paths "
-                            "may not go through links")
-  return DatasetPathError(f"{name}: {path!r}: {shown!r} is not a folder")
+    return DatasetPathError(f"{name}: {where} is a symbolic link; dataset paths may not go "
+                            "through links")
+  return DatasetPathError(f"{name}: {where} is not a folder")
 
 
 def _open_dir(root: str, comps: list[str], name: str, path: str) -> int:
@@ -144,9 +145,11 @@ def _read_at(fd: int, entry: str, name: str, shown: str) -> bytes:
   except FileNotFoundError:
     raise MissingPath(f"{name}: {shown!r} does not exist") from None
   except OSError as e:
-    if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENOTDIR):
-      raise DatasetPathError(f"{name}: {shown!r} is a symbolic link or not a regular "
-                             "file; dataset files must be regular files") from None
+    if e.errno == errno.ELOOP:
+      raise DatasetPathError(f"{name}: {shown!r} is a symbolic link; dataset files must be "
+                             "regular files inside the dataset's folder") from None
+    if e.errno in (errno.ENXIO, errno.EISDIR, errno.ENOTDIR):
+      raise DatasetPathError(f"{name}: {shown!r} is not a regular file") from None
     raise
   try:
     if not stat.S_ISREG(os.fstat(f).st_mode):

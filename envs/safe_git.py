@@ -299,7 +299,7 @@ def commit_header(git_dir: str, commit: str) -> tuple[str, int]:
   head, _, message = raw.partition("\n\n")
   committer = [l for l in head.split("\n") if l.startswith("committer ")]
   m = re.search(r"> (\d+) [+-]\d{4}$", committer[0]) if committer else None
-  subject = " ".join(l.strip() for l in message.split("\n\n", 1)[0].splitlines())
+  subject = " ".join(l.strip() for l in message.lstrip("\n").split("\n\n", 1)[0].splitlines())
   return subject.strip(), int(m.group(1)) if m else 0
 
 
