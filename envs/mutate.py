@@ -878,14 +878,6 @@ def mutations(source: str, path: str, kinds: Sequence[str] = KINDS, *,
   return [f[3] for f in sorted(found, key=lambda f: f[:3])]
 
 
-def _git(git_dir: str, *args: str) -> str:
-  """`envs.safe_git.git` as text; a failure is a ValueError (a bad revision or path)."""
-  try:
-    return safe_git.git(git_dir, *args).decode("utf-8", "surrogateescape")
-  except safe_git.GitError as e:
-    raise ValueError(str(e)) from None
-
-
 def _top_functions(tree: ast.AST) -> dict[tuple[str, int], ast.AST]:
   """{(qualified name, occurrence): node} of module-level functions and methods (not nested)."""
   out, counts = {}, collections.Counter()
@@ -914,7 +906,7 @@ def commit_reverts(repo_dir: str, commit: str = "HEAD",
   whose code (docstring aside) `commit` changed in a modified, non-test .py file, a Mutation
   of kind "revert" whose source is the file at `commit` with only that function's lines
   (decorators included) replaced by the parent commit's version. Functions added or deleted by
-  the commit, renamed files and root commits give nothing.
+  the commit, renamed files, files that are not UTF-8 and root commits give nothing.
 
   Args:
     repo_dir: a git working tree.
@@ -929,29 +921,30 @@ def commit_reverts(repo_dir: str, commit: str = "HEAD",
     ValueError: `repo_dir` is not a git repository, one that `envs.safe_git.check_repository`
       refuses (git reads it through `envs.safe_git`: none of its configured programs runs), or
       `commit` is not a commit in it.
+    envs.safe_git.GitError: git failed otherwise.
   """
   git_dir = safe_git.check_repository(safe_git.find_git_dir(repo_dir))
   sha = safe_git.rev_parse(git_dir, commit)
   if sha is None:
     raise ValueError(f"commit={commit!r}: not a commit of {repo_dir!r}")
-  parents = _git(git_dir, "rev-list", "--parents", "-n", "1", sha).split()[1:]
+  parents = safe_git.git(git_dir, "rev-list", "--parents", "-n", "1", sha).split()[1:]
   if not parents:
     return []
-  parent = parents[0]
+  parent = parents[0].decode()
   wanted = None if paths is None else set(paths)
-  status = _git(git_dir, "diff-tree", "-r", "--name-status", "--no-renames", "--no-ext-diff",
-                "--no-textconv", "-z", parent, sha, "--")
-  fields = status.split("\0")
+  status = safe_git.git(git_dir, "diff-tree", "-r", "--name-status", "--no-renames",
+                        "--no-ext-diff", "--no-textconv", "-z", parent, sha, "--")
+  fields = status.decode("utf-8", "surrogateescape").split("\0")
   out = []
   for code, path in zip(fields[0::2], fields[1::2]):
     if (code != "M" or not path.endswith(".py") or is_test_file(path)
         or (wanted is not None and path not in wanted)):
       continue
-    old_text = _git(git_dir, "cat-file", "blob", f"{parent}:{path}")
-    new_text = _git(git_dir, "cat-file", "blob", f"{sha}:{path}")
     try:
+      old_text = safe_git.read_blob(git_dir, parent, path).decode("utf-8")
+      new_text = safe_git.read_blob(git_dir, sha, path).decode("utf-8")
       old_fns, new_fns = _top_functions(ast.parse(old_text)), _top_functions(ast.parse(new_text))
-    except SyntaxError:
+    except (UnicodeDecodeError, SyntaxError):
       continue
     old_src, new_src = _Source(old_text), _Source(new_text)
     for key, new_fn in sorted(new_fns.items(), key=lambda kv: kv[1].lineno):
