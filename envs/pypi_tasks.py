@@ -32,7 +32,7 @@ import tarfile
 import time
 from typing import Any, Optional, Sequence
 
-from envs import synth
+from envs import dataset_paths, synth
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "pypi")
 COMBINED = "tasks.jsonl"  # the eval file of every package, in the output directory
@@ -196,7 +196,8 @@ def export(tasks_file: str, out_dir: str, instance_ids: Optional[Sequence[str]] 
     The number of rows written.
 
   Raises:
-    ValueError: an instance id that is not in `tasks_file`.
+    ValueError: an instance id that is not in `tasks_file`, or a `repo_path` that is not a
+      folder inside the tasks file's folder (absolute, "..", "~" or a symbolic link).
   """
   rows = {}
   with open(tasks_file, encoding="utf-8") as f:
@@ -212,7 +213,8 @@ def export(tasks_file: str, out_dir: str, instance_ids: Optional[Sequence[str]] 
   with open(os.path.join(out_dir, "tasks.jsonl"), "w", encoding="utf-8") as out:
     for i in ids:
       row = dict(rows[i])
-      tree = os.path.join(os.path.dirname(os.path.abspath(tasks_file)), row["repo_path"])
+      tree = dataset_paths.resolve(os.path.dirname(os.path.abspath(tasks_file)), row["repo_path"],
+                                   f"instance_id={i!r} field 'repo_path'", "dir")
       row["repo_path"] = f"repos/{i}.tar.gz"
       with tarfile.open(os.path.join(out_dir, row["repo_path"]), "w:gz") as tar:
         for name in sorted(os.listdir(tree)):

@@ -135,3 +135,15 @@ def test_export_packs_each_tree_into_one_tarball(live, tmp_path):
     assert (a.patch, a.fail_to_pass, a.pass_to_pass) == (b.patch, b.fail_to_pass, b.pass_to_pass)
   with pytest.raises(ValueError, match="instance_id='nope'"):
     pypi_tasks.export(str(out / FAST / "tasks.jsonl"), str(tmp_path), ["nope"])
+
+
+@pytest.mark.parametrize("repo_path", ["/etc", "../outside", "link"])
+def test_export_packs_nothing_from_outside_the_tasks_folder(tmp_path, repo_path):
+  data, outside = tmp_path / "data", tmp_path / "outside"
+  data.mkdir(), outside.mkdir()
+  (outside / "secret.txt").write_text("host file")
+  (data / "link").symlink_to(outside)
+  (data / "tasks.jsonl").write_text(json.dumps({"instance_id": "x", "repo_path": repo_path}) + "\n")
+  with pytest.raises(ValueError, match=r"instance_id='x' field 'repo_path'"):
+    pypi_tasks.export(str(data / "tasks.jsonl"), str(tmp_path / "out"), ["x"])
+  assert not list((tmp_path / "out" / "repos").iterdir())
