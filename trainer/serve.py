@@ -36,6 +36,17 @@ default; any other address needs a bearer token (--token or ARBOR_SERVE_TOKEN), 
 endpoint but /health then requires. Bodies, connections and session logs are bounded; errors
 are OpenAI error objects ({"error": {"message", "type", "param", "code"}}) and the server keeps
 serving. Nothing is unpickled.
+
+Against hostile clients (the front door of `envs.untrusted.door`, shared with the sandbox
+server): a request's headers must be complete --header_timeout s after its connection opened (or
+after the previous response), its body within --body_timeout s (408) and max_body_bytes (413);
+beyond --max_connections open connections the oldest idle one is closed, those that never
+carried a valid token first, so silent or dribbling sockets cannot lock real clients out; the
+TLS handshake must finish within --handshake_timeout s. A body nested deeper than
+max_json_depth is refused before it is parsed. Every number a request carries is checked: token
+ids inside the vocabulary, max_tokens within the context, temperature a finite number in
+[0, MAX_TEMPERATURE], top_p in (0, 1], top_k, n, seed, logprobs integers in range; anything else
+is a 400 naming the field and value, before the engine sees it.
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ import hmac
 import inspect
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -66,6 +78,8 @@ from starlette.routing import Route
 from envs.chat import load_chat, load_tokenizer, make_chat
 from envs.net import check_bind, serve_in_thread
 from envs.policy import Generation, SamplingParams, encode_expert_ids
+from envs.untrusted.decode import TooDeep, loads
+from envs.untrusted.door import ConnectionLimits, Door, RequestError
 from models import hf, transformer
 from models.engine import Engine, EngineConfig
 from models.presets import get_preset
@@ -81,6 +95,9 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 # Fields whose non-default values would change what is sampled; refused rather than ignored.
 UNSUPPORTED = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
                "logit_bias": (None, {}), "suffix": (None, ""), "best_of": (None, 1)}
+MAX_TEMPERATURE = 100.0        # hotter is uniform sampling for any model
+MAX_TOP_K = 2**31 - 1          # the engine's int32 (any k >= the vocabulary is "off")
+SEED_RANGE = (-2**63, 2**63 - 1)  # int64, as OpenAI's and vLLM's APIs take it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +112,14 @@ class ServerConfig:
                                      # built elsewhere caps it at its EngineConfig.top_logprobs)
   max_body_bytes: int = 4 << 20      # larger request bodies get 413
   max_header_bytes: int = 16 << 10   # request line + headers
-  max_connections: int = 1024        # concurrent connections (more get 503)
+  max_json_depth: int = 128          # bodies nested deeper get 400 (measured before parsing)
+  max_connections: int = 1024        # open connections; beyond, the oldest idle one is closed,
+                                     # those that never carried a valid token first
   keep_alive_s: int = 5              # idle keep-alive connections close after this
+  header_timeout_s: float = 10.0     # a request's headers are due this long after the
+                                     # connection opened or the previous response ended
+  body_timeout_s: float = 30.0       # a request's body is due this long after its headers (408)
+  handshake_timeout_s: float = 10.0  # the TLS handshake is due this long after connecting
   max_n: int = 64                    # most samples per request (n x prompts)
   max_sessions: int = 1024           # session logs kept (least recently used dropped first)
   max_session_tokens: int = 1 << 21  # logged input + output tokens per session
@@ -150,6 +173,7 @@ def _param_of(message: str) -> Optional[str]:
 
 
 def _field(body: dict, name: str, kind, default=None):
+  """body[name] of type `kind` (never a bool for a number); absent or null gives `default`."""
   value = body.get(name, default)
   if value is None:
     return default
@@ -162,18 +186,63 @@ def _field(body: dict, name: str, kind, default=None):
   return value
 
 
-def _int_list(body: dict, name: str) -> list[int]:
-  value = body.get(name, [])
-  if value is None:
-    return []
-  if not _is_ids(value):
-    raise HTTPError(400, f"{name}: expected a list of integers", name)
+def _integer(body: dict, name: str, default: Optional[int], low: int, high: int,
+             why: str = "") -> Optional[int]:
+  """body[name], an integer in [low, high] (400 naming the field and value otherwise)."""
+  value = _field(body, name, int, default)
+  if value is not None and not low <= value <= high:
+    raise HTTPError(400, f"{name}={value!r:.100}: must be an integer in [{low}, {high}]{why}",
+                    name)
   return value
+
+
+def _real(body: dict, name: str, default: float, low: float, high: float,
+          open_low: bool = False) -> float:
+  """body[name], a finite number in [low, high] ((low, high] with `open_low`): never inf or
+  nan (JSON's 1e400, Infinity, NaN), never an integer too large for a float."""
+  value = _field(body, name, (int, float), default)
+  try:
+    x = float(value)
+  except OverflowError:  # an integer beyond float range
+    x = math.inf if value > 0 else -math.inf
+  if not (math.isfinite(x) and (low < x if open_low else low <= x) and x <= high):
+    raise HTTPError(400, f"{name}={value!r:.100}: must be a finite number in "
+                         f"{'(' if open_low else '['}{low:g}, {high:g}]", name)
+  return x
 
 
 def _is_ids(value) -> bool:
   return isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool)
                                          for x in value)
+
+
+def check_token_ids(value: Any, name: str, vocab_size: int, param: Optional[str] = None,
+                    empty: bool = True) -> list[int]:
+  """A list of token ids of the vocabulary [0, vocab_size).
+
+  Args:
+    value: what the request gave.
+    name: how the message names it (e.g. "prompt[2]").
+    vocab_size: ids must be below this.
+    param: the error's field (default `name`).
+    empty: whether an empty list is accepted.
+
+  Returns:
+    The ids.
+
+  Raises:
+    HTTPError: 400 naming the field and the first bad id.
+  """
+  param = param or name
+  if not _is_ids(value):
+    raise HTTPError(400, f"{name}: expected a list of integers", param)
+  if not value and not empty:
+    raise HTTPError(400, f"{name}: expected at least one token id", param)
+  for i, t in enumerate(value):
+    if not 0 <= t < vocab_size:
+      raise HTTPError(400, f"{name}[{i}]: token id {t!r:.100} is outside the vocabulary "
+                           f"[0, {vocab_size})", param)
+  return value
 
 
 def _stop_strings(body: dict) -> tuple[str, ...]:
@@ -188,40 +257,40 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
   return tuple(stop)
 
 
-def sampling_params(body: dict, *, max_tokens: int, stop_token_ids: Sequence[int] = ()):
-  """Builds engine SamplingParams from a request body.
+def sampling_params(body: dict, *, room: int, capacity: int, vocab_size: int,
+                    max_tokens: Optional[int] = None, stop_token_ids: Sequence[int] = ()):
+  """Builds engine SamplingParams from a request body, every number checked.
 
   Args:
     body: the request's JSON object (fields of GENERATE_FIELDS; absent ones take defaults:
-      temperature 1, top_p 1, top_k 0, no stop, no seed).
-    max_tokens: the default (and, from the OpenAI endpoints, the room left) when the body has
-      none.
+      max_tokens `max_tokens`, temperature 1, top_p 1, top_k 0, no stop, no seed).
+    room: the most new tokens the context has room for (>= 1): the engine's capacity less
+      the prompt.
+    capacity: the engine's max_seq_len (for the message).
+    vocab_size: stop_token_ids must be below this.
+    max_tokens: the default when the body has none (None: `room`).
     stop_token_ids: stop tokens added to the body's (e.g. the chat format's end of turn).
 
   Returns:
     The SamplingParams.
 
   Raises:
-    HTTPError: 400 on a field of the wrong type, max_tokens < 1, top_p outside (0, 1],
-      temperature or top_k < 0, or a bad "stop".
+    HTTPError: 400 naming the field and value: a field of the wrong type, max_tokens outside
+      [1, room], temperature outside [0, MAX_TEMPERATURE] or not finite, top_p outside (0, 1],
+      top_k outside [0, MAX_TOP_K], a seed outside int64, a stop token id outside the
+      vocabulary, or a bad "stop".
   """
-  mt = _field(body, "max_tokens", int, max_tokens)
-  if mt < 1:
-    raise HTTPError(400, f"max_tokens={mt}: must be >= 1", "max_tokens")
-  params = SamplingParams(
-      max_tokens=mt,
-      temperature=float(_field(body, "temperature", (int, float), 1.0)),
-      top_p=float(_field(body, "top_p", (int, float), 1.0)),
-      top_k=_field(body, "top_k", int, 0),
-      stop_token_ids=tuple(dict.fromkeys(list(stop_token_ids) + _int_list(body, "stop_token_ids"))),
+  return SamplingParams(
+      max_tokens=_integer(body, "max_tokens", room if max_tokens is None else max_tokens, 1,
+                          room, f" (the prompt's {capacity - room} tokens + max_tokens fit "
+                          f"the engine's max_seq_len={capacity})"),
+      temperature=_real(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
+      top_p=_real(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
+      top_k=_integer(body, "top_k", 0, 0, MAX_TOP_K),
+      stop_token_ids=tuple(dict.fromkeys(list(stop_token_ids) + check_token_ids(
+          body.get("stop_token_ids", []) or [], "stop_token_ids", vocab_size))),
       stop=_stop_strings(body),
-      seed=_field(body, "seed", int, None))
-  for name, ok, rule in (("temperature", params.temperature >= 0, ">= 0"),
-                         ("top_p", 0 < params.top_p <= 1, "in (0, 1]"),
-                         ("top_k", params.top_k >= 0, ">= 0")):
-    if not ok:
-      raise HTTPError(400, f"{name}={getattr(params, name)}: must be {rule}", name)
-  return params
+      seed=_integer(body, "seed", None, *SEED_RANGE))
 
 
 def normalize_messages(messages: Any) -> list[dict]:
@@ -571,8 +640,8 @@ class PolicyServer:
     chat: the envs.chat format of /v1/chat/completions (None: that endpoint answers 400).
 
   Raises:
-    ValueError: a non-loopback host without a token (envs.net.check_bind), or a tokenizer
-      with ids beyond the model's vocabulary.
+    ValueError: a non-loopback host without a token (envs.net.check_bind), a connection
+      limit that is not positive, or a tokenizer with ids beyond the model's vocabulary.
   """
 
   def __init__(self, engine, config: ServerConfig = ServerConfig(), tokenizer=None, chat=None):
@@ -580,6 +649,10 @@ class PolicyServer:
     if tokenizer is not None:
       check_vocab(tokenizer, engine.model_cfg.vocab_size)
     self.engine, self.cfg, self.tokenizer, self.chat = engine, config, tokenizer, chat
+    self.door = Door(ConnectionLimits(  # ValueError for a limit that is not positive
+        max_connections=config.max_connections, handshake_s=config.handshake_timeout_s,
+        header_s=config.header_timeout_s, body_s=config.body_timeout_s,
+        keep_alive_s=config.keep_alive_s, max_header_bytes=config.max_header_bytes))
     self.sessions = SessionLog(config.max_sessions, config.max_session_tokens,
                                config.max_log_tokens)
     self.created = int(time.time())
@@ -601,11 +674,13 @@ class PolicyServer:
   def _uvicorn(self) -> uvicorn.Server:
     c = self.cfg
     self._server = uvicorn.Server(uvicorn.Config(
-        self.app, host=c.host, port=c.port, http="h11", loop="asyncio", ws="none",
-        lifespan="off", log_config=None, limit_concurrency=c.max_connections,
-        timeout_keep_alive=c.keep_alive_s, h11_max_incomplete_event_size=c.max_header_bytes,
-        ssl_certfile=c.ssl_certfile, ssl_keyfile=c.ssl_keyfile, timeout_graceful_shutdown=5))
+        self.app, host=c.host, port=c.port, loop="asyncio", ws="none", lifespan="off",
+        log_config=None, ssl_certfile=c.ssl_certfile, ssl_keyfile=c.ssl_keyfile,
+        timeout_graceful_shutdown=5, **self.door.uvicorn_options()))
     return self._server
+
+  async def _serve(self) -> None:
+    await self.door.serve(self._server, tls=self.cfg.ssl_certfile is not None)
 
   @property
   def url(self) -> str:
@@ -615,9 +690,9 @@ class PolicyServer:
   async def serve_forever(self) -> None:
     """Starts the engine and serves until interrupted (SIGINT / SIGTERM), then stops both."""
     self.engine.start()
-    server = self._uvicorn()
+    self._uvicorn()
     try:
-      await server.serve()
+      await self._serve()
     finally:
       self.engine.stop()
 
@@ -634,7 +709,7 @@ class PolicyServer:
     server = self._uvicorn()
     try:
       self._thread, self.port = serve_in_thread(
-          server.serve, server, f"policy server on {self.cfg.host}:{self.cfg.port}",
+          self._serve, server, f"policy server on {self.cfg.host}:{self.cfg.port}",
           "arbor-serve", 60)
     except RuntimeError:
       self.engine.stop()
@@ -651,7 +726,10 @@ class PolicyServer:
 
   # --- errors and shared checks
   async def _on_error(self, request: Request, e: HTTPError) -> Response:
-    return error_response(e.status, str(e), e.param, e.code)
+    response = error_response(e.status, str(e), e.param, e.code)
+    if e.status in (401, 408, 413):  # a body left unread, or a client not to keep
+      response.headers["Connection"] = "close"
+    return response
 
   async def _on_http_exception(self, request: Request, e: HTTPException) -> Response:
     where = f"{request.method} {request.url.path}"
@@ -666,30 +744,27 @@ class PolicyServer:
     return error_response(500, f"{type(e).__name__}: {e}")
 
   def _authorize(self, request: Request) -> None:
-    if not self.cfg.token:
-      return
-    given = request.headers.get("authorization", "")
-    if not given.startswith("Bearer ") or not hmac.compare_digest(
-        given[len("Bearer "):].encode(), self.cfg.token.encode()):
-      raise HTTPError(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
-                      code="invalid_api_key")
+    """Checks the bearer token (if the server has one); its connection is then one of a real
+    client's, closed last when connections run out."""
+    if self.cfg.token:
+      given = request.headers.get("authorization", "")
+      if not given.startswith("Bearer ") or not hmac.compare_digest(
+          given[len("Bearer "):].encode(), self.cfg.token.encode()):
+        raise HTTPError(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
+                        code="invalid_api_key")
+    self.door.authenticated(request)
 
   async def _body(self, request: Request) -> dict:
     self._authorize(request)
-    limit, size, parts = self.cfg.max_body_bytes, 0, []
-    declared = request.headers.get("content-length", "")
-    too_large = HTTPError(413, f"bodies are limited to {limit} bytes (max_body_bytes)")
-    if declared.isdigit() and int(declared) > limit:
-      raise too_large
-    async for part in request.stream():  # chunked bodies are counted as they arrive
-      size += len(part)
-      if size > limit:
-        raise too_large
-      parts.append(part)
-    raw = b"".join(parts)
     try:
-      value = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raw = await self.door.read_body(request, self.cfg.max_body_bytes, "max_body_bytes")
+    except RequestError as e:
+      raise HTTPError(e.status, str(e)) from None
+    try:
+      value = loads(raw, self.cfg.max_json_depth, "body")
+    except TooDeep as e:
+      raise HTTPError(400, str(e)) from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an over-long integer
       raise HTTPError(400, f"malformed JSON body: {e}") from None
     if not isinstance(value, dict):
       raise HTTPError(400, "the JSON body must be an object")
@@ -805,10 +880,11 @@ class PolicyServer:
                       unknown[0])
     if "input_ids" not in body:
       raise HTTPError(400, "input_ids: required", "input_ids")
-    input_ids = _int_list(body, "input_ids")
+    input_ids = check_token_ids(body["input_ids"], "input_ids", self._vocab(), empty=False)
+    room = self._room([len(input_ids)], "input_ids")
     # default: 256 new tokens, or what the cache row has room for
-    max_tokens = max(1, min(256, self.engine.capacity - len(input_ids)))
-    params = sampling_params(body, max_tokens=max_tokens)
+    params = sampling_params(body, room=room, capacity=self.engine.capacity,
+                             vocab_size=self._vocab(), max_tokens=min(256, room))
     out = await asyncio.wrap_future(self._submit(input_ids, params))
     reply = {"output_ids": out.output_ids, "logprobs": out.logprobs, "entropies": out.entropies,
              "finish_reason": out.finish_reason, "policy_version": out.policy_version,
@@ -822,23 +898,33 @@ class PolicyServer:
   def _common(self, body: dict, prompt_lens: list[int], n_prompts: int, stop_token_ids):
     """Checks the fields chat and completions share; returns (n, params, stream, usage)."""
     _refuse_unsupported(body)
-    n = _field(body, "n", int, 1)
-    if not 1 <= n or n * n_prompts > self.cfg.max_n:
-      raise HTTPError(400, f"n={n}: must be >= 1, and n x {n_prompts} prompt(s) at most "
-                           f"{self.cfg.max_n} samples", "n")
+    n = _integer(body, "n", 1, 1, max(1, self.cfg.max_n // n_prompts),
+                 f" (n x {n_prompts} prompt(s) at most {self.cfg.max_n} samples)")
     stream = _field(body, "stream", bool, False)
     options = _field(body, "stream_options", dict, None)
     if options is not None and not stream:
       raise HTTPError(400, "stream_options: only allowed with stream=true", "stream_options")
     include_usage = bool((options or {}).get("include_usage", False))
+    room = self._room(prompt_lens, None)
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    params = sampling_params({**body, "max_tokens": limit}, room=room,
+                             capacity=self.engine.capacity, vocab_size=self._vocab(),
+                             stop_token_ids=stop_token_ids)
+    return n, params, stream, include_usage
+
+  def _vocab(self, decoded: bool = False) -> int:
+    """Token ids a request may carry are in [0, this): the model's vocabulary, or for ids the
+    server decodes (a completions prompt) the part of it the tokenizer knows."""
+    vocab = self.engine.model_cfg.vocab_size
+    return min(vocab, self.tokenizer.vocab_size) if decoded else vocab
+
+  def _room(self, prompt_lens: list[int], param: Optional[str]) -> int:
+    """The most new tokens the longest prompt leaves room for (400 when none)."""
     room = self.engine.capacity - max(prompt_lens)
     if room < 1:
       raise HTTPError(400, f"the prompt has {max(prompt_lens)} tokens, more than the engine's "
-                           f"max_seq_len={self.engine.capacity} allows", None)
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    params = sampling_params({**body, "max_tokens": limit}, max_tokens=room,
-                             stop_token_ids=stop_token_ids)
-    return n, params, stream, include_usage
+                           f"max_seq_len={self.engine.capacity} allows", param)
+    return room
 
   def _reserve(self, session, prompt_lens: list[int], n: int, params) -> None:
     if session is not None:
@@ -857,12 +943,10 @@ class PolicyServer:
     parallel = _field(body, "parallel_tool_calls", bool, True)
     session = self._session_id(body, request)
     want_logprobs = _field(body, "logprobs", bool, False)
-    top_n = _field(body, "top_logprobs", int, 0)
+    top_n = _integer(body, "top_logprobs", 0, 0, self._top_limit(),
+                     f" (at most {self._top_limit()} on this server: its --top_logprobs)")
     if top_n and not want_logprobs:
       raise HTTPError(400, f"top_logprobs={top_n}: needs logprobs=true", "top_logprobs")
-    if not 0 <= top_n <= self._top_limit():
-      raise HTTPError(400, f"top_logprobs={top_n}: at most {self._top_limit()} on this server "
-                           "(its top_logprobs limit: --top_logprobs)", "top_logprobs")
     template_kwargs = _field(body, "chat_template_kwargs", dict, None)
     kwargs = {}
     if template_kwargs:
@@ -1026,10 +1110,8 @@ class PolicyServer:
     prompts, texts = self._prompts(body.get("prompt"))
     session = self._session_id(body, request)
     echo = _field(body, "echo", bool, False)
-    top_n = _field(body, "logprobs", int, None)
-    if top_n is not None and not 0 <= top_n <= self._top_limit():
-      raise HTTPError(400, f"logprobs={top_n}: at most {self._top_limit()} on this server (its "
-                           "top_logprobs limit: --top_logprobs)", "logprobs")
+    top_n = _integer(body, "logprobs", None, 0, self._top_limit(),
+                     f" (at most {self._top_limit()} on this server: its --top_logprobs)")
     if echo and top_n is not None:
       raise HTTPError(400, "echo with logprobs: the prompt's log-probs are not computed by "
                            "this server; ask without echo", "echo")
@@ -1068,12 +1150,17 @@ class PolicyServer:
 
   def _prompts(self, prompt) -> tuple[list[list[int]], list[str]]:
     """A completions "prompt" as token ids and text, one per prompt."""
-    if isinstance(prompt, str) or _is_ids(prompt):
+    single = isinstance(prompt, str) or _is_ids(prompt)
+    if single:
       prompt = [prompt]
     if not isinstance(prompt, list) or not prompt or not all(
         isinstance(p, str) or _is_ids(p) for p in prompt):
       raise HTTPError(400, f"prompt={prompt!r:.100}: expected a string, a list of strings, a "
                            "list of token ids or a list of such lists", "prompt")
+    for k, p in enumerate(prompt):
+      if not isinstance(p, str):
+        check_token_ids(p, "prompt" if single else f"prompt[{k}]", self._vocab(decoded=True),
+                        "prompt")
     ids = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompt]
     if not all(ids):
       raise HTTPError(400, "prompt: an empty prompt has no token to continue", "prompt")
@@ -1218,11 +1305,14 @@ def build(args) -> PolicyServer:
     The PolicyServer, not yet started; without tokenizer files it serves /generate only.
 
   Raises:
-    ValueError: a non-loopback host without a token, or a tokenizer with ids beyond the
-      model's vocabulary.
+    ValueError: a non-loopback host without a token, a connection limit that is not positive,
+      or a tokenizer with ids beyond the model's vocabulary.
   """
   token = args.token or os.environ.get("ARBOR_SERVE_TOKEN") or None
   check_bind(args.host, token)  # before loading anything
+  for name in ("max_connections", "header_timeout", "body_timeout", "handshake_timeout"):
+    if not getattr(args, name) > 0:
+      raise ValueError(f"--{name}={getattr(args, name)}: expected > 0")
   if args.ckpt:
     model = hf.restore(args.ckpt)
   else:
@@ -1242,7 +1332,9 @@ def build(args) -> PolicyServer:
   return PolicyServer(engine, ServerConfig(
       host=args.host, port=args.port, token=token, served_name=args.served_name,
       top_logprobs=args.top_logprobs, max_connections=args.max_connections,
-      ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile),
+      header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+      handshake_timeout_s=args.handshake_timeout, ssl_certfile=args.ssl_certfile,
+      ssl_keyfile=args.ssl_keyfile),
       tokenizer=tokenizer, chat=chat)
 
 
@@ -1313,7 +1405,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                  help="most top log-probs a request may ask for per token")
   p.add_argument("--on_update", default="finish", help="finish | resubmit | restart")
   p.add_argument("--max_connections", type=int, default=ServerConfig.max_connections,
-                 help="concurrent connections (more get 503)")
+                 help="open connections; beyond, the oldest idle one is closed (tokenless first)")
+  p.add_argument("--header_timeout", type=float, default=ServerConfig.header_timeout_s,
+                 help="a request's headers are due this many s after its connection opened")
+  p.add_argument("--body_timeout", type=float, default=ServerConfig.body_timeout_s,
+                 help="a request's body is due this many s after its headers (408)")
+  p.add_argument("--handshake_timeout", type=float, default=ServerConfig.handshake_timeout_s,
+                 help="the TLS handshake is due this many s after connecting")
   p.add_argument("--ssl_certfile", default=None, help="TLS certificate (PEM): serve https")
   p.add_argument("--ssl_keyfile", default=None, help="TLS private key (PEM)")
   return p.parse_args(argv)
