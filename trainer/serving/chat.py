@@ -1,0 +1,168 @@
+"""POST /v1/chat/completions: OpenAI chat completions over the engine, rendered and parsed with
+the server's envs.chat format (a mixin of `trainer.serving.server.PolicyServer`)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import Optional
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from trainer.serving.text import (_ChatReader, _TextDeltas, _call_id, _call_json, _finish_reason,
+                                  _fragments, _usage)
+from trainer.serving.validate import (HTTPError, _field, _integer, _tool_choice, _tools,
+                                      normalize_messages)
+
+
+class ChatEndpoint:
+  """The chat completions endpoint of `PolicyServer` (its engine, chat format, sessions)."""
+
+  async def _chat(self, request: Request) -> Response:
+    body = await self._body(request)
+    if self.chat is None:
+      raise HTTPError(400, "no tokenizer/chat format loaded: use /generate, or start the server "
+                           "with a checkpoint that has tokenizer files (or --tokenizer)")
+    self._check_model(body)
+    messages = normalize_messages(body.get("messages"))
+    tools = _tools(body)
+    mode, name = _tool_choice(body, tools)
+    parallel = _field(body, "parallel_tool_calls", bool, True)
+    session = self._session_id(body, request)
+    want_logprobs = _field(body, "logprobs", bool, False)
+    top_n = _integer(body, "top_logprobs", 0, 0, self._top_limit(),
+                     f" (at most {self._top_limit()} on this server: its --top_logprobs)")
+    if top_n and not want_logprobs:
+      raise HTTPError(400, f"top_logprobs={top_n}: needs logprobs=true", "top_logprobs")
+    template_kwargs = _field(body, "chat_template_kwargs", dict, None)
+    kwargs = {}
+    if template_kwargs:
+      if "template_kwargs" not in inspect.signature(self.chat.render).parameters:
+        raise HTTPError(400, f"chat_template_kwargs={template_kwargs!r:.100}: this chat format "
+                             f"({self.chat.name}) takes no template kwargs",
+                        "chat_template_kwargs")
+      kwargs["template_kwargs"] = template_kwargs
+    # The forced opening is written as after this prompt (e.g. with thinking off).
+    opening_kwargs = kwargs if "template_kwargs" in inspect.signature(
+        self.chat.tool_call_prefix_ids).parameters else {}
+    try:
+      rendered = self.chat.render(messages, None if mode == "none" else tools,
+                                  add_generation_prompt=True, **kwargs).ids
+    except (ValueError, KeyError, TypeError) as e:
+      param = "chat_template_kwargs" if kwargs and "template kwargs" in str(e) else "messages"
+      raise HTTPError(400, f"{param}: {e}", param) from None
+    try:
+      opening = [] if mode == "none" else self.chat.tool_call_prefix_ids(None, **opening_kwargs)
+    except ValueError as e:  # a template that writes no tool calls cannot be forced into one
+      if mode in ("required", "named"):
+        raise HTTPError(400, f"tool_choice: {e}", "tool_choice") from None
+      opening = []
+    prefix = opening if mode == "required" else []  # the forced opening, part of the prompt
+    if mode == "named":
+      prefix = self.chat.tool_call_prefix_ids(name, **opening_kwargs)
+    input_ids = rendered + prefix
+    n, params, stream, include_usage = self._common(body, [len(input_ids)], 1,
+                                                    self.chat.stop_token_ids)
+    self._reserve(session, [len(input_ids)], n, params)
+    reader = _ChatReader(self.chat, tools, mode, parallel, prefix, params.stop, opening)
+    samples, queue = self._samples([input_ids], n, params, stream)
+    logged = {"n": n, "tool_choice": body.get("tool_choice", mode)}
+    logprobs = top_n if want_logprobs else None
+    if stream:
+      return StreamingResponse(self._chat_stream(samples, queue, reader, session, logged,
+                                                 logprobs, include_usage),
+                               media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"})
+    outs = await asyncio.gather(*(asyncio.wrap_future(s.future) for s in samples))
+    choices = []
+    for i, (sample, out) in enumerate(zip(samples, outs)):
+      reasoning, content, calls, errors = reader.read(out.output_ids)
+      message = {"role": "assistant", "content": content or None}
+      if reasoning is not None:
+        message["reasoning_content"] = reasoning
+      if calls:
+        message["tool_calls"] = [_call_json(c, _call_id(c)) for c in calls]
+      choice = {"index": i, "message": message, "logprobs": None,
+                "finish_reason": _finish_reason(out.finish_reason, calls)}
+      if logprobs is not None:
+        choice["logprobs"] = {"content": self._chat_logprobs(out.output_ids, out.logprobs,
+                                                             out.top_logprobs, logprobs)}
+      if errors:
+        choice["tool_call_errors"] = errors
+      choices.append(choice)
+      self._log(session, sample, out, logged)
+    reply = {**self._head("chat.completion"), "choices": choices,
+             "usage": _usage([len(input_ids)], outs)}
+    if session is not None:
+      reply["session_id"] = session
+    return JSONResponse(reply)
+
+  def _chat_logprobs(self, ids, lps, top, top_n: int, start: int = 0) -> list[dict]:
+    dec = self.tokenizer.decode
+    return [{"token": dec([ids[k]]), "logprob": lps[k],
+             "top_logprobs": [{"token": dec([j]), "logprob": v}
+                              for j, v in (top[k][:top_n] if top_n else [])]}
+            for k in range(start, len(ids))]
+
+  async def _chat_stream(self, samples, queue, reader: _ChatReader, session, logged,
+                         logprobs: Optional[int], include_usage: bool):
+    head = self._head("chat.completion.chunk")
+    texts = [_TextDeltas() for _ in samples]
+    thoughts = [_TextDeltas() for _ in samples]
+    call_ids: list[list[str]] = [[] for _ in samples]  # ids of the calls sent, per choice
+    reported = [0] * len(samples)                       # tokens whose log-probs were sent
+    outs = []
+
+    def chunk(k, delta, reason=None):
+      choice = {"index": k, "delta": delta, "logprobs": None, "finish_reason": reason}
+      return {**head, "choices": [choice], **({"usage": None} if include_usage else {})}
+
+    def deltas(k, reasoning: str, content: str, calls: list) -> list[dict]:
+      """Chunks of new reasoning, new content and the calls not sent yet."""
+      out = [chunk(k, {"reasoning_content": reasoning})] if reasoning else []
+      out += [chunk(k, {"content": content})] if content else []
+      for c in calls[len(call_ids[k]):]:
+        index, cid = len(call_ids[k]), _call_id(c)
+        call_ids[k].append(cid)
+        args = _call_json(c, cid)["function"]["arguments"]
+        out.append(chunk(k, {"tool_calls": [{"index": index, "id": cid, "type": "function",
+                                             "function": {"name": c.name, "arguments": ""}}]}))
+        out += [chunk(k, {"tool_calls": [{"index": index, "function": {"arguments": part}}]})
+                for part in _fragments(args)]
+      return out
+
+    def with_logprobs(chunks, k, ids, lps, top) -> list[dict]:
+      """The last chunk carries the log-probs of the tokens not reported yet."""
+      if chunks and logprobs is not None and len(ids) > reported[k]:
+        chunks[-1]["choices"][0]["logprobs"] = {
+            "content": self._chat_logprobs(ids, lps, top, logprobs, reported[k])}
+        reported[k] = len(ids)
+      return chunks
+
+    def on_tokens(k, ids, lps, top):
+      reasoning, content, calls, _ = reader.read(ids, final=False)
+      chunks = deltas(k, thoughts[k].delta(reasoning or ""), texts[k].delta(content), calls)
+      return with_logprobs(chunks, k, ids, lps, top)
+
+    def on_done(k, out):
+      outs.append(out)
+      self._log(session, samples[k], out, logged)
+      reasoning, content, calls, _ = reader.read(out.output_ids)
+      more, rest = thoughts[k].final(reasoning or ""), texts[k].final(content)
+      if more is None or rest is None:
+        raise RuntimeError("the sample's text changed after part of it was streamed (e.g. the "
+                           "engine restarted it on new weights)")
+      chunks = deltas(k, more, rest, calls) + [
+          chunk(k, {}, _finish_reason(out.finish_reason, calls))]
+      return with_logprobs(chunks, k, out.output_ids, out.logprobs, out.top_logprobs)
+
+    def opening():
+      return [chunk(k, {"role": "assistant", "content": ""}) for k in range(len(samples))]
+
+    def usage():
+      return {**head, "choices": [], "usage": _usage([len(samples[0].input_ids)], outs)}
+
+    async for event in self._sse_stream("chat", samples, queue, opening, on_tokens, on_done,
+                                        usage if include_usage else None):
+      yield event
