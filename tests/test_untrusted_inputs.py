@@ -1,6 +1,8 @@
 """Hostile datasets and network clients: what they send is refused within bounds, with an error
 naming the row and field (or the request field and value), and the rest keeps working.
 
+- envs.untrusted: nesting measured exactly before parsing (strings with brackets, quotes and
+  escapes included), deeper documents refused, inflation stopped at its cap.
 - LiveCodeBench rows: a zlib bomb (2 GiB of test input in a 2.8 MB row) is refused after
   inflating at most the cap, in bounded memory; rows nested thousands deep (the line itself, a
   JSON test field, metadata, a functional test's input, a compressed test set, an already-decoded
@@ -55,6 +57,48 @@ def write_jsonl(path, lines) -> str:
     for line in lines:
       f.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
   return str(path)
+
+
+# ----------------------------------------------------------------------------- envs.untrusted
+
+
+def test_nesting_is_measured_exactly_without_parsing():
+  """`nesting_bound` equals the depth json builds, strings holding brackets, quotes and escapes
+  included; `loads` refuses deeper documents before parsing; `inflate` stops at its cap."""
+  import random
+  from envs.untrusted.decode import TooDeep, TooLarge, inflate, loads, nesting_bound
+
+  def depth(v):
+    if isinstance(v, (list, dict)):
+      return 1 + max(map(depth, v.values() if isinstance(v, dict) else v), default=0)
+    return 0
+
+  def value(d, rng):
+    r = rng.random()
+    if d and r < 0.3:
+      return [value(d - 1, rng) for _ in range(rng.randint(0, 3))]
+    if d and r < 0.6:
+      return {rng.choice(["a", "[", '\\"{', '}]"']): value(d - 1, rng)
+              for _ in range(rng.randint(0, 3))}
+    return rng.choice([1, "x[", '\\"]', '"{\\', None, 2.5, "\u00e9[", '"'])
+
+  rng = random.Random(0)
+  for _ in range(500):
+    v = value(rng.randint(0, 12), rng)
+    text = json.dumps(v, ensure_ascii=rng.random() < 0.5)
+    assert nesting_bound(text) == depth(v), text
+  assert nesting_bound(json.dumps([[1, 2]] * 50_000)) == 2  # long runs of brackets
+  assert loads(nested(100).encode("utf-16"), 100) == json.loads(nested(100))
+  with pytest.raises(TooDeep, match="field 'x': nested 101 deep, more than max_json_depth=100"):
+    loads(nested(101), 100, "field 'x'")
+  with pytest.raises(TooDeep):
+    loads("[" * 1_000_000, 100)
+  packed = zlib.compress(b"a" * 100_000)
+  assert inflate(packed, 100_000) == b"a" * 100_000
+  with pytest.raises(TooLarge, match="more than 99999 bytes"):
+    inflate(packed, 99_999)
+  with pytest.raises(ValueError, match="truncated"):
+    inflate(packed[:-6], 10**6)
 
 
 # ----------------------------------------------------------------------------- zlib bomb
