@@ -80,6 +80,7 @@ import tempfile
 from typing import Any, Iterable, Mapping, Optional
 
 from envs import dataset_paths, safe_git
+from envs.untrusted import decode
 from envs.safe_git import GitError  # noqa: F401  (re-exported: git failed on a mirror)
 
 log = logging.getLogger(__name__)
@@ -632,15 +633,18 @@ def _parse_all(records: Iterable, parse, skip_bad: bool, errors: Optional[list],
 
 def jsonl_records(path: str):
   """(where "file:line", "line N", record) per non-blank line of a JSONL file; a line that is not
-  JSON yields a ValueError as its record (the caller decides whether to skip it)."""
+  JSON, or nests deeper than `envs.untrusted.decode.MAX_JSON_DEPTH`, yields a ValueError as its
+  record (the caller decides whether to skip it)."""
   with open(path, encoding="utf-8") as f:
     for lineno, line in enumerate(f, 1):
       if not line.strip():
         continue
       try:
-        record = json.loads(line)
+        record = decode.loads(line, what=f"line {lineno}")
       except json.JSONDecodeError as e:
         record = ValueError(f"invalid JSON ({e.msg} at column {e.colno})")
+      except ValueError as e:  # nested too deep, or an over-long integer literal
+        record = e
       yield f"{path}:{lineno}", f"line {lineno}", record
 
 

@@ -8,7 +8,9 @@
 - row paths (`repo_path`, `rootfs`) stay inside the dataset's folder: no absolute path, "..",
   "~" or symbolic link;
 - a Terminal-Bench-style task folder with a linked file or folder is refused, and no content of
-  the link's target reaches a task.
+  the link's target reaches a task;
+- a task-file line nested thousands deep is a bad line (skipped with its reason), not a
+  RecursionError that ends the load.
 """
 
 import json
@@ -22,7 +24,9 @@ import pytest
 from envs import safe_git
 from envs.mutate import commit_reverts
 from envs.synth import load_source
-from envs.tasks import TaskFormatError, load_repo_files, load_swe_jsonl, load_swe_rows
+from envs.episode import load_task_file
+from envs.tasks import TaskFormatError, load_repo_files, load_swe_jsonl, load_swe_rows, \
+    load_tasks
 from envs.terminal_bench import load_terminal_bench, reference_solution
 
 ENV = {"PATH": os.environ["PATH"], "HOME": "/nonexistent", "GIT_CONFIG_NOSYSTEM": "1",
@@ -277,3 +281,19 @@ def test_terminal_bench_links_are_refused(tmp_path, linked):
   if linked != "<task folder>":
     with pytest.raises(ValueError, match="symbolic link"):
       load_terminal_bench(str(bad))  # the task folder given directly
+
+
+def test_deeply_nested_task_lines_are_bad_lines(tmp_path):
+  good = {"id": "hi", "kind": "exact", "prompt": "Say hi.", "answer": "hi"}
+  path = tmp_path / "tasks.jsonl"
+  for first in (True, False):  # the first line also decides which loader reads the file
+    deep = "[" * 50_000 + "]" * 50_000
+    lines = [deep, json.dumps(good)] if first else [json.dumps(good), deep]
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(TaskFormatError, match="max_json_depth"):
+      load_tasks(str(path))
+    errors = []
+    assert [t.instance_id for t in load_tasks(str(path), skip_bad=True, errors=errors)] == ["hi"]
+    assert len(errors) == 1 and "max_json_depth" in str(errors[0])
+    tasks, skipped = load_task_file(str(path))
+    assert [t.instance_id for t in tasks] == ["hi"] and skipped == 1
