@@ -366,4 +366,7 @@ def _serve() -> ml_collections.ConfigDict:
   s.slots = 16  # sequences decoded together
   s.max_seq_len = 4096  # longest input + output
   s.top_logprobs = 20  # most alternatives per token a request may ask for (OpenAI's limit)
+  s.max_connections = 1024  # open connections; beyond, idle ones are closed (tokenless first)
+  s.header_timeout_s = 10.0  # a request's headers are due this long after connect / last reply
+  s.body_timeout_s = 30.0  # a request's body is due this long after its headers (else 408)
   return s

@@ -12,7 +12,9 @@ eval loops that join models, rl and envs; checkpoints, data pipelines, metrics, 
                      rollout_sources.py (in-process or queue), rollouts.py (episodes and the
                      engine from a config), tasks.py, teachers.py
   evaluate.py        held-out pass@k (mode "eval"); selection.py test-time selection
-  serve.py           the policy server (token-in/token-out and OpenAI-compatible)
+  serve.py           `python -m trainer.serve`: the policy server (token-in/token-out and
+                     OpenAI-compatible); serving/ its parts (server, chat, completions,
+                     request validation)
   demo.py            the demo pipeline; demo_data.py, tokenizer_train.py its generated inputs
   aot.py             `python -m trainer.aot`: a run's programs compiled for a TPU slice
                      (aot_engine.py the engine's)

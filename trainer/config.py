@@ -794,6 +794,9 @@ def _validate_serve(config) -> None:
   _int(config, "serve.slots", 1)
   _int(config, "serve.max_seq_len", 128)
   _int(config, "serve.top_logprobs", 0)
+  _int(config, "serve.max_connections", 1)
+  _number(config, "serve.header_timeout_s", 0.0, low_open=True)
+  _number(config, "serve.body_timeout_s", 0.0, low_open=True)
   if config.mode == "serve":
     try:
       net.check_bind(host, os.environ.get("ARBOR_SERVE_TOKEN") or None)

@@ -211,7 +211,10 @@ def run(config, workdir: str) -> dict:
                   detokenize=tokenizer.decode)
   server = PolicyServer(engine, ServerConfig(host=config.serve.host, port=config.serve.port,
                                              token=token, served_name=config.serve.served_name,
-                                             top_logprobs=top_logprobs),
+                                             top_logprobs=top_logprobs,
+                                             max_connections=config.serve.max_connections,
+                                             header_timeout_s=config.serve.header_timeout_s,
+                                             body_timeout_s=config.serve.body_timeout_s),
                         tokenizer=tokenizer, chat=chat)
   print(f"serve: {config.model.init} on http://{config.serve.host}:{config.serve.port} "
         "(/generate, /v1/chat/completions, /v1/completions, /v1/models, /health)", flush=True)
