@@ -409,14 +409,20 @@ def test_bwrap_extra_read_only_binds_and_rootfs_layout(tmp_path):
     shutil.rmtree(data)
   with pytest.raises(ValueError, match="ro_binds"):
     run(create_sandbox("bwrap", ro_binds=["relative/path"]))
-  from envs.sandbox.bwrap import _fs_binds
+  from envs.sandbox import rootfs as image
   root = tmp_path / "rootfs"
   for d in ("usr/bin", "etc", "proc", "tmp", "opt"):
     (root / d).mkdir(parents=True)
   (root / "bin").symlink_to("usr/bin")
-  args = _fs_binds(str(root))
-  assert args == ["--symlink", "usr/bin", "/bin", "--ro-bind", str(root / "etc"), "/etc",
-                  "--ro-bind", str(root / "opt"), "/opt", "--ro-bind", str(root / "usr"), "/usr"]
+  b = image.binds(str(root), {})
+  try:  # directories are bound from descriptors, links made again inside
+    assert [a for a in b.args if not a.isdigit()] == [
+        "--symlink", "usr/bin", "/bin", "--ro-bind-fd", "/etc", "--ro-bind-fd", "/opt",
+        "--ro-bind-fd", "/usr"]
+    assert [os.readlink(f"/proc/self/fd/{fd}") for fd in b.fds] == [
+        str(root / name) for name in ("etc", "opt", "usr")]
+  finally:
+    image.close_all(b.fds)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,10 +22,12 @@ sandbox must never reach bwrap with root's credentials):
   so no key of the starter or of another sandbox is reachable (the user keyring is per user
   namespace, and each exec makes its own). bwrap then loads the seccomp filter of
   `seccomp.py` (`--seccomp FD`) just before the command: keyring calls, io_uring, bpf,
-  userfaultfd, perf_event_open, ptrace, module/kexec/clock/mount calls and socket families
+  userfaultfd, perf_event_open, ptrace, kcmp, pidfd_getfd, memfd_secret, file handles,
+  module/kexec/clock/mount calls, personas other than the default and socket families
   other than AF_UNIX (and AF_INET/AF_INET6 under `network="loopback"`) fail with EPERM.
 - **File system.** Read-only binds of /usr (with the /bin, /lib... links), or of the
-  top-level entries of a per-task root filesystem; optional extra read-only binds. /etc is not
+  top-level entries of a per-task root filesystem, untrusted, bound from descriptors with no
+  link followed on the host (`rootfs.py`); optional extra read-only binds. /etc is not
   the host's: it is a per-process copy (`<root_dir>/.etc-<pid>-*`) of a short list of host
   entries programs need (`ETC_FROM_HOST`: the dynamic loader's cache, the alternatives links,
   time zone, openssl.cnf, Python's site files, ...) plus generated `hosts`, `hostname` and
@@ -33,7 +35,8 @@ sandbox must never reach bwrap with root's credentials):
   `<root_dir>/<uid>/etc`) bound over it; nothing else of the host's /etc (no token or
   credential file put there, no /etc/ssl/private) is in view. No resolv.conf or CA
   certificates: no network policy reaches past the loopback. A task root filesystem keeps its
-  own /etc, with the generated passwd and group bound over the image's. A fresh /proc with
+  own /etc, with the generated passwd and group bound over the image's (where `etc` is a
+  directory and they are regular files). A fresh /proc with
   /proc/sys bound read-only (bwrap alone leaves the namespaced ipc/pid sysctls
   writable) and a minimal /dev; `/` and `/dev` remounted read-only. The workspace, /tmp and
   /dev/shm are three host tmpfs mounts of `limits.disk_mb` each (a real quota; `nr_inodes`
@@ -81,7 +84,7 @@ import threading
 import time
 from typing import Mapping, Optional, Sequence
 
-from envs.sandbox import hostfs, process, seccomp
+from envs.sandbox import hostfs, process, rootfs as image, seccomp
 from envs.sandbox.base import (ExecResult, Limits, Sandbox, SandboxError, SandboxFull,
                                fill_fork)
 from envs.sandbox.cgroups import Cgroup
@@ -103,9 +106,6 @@ ETC_FROM_HOST = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "l
                  "fonts", "matplotlibrc", "mtab")
 IDENTITY_ETC = ("passwd", "group")  # generated per sandbox (they name its uid)
 NETWORKS = ("loopback", "none")
-# Top-level entries of a task root filesystem that the sandbox provides itself.
-SKIP_IN_ROOTFS = {"proc", "dev", "sys", "tmp", "run", "workspace", "root", "home", "mnt",
-                  "media", "lost+found"}
 WORKSPACE = "/workspace"
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp",
             "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "USER": "sandbox", "LOGNAME": "sandbox"}
@@ -243,24 +243,15 @@ def _pool(uids: Sequence[int], root_dir: str) -> UidPool:
   return _pools[key]
 
 
-def _fs_binds(rootfs: Optional[str]) -> list[str]:
-  """bwrap arguments for the read-only system view: host /usr,/etc... or a task rootfs."""
-  if rootfs is None:
-    base, names = "/", SYSTEM_DIRS
-  else:
-    if not os.path.isdir(rootfs):
-      raise ValueError(f"rootfs={rootfs!r}: not a directory")
-    base, names = rootfs, sorted(set(os.listdir(rootfs)) - SKIP_IN_ROOTFS)
+def _host_binds() -> list[str]:
+  """bwrap arguments for the host's own /usr, /bin, /lib... (trusted, bound by path)."""
   args = []
-  for name in names:
-    src = os.path.join(base, name)
-    if rootfs is not None and name == "etc":
-      args += ["--ro-bind", src, "/etc"]
-      continue
+  for name in SYSTEM_DIRS:
+    src = "/" + name
     if os.path.islink(src):  # e.g. bin -> usr/bin; resolved inside the sandbox
-      args += ["--symlink", os.readlink(src), "/" + name]
+      args += ["--symlink", os.readlink(src), src]
     elif os.path.isdir(src):
-      args += ["--ro-bind", src, "/" + name]
+      args += ["--ro-bind", src, src]
   return args
 
 
@@ -337,17 +328,12 @@ def _write_identity(etc_dir: str, uid: int) -> None:
   _write(os.path.join(etc_dir, "group"), f"root:x:0:\nsandbox:x:{uid}:\nnogroup:x:65534:\n")
 
 
-def _etc_binds(etc_dir: str, rootfs: Optional[str], root_dir: str) -> list[str]:
-  """bwrap arguments for /etc: the process's base copy with the sandbox's passwd and group
-  bound over it, or a task rootfs's own /etc with them bound over the image's."""
-  if rootfs is None:
-    args = ["--ro-bind", _etc_base(root_dir), "/etc"]
-  else:
-    args, etc = [], os.path.join(rootfs, "etc")
+def _etc_binds(etc_dir: str, root_dir: str) -> list[str]:
+  """bwrap arguments for /etc without a task rootfs: the process's base copy with the
+  sandbox's passwd and group bound over it."""
+  args = ["--ro-bind", _etc_base(root_dir), "/etc"]
   for name in IDENTITY_ETC:
-    if rootfs is None or (os.path.isfile(os.path.join(etc, name))
-                          and not os.path.islink(os.path.join(etc, name))):
-      args += ["--ro-bind", os.path.join(etc_dir, name), "/etc/" + name]
+    args += ["--ro-bind", os.path.join(etc_dir, name), "/etc/" + name]
   return args
 
 
@@ -382,8 +368,9 @@ class BwrapSandbox(Sandbox):
 
     Args:
       limits: the sandbox's limits.
-      rootfs: a task root filesystem whose top-level entries are bound read-only; None: the
-        host's /usr, /etc and their links.
+      rootfs: a task root filesystem whose top-level entries are bound read-only (see
+        `rootfs.py`: given by its real path, no link on the way); None: the host's /usr,
+        /etc and their links.
       ro_binds: extra host paths bound read-only, each `path` or `(host_path, sandbox_path)`,
         e.g. a task's virtualenv.
       uids: the uid pool.
@@ -399,10 +386,12 @@ class BwrapSandbox(Sandbox):
       The started sandbox.
 
     Raises:
-      SandboxError: not root, bwrap, setpriv, perl or libseccomp missing, or a mount failed.
+      SandboxError: not root, bwrap (>= 0.5 with a rootfs), setpriv, perl or libseccomp
+        missing, or a mount failed.
       SandboxFull: every uid of the pool is held.
-      ValueError: rootfs is not a directory, a ro_binds entry is not an existing absolute
-        path, or network is not one of NETWORKS.
+      ValueError: rootfs is not a directory or has a link on its path, a ro_binds entry is
+        not an existing absolute path or its sandbox path crosses a link of the rootfs, or
+        network is not one of NETWORKS.
     """
     if os.geteuid() != 0:
       raise SandboxError(f"bwrap backend needs root (euid={os.geteuid()}) to mount the quota "
@@ -417,12 +406,15 @@ class BwrapSandbox(Sandbox):
       seccomp.bpf_program(network != "none")  # compiled once per process; fails early here
     except seccomp.SeccompError as e:
       raise SandboxError(f"seccomp filter: {e}") from e
-    binds = _fs_binds(rootfs)
+    binds = _host_binds() if rootfs is None else []
     for b in ro_binds:
       src, dst = (b, b) if isinstance(b, str) else b
       if not (os.path.isabs(src) and os.path.isabs(dst) and os.path.exists(src)):
         raise ValueError(f"ro_binds entry {b!r}: expected existing absolute host path(s)")
       binds += ["--ro-bind", src, dst]
+    if rootfs is not None:  # refuses a link on rootfs's path or on the way to a destination
+      image.check(rootfs, [b if isinstance(b, str) else b[1] for b in ro_binds],
+                  shutil.which("bwrap"))
     pool = _pool(uids, root_dir)
     uid, stale = pool.acquire()
     cgroup = None
@@ -470,7 +462,8 @@ class BwrapSandbox(Sandbox):
     with contextlib.suppress(OSError):
       os.rmdir(host_dir)
 
-  def _argv(self, cmd: str, env: Mapping[str, str], seccomp_fd: Optional[int]) -> list[str]:
+  def _argv(self, cmd: str, env: Mapping[str, str], seccomp_fd: Optional[int],
+            system: image.Binds) -> list[str]:
     lim = self.limits
     missing = self.cgroup.missing if self.cgroup else ("memory", "pids", "cpu")
     ulimits = f"ulimit -c 0 && ulimit -n {NOFILE} && ulimit -p {lim.pids}"
@@ -483,9 +476,10 @@ class BwrapSandbox(Sandbox):
           "--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv"]
     for k, v in {**BASE_ENV, **env}.items():
       bw += ["--setenv", k, v]
-    bw += self._binds
-    # Looked up per exec: the base copy is rebuilt if something removed it meanwhile.
-    bw += _etc_binds(os.path.join(self.host_dir, "etc"), self._rootfs, self._pool.root_dir)
+    bw += system.args + self._binds
+    # Per exec: the base copy is rebuilt if something removed it meanwhile.
+    bw += system.identity if self._rootfs else _etc_binds(os.path.join(self.host_dir, "etc"),
+                                                          self._pool.root_dir)
     if seccomp_fd is not None:
       bw += ["--seccomp", str(seccomp_fd)]
     # bwrap leaves the new /proc/sys writable where the sandbox owns the namespace (ipc, pid
@@ -520,15 +514,22 @@ class BwrapSandbox(Sandbox):
     self._check_open()
     cmd, timeout = process.check_exec_args(cmd, timeout, stdin, self.limits.default_timeout)
     env = process.check_env(env)
-    fds = [seccomp.program_fd(self.network != "none")] if self._seccomp else []
-    argv = self._argv(cmd, env, fds[0] if fds else None)
+    system = self._system_view()  # the rootfs's descriptors are opened for each exec
+    fds = list(system.fds)
+    try:
+      seccomp_fd = seccomp.program_fd(self.network != "none") if self._seccomp else None
+    except BaseException:
+      image.close_all(fds)
+      raise
+    fds += [] if seccomp_fd is None else [seccomp_fd]
+    argv = self._argv(cmd, env, seccomp_fd, system)
     task = asyncio.current_task()
     self._tasks.add(task)
     pids = []
 
     def started(pid: int) -> None:
       while fds:
-        os.close(fds.pop())  # the child holds its copy; bwrap reads it to the end
+        os.close(fds.pop())  # the child holds its copies; bwrap uses and closes them
       pids.append(pid)
       self._running.add(pid)
       if self._closed:  # close() ran while we were spawning
@@ -543,6 +544,14 @@ class BwrapSandbox(Sandbox):
         os.close(fds.pop())
       self._running.difference_update(pids)
       self._tasks.discard(task)
+
+  def _system_view(self) -> image.Binds:
+    """The rootfs's binds and their descriptors (opened now), or nothing without one."""
+    try:
+      return image.binds(self._rootfs, {n: os.path.join(self.host_dir, "etc", n)
+                                        for n in IDENTITY_ETC})
+    except ValueError as e:  # the rootfs changed since create()
+      raise SandboxError(str(e)) from None
 
   async def write_file(self, path: str, content: str | bytes) -> None:
     self._check_open()
