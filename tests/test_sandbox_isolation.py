@@ -531,7 +531,8 @@ X86_64 = {"add_key": 248, "request_key": 249, "keyctl": 250, "io_uring_setup": 4
           "clock_adjtime": 305, "settimeofday": 164, "adjtimex": 159, "mount": 165,
           "umount2": 166, "pivot_root": 155, "move_mount": 429, "open_tree": 428, "fsopen": 430,
           "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
-          "open_by_handle_at": 304}
+          "open_by_handle_at": 304, "name_to_handle_at": 303, "kcmp": 312, "pidfd_getfd": 438,
+          "memfd_secret": 447}
 # Harmless arguments that fail (or do nothing) without the filter, for an unprivileged caller.
 ARGS = {"keyctl": (0, KEY_SPEC_SESSION_KEYRING, 0), "userfaultfd": (1,), "io_uring_setup": (1, 0),
         "io_uring_enter": (-1, 0, 0, 0, 0, 0), "io_uring_register": (-1, 0, 0, 0),

@@ -36,8 +36,25 @@ should not be enough.
   `fsconfig`, `fsmount`, `fspick`, `mount_setattr`): bwrap already prevents them (the sandbox
   has no capabilities and cannot make a user namespace to gain some: `--disable-userns`); the
   filter applies after bwrap has made its own mounts, so denying them costs nothing.
-- **open_by_handle_at**: opens files by handle around directory permissions (the "shocker"
-  container escape); needs CAP_DAC_READ_SEARCH, denied for the same reason as modules.
+- **File handles** (`open_by_handle_at`, `name_to_handle_at`): `open_by_handle_at` opens files
+  by handle around directory permissions (the "shocker" container escape); it needs
+  CAP_DAC_READ_SEARCH, denied for the same reason as modules. `name_to_handle_at` needs no
+  capability, and its one use is making the handles that `open_by_handle_at` takes.
+- **Other processes' kernel state** (`kcmp`, `pidfd_getfd`): `kcmp` tells whether two
+  processes share kernel objects (open files, memory, file tables), a probe no task needs;
+  `pidfd_getfd` copies a descriptor out of another process, the reach of ptrace, which is
+  denied.
+- **memfd_secret**: memory taken out of the kernel's direct map, hidden even from the host's
+  root (`/proc/PID/mem`, crash dumps); no task needs it, and nothing a sandbox holds should be
+  out of the host's sight.
+- **personality** (its argument): only the default persona (`PER_LINUX`, 0) and the query
+  `0xffffffff` are allowed. Other values switch kernel behaviour for the process and its
+  children: `ADDR_NO_RANDOMIZE` turns address-space randomization off (an exploit aid),
+  `READ_IMPLIES_EXEC` makes readable mappings executable, `MMAP_PAGE_ZERO` asks for page 0
+  to be mapped at exec (what null-pointer exploits want), and `PER_LINUX32` and other
+  personas change what `uname` and the kernel report. The kernel reads only the low 32 bits;
+  values with any of the upper 32 set are denied, so none reaches an allowed persona by
+  truncation.
 - **Socket families** (`socket`'s first argument): `AF_UNIX` always; `AF_INET` and `AF_INET6`
   only where the sandbox's network policy has a network (`inet=True`: for bwrap the private
   loopback of its own network namespace); every other family (`AF_NETLINK`, `AF_PACKET`,
@@ -75,8 +92,12 @@ DENIED = {
     "clock": ("clock_settime", "clock_adjtime", "settimeofday", "adjtimex"),
     "mount": ("mount", "umount2", "pivot_root", "move_mount", "open_tree", "fsopen", "fsconfig",
               "fsmount", "fspick", "mount_setattr"),
-    "handles": ("open_by_handle_at",),
+    "handles": ("open_by_handle_at", "name_to_handle_at"),
+    "process_internals": ("kcmp", "pidfd_getfd"),
+    "secretmem": ("memfd_secret",),
 }
+# personality(2) values allowed (see the module docstring); every other one fails with EPERM.
+PERSONAS = (0, 0xFFFFFFFF)  # PER_LINUX (the default), the query
 # Socket families: AF_UNIX always, AF_INET/AF_INET6 with a network. Everything else (and every
 # value >= _FAMILY_CAP, which covers values with high bits set) is denied.
 ALWAYS_FAMILIES = (socket.AF_UNIX,)
@@ -85,7 +106,7 @@ _FAMILY_CAP = max(INET_FAMILIES) + 1
 
 _ACT_ALLOW = 0x7FFF0000
 _ACT_ERRNO = 0x00050000
-_CMP_EQ, _CMP_GE = 4, 5
+_CMP_EQ, _CMP_GE, _CMP_MASKED_EQ = 4, 5, 7
 _NR_ERROR = -1
 
 
@@ -121,6 +142,24 @@ def denied_syscalls() -> list[str]:
   return [name for group in DENIED.values() for name in group]
 
 
+def persona_rules() -> list[tuple[int, int, int, int]]:
+  """Comparisons (arg, op, datum_a, datum_b) on personality's argument, one per deny rule, that
+  together deny every value but `PERSONAS` (0 and 0xffffffff).
+
+  libseccomp ANDs the comparisons of one rule but takes each argument once per rule, so "not
+  0 and not 0xffffffff" is written as rules that each match one kind of denied value: any
+  value >= 2**32; and, for each bit i, "bit i set and bit i+1 (mod 32) clear" (a masked
+  equality). A 32-bit value with both set and clear bits has such a pair going round its
+  bits; 0 and 0xffffffff have none.
+  """
+  assert PERSONAS == (0, 0xFFFFFFFF)  # what the rules below encode
+  rules = [(0, _CMP_GE, 1 << 32, 0)]
+  for i in range(32):
+    bit, nxt = 1 << i, 1 << ((i + 1) % 32)
+    rules.append((0, _CMP_MASKED_EQ, bit | nxt, bit))
+  return rules
+
+
 def denied_families(inet: bool) -> list[int]:
   """Socket families below `_FAMILY_CAP` that the filter denies (all above it are denied)."""
   allowed = set(ALWAYS_FAMILIES) | (set(INET_FAMILIES) if inet else set())
@@ -146,23 +185,23 @@ def bpf_program(inet: bool) -> bytes:
     raise SeccompError("seccomp_init failed")
   deny = _ACT_ERRNO | errno.EPERM
   try:
-    def add(nr: int, name: str, *cmps: tuple[int, int, int]) -> None:
-      arr = (_ArgCmp * max(1, len(cmps)))(*[_ArgCmp(a, op, v, 0) for a, op, v in cmps])
-      rc = lib.seccomp_rule_add_array(ctx, deny, nr, len(cmps), arr)
-      if rc < 0:
-        raise SeccompError(f"seccomp_rule_add({name}, {cmps}): {os.strerror(-rc)}")
-
-    for name in denied_syscalls() + ["socket"]:
+    def add(name: str, *cmps: tuple[int, int, int, int]) -> None:
       nr = lib.seccomp_syscall_resolve_name(name.encode())
       if nr == _NR_ERROR:
         raise SeccompError(f"syscall {name!r} unknown to this libseccomp; a newer libseccomp2 "
                            "is needed")
-      if name != "socket":
-        add(nr, name)
-        continue
-      for family in denied_families(inet):
-        add(nr, f"socket(family={family})", (0, _CMP_EQ, family))
-      add(nr, f"socket(family>={_FAMILY_CAP})", (0, _CMP_GE, _FAMILY_CAP))
+      arr = (_ArgCmp * max(1, len(cmps)))(*[_ArgCmp(*c) for c in cmps])
+      rc = lib.seccomp_rule_add_array(ctx, deny, nr, len(cmps), arr)
+      if rc < 0:
+        raise SeccompError(f"seccomp_rule_add({name}, {cmps}): {os.strerror(-rc)}")
+
+    for name in denied_syscalls():
+      add(name)
+    for family in denied_families(inet):
+      add("socket", (0, _CMP_EQ, family, 0))
+    add("socket", (0, _CMP_GE, _FAMILY_CAP, 0))
+    for cmp in persona_rules():
+      add("personality", cmp)
     with tempfile.TemporaryFile() as f:
       rc = lib.seccomp_export_bpf(ctx, f.fileno())
       if rc < 0:
@@ -195,11 +234,12 @@ def docker_profile(inet: bool) -> dict:
 
   Docker replaces its own default profile with this one, so the profile denies what Docker's
   default does beyond this list for an unprivileged container too (namespace and NUMA calls,
-  `personality`, `iopl`, ...): it starts from the same allow-by-default and adds them.
+  `iopl`, ...): it starts from the same allow-by-default and adds them. Docker's default
+  allows a few more personas (PER_LINUX32, UNAME26); this profile keeps to `PERSONAS`.
   """
-  extra = ["unshare", "setns", "kcmp", "name_to_handle_at", "quotactl", "lookup_dcookie",
-           "syslog", "uselib", "ustat", "sysfs", "_sysctl", "nfsservctl", "iopl", "ioperm",
-           "vm86", "vm86old", "create_module", "get_kernel_syms", "query_module"]
+  extra = ["unshare", "setns", "quotactl", "lookup_dcookie", "syslog", "uselib", "ustat",
+           "sysfs", "_sysctl", "nfsservctl", "iopl", "ioperm", "vm86", "vm86old",
+           "create_module", "get_kernel_syms", "query_module"]
   rules = [{"names": denied_syscalls() + extra, "action": "SCMP_ACT_ERRNO",
             "errnoRet": errno.EPERM}]
   for family in denied_families(inet):
@@ -207,6 +247,10 @@ def docker_profile(inet: bool) -> dict:
                   "args": [{"index": 0, "value": family, "op": "SCMP_CMP_EQ"}]})
   rules.append({"names": ["socket"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM,
                 "args": [{"index": 0, "value": _FAMILY_CAP, "op": "SCMP_CMP_GE"}]})
+  ops = {_CMP_GE: "SCMP_CMP_GE", _CMP_MASKED_EQ: "SCMP_CMP_MASKED_EQ"}
+  for arg, op, a, b in persona_rules():
+    rules.append({"names": ["personality"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM,
+                  "args": [{"index": arg, "value": a, "valueTwo": b, "op": ops[op]}]})
   return {"defaultAction": "SCMP_ACT_ALLOW", "defaultErrnoRet": errno.EPERM,
           "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_AARCH64"], "syscalls": rules}
 
