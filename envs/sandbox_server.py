@@ -42,6 +42,10 @@ server's own cgroup, so the service's memory and pids limits bound all of its sa
 fleet's unit delegates that cgroup: systemd `Delegate=yes`). --ro_bind binds host paths
 read-only into every sandbox; --rootfs NAME=DIR lets a request ask for DIR (e.g. a task image's
 unpacked root filesystem) as its system view by "rootfs": NAME, nothing outside that allow-list.
+DIR is given by its real path: a link at or above it is refused at start-up, and at every
+request DIR is opened again component by component without following links and must resolve
+to the same path (a directory swapped for a link later gets 400); what is inside DIR is
+bound without following its links on the host (`envs.sandbox.rootfs`).
 "workspace" is the workspace's path as the sandbox's commands see it (their working directory).
 A fork (`Sandbox.fork`) is a new sandbox with the limits and options of ID and a copy of its
 workspace (no processes, no /tmp); it takes a slot of --max_sandboxes as a create does and is
@@ -74,7 +78,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from envs.net import is_loopback, read_secret, serve_in_thread
-from envs.sandbox import bwrap, cgroups, create_sandbox
+from envs.sandbox import bwrap, cgroups, create_sandbox, rootfs as image
 from envs.sandbox.base import Limits, PathError, Sandbox, SandboxError, SandboxFull
 from envs.untrusted.decode import TooDeep, loads
 from envs.untrusted.door import ConnectionLimits, Door, RequestError
@@ -144,12 +148,12 @@ class SandboxService:
     warm: sandboxes kept created ahead of demand.
     max_timeout: the largest exec timeout, seconds.
     backend_kw: keyword arguments of the backend's `create`.
-    rootfs: bwrap: the root filesystems a request may name ({"name": host directory}); a
-      sandbox without one sees the host's system read-only.
+    rootfs: bwrap: the root filesystems a request may name ({"name": host directory, by its
+      real path}); a sandbox without one sees the host's system read-only.
 
   Raises:
-    ValueError: max_sandboxes < 1, warm outside 0..max_sandboxes, or rootfs with another
-      backend than bwrap.
+    ValueError: max_sandboxes < 1, warm outside 0..max_sandboxes, rootfs with another
+      backend than bwrap, or a rootfs directory with a link on its path.
   """
 
   def __init__(self, backend: str, *, max_sandboxes: int, limits: Limits, ttl: float = 3600.0,
@@ -162,9 +166,10 @@ class SandboxService:
     self.backend, self.max_sandboxes, self.limits = backend, max_sandboxes, limits
     self.ttl, self.warm_target, self.max_timeout = ttl, warm, max_timeout
     self.backend_kw = backend_kw or {}
-    self.rootfs = dict(rootfs or {})
-    if self.rootfs and backend != "bwrap":
+    if rootfs and backend != "bwrap":
       raise ValueError(f"rootfs: only the bwrap backend binds a root filesystem, not {backend}")
+    # Each directory as its descriptor resolves it; a link anywhere on its path is refused.
+    self.rootfs = {name: image.real_path(path) for name, path in (rootfs or {}).items()}
     self.live: dict[str, _Entry] = {}
     self.warm: list[Sandbox] = []
     self.creating = 0  # sandboxes being created (counted against capacity)
@@ -274,12 +279,20 @@ class SandboxService:
     return dataclasses.replace(self.limits, **values)
 
   def check_rootfs(self, name) -> Optional[str]:
-    """A request's "rootfs": None or a name of the allow-list; HTTPError 400 otherwise."""
+    """A request's "rootfs": None or a name of the allow-list whose directory, opened again
+    without following links, is still the one allowed; HTTPError 400 otherwise."""
     if name is None:
       return None
     if not isinstance(name, str) or name not in self.rootfs:
       raise HTTPError(400, f"rootfs={str(name)[:80]!r}: not one this server offers (its "
                       f"--rootfs: {sorted(self.rootfs)})", "ValueError")
+    try:
+      real = image.real_path(self.rootfs[name])
+    except ValueError as e:
+      raise HTTPError(400, f"rootfs={name!r}: {e}", "ValueError") from None
+    if real != self.rootfs[name]:
+      raise HTTPError(400, f"rootfs={name!r}: {self.rootfs[name]} now resolves to {real}",
+                      "ValueError")
     return name
 
   async def create(self, limits: Limits, rootfs: Optional[str] = None) -> str:
@@ -741,8 +754,12 @@ def main(argv=None) -> None:
   rootfs = {}
   for r in a.rootfs:
     name, _, path = r.partition("=")
-    if not name or not os.path.isdir(path):
-      p.error(f"--rootfs={r!r}: expected NAME=an existing directory")
+    try:
+      if not name:
+        raise ValueError("no NAME")
+      image.real_path(path)  # an existing directory with no link on its path
+    except ValueError as e:
+      p.error(f"--rootfs={r!r}: expected NAME=an existing directory's real path ({e})")
     rootfs[name] = path
   if a.backend == "local" and not a.allow_unsafe_local:
     p.error("--backend local runs code without isolation: add --allow_unsafe_local")
