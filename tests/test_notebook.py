@@ -61,9 +61,9 @@ def test_quickstart_runs_under_a_jupyter_kernel(tmp_path, monkeypatch):
   assert sft, out
   assert float(sft.group(3)) < float(sft.group(2))
 
-  # RL: every step ran its 32 episodes, rewarded by tests run in sandboxes, and printed its
-  # metrics; a step that trained groups made a policy version; RL moved the weights exactly
-  # when it trained.
+  # RL: every step ran its 2 x 4 episodes (the tiny size), rewarded by tests run in sandboxes,
+  # and printed its metrics; a step that trained groups made a policy version; RL moved the
+  # weights exactly when it trained.
   steps = [(int(s), float(r), float(p), int(g)) for s, r, p, g in STEP_LINE.findall(out)]
   assert [s for s, *_ in steps] == [1, 2], out
   rows = read_jsonl(workdir / "rl" / "rl" / "metrics.jsonl")
@@ -71,7 +71,7 @@ def test_quickstart_runs_under_a_jupyter_kernel(tmp_path, monkeypatch):
     m = rows[s]
     assert round(m["reward_mean"], 3) == reward and round(m.get("pass_rate", 0), 2) == pass_rate
     assert m.get("groups_trained", 0) == groups
-    assert m["episodes"] == 32 and m["tests_run"] == 1.0
+    assert m["episodes"] == 8 and m["tests_run"] == 1.0
   trained = sum(1 for *_, g in steps if g)
   assert rows[len(steps)]["policy_version"] == trained
   moved = MOVED_LINE.search(out)
