@@ -23,6 +23,8 @@ def tiny_config(**data):
   c.model.overrides.attention_impl = "pallas_tpu"
   c.model.overrides.dtype = "bfloat16"  # as TPU runs train
   c.data.rows_per_batch = 4  # a multiple of the 4 chips the batch is sharded over
+  c.model.overrides.num_layers = 2  # one dense and one MoE layer
+  c.data.row_len = 1024
   c.data.update(data)
   return c
 
@@ -128,7 +130,7 @@ def test_command_line_compiles_the_train_step_for_v6e(tmp_path):
       [sys.executable, "-m", "trainer.aot", "--config=configs/sft_demo.py",
        "--config.data.rows_per_batch=4", "--config.model.overrides.attention_impl=pallas_tpu",
        "--config.model.overrides.dtype=bfloat16",
-       "--topology=v6e:2x2", "--programs=train", f"--out={out}"],
+       "--config.data.row_len=1024", "--topology=v6e:2x2", "--programs=train", f"--out={out}"],
       capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "train/gradients: HBM" in proc.stdout and "does NOT fit" not in proc.stdout
