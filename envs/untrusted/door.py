@@ -193,9 +193,14 @@ class Door:
       nonlocal size
       async for part in request.stream():  # chunked bodies are counted as they arrive
         size += len(part)
-        if size > max_bytes:
+        if size > 2 * max_bytes:
           raise too_large
-        parts.append(part)
+        if size <= max_bytes:
+          parts.append(part)
+      # A body up to twice the cap is read to its end and dropped, so a client still sending
+      # gets the 413 rather than a reset of the connection closed under its unread bytes.
+      if size > max_bytes:
+        raise too_large
     try:
       await asyncio.wait_for(read(), self.limits.body_s)
     except asyncio.TimeoutError:
