@@ -18,9 +18,10 @@ demo: $(VENV)/.stamp
 	$(PY) -m trainer.main --config=configs/demo.py --workdir=/tmp/arbor_demo
 	$(PY) -m benchmarks.check --only= --demo_results=/tmp/arbor_demo/demo_results.json --record
 
-# Two xdist workers; the slowest tests are listed so regressions in test time show up.
+# Two xdist workers, each taking whole files (a module's compiled fixtures are built once, not
+# once per worker); the slowest tests are listed so regressions in test time show up.
 test: $(VENV)/.stamp
-	$(PY) -m pytest -q -n 2 --durations=25 $(TESTS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 $(TESTS) $(PYTEST_ARGS)
 
 venv: $(VENV)/.stamp
 

@@ -269,6 +269,10 @@ def _rl() -> ml_collections.ConfigDict:
   s.group_size = 8  # samples per task (G)
   s.epochs = 1  # passes over each step's rollouts
   s.minibatches = 1  # optimizer updates per pass
+  # True: every step's micro-batches take one shape, from the bounds of rl.prompts_per_step,
+  # group_size, minibatches, max_turns and max_new_tokens (one compile per run, padding skipped
+  # at run time); False: sized from each step's data, rounded up to powers of two
+  s.fixed_batch_shape = False
   # rl.advantages: "grpo" | "dr_grpo" | "rloo" | "reinforce_pp_baseline" per trajectory, or
   # "treerl" per call: the tree's segment values (branching rollouts; independent: 2·(r - mean))
   s.advantage = "grpo"

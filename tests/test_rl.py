@@ -62,6 +62,7 @@ def get_config(arg=None):
   r.rl.max_context_tokens = 2048
   r.rl.concurrency = 4
   r.rl.drop_constant_groups = False
+  r.rl.fixed_batch_shape = True  # one compiled step for every step and every process
   r.loss.entropy_coef = 0.01
   r.data.row_len = 2048
   r.train.steps = {steps}
@@ -267,6 +268,33 @@ def test_advantages_are_group_normalised_rewards():
   for got, r in zip(groups_lib.advantages_of(groups, "grpo"), rewards):
     r = np.asarray(r)
     np.testing.assert_allclose(got, (r - r.mean()) / (r.std() + 1e-6), rtol=1e-5)
+
+
+def test_fixed_batch_shape_holds_every_step():
+  """rl.fixed_batch_shape: the bounds of any update, so steps with one group or several, short
+  or long trajectories, pack into the same arrays (one compiled step)."""
+  import ml_collections
+
+  from trainer.batches import BatchShape
+  cfg = ml_collections.ConfigDict({"fixed_batch_shape": True, "prompts_per_step": 3,
+                                   "minibatches": 2, "group_size": 2, "max_turns": 2,
+                                   "max_new_tokens": 4})
+  bounds = groups_lib.step_bounds(cfg)
+  assert bounds == {"seqs": 4, "seq_len": 8, "micro_batches": 2}
+  shape = BatchShape(row_len=128, rows=1, **bounds)
+  long_call = LLMCall(input_ids=[1, 2], output_ids=list(range(3, 11)), output_logprobs=[-0.1] * 8,
+                      policy_version=2)
+  long = Trajectory(calls=[long_call], reward=1.0, task_id="b", group_id="b",
+                    termination="submitted")
+  one = [[_traj(1.0, "a"), _traj(0.0, "a")]]
+  two = one + [[long, _traj(0.0, "b")]]
+  for groups in (one, two):
+    (_, mb), = groups_lib.micro_batches(groups, [np.array([0.5, -0.5])] * len(groups), shape,
+                                        minibatches=1)
+    assert np.asarray(mb.seq_tokens).shape == (2, 4, 8)
+    assert np.asarray(mb.fields["logprobs"]).shape == (2, 4, 8)
+  cfg.fixed_batch_shape = False
+  assert groups_lib.step_bounds(cfg) == {"seqs": None, "seq_len": None, "micro_batches": None}
 
 
 def test_micro_batches_and_minibatches():

@@ -740,6 +740,7 @@ def _validate_rl(config) -> None:
           "against the sampler's log-probs")
   _choice(config, "rl.mcla_mode", corrections.MCLA_MODES)
   _bool(config, "rl.routing_replay")
+  _bool(config, "rl.fixed_batch_shape")
   _number(config, "rl.temperature", 0.0)
   _number(config, "rl.top_p", 0.0, 1.0, low_open=True)
   _int(config, "rl.top_k", 0)

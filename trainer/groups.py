@@ -169,6 +169,30 @@ def split_minibatches(items: list, n: int) -> list[list]:
   return [items[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
+def step_bounds(rl_cfg) -> dict:
+  """The BatchShape `seqs`, `seq_len` and `micro_batches` of an RL step (`rl.fixed_batch_shape`).
+
+  With fixed shapes, the bounds of any update's data: ceil(prompts_per_step / minibatches)
+  groups, so at most that many micro-batches (a group lands whole in one) of at most that
+  many x group_size trajectories, each sampling at most max_turns x max_new_tokens tokens.
+  Padding micro-batches are skipped at run time (trainer.step), so the bounds cost memory for
+  the inputs, not compute. Episodes outside these limits (e.g. remote workers with other
+  flags) fail the step with the BatchShape error naming the field.
+
+  Args:
+    rl_cfg: `config.rl`.
+
+  Returns:
+    {"seqs", "seq_len", "micro_batches"}: ints, or all None (sized from each step's data,
+    rounded up to powers of two) when `rl.fixed_batch_shape` is False.
+  """
+  if not rl_cfg.get("fixed_batch_shape", False):
+    return {"seqs": None, "seq_len": None, "micro_batches": None}
+  groups = -(-rl_cfg.prompts_per_step // rl_cfg.minibatches)
+  return {"seqs": groups * rl_cfg.group_size, "seq_len": rl_cfg.max_turns * rl_cfg.max_new_tokens,
+          "micro_batches": groups}
+
+
 def micro_batches(groups: list[list], group_advantages: Sequence[np.ndarray],
                   shape: batches_lib.BatchShape, minibatches: int, replay: bool = False
                   ) -> list[tuple[list[list], batches_lib.MicroBatches]]:

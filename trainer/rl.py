@@ -228,8 +228,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
       model_cfg, loss_cfg, run.optimizer, mesh=mesh,
       correction_cfg=corrections.CorrectionConfig(kind=rl_cfg.correction), donate=False)
   shape = batches_lib.BatchShape(row_len=config.data.row_len, rows=config.data.rows_per_batch,
-                                 seqs=None, seq_len=None, micro_batches=None,
-                                 shards=mesh.shape.get("sequence", 1) if mesh else 1)
+                                 shards=mesh.shape.get("sequence", 1) if mesh else 1,
+                                 **groups_lib.step_bounds(rl_cfg))
   # async loops and remote workers sample while the trainer trains: bound their staleness
   overlapped = rl_cfg.loop == "async" or rl_cfg.rollout_workers == "queue"
   replay = bool(rl_cfg.routing_replay and model_cfg.is_moe)  # train through the sampler's experts
