@@ -37,19 +37,32 @@ CONFIGS = {"dense": (TINY_DENSE, {}),
 TOKENS = np.random.default_rng(0).integers(0, 128, (2, 12)).astype(np.int32)
 
 
+# one jitted forward and decoding step for the module: models of the same structure (graphdef)
+# share their compiled programs
+_forward = nnx.jit(lambda m, t, p, e: m(t, p, e)[0])
+_decode = nnx.jit(lambda m, t, c: m.decode_step(t, c, jnp.zeros((t.shape[0],), jnp.int32)))
+
+
 def logits(model, tokens=TOKENS):
   positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
   end = np.full(tokens.shape, tokens.shape[1], np.int32)
-  return np.asarray(nnx.jit(lambda m, t, p, e: m(t, p, e)[0])(model, tokens, positions, end))
+  return np.asarray(_forward(model, tokens, positions, end))
+
+
+def decode_logits(unstacked, tokens=TOKENS):
+  """The first decoding step's logits of an unstacked model over `tokens` (empty cache)."""
+  cache = unstacked.init_cache(tokens.shape[0], 16)
+  return np.asarray(_decode(unstacked, tokens, cache)[0])
 
 
 def randomize_adapters(model, seed=3, scale=0.1):
-  """Non-zero B (B starts at zero, which would hide the adapters)."""
+  """Non-zero B (B starts at zero, which would hide the adapters): every adapter drawn
+  N(0, scale^2) on the host (no per-shape random program to compile)."""
   state = nnx.state(model, nnx.LoRAParam)
   leaves, treedef = jax.tree.flatten(state)
-  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  rng = np.random.default_rng(seed)
   nnx.update(model, jax.tree.unflatten(treedef, [
-      scale * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)]))
+      jnp.asarray(scale * rng.standard_normal(x.shape, np.float32), x.dtype) for x in leaves]))
   return model
 
 
@@ -164,11 +177,8 @@ def test_adapters_follow_the_lora_formula(name, models):
     np.testing.assert_allclose(np.asarray(got), w, atol=1e-6, rtol=0)
   np.testing.assert_allclose(logits(merged), want_logits, atol=2e-5, rtol=0)
   if experts:  # the engine's path: unstacked layers, decoding from a cache
-    unstacked = transformer.unstack(adapted)
-    cache = unstacked.init_cache(TOKENS.shape[0], 16)
-    step_logits, _ = nnx.jit(lambda m, t, c: m.decode_step(t, c, jnp.zeros((2,), jnp.int32)))(
-        unstacked, TOKENS, cache)
-    np.testing.assert_allclose(np.asarray(step_logits), want_logits, atol=2e-5)
+    np.testing.assert_allclose(decode_logits(transformer.unstack(adapted)), want_logits,
+                               atol=2e-5)
 
 
 def test_zero_b_is_the_base_model_and_config_errors(models):
@@ -194,13 +204,13 @@ def test_zero_b_is_the_base_model_and_config_errors(models):
 
 
 @pytest.mark.parametrize("qtype", ["int8", "float8_e4m3fn"])
-def test_qlora_base_is_absmax_quantized(qtype):
+def test_qlora_base_is_absmax_quantized(qtype, models):
   """A QLoRA base holds qwix's 1-byte kernels and expert stacks; their effective weights are the
   NumPy absmax quantization of the base's (per output channel, and per expert); adapters add
   to them; the unstacked and decoding paths agree."""
   cfg = TINY_MOE_MLA.replace(lora_rank=RANK, lora_alpha=ALPHA, base_qtype=qtype,
                              lora_modules=EXPERTS)
-  base = transformer.init(TINY_MOE_MLA, seed=0)
+  base, _ = models["moe_experts"]  # the plain TINY_MOE_MLA of seed 0
   model = transformer.with_adapters(base, cfg)
   assert lora.is_quantized(model)
   dtypes = {str(x.dtype) for x in jax.tree.leaves(nnx.state(model, lora.QuantizedKernel))}
@@ -223,10 +233,7 @@ def test_qlora_base_is_absmax_quantized(qtype):
   np.testing.assert_allclose(logits(transformer.merge_adapters(model)), want, atol=2e-5)
   unstacked = transformer.unstack(model)
   np.testing.assert_allclose(logits(unstacked), want, atol=2e-5)
-  cache = unstacked.init_cache(TOKENS.shape[0], 16)
-  step_logits, _ = nnx.jit(lambda m, t, c: m.decode_step(t, c, jnp.zeros((2,), jnp.int32)))(
-      unstacked, TOKENS, cache)
-  np.testing.assert_allclose(np.asarray(step_logits), want, atol=2e-5)
+  np.testing.assert_allclose(decode_logits(unstacked), want, atol=2e-5)
 
 
 def test_train_step_trains_adapters_only_like_unpacked_training(models):
@@ -316,7 +323,8 @@ def test_dropout_in_training_steps_only(models):
   cfg = TINY_MOE_MLA.replace(lora_rank=RANK, lora_alpha=ALPHA, lora_modules=EXPERTS)
   with_dropout = randomize_adapters(transformer.with_adapters(base, cfg.replace(
       lora_dropout=0.5)))
-  without = randomize_adapters(transformer.with_adapters(base, cfg))
+  _, without = models["moe_experts"]  # the same adapters (seed 3), lora_dropout 0
+  assert without.cfg == cfg
   np.testing.assert_array_equal(logits(with_dropout), logits(without))
 
 
