@@ -58,12 +58,15 @@ def _close_leaves(got, want, rtol: float) -> None:
 
 
 def _batched_vs_single(f, x, cotangents: jax.Array, rtol: float) -> None:
-  """vmap of f's VJP over `cotangents` [n, *out] equals one VJP per cotangent."""
-  _, pull = jax.vjp(f, x)
-  batched = jax.jit(jax.vmap(pull))(cotangents)
-  single = jax.jit(pull)
+  """vmap of f's VJP over `cotangents` [n, *out] equals one VJP per cotangent.
+
+  The forward and its residuals are traced inside each jit (no eager forward, no residuals
+  baked in as constants); the batched VJP vmaps the pullback alone, over the cotangents.
+  """
+  batched = jax.jit(lambda x, cts: jax.vmap(jax.vjp(f, x)[1])(cts))(x, cotangents)
+  single = jax.jit(lambda x, ct: jax.vjp(f, x)[1](ct))
   for i in range(cotangents.shape[0]):
-    _close_leaves(jax.tree.map(lambda a: a[i], batched), single(cotangents[i]), rtol)
+    _close_leaves(jax.tree.map(lambda a: a[i], batched), single(x, cotangents[i]), rtol)
 
 
 # ----------------------------------------------------------------------------- losses
@@ -128,7 +131,7 @@ def test_model_vmapped_vjp_equals_per_output_vjp(tree_case, family, impl):
   tb = tree_case[0]
   logprobs, params = _logprobs_fn(tb, family, impl)
   lp = jax.jit(logprobs)(params)
-  cts = [jax.grad(_loss_of_logprobs(tb, losses.LossConfig(name=n)))(lp)
+  cts = [jax.jit(jax.grad(_loss_of_logprobs(tb, losses.LossConfig(name=n))))(lp)
          for n in ("grpo", "gspo", "cispo")]
   rand = jax.random.normal(jax.random.key(1), lp.shape) * jnp.asarray(tb.seq_valid)
   _batched_vs_single(logprobs, params, jnp.stack(cts + [rand]), rtol=2e-5)
