@@ -488,13 +488,13 @@ class TrainStep:
       t0 = time.perf_counter()
       try:
         grads_fn = self._gradients.lower(state.params, state.model_state, micro_batches,
-                                         state.rng, state.step).compile()
+                                         state.rng, state.step, None).compile()
       except jax.errors.JaxRuntimeError as e:
         return {"gradients": (e, time.perf_counter() - t0)}
       out["gradients"] = (grads_fn, time.perf_counter() - t0)
       _, grads, _, max_logits, load = jax.eval_shape(
           self._gradients, state.params, state.model_state, micro_batches, state.rng,
-          state.step)
+          state.step, None)
       if self.mesh is not None:
         shardings = grads_fn.output_shardings
         grads, max_logits, load = jax.tree.map(
@@ -520,8 +520,9 @@ class TrainStep:
       (loss, gradients summed over micro-batches (a params pytree), metrics).
     """
     state, mb, _ = self._prepare(state, micro_batches)
+    # the same arguments as __call__ without a reference: one compiled program for both
     loss, grads, metrics, _, _ = _placed(self.mesh, self._gradients)(
-        state.params, state.model_state, mb, state.rng, state.step)
+        state.params, state.model_state, mb, state.rng, state.step, None)
     return loss, grads, metrics
 
   def apply_gradients(self, state: TrainState, grads, max_logits: jax.Array,
