@@ -28,13 +28,15 @@ from envs.verifiers.python_io import (LCB_PRELUDE, extract_code, livecodebench_o
                                       normalize_output, values_equal, verify_python_io)
 from envs.verifiers.shell import parse_pytest_summary, verify_shell
 from envs.verifiers import swe_logs
-from envs.verifiers.swe import (CONFIG_FILES, LOG_TAIL, RUNNER_FILES, TEST_DIRS, PytestRun,
-                                Refused, RunResult, is_ignored_path, is_test_path, junit_key,
-                                merge_submission, parse_junit, refused_reason, run_log_tests,
-                                run_pytest, task_test_files, verify_tests, workspace_files)
+from envs.verifiers.swe import (CONFIG_FILES, LOG_TAIL, RUNNER_FILES, TEST_DIRS, Outcome,
+                                PatchFailed, PytestRun, Refused, RunResult, is_ignored_path,
+                                is_test_path, junit_key, merge_submission, parse_junit,
+                                refused_reason, run_log_tests, run_pytest, task_test_files,
+                                grade_submission, verify_tests, workspace_files)
 
 __all__ = ["CONFIG_FILES", "JUDGE_PROMPT", "LCB_PRELUDE", "LOG_TAIL", "RUNNER_FILES",
-           "TEST_DIRS", "PytestRun", "Refused", "RunResult", "run_log_tests", "swe_logs",
+           "TEST_DIRS", "Outcome", "PatchFailed", "PytestRun", "Refused", "RunResult",
+           "grade_submission", "run_log_tests", "swe_logs",
            "SandboxFactory", "Verdict", "extract_answer", "extract_code", "is_ignored_path",
            "is_test_path", "judge_prompt", "junit_key", "livecodebench_output_equal",
            "merge_submission", "normalize_answer", "normalize_output", "parse_junit",

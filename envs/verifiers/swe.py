@@ -9,8 +9,17 @@ Where the statuses come from depends on the task's `test_runner`:
   `<skipped type="pytest.xfail">` is an expected failure ("xfail"); a non-strict xfail test
   that passes carries a property of the runner's and reads "xpass"; an xfail without an xfail
   marker (a `pytest.xfail()` call, which code under test could make) reads "xfail_unmarked".
+  Tests are graded on the statuses SWE-bench's pytest log parser records (`swe_logs.RECORDED`):
+  a skipped or xpassed test counts as missing, as it does in SWE-bench. pytest runs with "-rA",
+  so its log (kept whole in `RunResult.output`) is one SWE-bench's parsers read; on an honest
+  run they read from it the statuses the JUnit report gave, but only the report is trusted.
 - django / sympy: the log of the repository's own runner (tests/runtests.py, bin/test), parsed
   as SWE-bench parses it (`swe_logs.parse_django_log`, `parse_sympy_log`).
+
+`verify_tests` gives the reward; `grade_submission` the same verification with the run's log
+and where it stopped (`Outcome`), for graders of predictions (`envs.evaluate`). A run that cannot
+start because the sandbox has no interpreter or no pytest says so (`RunResult.cause`
+"runner_missing"), rather than that the run did not finish.
 
 Threat model of `verify_tests`. The agent controls the files it submits, and its code runs in
 the same sandbox, and in the same Python process, as the test runner. Defences:
@@ -174,6 +183,10 @@ class Refused(Exception):
   """The submission may not be tested (reason in args[0])."""
 
 
+class PatchFailed(Refused):
+  """The submission is a diff that does not apply to the repository (reason in args[0])."""
+
+
 def _safe_path(path: str) -> str:
   parts = path.split("/") if isinstance(path, str) else []
   if (not parts or path.startswith("/") or ".." in parts or "\x00" in path
@@ -197,15 +210,15 @@ def merge_submission(task: Task, original: Mapping[str, bytes],
     (files, {"applied", "restored", "ignored"}: the changed paths by what became of them).
 
   Raises:
-    Refused: with the reason (a config file changed, an unsafe path, a patch that does not
-      apply).
+    Refused: with the reason (a config file changed, an unsafe path); PatchFailed, a
+      Refused, for a patch that does not apply.
     ValueError: the task's own test patch does not apply.
   """
   if isinstance(submission, str):
     try:
       final = apply_patch(original, submission)
     except (ValueError, UnicodeDecodeError) as e:
-      raise Refused(f"the patch does not apply: {e}") from None
+      raise PatchFailed(f"the patch does not apply: {e}") from None
   else:
     final = {}
     for p, content in submission.items():
@@ -400,14 +413,40 @@ class RunResult:
   log: str                     # the output's tail (LOG_TAIL bytes)
   error: Optional[str] = None  # set when there is no trustworthy result
   output: str = ""             # the whole output (the log runners' statuses come from it)
+  cause: Optional[str] = None  # with `error`: one of RUN_FAILURES
 
 
 PytestRun = RunResult  # the name envs.verifiers exports
 
+# Why a run has no trustworthy result (`RunResult.cause`). "timeout" and "runner_missing" are
+# the environment's doing (no interpreter, or one without the test runner); the others may be
+# the submission's (code under test that kills the runner, floods its output or rewrites its
+# results).
+RUN_FAILURES = ("timeout", "runner_missing", "no_result", "unreadable", "changed", "no_report",
+                "bad_report")
+_NO_MODULE = re.compile(r"No module named '?([\w.]+)'?")
 
-async def _run(sandbox: Sandbox, python: str, program: str, timeout: float,
-               **header) -> tuple[Optional[int], str, Optional[bytes], str, Optional[str]]:
-  """Runs a runner program fed on stdin; (rc, output, report, log tail, error)."""
+
+def _missing_runner(python: str, exit_code: int, tail: str, runner: str) -> Optional[str]:
+  """Why the runner could not start in the sandbox, or None when that is not what happened.
+
+  The runner's own import comes first, before the workspace joins sys.path, so a missing
+  module here is the environment's (the submission's code has not run yet).
+  """
+  m = _NO_MODULE.search(tail)
+  if m and m.group(1).split(".")[0] in (runner, "_" + runner):
+    return (f"the test runner is missing from the sandbox: {python} cannot import {runner} "
+            f"(No module named {m.group(1)!r}); install it in the task's environment")
+  if exit_code == 127 or re.search(rf"{re.escape(python)}: (command )?not found", tail):
+    return (f"the sandbox has no {python!r} interpreter (exit status {exit_code}); the task's "
+            "environment must provide it")
+  return None
+
+
+async def _run(sandbox: Sandbox, python: str, program: str, timeout: float, runner: str,
+               **header) -> tuple[Optional[int], str, Optional[bytes], str,
+                                  Optional[tuple[str, str]]]:
+  """Runs a runner program fed on stdin; (rc, output, report, log tail, (cause, error))."""
   nonce = secrets.token_hex(16)
   copy = f".arbor-result-{secrets.token_hex(16)}"  # no .xml: generic sprayers pass it by
   header.update(COPY=copy, NONCE=nonce, TAIL=LOG_TAIL)
@@ -417,10 +456,14 @@ async def _run(sandbox: Sandbox, python: str, program: str, timeout: float,
                      res.stdout, re.M)
   tail = res.stdout.split(nonce)[0][-LOG_TAIL:] + res.stderr[-LOG_TAIL:]
   if res.timed_out:
-    return None, "", None, tail, f"the test run timed out after {timeout:g}s"
+    return None, "", None, tail, ("timeout", f"the test run timed out after {timeout:g}s")
   if len(lines) != 1:
-    return None, "", None, tail, ("the test run did not finish (no result line from the "
-                                  "runner: it crashed, exited early, or its output was flooded)")
+    missing = _missing_runner(python, res.exit_code, tail, runner) if not lines else None
+    if missing:
+      return res.exit_code, "", None, tail, ("runner_missing", missing)
+    return None, "", None, tail, ("no_result", "the test run did not finish (no result line "
+                                  "from the runner: it crashed, exited early, or its output was "
+                                  "flooded)")
   rc, *hashes = lines[0]
   data = {}
   for suffix, digest, size in (("r", hashes[0], hashes[1]), ("l", hashes[2], hashes[3])):
@@ -430,15 +473,20 @@ async def _run(sandbox: Sandbox, python: str, program: str, timeout: float,
     try:
       data[suffix] = await sandbox.read_file(copy + suffix)
     except (OSError, ValueError) as e:  # PathError is a ValueError
-      return int(rc), "", None, tail, f"the run's results could not be read: {e}"
+      return int(rc), "", None, tail, ("unreadable", f"the run's results could not be read: {e}")
     if len(data[suffix]) != int(size) or hashlib.sha256(data[suffix]).hexdigest() != digest:
-      return int(rc), "", None, tail, "the run's results were changed after the run wrote them"
+      return int(rc), "", None, tail, ("changed", "the run's results were changed after the "
+                                       "run wrote them")
   return int(rc), data["l"].decode("utf-8", errors="replace"), data["r"], tail, None
 
 
 async def run_pytest(sandbox: Sandbox, args: Sequence[str], timeout: float,
                      python: str = "python3") -> RunResult:
   """Runs pytest in a sandbox's workspace and reads its JUnit report (see the module docstring).
+
+  The log (`output`) is pytest's terminal output with "-rA" added to the arguments (the last
+  -r option wins), so its short summary names every passed, failed, erroring and xfail test as
+  SWE-bench's pytest log parser reads it; the statuses come from the JUnit report only.
 
   Args:
     sandbox: holds the files to test.
@@ -447,18 +495,20 @@ async def run_pytest(sandbox: Sandbox, args: Sequence[str], timeout: float,
     python: the interpreter in the sandbox.
 
   Returns:
-    The statuses {(classname, name): status}, or the reason there are none in `error`.
+    The statuses {(classname, name): status}, or the reason there are none in `error` (and
+    its kind in `cause`).
   """
-  rc, output, report, tail, error = await _run(sandbox, python, _PYTEST_RUNNER, timeout,
-                                               ARGS=list(args))
-  if error is None and report is None:
-    error = "pytest wrote no JUnit report"
-  if error is not None:
-    return RunResult({}, rc, tail, error, output)
+  rc, output, report, tail, failure = await _run(sandbox, python, _PYTEST_RUNNER, timeout,
+                                                 "pytest", ARGS=list(args) + ["-rA"])
+  if failure is None and report is None:
+    failure = ("no_report", "pytest wrote no JUnit report")
+  if failure is not None:
+    return RunResult({}, rc, tail, failure[1], output, failure[0])
   try:
     statuses = parse_junit(report)
   except (ET.ParseError, ValueError) as e:
-    return RunResult({}, rc, tail, f"the JUnit report does not parse: {e}", output)
+    return RunResult({}, rc, tail, f"the JUnit report does not parse: {e}", output,
+                     "bad_report")
   return RunResult(statuses, rc, tail, None, output)
 
 
@@ -477,21 +527,140 @@ async def run_log_tests(sandbox: Sandbox, runner: str, script: str, args: Sequen
     env: variables set for the runner (e.g. PYTHONWARNINGS).
 
   Returns:
-    The statuses {test name: status}, or the reason there are none in `error`.
+    The statuses {test name: status}, or the reason there are none in `error` (and its kind
+    in `cause`).
   """
   parse = swe_logs.LOG_PARSERS[runner]
-  rc, output, _, tail, error = await _run(sandbox, python, _LOG_RUNNER, timeout,
-                                          PYTHON=python, SCRIPT=script, ARGS=list(args),
-                                          ENV=dict(env or {}))
-  if error is not None:
-    return RunResult({}, rc, tail, error, output)
+  # The log runner itself needs only the standard library: a missing interpreter is all that
+  # `_missing_runner` can find here ("python" never names a module).
+  rc, output, _, tail, failure = await _run(sandbox, python, _LOG_RUNNER, timeout, "python",
+                                            PYTHON=python, SCRIPT=script, ARGS=list(args),
+                                            ENV=dict(env or {}))
+  if failure is not None:
+    return RunResult({}, rc, tail, failure[1], output, failure[0])
   return RunResult(parse(output), rc, tail, None, output)
+
+
+# How far `grade_submission` got (`Outcome.stage`).
+STAGES = ("refused", "not_written", "tampered", "no_result", "inconsistent", "graded")
+
+
+@dataclasses.dataclass
+class Outcome:
+  """Everything one verification learned: the verdict, and where it stopped.
+
+  stage:
+    "refused": the submission was not tested (`merge_submission` refused it; `patch_failed`
+      when it was a diff that does not apply);
+    "not_written": a file could not be written into the sandbox;
+    "tampered": a test, runner or configuration file changed during the run;
+    "no_result": the run gave no trustworthy result (`run.error`, `run.cause`);
+    "inconsistent": the run exited non-zero yet recorded no failing test;
+    "graded": `grade` holds SWE-bench's verdict on the run's statuses.
+  """
+
+  verdict: Verdict
+  stage: str
+  run: Optional[RunResult] = None         # the test run, when there was one
+  grade: Optional[swe_logs.Grade] = None  # with stage "graded"
+  recorded: frozenset = swe_logs.SWEBENCH_STATUSES  # statuses the runner's log parser records
+  patch_failed: bool = False
+
+
+async def grade_submission(task: Task, submission: Union[Mapping[str, Union[bytes, str]], str],
+                           make_sandbox: SandboxFactory, *, partial: bool = False,
+                           original: Optional[Mapping[str, bytes]] = None) -> Outcome:
+  """Tests an agent's changes to a "swe" task and grades them (see the module docstring).
+
+  `verify_tests` is this function's verdict; graders of predictions (`envs.evaluate`) also
+  read the run's full log and where the verification stopped.
+
+  Args:
+    task: the "swe" task.
+    submission: the agent's final workspace {path: bytes} (see `workspace_files`) or a
+      unified diff against the original repository.
+    make_sandbox: make_sandbox(task) gives a fresh sandbox (or an awaitable of one); this
+      function closes it.
+    partial: reward = fraction of FAIL_TO_PASS + PASS_TO_PASS tests graded a success instead
+      of all-or-nothing.
+    original: the repository files, if the caller already holds them (default:
+      `load_repo_files(task)`).
+
+  Returns:
+    The outcome; its verdict's details name the per-test statuses, or the reason for reward 0.
+
+  Raises:
+    ValueError: the task is not a "swe" task.
+    SandboxError: the sandbox itself failed (infrastructure, not the agent's doing).
+  """
+  if task.kind != "swe":
+    raise ValueError(f"verify_tests: task {task.instance_id!r} has kind={task.kind!r}, "
+                     "expected 'swe'")
+  recorded = swe_logs.RECORDED[task.test_runner]
+  original = load_repo_files(task) if original is None else original
+  try:
+    files, changes = merge_submission(task, original, submission)
+  except Refused as e:
+    return Outcome(Verdict.fail(f"refused: {e.args[0]}"), "refused", recorded=recorded,
+                   patch_failed=isinstance(e, PatchFailed))
+  sandbox = await start_sandbox(make_sandbox, task)
+  try:
+    for path, data in files.items():
+      try:
+        await sandbox.write_file(path, data)
+      except (OSError, ValueError) as e:  # too large, or a file where a directory must be
+        return Outcome(Verdict.fail(f"cannot write {path!r} into the sandbox: {e}", **changes),
+                       "not_written", recorded=recorded)
+    if task.test_runner == "pytest":
+      python, args = task.pytest_command()
+      run = await run_pytest(sandbox, args, task.timeout, python)
+    else:
+      env, python, script, args = task.script_command()
+      run = await run_log_tests(sandbox, task.test_runner, script, args, task.timeout, python,
+                                env)
+    # Tests and configuration must be exactly what we wrote, whatever the run did on disk.
+    named = task_test_files(task)
+    guarded = [p for p in sorted(files) if p in named or p.rsplit("/", 1)[-1] in CONFIG_FILES]
+    for path in guarded:
+      try:
+        same = await sandbox.read_file(path) == files[path]
+      except (OSError, ValueError):
+        same = False
+      if not same:
+        return Outcome(Verdict.fail(f"{path} was modified during the test run", **changes,
+                                    log=run.log), "tampered", run, recorded=recorded)
+  finally:
+    await sandbox.close()
+  if run.error is not None:
+    return Outcome(Verdict.fail(run.error, exit_code=run.exit_code, log=run.log, **changes),
+                   "no_result", run, recorded=recorded)
+  if task.test_runner == "pytest":
+    by_key = {f"{c}::{n}": s for (c, n), s in run.statuses.items()}
+    result = swe_logs.grade(
+        task.fail_to_pass, task.pass_to_pass,
+        lambda t: swe_logs.find_status("::".join(junit_key(t)), by_key, recorded), recorded)
+  else:
+    result = swe_logs.grade(task.fail_to_pass, task.pass_to_pass,
+                            lambda t: swe_logs.find_status(t, run.statuses, recorded), recorded)
+  details = dict(fail_to_pass=result.fail_to_pass, pass_to_pass=result.pass_to_pass,
+                 passed=result.successes, total=result.total, solved=result.resolved,
+                 exit_code=run.exit_code, log=run.log, **changes)
+  if not swe_logs.log_is_consistent(run.exit_code, run.statuses, recorded):
+    details["solved"] = False
+    return Outcome(Verdict.fail(f"the tests exited with status {run.exit_code} but reported "
+                                "no failing test: the results are not trusted", **details),
+                   "inconsistent", run, recorded=recorded)
+  if result.resolved:
+    return Outcome(Verdict(1.0, details), "graded", run, result, recorded)
+  details["reason"] = "some FAIL_TO_PASS / PASS_TO_PASS tests do not pass"
+  return Outcome(Verdict(result.successes / result.total if partial else 0.0, details),
+                 "graded", run, result, recorded)
 
 
 async def verify_tests(task: Task, submission: Union[Mapping[str, Union[bytes, str]], str],
                        make_sandbox: SandboxFactory, *, partial: bool = False,
                        original: Optional[Mapping[str, bytes]] = None) -> Verdict:
-  """Reward of an agent's changes to a "swe" task (see the module docstring).
+  """Reward of an agent's changes to a "swe" task: `grade_submission`'s verdict.
 
   Args:
     task: the "swe" task.
@@ -511,57 +680,6 @@ async def verify_tests(task: Task, submission: Union[Mapping[str, Union[bytes, s
     ValueError: the task is not a "swe" task.
     SandboxError: the sandbox itself failed (infrastructure, not the agent's doing).
   """
-  if task.kind != "swe":
-    raise ValueError(f"verify_tests: task {task.instance_id!r} has kind={task.kind!r}, "
-                     "expected 'swe'")
-  original = load_repo_files(task) if original is None else original
-  try:
-    files, changes = merge_submission(task, original, submission)
-  except Refused as e:
-    return Verdict.fail(f"refused: {e.args[0]}")
-  sandbox = await start_sandbox(make_sandbox, task)
-  try:
-    for path, data in files.items():
-      try:
-        await sandbox.write_file(path, data)
-      except (OSError, ValueError) as e:  # too large, or a file where a directory must be
-        return Verdict.fail(f"cannot write {path!r} into the sandbox: {e}", **changes)
-    if task.test_runner == "pytest":
-      python, args = task.pytest_command()
-      run = await run_pytest(sandbox, args, task.timeout, python)
-    else:
-      env, python, script, args = task.script_command()
-      run = await run_log_tests(sandbox, task.test_runner, script, args, task.timeout, python,
-                                env)
-    # Tests and configuration must be exactly what we wrote, whatever the run did on disk.
-    named = task_test_files(task)
-    guarded = [p for p in sorted(files) if p in named or p.rsplit("/", 1)[-1] in CONFIG_FILES]
-    for path in guarded:
-      try:
-        same = await sandbox.read_file(path) == files[path]
-      except (OSError, ValueError):
-        same = False
-      if not same:
-        return Verdict.fail(f"{path} was modified during the test run", **changes, log=run.log)
-  finally:
-    await sandbox.close()
-  if run.error is not None:
-    return Verdict.fail(run.error, exit_code=run.exit_code, log=run.log, **changes)
-  if task.test_runner == "pytest":
-    by_key = {f"{c}::{n}": s for (c, n), s in run.statuses.items()}
-    result = swe_logs.grade(task.fail_to_pass, task.pass_to_pass,
-                            lambda t: swe_logs.find_status("::".join(junit_key(t)), by_key))
-  else:
-    result = swe_logs.grade(task.fail_to_pass, task.pass_to_pass,
-                            lambda t: swe_logs.find_status(t, run.statuses))
-  details = dict(fail_to_pass=result.fail_to_pass, pass_to_pass=result.pass_to_pass,
-                 passed=result.successes, total=result.total, solved=result.resolved,
-                 exit_code=run.exit_code, log=run.log, **changes)
-  if not swe_logs.log_is_consistent(run.exit_code, run.statuses):
-    details["solved"] = False
-    return Verdict.fail(f"the tests exited with status {run.exit_code} but reported no "
-                        "failing test: the results are not trusted", **details)
-  if result.resolved:
-    return Verdict(1.0, details)
-  details["reason"] = "some FAIL_TO_PASS / PASS_TO_PASS tests do not pass"
-  return Verdict(result.successes / result.total if partial else 0.0, details)
+  outcome = await grade_submission(task, submission, make_sandbox, partial=partial,
+                                   original=original)
+  return outcome.verdict

@@ -16,6 +16,14 @@ to turn a failing test into an expected failure).
 - Resolved iff every test of both lists is a success.
 `log_is_consistent` is SWE-bench's check against forged logs: a run that exits non-zero while
 its log reports no failing test is not trusted.
+
+What a log parser can record depends on the runner. SWE-bench's pytest parsers read the "-rA"
+short summary, whose lines name a test for PASSED, FAILED, ERROR and XFAIL only: a skipped
+test's line names a file and line ("SKIPPED [1] tests/t.py:7: why") and an XPASS line is not
+read, so for pytest tasks a skipped or xpassed test is missing to SWE-bench (a PASS_TO_PASS
+test that a patch makes skip, for instance with a `pytest.skip()` call in code under test, is a
+failure). `grade` and `find_status` take the recorded statuses (`RECORDED[runner]`) and grade
+any other status as missing, keeping its name in the details.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ PASSED, FAILED, SKIPPED, ERROR, XFAIL = "passed", "failed", "skipped", "error", 
 XPASS, XFAIL_UNMARKED = "xpass", "xfail_unmarked"
 MISSING = "missing"  # what the details say for a test absent from the run's results
 SWEBENCH_STATUSES = frozenset({PASSED, FAILED, SKIPPED, ERROR, XFAIL})
+# The statuses SWE-bench's parser of each runner's log records under a test's name.
+PYTEST_RECORDED = frozenset({PASSED, FAILED, ERROR, XFAIL})
+RECORDED = {"pytest": PYTEST_RECORDED, "django": SWEBENCH_STATUSES, "sympy": SWEBENCH_STATUSES}
 _PASSING = frozenset({PASSED, XFAIL})
 
 
@@ -119,22 +130,24 @@ LOG_PARSERS: dict[str, Callable[[str], dict[str, str]]] = {
 # ----------------------------------------------------------------------------- grading
 
 
-def find_status(test: str, statuses: Mapping[str, str]) -> Optional[str]:
+def find_status(test: str, statuses: Mapping[str, str],
+                recorded: frozenset = SWEBENCH_STATUSES) -> Optional[str]:
   """The status of `test` in a run, or None when the run did not report it.
 
   An id cut off inside its parameters (more "[" than "]") and absent from the run takes the
-  status of the tests it prefixes when they agree on passing vs not (SWE-bench statuses only:
-  the ones its log parsers record).
+  status of the tests it prefixes when they agree on passing vs not (recorded statuses only:
+  the ones SWE-bench's log parser would have read).
 
   Args:
     test: a FAIL_TO_PASS / PASS_TO_PASS id.
     statuses: {id: status} of the run.
+    recorded: the statuses the runner's log parser records (`RECORDED`).
   """
   status = statuses.get(test)
-  if status in SWEBENCH_STATUSES:
+  if status in recorded:
     return status
   if test.count("[") > test.count("]"):
-    matches = [s for k, s in statuses.items() if s in SWEBENCH_STATUSES and k.startswith(test)]
+    matches = [s for k, s in statuses.items() if s in recorded and k.startswith(test)]
     if matches and len({s in _PASSING for s in matches}) == 1:
       return matches[0]
   return status
@@ -152,31 +165,54 @@ class Grade:
 
 
 def grade(fail_to_pass: Sequence[str], pass_to_pass: Sequence[str],
-          status: Callable[[str], Optional[str]]) -> Grade:
+          status: Callable[[str], Optional[str]],
+          recorded: frozenset = SWEBENCH_STATUSES) -> Grade:
   """Grades a run with SWE-bench's rules (module docstring).
 
   Args:
     fail_to_pass: the task's FAIL_TO_PASS ids.
     pass_to_pass: the task's PASS_TO_PASS ids.
-    status: test id -> its status in the run, or None when missing (`find_status`);
-      statuses SWE-bench does not record (xpass, xfail_unmarked) grade as missing.
+    status: test id -> its status in the run, or None when missing (`find_status`).
+    recorded: the statuses the runner's log parser records (`RECORDED`); any other status
+      (xpass, xfail_unmarked; skipped for pytest) grades as missing.
 
   Returns:
-    The grade.
+    The grade; its per-test dicts keep the statuses' names.
   """
   f2p = {t: status(t) or MISSING for t in fail_to_pass}
   p2p = {t: status(t) or MISSING for t in pass_to_pass}
-  good = ([s in _PASSING for s in f2p.values()]
-          + [s in _PASSING | {SKIPPED} for s in p2p.values()])
+  good = ([s in _PASSING & recorded for s in f2p.values()]
+          + [s in (_PASSING | {SKIPPED}) & recorded for s in p2p.values()])
   return Grade(f2p, p2p, sum(good), len(good), all(good))
 
 
-def log_is_consistent(exit_code: Optional[int], statuses: Mapping[str, str]) -> bool:
+def successes(result: Grade, recorded: frozenset = SWEBENCH_STATUSES
+              ) -> dict[str, dict[str, list[str]]]:
+  """A grade as SWE-bench's report lists it: {"FAIL_TO_PASS": {"success": [...], "failure":
+  [...]}, "PASS_TO_PASS": {...}}, each list in the task's order.
+
+  Args:
+    result: the grade.
+    recorded: the statuses it was graded with (`grade`).
+  """
+  out = {}
+  for key, tests, ok in (("FAIL_TO_PASS", result.fail_to_pass, _PASSING & recorded),
+                         ("PASS_TO_PASS", result.pass_to_pass,
+                          (_PASSING | {SKIPPED}) & recorded)):
+    out[key] = {"success": [t for t, s in tests.items() if s in ok],
+                "failure": [t for t, s in tests.items() if s not in ok]}
+  return out
+
+
+def log_is_consistent(exit_code: Optional[int], statuses: Mapping[str, str],
+                      recorded: frozenset = SWEBENCH_STATUSES) -> bool:
   """False when the run exited non-zero yet its results show no failed or erroring test.
 
   Args:
     exit_code: the test command's exit status (None: unknown).
     statuses: {id: status} of the run.
+    recorded: the statuses the runner's log parser records: SWE-bench checks the tests its
+      parser read, so a run that recorded none is not judged here.
   """
-  return exit_code in (None, 0) or not statuses or any(
-      s in (FAILED, ERROR) for s in statuses.values())
+  seen = [s for s in statuses.values() if s in recorded]
+  return exit_code in (None, 0) or not seen or any(s in (FAILED, ERROR) for s in seen)
