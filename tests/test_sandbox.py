@@ -1,6 +1,11 @@
-"""Sandbox conformance: the same behaviour from every backend available here (bwrap, local,
-remote over loopback backed by bwrap; docker when an engine answers), plus the sandbox server's
-HTTP contract (auth, capacity, request limits, malformed input, ttl, warm pool, shutdown)."""
+"""Sandbox conformance: the same behaviour from every backend (bwrap, local, remote over
+loopback backed by bwrap, docker on the local engine), plus the sandbox server's HTTP contract
+(auth, capacity, request limits, malformed input, ttl, warm pool, shutdown).
+
+The docker tests start the local engine when none answers (`docker_engine.ensure_engine`) and
+fail when it cannot be started; ARBOR_SKIP_DOCKER=1 skips them instead, for machines that
+cannot run Docker at all. Their image is `debian.docker_image` with pytest (built once, then
+cached by tag)."""
 
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # One of 16 slots (lock files stay behind per uid: keep their number bounded).
 _BASE = 2_001_000_000 + random.randrange(16) * 128
 TEST_UIDS, SERVER_UIDS = range(_BASE, _BASE + 64), range(_BASE + 64, _BASE + 128)
+# The docker sandboxes' user, private to this slot too (beyond the 16 slots' bwrap ranges).
+DOCKER_UID = 2_001_000_000 + 16 * 128 + (_BASE - 2_001_000_000) // 128
 LIMITS = Limits(memory_mb=256, pids=64, disk_mb=16, output_bytes=1000, file_bytes=1 << 20,
                 default_timeout=20)
 
@@ -82,8 +89,10 @@ def start_server(tmp_dir: str, *args: str, pass_fds=()) -> Server:
   return Server(f"http://127.0.0.1:{open(port_file).read()}", token, proc, log)
 
 
-def pool_processes(uids=(TEST_UIDS, SERVER_UIDS), zombies: bool = True) -> list[int]:
-  """Host pids running as a uid of the tests' bwrap pools (left-overs of any sandbox).
+def pool_processes(uids=(TEST_UIDS, SERVER_UIDS, range(DOCKER_UID, DOCKER_UID + 1)),
+                   zombies: bool = True) -> list[int]:
+  """Host pids running as a uid of the tests' sandboxes: the bwrap pools and the docker user
+  (left-overs of any sandbox).
   Zombies count too unless `zombies=False`: normal operation reaps every process it starts."""
   out = []
   for name in os.listdir("/proc"):
@@ -100,13 +109,27 @@ def pool_processes(uids=(TEST_UIDS, SERVER_UIDS), zombies: bool = True) -> list[
 
 
 @functools.lru_cache(maxsize=None)
-def docker_skip_reason() -> str | None:
+def _docker_image() -> tuple[str, str]:
+  """(image tag, "") or ("", why the engine or the image is not there)."""
+  from envs.environments import debian
+  from envs.sandbox import docker_engine
   try:
-    from envs.sandbox.docker import docker_client
-    docker_client().ping()
-    return None
+    docker_engine.ensure_engine()
+    return debian.docker_image(packages=("python3-pytest",)), ""
   except Exception as e:
-    return f"no Docker engine answers ({str(e)[:80]})"
+    return "", f"{type(e).__name__}: {e}"
+
+
+def docker_kw() -> dict:
+  """create_sandbox("docker", ...) arguments of the tests (image and user); fails the test when
+  the engine cannot be started or the image built, skips it only under ARBOR_SKIP_DOCKER=1."""
+  if os.environ.get("ARBOR_SKIP_DOCKER") == "1":
+    pytest.skip("ARBOR_SKIP_DOCKER=1")
+  image, why = _docker_image()
+  if not image:
+    pytest.fail(f"docker backend: no engine or no image ({why}); set ARBOR_SKIP_DOCKER=1 to "
+                "skip the docker tests on a machine that cannot run Docker")
+  return {"image": image, "user": f"{DOCKER_UID}:{DOCKER_UID}"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,9 +159,7 @@ def make(request):
     s = request.getfixturevalue("server")
     kw = {"url": s.url, "token": s.token}
   elif backend == "docker":
-    reason = docker_skip_reason()
-    if reason:
-      pytest.skip(reason)
+    kw = docker_kw()
 
   def make(limits: Limits = LIMITS):
     return create_sandbox(backend, limits=limits, **kw)
@@ -328,6 +349,49 @@ def test_docker_remote_engine_only_over_tls(monkeypatch):
     monkeypatch.delenv("DOCKER_TLS_VERIFY", raising=False)
     with pytest.raises(SandboxError, match="TLS"):
       docker_client()
+
+
+def test_docker_engine_found_or_explained(tmp_path, monkeypatch):
+  """ensure_engine: a client when the engine answers; otherwise each reason it cannot start one,
+  on an engine address nothing listens at and a stand-in dockerd."""
+  pytest.importorskip("docker", reason="docker-py not installed")
+  from envs.sandbox import docker_engine
+  if os.environ.get("ARBOR_SKIP_DOCKER") != "1":
+    assert docker_engine.ensure_engine(start=False).ping()
+  nowhere = f"unix://{tmp_path}/docker.sock"
+  monkeypatch.setenv("DOCKER_HOST", nowhere)
+  with pytest.raises(SandboxError, match="no Docker engine answers"):
+    docker_engine.ensure_engine(start=False)
+  with pytest.raises(SandboxError, match="only the local engine"):
+    docker_engine.ensure_engine()
+  monkeypatch.setattr(docker_engine, "_LOCAL", (nowhere,))
+  monkeypatch.setattr(docker_engine, "LOG", str(tmp_path / "dockerd.log"))
+  monkeypatch.setattr(docker_engine, "_LOCK", str(tmp_path / "lock"))
+  monkeypatch.setenv("PATH", str(tmp_path))
+  with pytest.raises(SandboxError, match="apt-get install docker.io"):
+    docker_engine.ensure_engine()
+  fake = tmp_path / "dockerd"
+  fake.write_text("#!/bin/sh\necho \"starting with $*\"\necho 'failed to start: no luck'\n"
+                  "exit 3\n")
+  fake.chmod(0o755)
+  monkeypatch.setattr(os, "geteuid", lambda: 1000)
+  with pytest.raises(SandboxError, match="needs root"):
+    docker_engine.ensure_engine()
+  monkeypatch.undo()  # a real euid again; the same stand-ins
+  monkeypatch.setenv("DOCKER_HOST", nowhere)
+  monkeypatch.setattr(docker_engine, "_LOCAL", (nowhere,))
+  monkeypatch.setattr(docker_engine, "LOG", str(tmp_path / "dockerd.log"))
+  monkeypatch.setattr(docker_engine, "_LOCK", str(tmp_path / "lock"))
+  monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+  if os.geteuid() == 0:
+    with pytest.raises(SandboxError, match="(?s)exited with status 3.*no luck") as e:
+      docker_engine.ensure_engine()
+    assert "--bridge=none --iptables=false" in str(e.value)  # as the log shows it
+    fake.write_text("#!/bin/sh\necho still starting\nexec sleep 30\n")
+    with pytest.raises(SandboxError, match="(?s)did not answer within timeout=1.*still starting"
+                       ) as e:
+      docker_engine.ensure_engine(timeout=1)
+    os.kill(int(str(e.value).split("(pid ")[1].split(")")[0]), signal.SIGKILL)  # left running
 
 
 def test_factory_errors():

@@ -1,21 +1,14 @@
 """Sandbox.fork on every backend: the fork starts from a copy of the workspace (bytes, modes,
 links, empty directories, files the sandbox's own uid made unreadable) and is independent of
-its parent afterwards. bwrap and local run for real; remote against an in-process server on
-loopback; docker against a fake engine (none on this machine) that keeps each container's
-/workspace in a host directory."""
+its parent afterwards. bwrap, local and docker (the local engine) run for real; remote against
+an in-process server on loopback."""
 
 from __future__ import annotations
 
 import asyncio
-import io
-import itertools
 import os
-import re
 import secrets
 import shutil
-import subprocess
-import tarfile
-import tempfile
 
 import pytest
 
@@ -23,7 +16,7 @@ from envs.sandbox import SandboxError, SandboxFull, bwrap, create_sandbox
 from envs.sandbox import docker as docker_backend
 from envs.sandbox.remote import RemoteSandbox
 from envs.sandbox_server import SandboxHTTP, SandboxService
-from tests.test_sandbox import LIMITS, TEST_UIDS
+from tests.test_sandbox import LIMITS, TEST_UIDS, docker_kw
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None or os.geteuid() != 0,
                                  reason="bwrap backend needs bwrap and root")
@@ -177,90 +170,68 @@ def test_remote_fork_counts_against_capacity_and_needs_the_token(server):
 
 
 # ---------------------------------------------------------------------------------------------
-# docker: a fake engine; each container's /workspace and /tmp are host directories
+# docker: the local engine
 
-class FakeContainer:
-  def __init__(self, root: str):
-    self.id, self.root = secrets.token_hex(6), root
-    for d in ("workspace", "tmp"):
-      os.mkdir(os.path.join(root, d))
-
-  def host(self, path: str) -> str:
-    return re.sub(r"/(workspace|tmp)(?![\w.-])", lambda m: os.path.join(self.root, m[1]), path)
-
-  def get_archive(self, path: str):
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-      tar.add(self.host(path), arcname=os.path.basename(path))
-    return iter([buf.getvalue()]), {"size": len(buf.getvalue())}
-
-  def put_archive(self, path: str, data) -> bool:
-    fileobj = io.BytesIO(data) if isinstance(data, bytes) else data
-    with tarfile.open(fileobj=fileobj) as tar:
-      tar.extractall(self.host(path), numeric_owner=True, filter="fully_trusted")
+def _gone(container) -> bool:
+  import docker
+  try:
+    container.reload()
+  except docker.errors.NotFound:
     return True
-
-  def remove(self, force: bool = False) -> None:
-    shutil.rmtree(self.root)
+  return False
 
 
-class FakeEngine:
-  """What DockerSandbox calls of docker-py: containers.run and the exec API (commands run on
-  the host with the container's paths mapped to its directories)."""
+def test_docker_fork():
+  kw = docker_kw()
 
-  def __init__(self, tmp_dir: str):
-    self.tmp_dir, self.runs, self.containers_by_id, self.execs = tmp_dir, [], {}, {}
-    self.ids = itertools.count()
-    self.containers, self.api = self, self
-
-  def __call__(self):  # stands in for docker_client()
-    return self
-
-  def run(self, image, command, **kw):
-    self.runs.append((image, kw["user"]))
-    c = FakeContainer(tempfile.mkdtemp(dir=self.tmp_dir))
-    self.containers_by_id[c.id] = c
-    return c
-
-  def exec_create(self, cid, argv, workdir, **kw):
-    c, exec_id = self.containers_by_id[cid], next(self.ids)
-    self.execs[exec_id] = ([c.host(a) for a in argv], c.host(workdir))
-    return {"Id": exec_id}
-
-  def exec_start(self, exec_id, stream, demux):
-    argv, cwd = self.execs[exec_id]
-    p = subprocess.run(argv, cwd=cwd, capture_output=True)
-    self.execs[exec_id] = p.returncode
-    return iter([(p.stdout, p.stderr)])
-
-  def exec_inspect(self, exec_id):
-    return {"ExitCode": self.execs[exec_id]}
-
-
-@pytest.fixture
-def engine(tmp_path, monkeypatch):
-  e = FakeEngine(str(tmp_path))
-  monkeypatch.setattr(docker_backend, "docker_client", e)
-  return e
-
-
-def test_docker_fork(engine):
   async def go():
-    sb = await docker_backend.DockerSandbox.create(LIMITS, image="img:1", user="1234:1234")
-    await check_fork(sb)
-    assert engine.runs == [("img:1", "1234:1234")] * 2  # the fork: same image and user
-    assert os.listdir(engine.tmp_dir) == []  # both containers removed
+    sb = await create_sandbox("docker", limits=LIMITS, **kw)
+    forks = []
+    fork_of = docker_backend.DockerSandbox.fork
+
+    async def record(self):
+      forks.append(await fork_of(self))
+      return forks[-1]
+    docker_backend.DockerSandbox.fork = record
+    try:
+      await check_fork(sb)
+    finally:
+      docker_backend.DockerSandbox.fork = fork_of
+    (fork,) = forks
+    a, b = sb._container.attrs, fork._container.attrs  # the fork: same image, user, limits
+    assert a["Config"]["Image"] == b["Config"]["Image"] == kw["image"]
+    assert a["Config"]["User"] == b["Config"]["User"] == kw["user"]
+    keys = ("Memory", "MemorySwap", "PidsLimit", "NanoCpus", "ReadonlyRootfs", "CapDrop",
+            "SecurityOpt", "NetworkMode", "Tmpfs", "ShmSize", "Init")
+    assert [a["HostConfig"][k] for k in keys] == [b["HostConfig"][k] for k in keys]
+    assert _gone(sb._container) and _gone(fork._container)  # both removed
   run(go())
 
 
-def test_docker_failed_copy_removes_the_fork(engine, monkeypatch):
+def test_docker_fork_restores_modes_and_failed_copy_removes_the_fork(monkeypatch):
   async def go():
-    async with await docker_backend.DockerSandbox.create(LIMITS) as sb:
-      await sb.write_file("a.txt", "a")
-      monkeypatch.setattr(FakeContainer, "put_archive", lambda self, path, data: False)
-      with pytest.raises(SandboxError, match="put_archive"):
+    async with await create_sandbox("docker", limits=LIMITS, **docker_kw()) as sb:
+      r = await sb.exec("mkdir -p shut/in && echo deep > shut/in/f && chmod 000 shut/in shut "
+                        "&& echo x > f && chmod 200 f")
+      assert r.exit_code == 0, r
+      async with await sb.fork() as fork:
+        r = await fork.exec("stat -c '%a %n' shut f; chmod 700 shut shut/in; cat shut/in/f")
+        assert r.stdout == "0 shut\n200 f\ndeep\n", r
+      # the parent's modes were restored after the copy read them
+      assert (await sb.exec("stat -c '%a %n' shut f")).stdout == "0 shut\n200 f\n"
+      # A copy that fails on the fork's side: the half-made fork is removed.
+      created = []
+      create = docker_backend.DockerSandbox.create
+
+      async def record(*a, **k):
+        created.append(await create(*a, **k))
+        return created[-1]
+      monkeypatch.setattr(docker_backend.DockerSandbox, "create", record)
+      monkeypatch.setattr(docker_backend, "_UNPACK", "cat > /dev/null; echo broken >&2; exit 2")
+      with pytest.raises(SandboxError, match="unpacking the fork's workspace failed.*broken"):
         await sb.fork()
-      assert len(os.listdir(engine.tmp_dir)) == 1  # the parent's only
+      assert len(created) == 1 and _gone(created[0]._container)
+      assert (await sb.exec("echo still")).stdout == "still\n"
   run(go())
 
 

@@ -1,46 +1,113 @@
 """`docker` backend (docker-py): one container per sandbox.
 
-The container runs `sleep infinity` from `image` with no network (`network_mode="none"`), a
-read-only root file system, tmpfs /workspace and /tmp of `limits.disk_mb` (exec allowed,
-nosuid, nodev) and /dev/shm of the same size, memory = memory+swap, pids and CPU limits, a
-non-root user (default 65534:65534), every capability dropped, no-new-privileges, the seccomp
-profile of `seccomp.docker_profile` (the bwrap backend's deny list as a Docker profile: keyring,
-io_uring, bpf, userfaultfd, perf, ptrace, module/kexec/clock/mount calls, socket families other
-than AF_UNIX and, for the container's loopback, AF_INET/AF_INET6, plus the namespace and other
-calls Docker's default profile denies, since a custom profile replaces it) and Docker's init as
-pid 1. Keyrings: Docker gives each container a fresh session keyring, and the profile denies the
-keyring calls. Each exec is `docker exec` of `timeout -k 1 T sh -c cmd` (the image needs
-coreutils' `timeout`; the client also stops reading at the deadline); its output is streamed and
-capped. Background processes of an exec live until close() (the container is removed with
-force), unlike bwrap. The file API checks every path component for symlinks inside the container
-and moves data with tar archives; `fork()` streams /workspace into a new container of the
-same image, user and limits the same way. `DOCKER_HOST` may name a remote engine only over TLS
+The container runs `sleep infinity` from `image` with no network (`network_mode="none"`: no
+sandbox is ever given one, and the engine Arbor starts has no bridge to give), a read-only
+root file system, tmpfs /workspace and /tmp of `limits.disk_mb` with an inode quota (exec
+allowed, nosuid, nodev) and /dev/shm of the same size, memory = memory+swap, pids and CPU
+limits, a non-root user (default 65534:65534), every capability dropped, no-new-privileges,
+the seccomp profile of `seccomp.docker_profile` (the bwrap backend's deny list as a Docker
+profile: keyring, io_uring, bpf, userfaultfd, perf, ptrace, module/kexec/clock/mount calls,
+socket families other than AF_UNIX and AF_INET/AF_INET6 (the container's loopback), plus the
+namespace and other calls Docker's default profile denies, since a custom profile replaces it)
+and Docker's init as pid 1. Keyrings: Docker gives each container a fresh session keyring,
+and the profile denies the keyring calls.
+
+Everything runs through `docker exec` as the sandbox user, the file API included: a command
+is `timeout -k 1 T sh -c cmd` (the image needs `sh` and coreutils' `timeout`, `stat`, `find`,
+`tar`), its stdin streamed in over the exec's connection and its output streamed out and
+capped; the client also stops reading at the deadline. Background processes of an exec live
+until close() (the container is removed with force), unlike bwrap. Files move in and out as
+the stdin and stdout of small shell scripts that walk the path one component at a time and
+refuse symlinks (the engine's archive API cannot be used: it refuses to write into a container
+whose root is read-only, and does not see inside tmpfs mounts). Since those scripts run inside
+the container with the sandbox's own uid and no capabilities, a symlink swapped in mid-way
+reaches nothing the sandbox could not reach itself. `fork()` streams /workspace as a tar
+archive from this container into a new one of the same image, user and limits.
+
+The engine: `docker_engine.ensure_engine()` (or `python -m envs.sandbox.docker_engine`)
+starts the local one when none answers. `DOCKER_HOST` may name a remote engine only over TLS
 (DOCKER_TLS_VERIFY=1, DOCKER_CERT_PATH): plain tcp:// and ssh:// are refused.
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
+import contextlib
+import errno
 import os
-import secrets
-import shlex
+import select
+import socket
+import struct
 import tarfile
 import tempfile
+import threading
 import time
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
-from envs.sandbox import process, seccomp
+from envs.sandbox import hostfs, process, seccomp
 from envs.sandbox.base import (ExecResult, Limits, PathError, Sandbox, SandboxError,
                                fill_fork)
 
 WORKSPACE = "/workspace"
+# Kills what commands left running: every process but pid 1 (Docker's init), the container's
+# main process (the oldest other one: `sleep infinity` started first) and itself, in rounds
+# until none is left (a process may fork while it is killed). /proc/PID/stat: the command name
+# may hold spaces and parentheses, so the fields are counted after its last ")"; the start
+# time is the 22nd field.
+_SWEEP = r'''
+for round in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16; do
+  main=; oldest=; others=
+  for d in /proc/[0-9]*; do
+    p=${d#/proc/}
+    [ "$p" = 1 ] || [ "$p" = $$ ] && continue
+    read -r s < "$d/stat" 2>/dev/null || continue
+    set -- ${s##*) }
+    if [ -z "$main" ] || [ "${20}" -lt "$oldest" ]; then
+      others="$others $main"; main=$p; oldest=${20}
+    else
+      others="$others $p"
+    fi
+  done
+  [ -z "${others# }" ] && exit 0
+  kill -9 $others 2>/dev/null
+done
+exit 1
+'''
 _SPOOL_BYTES = 16 << 20  # a fork's workspace archive stays in memory up to this, then on disk
-# Walk the path components from /workspace; exit 3 on a symlink, 4 if a parent is not a dir,
-# 0 at the first missing one (write_file makes the rest, then checks again).
-_CHECK = ('cd /workspace || exit 2; i=0; for c; do i=$((i+1)); '
-          '[ -L "$c" ] && exit 3; [ -e "$c" ] || exit 0; '
-          '[ $i -lt $# ] && { cd -- "$c" 2>/dev/null || exit 4; }; done; exit 0')
+_OP_TIMEOUT = 120.0      # seconds for one file-API transfer or one side of a fork's copy
+# The file API's path walk. $1: write | read | list; $2: the size cap; then the components.
+# Parents are entered one at a time with `cd -P` after a symlink test (write makes missing
+# ones); exit codes: 3 a symlink, 4 a parent that is not a directory, 5 missing, 6 not a
+# regular file, 7 too large (size on stderr).
+_WALK = r'''
+op=$1; cap=$2; shift 2; cd /workspace || exit 2
+while [ $# -gt 1 ]; do
+  [ -L "$1" ] && exit 3
+  if [ ! -e "$1" ]; then [ "$op" = write ] || exit 5; mkdir -- "$1" || exit 4; fi
+  cd -P -- "$1" 2>/dev/null || exit 4; shift
+done
+if [ $# -eq 0 ]; then set -- .; else [ -L "$1" ] && exit 3; fi
+case $op in
+write) [ -e "$1" ] && [ ! -f "$1" ] && exit 6; exec cat > "./$1";;
+read) [ -e "$1" ] || exit 5; [ -f "$1" ] || exit 6
+      size=$(stat -c %s -- "$1") || exit 2
+      [ "$size" -gt "$cap" ] && { echo "$size" >&2; exit 7; }; exec head -c $((cap + 1)) -- "./$1";;
+list) [ -e "$1" ] || exit 5; exec find -P "./$1" -maxdepth $((cap + 1)) -printf '%y %d %p\0';;
+esac
+exit 2
+'''
+# A fork's source side. Entries the sandbox user cannot read (a file without u+r, a directory
+# without u+rx) get that bit while tar reads them; `_UNLOCK` prints their original modes as
+# "MODE ./PATH\0" (the copy restores them in the archive, `_RESTORE` here afterwards). A
+# directory is opened up before find descends into it (`;`), files in batches (`+`).
+_UNLOCK = r'''
+cd /workspace || exit 2
+exec find . -mindepth 1 \( -type d ! -perm -u=rx -printf '%m %p\0' -exec chmod u+rx {} \; \) \
+  -o \( -type f ! -perm -u=r -printf '%m %p\0' -exec chmod u+r {} + \)
+'''
+_PACK = 'cd /workspace && exec tar -cf - --numeric-owner .'
+_RESTORE = 'cd /workspace && exec xargs -0 -r -n 2 chmod --'  # stdin: MODE\0PATH\0 pairs
+_UNPACK = 'cd /workspace && exec tar -xf - --no-same-owner --delay-directory-restore'
 
 
 def docker_client():
@@ -64,6 +131,18 @@ def docker_client():
   return client
 
 
+class _Bytes:
+  """All of a stream up to `cap` bytes; `over` is set when more came (the rest is dropped)."""
+
+  def __init__(self, cap: int):
+    self.data, self.cap, self.over = bytearray(), cap, False
+
+  def add(self, chunk: bytes) -> None:
+    room = self.cap - len(self.data)
+    self.data += chunk[:max(0, room)]
+    self.over = self.over or len(chunk) > room
+
+
 class DockerSandbox(Sandbox):
   """One container per sandbox (see the module docstring).
 
@@ -75,6 +154,9 @@ class DockerSandbox(Sandbox):
   def __init__(self, client, container, limits: Limits, image: str = "", user: str = ""):
     self._client, self._container, self.limits, self._closed = client, container, limits, False
     self._image, self._user = image, user  # for fork()
+    # Operations in flight (commands, file transfers), whether a command ran since the last
+    # sweep, and the sweep running now (operations wait for it).
+    self._busy, self._dirty, self._sweeping = 0, False, None
 
   @classmethod
   async def create(cls, limits: Limits = Limits(), *, image: str = "python:3.11-slim",
@@ -83,23 +165,26 @@ class DockerSandbox(Sandbox):
 
     Args:
       limits: the sandbox's limits.
-      image: the image; it needs `sh` and coreutils' `timeout`.
-      user: "uid[:gid]" the commands run as; never root.
+      image: the image (present in the engine: nothing is pulled); it needs `sh` and
+        coreutils, findutils and tar.
+      user: "uid[:gid]" the commands run as (numeric ids need no entry in the image's
+        /etc/passwd); never root.
 
     Returns:
       The started sandbox.
 
     Raises:
-      ValueError: user is root.
+      ValueError: user or its group is root.
       SandboxError: no usable Docker engine, or the container could not start.
     """
-    if user.split(":")[0] in ("0", "root"):
-      raise ValueError(f"user={user!r}: the sandbox user must not be root")
+    uid, _, gid = user.partition(":")
+    if uid in ("0", "root", "") or gid in ("0", "root"):
+      raise ValueError(f"user={user!r}: the sandbox user and group must not be root")
 
     def start():
       client = docker_client()
-      uid, _, gid = user.partition(":")
-      opts = f"size={limits.disk_mb}m,mode=0700,uid={uid},gid={gid or uid},exec,nosuid,nodev"
+      opts = (f"size={limits.disk_mb}m,nr_inodes={max(1024, limits.disk_mb * 256)},mode=0700,"
+              f"uid={uid},gid={gid or uid},exec,nosuid,nodev")
       container = client.containers.run(
           image, ["sleep", "infinity"], detach=True, network_mode="none", user=user,
           cap_drop=["ALL"], security_opt=seccomp.docker_security_opt(inet=True),
@@ -122,22 +207,125 @@ class DockerSandbox(Sandbox):
     if self._closed:
       raise SandboxError("sandbox is closed")
 
-  def _run(self, argv: list[str], deadline: float, env: Optional[dict] = None
-           ) -> tuple[int, process.CappedOutput, process.CappedOutput]:
-    """Blocking exec with streamed output, head and tail kept: (exit, out, err)."""
-    api, cap = self._client.api, self.limits.output_bytes
-    exec_id = api.exec_create(self._container.id, argv, stdout=True, stderr=True,
-                              workdir=WORKSPACE, environment=env or {})["Id"]
-    out, err = process.CappedOutput(cap), process.CappedOutput(cap)
-    for o, e in api.exec_start(exec_id, stream=True, demux=True):
-      if o:
-        out.add(o)
-      if e:
-        err.add(e)
-      if time.monotonic() > deadline:
-        break
-    code = api.exec_inspect(exec_id).get("ExitCode")
-    return -1 if code is None else code, out, err
+  @contextlib.asynccontextmanager
+  async def _op(self, command: bool = False):
+    """Brackets one operation; when the last one in flight ends after a command, kills what
+    the commands left running (`_SWEEP`), as bwrap's per-exec PID namespace does."""
+    while self._sweeping is not None:
+      await asyncio.shield(self._sweeping)
+    self._check_open()
+    self._busy += 1
+    try:
+      yield
+    finally:
+      self._busy -= 1
+      self._dirty = self._dirty or command
+      if self._busy == 0 and self._dirty and not self._closed:
+        self._dirty = False  # set before any await: no operation can start in between
+        self._sweeping = asyncio.ensure_future(asyncio.to_thread(self._sweep))
+        try:
+          await asyncio.shield(self._sweeping)
+        finally:
+          self._sweeping = None
+
+  def _sweep(self) -> None:
+    """Blocking: runs `_SWEEP`; a sandbox removed meanwhile is no error."""
+    try:
+      code = self._stream(["sh", "-c", _SWEEP], time.monotonic() + 30, _Bytes(0).add,
+                          _Bytes(0).add)
+    except Exception as e:  # docker.errors.*: the container is gone (closed, or it died)
+      if self._closed:
+        return
+      raise SandboxError(f"docker: ending the processes a command left behind: {e}") from e
+    if code != 0 and not self._closed:
+      raise SandboxError(f"docker: processes a command left behind survived (exit {code})")
+
+  def _stream(self, argv: list[str], deadline: float, out, err, *,
+              stdin: Optional[Callable[[Callable[[bytes], None]], None]] = None,
+              env: Optional[dict] = None) -> int:
+    """Blocking: runs argv in the container (as its user, in /workspace) and waits.
+
+    Args:
+      argv: the program and its arguments.
+      deadline: `time.monotonic()` after which reading stops (the exit code is then unknown).
+      out, err: called with each chunk of stdout and of stderr.
+      stdin: called in a thread with a `send(bytes)` function to feed the standard input,
+        which is closed when it returns (or fails: a process that exits without reading its
+        input is no error). None: no standard input.
+      env: the environment.
+
+    Returns:
+      The exit status, or -1 if it is not known by the deadline.
+    """
+    api = self._client.api
+    exec_id = api.exec_create(self._container.id, argv, stdin=stdin is not None, stdout=True,
+                              stderr=True, workdir=WORKSPACE, environment=env or {})["Id"]
+    # The exec's HTTP connection, upgraded to a raw stream (what docker-py's exec_start does);
+    # the buffered reader keeps any bytes that arrived with the response's headers.
+    res = api._post_json(api._url("/exec/{0}/start", exec_id), stream=True,
+                         headers={"Connection": "Upgrade", "Upgrade": "tcp"},
+                         data={"Tty": False, "Detach": False})
+    api._raise_for_status(res)
+    reader = res.raw._fp.fp
+    sock = reader.raw._sock
+    writer = None
+    try:
+      if stdin is not None:
+        def feed():
+          try:
+            stdin(sock.sendall)
+          except OSError:  # the process exited without reading it all
+            pass
+          finally:
+            try:
+              sock.shutdown(socket.SHUT_WR)  # the process sees the end of its input
+            except OSError:
+              pass
+        writer = threading.Thread(target=feed, daemon=True)
+        writer.start()
+      # Bytes that came with the response's headers wait in the reader's buffer; take them
+      # (without blocking), then read the socket itself.
+      sock.setblocking(False)
+      try:
+        pending = reader.peek()
+        buf = bytearray(reader.read(len(pending)) if pending else b"")
+      except BlockingIOError:
+        buf = bytearray()
+      finally:
+        sock.setblocking(True)
+      # Multiplexed frames: 1 byte stream (1 stdout, 2 stderr), 3 zero bytes, 4 bytes length.
+      sinks = {1: out, 2: err}
+      while True:
+        while len(buf) >= 8:
+          kind, size = struct.unpack(">BxxxL", buf[:8])
+          if len(buf) < 8 + size:
+            break
+          if kind in sinks:
+            sinks[kind](bytes(buf[8:8 + size]))
+          del buf[:8 + size]
+        left = deadline - time.monotonic()
+        tls_pending = getattr(sock, "pending", lambda: 0)()
+        if left <= 0 or not (tls_pending or select.select([sock], [], [], left)[0]):
+          return -1
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+          break
+        buf += chunk
+    finally:
+      try:
+        sock.shutdown(socket.SHUT_RDWR)  # also ends a writer still blocked in sendall
+      except OSError:
+        pass
+      res.close()
+      if writer is not None:
+        writer.join(5)
+    # The stream ends when the process's output is closed; its exit is recorded just after.
+    while True:
+      info = api.exec_inspect(exec_id)
+      if not info.get("Running") or time.monotonic() > deadline:
+        code = info.get("ExitCode")
+        return -1 if code is None or info.get("Running") else code
+      time.sleep(0.01)
 
   async def exec(self, cmd: str | Sequence[str], timeout: Optional[float] = None,
                  stdin: Optional[str] = None,
@@ -145,40 +333,49 @@ class DockerSandbox(Sandbox):
     self._check_open()
     cmd, timeout = process.check_exec_args(cmd, timeout, stdin, self.limits.default_timeout)
     env = {"HOME": "/tmp", "LANG": "C.UTF-8", **process.check_env(env)}
-    t0 = time.monotonic()
-    shell = cmd
-    if stdin:
-      name = f".arbor-stdin-{secrets.token_hex(6)}"
-      await asyncio.to_thread(self._put, "/tmp", name, stdin.encode()
-                              if isinstance(stdin, str) else stdin)
-      shell = f"exec < /tmp/{name}; rm -f /tmp/{name}; {cmd}"
-    argv = ["timeout", "-k", "1", f"{timeout:.3f}", "sh", "-c", shell]
-    code, out, err = await asyncio.to_thread(self._run, argv, t0 + timeout + 5, env)
-    duration = time.monotonic() - t0
+    data = stdin.encode() if isinstance(stdin, str) else stdin
+    argv = ["timeout", "-k", "1", f"{timeout:.3f}", "sh", "-c", cmd]
+    out, err = process.CappedOutput(self.limits.output_bytes), \
+        process.CappedOutput(self.limits.output_bytes)
+    async with self._op(command=True):
+      t0 = time.monotonic()
+      code = await asyncio.to_thread(self._stream, argv, t0 + timeout + 5, out.add, err.add,
+                                     stdin=None if data is None else lambda send: send(data),
+                                     env=env)
+      duration = time.monotonic() - t0
     timed_out = code in (124, 137, -1) and duration >= timeout
     return ExecResult(exit_code=-1 if timed_out else code, stdout=out.text(), stderr=err.text(),
                       timed_out=timed_out, duration=duration, stdout_truncated=out.truncated,
                       stderr_truncated=err.truncated, stdout_bytes=out.total,
                       stderr_bytes=err.total)
 
-  async def _check(self, path: str, parts: list[str]) -> None:
-    code, *_ = await asyncio.to_thread(self._run, ["sh", "-c", _CHECK, "check", *parts],
-                                       time.monotonic() + 30)
+  async def _walk(self, op: str, path: str, parts: list[str], cap: int, out,
+                  data: Optional[bytes] = None) -> None:
+    """Runs `_WALK` for `op` on the components `parts` of `path`; raises what its exit means."""
+    err = _Bytes(4096)
+    async with self._op():
+      code = await asyncio.to_thread(
+          self._stream, ["sh", "-c", _WALK, "walk", op, str(cap), *parts],
+          time.monotonic() + _OP_TIMEOUT, out.add, err.add,
+          stdin=None if data is None else lambda send: send(data))
+    message = bytes(err.data).decode(errors="replace").strip()
+    if code == 0:
+      return
     if code == 3:
       raise PathError(f"path={path!r}: a component is a symlink")
     if code == 4:
       raise PathError(f"path={path!r}: a parent is not a directory")
-    if code != 0:
-      raise SandboxError(f"path check of {path!r} failed (exit {code})")
-
-  def _put(self, directory: str, name: str, data: bytes) -> None:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-      info = tarfile.TarInfo(name)
-      info.size, info.mode = len(data), 0o644
-      tar.addfile(info, io.BytesIO(data))
-    if not self._container.put_archive(directory, buf.getvalue()):
-      raise SandboxError(f"docker: put_archive to {directory} failed")
+    if code == 5:
+      raise FileNotFoundError(errno.ENOENT, f"path={path!r}: no such file or directory")
+    if code == 6:
+      raise PathError(f"path={path!r}: not a regular file")
+    if code == 7:
+      raise ValueError(f"{path!r}: {message} bytes > limits.file_bytes={cap}")
+    if "No space left" in message or "Disk quota" in message:
+      raise OSError(errno.ENOSPC, f"path={path!r}: the workspace is full ({message})")
+    if "Permission denied" in message:
+      raise PermissionError(errno.EACCES, f"path={path!r}: {message}")
+    raise SandboxError(f"docker: {op} of {path!r} failed (exit {code}): {message[:300]}")
 
   async def write_file(self, path: str, content: str | bytes) -> None:
     self._check_open()
@@ -188,90 +385,100 @@ class DockerSandbox(Sandbox):
     if len(data) > self.limits.file_bytes:
       raise ValueError(f"content of {path!r}: {len(data)} bytes > "
                        f"limits.file_bytes={self.limits.file_bytes}")
-    parts = _parts(path)
-    await self._check(path, parts)
-    parent = "/".join([WORKSPACE] + parts[:-1])
-    mk = await self.exec(f"mkdir -p -- {shlex.quote(parent)}", timeout=30)
-    if mk.exit_code != 0:
-      raise SandboxError(f"mkdir {parent}: {mk.stderr.strip()}")
-    await self._check(path, parts)  # mkdir -p went through no symlink planted meanwhile
-    await asyncio.to_thread(self._put, parent, parts[-1], data)
+    await self._walk("write", path, _parts(path), self.limits.file_bytes, _Bytes(4096), data)
 
   async def read_file(self, path: str) -> bytes:
     self._check_open()
-    parts = _parts(path)
-    await self._check(path, parts)
-
-    def get():
-      stream, stat = self._container.get_archive("/".join([WORKSPACE] + parts))
-      if stat.get("size", 0) > self.limits.file_bytes:
-        raise ValueError(f"{path!r}: {stat['size']} bytes > "
-                         f"limits.file_bytes={self.limits.file_bytes}")
-      raw = b"".join(stream)
-      with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
-        member = tar.next()
-        if member is None or not member.isfile():
-          raise PathError(f"path={path!r}: not a regular file")
-        return tar.extractfile(member).read()
-
-    try:
-      return await asyncio.to_thread(get)
-    except (PathError, ValueError):
-      raise
-    except Exception as e:  # docker.errors.NotFound
-      if "404" in str(e) or "NotFound" in type(e).__name__:
-        raise FileNotFoundError(f"path={path!r}: no such file") from None
-      raise SandboxError(f"docker: reading {path!r}: {e}") from e
+    cap = self.limits.file_bytes
+    out = _Bytes(cap)
+    await self._walk("read", path, _parts(path), cap, out)
+    if out.over:  # grew between the size check and the read
+      raise ValueError(f"{path!r}: more than limits.file_bytes={cap} bytes")
+    return bytes(out.data)
 
   async def list_files(self, path: str = ".") -> list[str]:
+    """See `Sandbox.list_files`; bounded like `hostfs.list_files` (MAX_DEPTH, MAX_ENTRIES)."""
     self._check_open()
     parts = [] if path in (".", "./") else _parts(path)
-    if parts:
-      await self._check(path, parts)
-    top = "/".join(parts) or "."
-    r = await self.exec(f"[ -e {shlex.quote(top)} ] || exit 44; "
-                        f"find -P {shlex.quote(top)} -type f", timeout=60)
-    if r.exit_code == 44:
-      raise FileNotFoundError(f"path={path!r}: no such file or directory")
-    if r.exit_code != 0 or r.stdout_truncated:
-      raise SandboxError(f"list {path!r}: exit {r.exit_code}, {r.stderr.strip()[:200]}")
-    return sorted(os.path.normpath(l) for l in r.stdout.splitlines() if l)
+    # find prints "TYPE DEPTH ./PATH\0" per entry, down to one level below the deepest walked.
+    out = _Bytes((hostfs.MAX_ENTRIES + 1) * 512)
+    await self._walk("list", path, parts, hostfs.MAX_DEPTH, out)
+    entries = bytes(out.data).split(b"\0")[:-1]
+    if out.over or len(entries) > hostfs.MAX_ENTRIES + 1:
+      raise ValueError(f"list_files(path={path!r}): more than "
+                       f"max_entries={hostfs.MAX_ENTRIES} entries")
+    prefix, files = "/".join(parts[:-1]), []
+    for entry in entries:
+      kind, depth, name = entry.split(b" ", 2)
+      if kind == b"d" and int(depth) > hostfs.MAX_DEPTH:
+        raise ValueError(f"list_files(path={path!r}): deeper than "
+                         f"max_depth={hostfs.MAX_DEPTH} levels")
+      if kind == b"f":
+        name = os.path.normpath(os.fsdecode(name))
+        files.append(f"{prefix}/{name}" if prefix else name)
+    return sorted(files)
 
   async def fork(self) -> "DockerSandbox":
     """A new container from the same image, user and limits whose workspace is a copy of this
     one's (see `Sandbox.fork`); its /tmp starts empty.
 
     Not `docker commit`: /workspace is a tmpfs, which a commit leaves out of the image. The
-    workspace travels as a tar stream instead: the engine reads it here (as root: files made
-    unreadable inside are copied too) and writes it there, each entry keeping its mode, times
-    and owner (the same user runs both containers).
+    workspace travels as a tar stream instead, packed here and unpacked there by the sandbox
+    user (the same in both containers), each entry keeping its mode and mtime. The user owns
+    every entry of its workspace, so one it made unreadable (mode 000) is given read access
+    for the time tar reads it; its mode is restored here and written into the archive.
     """
     self._check_open()
     fork = await DockerSandbox.create(self.limits, image=self._image, user=self._user)
-    return await fill_fork(fork, lambda: asyncio.to_thread(self._copy_workspace, fork))
+
+    async def copy():
+      async with self._op():
+        await asyncio.to_thread(self._copy_workspace, fork)
+    return await fill_fork(fork, copy)
 
   def _copy_workspace(self, fork: "DockerSandbox") -> None:
     """Blocking: this /workspace's content into the fork's, through a spooled tar stream."""
-    stream, _ = self._container.get_archive(WORKSPACE)
+    modes, err = _Bytes(64 << 20), _Bytes(4096)
+    code = self._stream(["sh", "-c", _UNLOCK], time.monotonic() + _OP_TIMEOUT, modes.add,
+                        err.add)
+    changed = [e.split(b" ", 1) for e in bytes(modes.data).split(b"\0") if b" " in e]
     with tempfile.SpooledTemporaryFile(_SPOOL_BYTES) as raw, \
          tempfile.SpooledTemporaryFile(_SPOOL_BYTES) as out:
-      for chunk in stream:
-        raw.write(chunk)
+      try:
+        code = -2 if code != 0 else self._stream(
+            ["sh", "-c", _PACK], time.monotonic() + _OP_TIMEOUT, raw.write, err.add)
+      finally:  # the modes go back even when the copy failed half-way
+        if changed:  # children before their parents: a directory may lose its x bit again
+          listing = b"".join(m + b"\0" + p + b"\0" for m, p in reversed(changed))
+          self._stream(["sh", "-c", _RESTORE], time.monotonic() + _OP_TIMEOUT, _Bytes(0).add,
+                       _Bytes(0).add, stdin=lambda send: send(listing))
+      if code not in (0, 1):  # -2: _UNLOCK failed; 1: a file changed while it was read (a snapshot, see fork)
+        raise SandboxError(f"docker: packing the workspace failed (exit {code}): "
+                           f"{bytes(err.data).decode(errors='replace')[:300]}")
+      original = {os.path.normpath(os.fsdecode(p)): int(m, 8) for m, p in changed}
       raw.seek(0)
-      # The engine names entries "workspace/..."; the fork's archive is unpacked in /workspace.
       with tarfile.open(fileobj=raw, mode="r|") as src, \
            tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as dst:
         for member in src:
-          member.name = member.name.partition("/")[2]
-          if not member.name or not (member.isfile() or member.isdir() or member.issym()
-                                     or member.islnk()):
+          name = os.path.normpath(member.name)
+          if name == "." or not (member.isfile() or member.isdir() or member.issym()
+                                 or member.islnk()):
             continue  # the workspace itself keeps the fork's own mode; no FIFOs or devices
-          if member.islnk():
-            member.linkname = member.linkname.partition("/")[2]
+          if name in original:
+            member.mode = (member.mode & ~0o7777) | original[name]
           dst.addfile(member, src.extractfile(member) if member.isfile() else None)
       out.seek(0)
-      if not fork._container.put_archive(WORKSPACE, out):
-        raise SandboxError(f"docker: put_archive to the fork's {WORKSPACE} failed")
+      err = _Bytes(4096)
+
+      def send_archive(send):
+        while chunk := out.read(1 << 16):
+          send(chunk)
+
+      code = fork._stream(["sh", "-c", _UNPACK], time.monotonic() + _OP_TIMEOUT,
+                          _Bytes(4096).add, err.add, stdin=send_archive)
+      if code != 0:
+        raise SandboxError(f"docker: unpacking the fork's workspace failed (exit {code}): "
+                           f"{bytes(err.data).decode(errors='replace')[:300]}")
 
   async def close(self) -> None:
     if self._closed:
@@ -286,7 +493,7 @@ class DockerSandbox(Sandbox):
 
 def _parts(path: str) -> list[str]:
   """Components of a workspace-relative path (the checks of `base.confine` that need no host
-  file system; symlinks are checked inside the container by `_check`)."""
+  file system; symlinks are refused inside the container by `_WALK`)."""
   if not isinstance(path, str) or not path or "\x00" in path:
     raise PathError(f"path={path!r}: expected a non-empty workspace-relative path")
   if path.startswith("/"):
