@@ -61,6 +61,7 @@ import os
 import re
 import sys
 import tempfile
+import traceback
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from envs import tasks as tasks_lib
@@ -303,6 +304,9 @@ async def grade_prediction(task: Task, prediction: Mapping[str, Any],
     return error(f"the sandbox failed: {e}")
   except (OSError, ValueError, tasks_lib.GitError) as e:  # the repository, or its test patch
     return error(f"{type(e).__name__}: {e}")
+  except Exception as e:  # one instance's failure must not end the others' grading
+    lines.append(traceback.format_exc().rstrip())
+    return error(f"unexpected {type(e).__name__} while grading: {e}")
   reason = outcome.verdict.details.get("reason", "")
   if outcome.stage == "refused":
     if outcome.patch_failed:
@@ -459,11 +463,12 @@ async def evaluate(tasks: Sequence[Task], predictions: Mapping[str, Mapping[str,
       task = dataclasses.replace(task, timeout=float(timeout))
     todo.append((task, pred, out))
   bar = None
+  counts = {"resolved": sum(r.status == "resolved" for r in results), "error": 0}
+  total = len(todo) + sum(r.reused for r in results)  # the patches, graded now or before
   if progress and todo:
     from tqdm import tqdm  # only the CLI's runs draw a bar
-    bar = tqdm(total=len(todo), desc="grading", unit="instance", smoothing=0)
-  gate = asyncio.Semaphore(max_workers)
-  counts = {"resolved": 0, "error": 0}
+    bar = tqdm(total=total, initial=total - len(todo), desc="grading", unit="instance",
+               smoothing=0)
 
   async def one(task, pred, out) -> InstanceResult:
     async with gate:
@@ -474,9 +479,9 @@ async def evaluate(tasks: Sequence[Task], predictions: Mapping[str, Mapping[str,
       log.info("%s: %s", result.instance_id, result.error)
     if bar is not None:
       bar.update(1)
-      bar.set_postfix_str(f"resolved {counts['resolved']}/{len(todo)}, "
-                          f"errors {counts['error']}")
+      bar.set_postfix_str(f"resolved {counts['resolved']}/{total}, errors {counts['error']}")
     return result
+  gate = asyncio.Semaphore(max_workers)
   try:
     results += await asyncio.gather(*(one(*item) for item in todo))
   finally:
@@ -527,7 +532,10 @@ def main(argv: Optional[Sequence[str]] = None,
   from envs.episode import make_sandbox_factory  # the sandbox backends, loaded when run
   try:
     tasks = load_dataset(args.dataset)
-    predictions = load_predictions(args.predictions, tasks)
+    # As swebench's: the gold predictions of --instance_ids are those rows' only.
+    gold_of = [t for t in tasks if t.instance_id in args.instance_ids] if args.instance_ids \
+        else tasks
+    predictions = load_predictions(args.predictions, gold_of)
     run_id = args.run_id or os.path.splitext(os.path.basename(args.predictions))[0]
     make = make_sandbox or make_sandbox_factory(
         args.backend, limits=Limits(memory_mb=args.memory_mb, disk_mb=args.disk_mb))

@@ -241,3 +241,34 @@ def test_bad_predictions_are_named(dataset, tmp_path, capsys):
                         "--report", str(tmp_path / "r.json"), "--no_progress"]) == 2
   assert "predictions: 1 instance_id(s) not in the dataset: nope-1" in capsys.readouterr().err
   assert not (tmp_path / "r.json").exists()
+
+
+def test_gold_on_mirrored_parquet_rows(tmp_path, monkeypatch):
+  """Rows with only SWE-bench's fields in Parquet, their repositories in a git mirror named by
+  ARBOR_SWE_MIRROR: the gold predictions of --instance_ids resolve, and the run report is
+  swebench's (which also takes gold predictions of the chosen rows only)."""
+  import pyarrow
+  import pyarrow.parquet
+  from tests.test_tasks import make_mirror, official_rows
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setenv("ARBOR_SWE_MIRROR", make_mirror(tmp_path / "mirror"))
+  monkeypatch.setenv("ARBOR_SWE_CACHE", str(tmp_path / "cache"))
+  rows = official_rows()
+  columns = {k: [r.get(k) for r in rows] for r in rows for k in r}  # every row's fields
+  pyarrow.parquet.write_table(pyarrow.Table.from_pydict(columns), str(tmp_path / "rows.parquet"))
+  chosen = ["slugs-1", "roman-1"]
+  assert evaluate.main(["--dataset", str(tmp_path / "rows.parquet"), "--predictions", "gold",
+                        "--report", str(tmp_path / "gold.json"), "--instance_ids", *chosen,
+                        "--no_progress"]) == 0
+  ours = json.loads((tmp_path / "gold.json").read_text())
+  assert ours["resolved_ids"] == sorted(chosen) and ours["submitted_instances"] == 2
+  preds = {r["instance_id"]: {"instance_id": r["instance_id"], "model_name_or_path": "gold",
+                              "model_patch": r["patch"]} for r in rows
+           if r["instance_id"] in chosen}
+  assert ours == swebench_run_report(preds, [r for r in rows if r["instance_id"] in chosen],
+                                     "gold", tmp_path / "sb")
+  for iid in chosen:
+    out = tmp_path / "logs" / "run_evaluation" / "gold" / "gold" / iid
+    row = next(r for r in rows if r["instance_id"] == iid)
+    assert json.loads((out / "report.json").read_text()) == get_eval_report(
+        spec(row), preds[iid], str(out / "test_output.txt"), True)
