@@ -209,7 +209,8 @@ def instance_dir(log_dir: str, run_id: str, prediction: Mapping[str, Any]) -> st
 def _write(path: str, text: str) -> None:
   """Writes atomically: a report.json that exists is complete (reruns trust it)."""
   fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-  with os.fdopen(fd, "w", encoding="utf-8") as f:
+  # errors="replace": a prediction's JSON may hold lone surrogates, which UTF-8 cannot encode.
+  with os.fdopen(fd, "w", encoding="utf-8", errors="replace") as f:
     f.write(text)
   os.replace(tmp, path)
 
@@ -296,6 +297,10 @@ async def grade_prediction(task: Task, prediction: Mapping[str, Any],
     _write(os.path.join(out_dir, LOG_INSTANCE), "\n".join(lines) + "\n")
     return InstanceResult(iid, "error", reason)
 
+  if not tasks_lib.patch_files(prediction["model_patch"]):
+    # Text without a file header would apply as no change here; git apply rejects it.
+    lines.append(f"{APPLY_PATCH_FAIL}:\nthe patch names no file (no diff headers)")
+    return error("patch apply failed: the patch names no file (no diff headers)")
   try:
     original = await asyncio.to_thread(tasks_lib.load_repo_files, task)
     outcome = await swe.grade_submission(task, prediction["model_patch"], make_sandbox,

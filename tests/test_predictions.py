@@ -58,6 +58,7 @@ def predictions() -> dict:
                             "        pytest.skip('empty')\n    result = []\n",
                             "start < result", "start <= result"),
       "units-2": "",
+      "textstats-2": "I could not find the bug.\n",  # no diff at all
       "roman-2": None,
   }
 
@@ -69,7 +70,7 @@ def dataset(tmp_path_factory):
   root = tmp_path_factory.mktemp("data")
   shutil.copytree(os.path.join(DATA, "repos"), root / "repos")
   rows = list(ROWS.values()) + [dict(ROWS[i[:-2] + "-1"], instance_id=i)
-                                for i in ("intervals-2", "units-2", "roman-2")]
+                                for i in ("intervals-2", "units-2", "roman-2", "textstats-2")]
   (root / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
   return root / "tasks.jsonl", rows
 
@@ -124,9 +125,11 @@ def test_predictions_graded_as_swebench_grades_them(dataset, tmp_path, monkeypat
   assert (ours["resolved_ids"], ours["unresolved_ids"]) == (
       ["intervals-1", "units-1"], ["intervals-2", "roman-1", "slugs-1"])
   assert (ours["error_ids"], ours["empty_patch_ids"], ours["incomplete_ids"]) == (
-      ["textstats-1"], ["units-2"], ["roman-2"])
-  assert ours["submitted_instances"] == 7 and ours["total_instances"] == 8
-  assert "textstats-1: error: patch apply failed: " in capsys.readouterr().err
+      ["textstats-1", "textstats-2"], ["units-2"], ["roman-2"])
+  assert ours["submitted_instances"] == 8 and ours["total_instances"] == 9
+  err = capsys.readouterr().err
+  assert "textstats-1: error: patch apply failed: patch: hunk at line 4 of " in err
+  assert "textstats-2: error: patch apply failed: the patch names no file" in err
 
   by_id = {r["instance_id"]: r for r in rows}
   for iid in ours["completed_ids"]:
@@ -165,7 +168,7 @@ def test_predictions_graded_as_swebench_grades_them(dataset, tmp_path, monkeypat
   # A rerun reuses every finished instance and retries the error.
   outcomes.clear()
   assert evaluate.main(argv) == 0
-  assert sorted(outcomes) == ["textstats-1"]
+  assert sorted(outcomes) == ["textstats-1"]  # textstats-2 fails before any verification
   assert json.loads((tmp_path / "report.json").read_text()) == ours
 
 
