@@ -1,13 +1,16 @@
-"""envs.synth and envs.validate on a tiny package with a real test suite, in bwrap sandboxes.
+"""envs.synth and envs.validate on tiny packages with real test suites, in bwrap sandboxes.
 
-The package is a git repository of two commits (the second fixes two functions, so reverting
-it gives "revert" candidates) with eight tests. One test is deliberately flaky: it reads a run
-counter that the sandbox factory writes into every fresh sandbox and passes on even runs only,
-so its outcome flips from one baseline run to the next. References are independent of the code
-under test: the package's own files as written here (the fix must turn each buggy tree back
-into them), raw pytest node ids, and the patch's raw text.
+The main package is a git repository of two commits (the second fixes two functions, so
+reverting it gives "revert" candidates) with eight pytest tests. One test is deliberately
+flaky: it reads a run counter that the sandbox factory writes into every fresh sandbox and
+passes on even runs only, so its outcome flips from one baseline run to the next. A second
+package runs unittest through its own runtests.py, graded from the log by a named parser.
+References are independent of the code under test: the packages' own files as written here
+(the fix must turn each buggy tree back into them), raw pytest node ids, the patch's raw text,
+git's own porcelain on the mirror, and swebench's log parsers and grading on the runs' logs.
 """
 
+import asyncio
 import http.server
 import json
 import os
@@ -17,12 +20,18 @@ import sys
 import threading
 
 import pytest
+from swebench.harness import grading
+from swebench.harness.constants import END_TEST_OUTPUT, START_TEST_OUTPUT, TEST_EXIT_CODE, \
+    ResolvedStatus
+from swebench.harness.log_parsers import PARSER_REGISTRY
+from swebench import types as swebench_types
 
 from envs import synth, validate
 from envs.episode import make_sandbox_factory
 from envs.sandbox import create_sandbox
-from envs.tasks import apply_patch, load_repo_files, load_swe_jsonl
+from envs.tasks import apply_patch, load_repo_files, load_swe_jsonl, patch_files
 from envs.verifiers import junit_key
+from envs.verifiers.swe import merge_submission, run_log_tests, run_pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUNDLED = os.path.join(ROOT, "envs", "data", "swe", "tasks.jsonl")
@@ -153,6 +162,18 @@ def synthesized(package, tmp_path_factory):
   return out, report, sandboxes.made, tasks, rows
 
 
+def ids(row, field):
+  """A row's FAIL_TO_PASS / PASS_TO_PASS: a JSON string, as SWE-bench stores them."""
+  assert isinstance(row[field], str)
+  return json.loads(row[field])
+
+
+def git_out(git_dir, *args):
+  """git's own porcelain on the mirror (an independent reader of what synthesis wrote)."""
+  return subprocess.run(["git", "--git-dir", str(git_dir), *args], capture_output=True,
+                        text=True, check=True).stdout.strip()
+
+
 def test_flaky_test_is_found_and_dropped(synthesized):
   _, report, _, tasks, _ = synthesized
   assert report["flaky_tests"] == [FLAKY]
@@ -174,13 +195,25 @@ def test_validated_instances_of_several_kinds(synthesized, package):
               "tests/test_core.py": TESTS.encode()}
   head = subprocess.run(["git", "-C", str(package), "rev-parse", "HEAD"], capture_output=True,
                         text=True, check=True).stdout.strip()
+  mirror = out / "mirror" / "me__calc.git"
+  clean = git_out(mirror, "rev-parse", "main")
   for task, row in zip(tasks, rows):
     for field in ("instance_id", "repo", "base_commit", "patch", "test_patch", "FAIL_TO_PASS",
-                  "PASS_TO_PASS", "problem_statement", "version", "created_at", "hints_text"):
+                  "PASS_TO_PASS", "problem_statement", "version", "created_at", "hints_text",
+                  "environment_setup_commit", "test_command", "log_parser"):
       assert field in row, field
-    assert row["test_patch"] == "" and row["base_commit"] == head and row["repo"] == "me/calc"
+    assert row["test_patch"] == "" and row["repo"] == "me/calc"
+    assert row["test_command"] == "python3 -m pytest -rA -q tests"
+    assert row["log_parser"] == "parse_log_pytest"
+    # The bug is committed on the instance's branch; its parent is the clean source.
+    assert row["base_commit"] == git_out(mirror, "rev-parse", row["instance_id"])
+    assert git_out(mirror, "rev-parse", f"{row['base_commit']}^") == clean
+    assert row["environment_setup_commit"] == clean and task.base_commit == row["base_commit"]
+    assert git_out(mirror, "diff", "--name-only", clean, row["base_commit"]) == \
+        row["mutation"]["path"]
     assert row["difficulty"] in ("easy", "medium", "hard")
-    assert row["source"] == {"package": package.name, "version": row["version"]}
+    assert row["source"] == {"package": package.name, "version": row["version"],
+                             "commit": head}
     assert set(row["mutation"]) == {"kind", "description", "path", "function", "lineno"}
     buggy = load_repo_files(task)
     assert buggy != original and set(buggy) == set(original)
@@ -199,8 +232,8 @@ def test_revert_candidates_bring_back_the_old_functions(synthesized):
   rows = synthesized[4]
   reverts = {r["mutation"]["function"]: r for r in rows if r["mutation"]["kind"] == "revert"}
   assert set(reverts) == {"clamp", "mean"}
-  assert reverts["clamp"]["FAIL_TO_PASS"] == ["tests/test_core.py::test_clamp_high"]
-  assert reverts["mean"]["FAIL_TO_PASS"] == ["tests/test_core.py::test_mean"]
+  assert ids(reverts["clamp"], "FAIL_TO_PASS") == ["tests/test_core.py::test_clamp_high"]
+  assert ids(reverts["mean"], "FAIL_TO_PASS") == ["tests/test_core.py::test_mean"]
   assert "+    return sum(values) / len(values)" in reverts["mean"]["patch"]
 
 
@@ -273,12 +306,12 @@ def test_template_statements_do_not_leak_the_patch(synthesized):
         assert line not in statement, (row["instance_id"], line)
       assert row["mutation"]["description"] not in statement
       assert "calc.core" in statement or "calc/core.py" in statement
-      assert any(t.split("::")[-1] in statement for t in row["FAIL_TO_PASS"])
+      assert any(t.split("::")[-1] in statement for t in ids(row, "FAIL_TO_PASS"))
 
 
 def test_failure_messages_come_from_the_run(synthesized):
   for row in synthesized[4]:  # every failing test here prints an assertion or exception
-    for test in row["FAIL_TO_PASS"]:
+    for test in ids(row, "FAIL_TO_PASS"):
       assert f"`{test}`:\n      " in row["problem_statement"], (test, row["problem_statement"])
 
 
@@ -326,7 +359,7 @@ def test_teacher_statements_leak_guard(synthesized, teacher_server):
   buggy = (synthesized[0] / row["repo_path"] / path).read_text()
   fixed_line = next(l[1:].strip() for l in row["patch"].splitlines()
                     if l.startswith("+") and not l.startswith("+++"))
-  messages = {t: ["assert 1 == 2"] for t in row["FAIL_TO_PASS"]}
+  messages = {t: ["assert 1 == 2"] for t in ids(row, "FAIL_TO_PASS")}
   styles = len(synth._TEACHER_STYLES)
 
   replies.extend([f"The function should do `{fixed_line}` instead."] * styles)
@@ -406,10 +439,10 @@ def test_bad_inputs_name_the_field(package, tmp_path):
 
 def test_validate_rejects_hand_broken_rows(synthesized, tmp_path):
   out, _, _, _, rows = synthesized
-  row = next(r for r in rows if r["PASS_TO_PASS"])
-  mislabelled = dict(row, instance_id="mislabelled",
-                     FAIL_TO_PASS=row["FAIL_TO_PASS"] + row["PASS_TO_PASS"][:1],
-                     PASS_TO_PASS=row["PASS_TO_PASS"][1:])
+  row = next(r for r in rows if ids(r, "PASS_TO_PASS"))
+  f2p, p2p = ids(row, "FAIL_TO_PASS"), ids(row, "PASS_TO_PASS")
+  mislabelled = dict(row, instance_id="mislabelled", FAIL_TO_PASS=f2p + p2p[:1],
+                     PASS_TO_PASS=p2p[1:])
   no_fix = dict(row, instance_id="no_fix", patch=rows[-1]["patch"] if rows[-1] is not row
                 else rows[0]["patch"])
   # The rows in a dataset folder of their own; the accepted ones written in the folder above.
@@ -425,7 +458,7 @@ def test_validate_rejects_hand_broken_rows(synthesized, tmp_path):
   report = json.loads(report_path.read_text())
   assert report["accepted"] == [row["instance_id"]]
   reason = report["rejected"]["mislabelled"]
-  assert "pass without the fix" in reason and row["PASS_TO_PASS"][0] in reason
+  assert "pass without the fix" in reason and p2p[0] in reason
   assert report["rejected"]["no_fix"].startswith("gold patch fails")
   accepted = load_swe_jsonl(str(accepted_path))  # repo_path rewritten for the new folder
   assert [t.instance_id for t in accepted] == [row["instance_id"]]
@@ -441,3 +474,265 @@ def test_validate_bundled_set():
   tasks = load_swe_jsonl(BUNDLED)
   report = validate.validate(tasks, make_sandbox_factory("bwrap"), runs=1, workers=2)
   assert report["accepted"] == [t.instance_id for t in tasks], report["rejected"]
+
+
+# ----------------------------------------------------------------------------- portable rows
+
+
+async def _run_task(task, submission):
+  """One run of a task's tests on `submission` as the verifier prepares it: (run, statuses by
+  test id as the verifier reads them)."""
+  original = load_repo_files(task)
+  files, _ = merge_submission(task, original, submission)
+  sb = await create_sandbox("bwrap")
+  try:
+    for path, data in files.items():
+      await sb.write_file(path, data)
+    if task.test_runner == "pytest":
+      python, args = task.pytest_command()
+      run = await run_pytest(sb, args, task.timeout, python)
+      return run, synth.node_statuses(run.statuses, sorted(files))
+    env, python, script, args = task.script_command()
+    run = await run_log_tests(sb, task.test_runner, script, args, task.timeout, python, env)
+    return run, run.statuses
+  finally:
+    await sb.close()
+
+
+def swebench_grade(row, run, tmp_path):
+  """swebench's own reading of a run's log: the row's parser from PARSER_REGISTRY on the log
+  between the eval markers, then its grading rules. Returns (status map, resolution)."""
+  spec = swebench_types.TestSpec(
+      instance_id=row["instance_id"], image="", eval_script_list=[], repo=row["repo"],
+      version=row["version"], FAIL_TO_PASS=ids(row, "FAIL_TO_PASS"),
+      PASS_TO_PASS=ids(row, "PASS_TO_PASS"), log_parser=row["log_parser"])
+  path = tmp_path / f"{row['instance_id']}.log"
+  path.write_text(f"{START_TEST_OUTPUT}\n{run.output}\n{END_TEST_OUTPUT}\n"
+                  f"{TEST_EXIT_CODE}: {run.exit_code}\n")
+  status_map, ok = grading.get_logs_eval(spec, str(path))
+  assert ok, run.output[-2000:]
+  report = grading.get_eval_tests_report(status_map, {
+      "FAIL_TO_PASS": spec.FAIL_TO_PASS, "PASS_TO_PASS": spec.PASS_TO_PASS})
+  return status_map, grading.get_resolution_status(report)
+
+
+def check_against_swebench(rows, tasks, tmp_path):
+  """Gold resolves and no change does not, by the verifier's statuses and by swebench's
+  parser on the same run's log, which agree test by test."""
+  assert row_parser_is_swebench(rows)
+  for row, task in zip(rows, tasks):
+    tests = ids(row, "FAIL_TO_PASS") + ids(row, "PASS_TO_PASS")
+    for submission, resolved in ((task.patch, True), (load_repo_files(task), False)):
+      run, ours = asyncio.run(_run_task(task, submission))
+      theirs, resolution = swebench_grade(row, run, tmp_path)
+      assert {t: ours.get(t) for t in tests} == {t: theirs.get(t, "").lower() for t in tests}
+      assert (resolution == ResolvedStatus.FULL.value) == resolved, (row["instance_id"], theirs)
+      if resolved:
+        assert all(theirs[t] == "PASSED" for t in tests)
+
+
+def row_parser_is_swebench(rows):
+  return all(row["log_parser"] in PARSER_REGISTRY for row in rows)
+
+
+def mirror_rows(out, tmp_path, rows):
+  """The rows without repo_path, in a file of their own: loadable only through the mirror."""
+  path = tmp_path / "portable" / "tasks.jsonl"
+  path.parent.mkdir(exist_ok=True)
+  path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "repo_path"}) + "\n"
+                          for r in rows))
+  return load_swe_jsonl(str(path), mirror=str(out / "mirror"), cache_dir=str(tmp_path / "cache"))
+
+
+def test_rows_load_from_the_mirror_and_grade_as_swebench_grades(synthesized, tmp_path):
+  out, _, _, tasks, rows = synthesized
+  portable = mirror_rows(out, tmp_path, rows)
+  for local, task in zip(tasks, portable):
+    assert task.repo_path is None and task.base_commit == local.base_commit
+    assert load_repo_files(task) == load_repo_files(local)  # the mirror's tree is the tree
+    assert (task.patch, task.test_command, task.test_runner) == (
+        local.patch, local.test_command, "pytest")
+  report = validate.validate(portable[:2], make_sandbox_factory("bwrap"), runs=1, workers=2)
+  assert report["accepted"] == [t.instance_id for t in portable[:2]], report["rejected"]
+  check_against_swebench(rows[:2], portable[:2], tmp_path)
+
+
+def test_mirror_is_plain_git_written_reproducibly(synthesized, package, tmp_path):
+  out, _, _, _, rows = synthesized
+  mirror = out / "mirror" / "me__calc.git"
+  assert not os.path.exists(mirror / "hooks") or not os.listdir(mirror / "hooks")
+  git_out(mirror, "fsck", "--strict", "--no-dangling")
+  assert git_out(mirror, "symbolic-ref", "HEAD") == "refs/heads/main"
+  date = git_out(package / ".git", "log", "-1", "--format=%ct")
+  assert git_out(mirror, "log", "--format=%an <%ae> %cn <%ce> %at %ct", rows[0]["instance_id"]
+                 ).splitlines() == [f"Arbor Synth <synth@arbor.invalid> Arbor Synth "
+                                    f"<synth@arbor.invalid> {date} {date}"] * 2
+  branches = git_out(mirror, "for-each-ref", "--format=%(refname:short)", "refs/heads")
+  assert sorted(branches.split()) == sorted(["main"] + [r["instance_id"] for r in rows])
+  # A fresh output folder with the same journal writes the same commits (no test runs).
+  fresh = tmp_path / "fresh"
+  fresh.mkdir()
+  for name in ("baseline.json", "journal.jsonl"):
+    shutil.copy(out / name, fresh / name)
+  sandboxes = CountingSandboxes()
+  synth.synthesize(str(package), TEST_COMMAND, str(fresh), make_sandbox=sandboxes, **OPTIONS)
+  assert sandboxes.made == 0
+  assert (fresh / "tasks.jsonl").read_bytes() == (out / "tasks.jsonl").read_bytes()
+
+
+def test_hidden_tests_come_back_in_the_test_patch(synthesized, package, tmp_path):
+  out, _, _, _, rows = synthesized
+  hidden = tmp_path / "hidden"
+  hidden.mkdir()
+  for name in ("baseline.json", "journal.jsonl"):  # the same candidates: no test runs
+    shutil.copy(out / name, hidden / name)
+  sandboxes = CountingSandboxes()
+  synth.synthesize(str(package), TEST_COMMAND, str(hidden), make_sandbox=sandboxes,
+                   hide_tests=True, trees=False, **OPTIONS)
+  assert sandboxes.made == 0 and not (hidden / "repos").exists()
+  hidden_rows = [json.loads(l) for l in (hidden / "tasks.jsonl").read_text().splitlines()]
+  assert [r["instance_id"] for r in hidden_rows] == [r["instance_id"] for r in rows]
+  mirror = hidden / "mirror" / "me__calc.git"
+  for row in hidden_rows:
+    assert "repo_path" not in row and patch_files(row["test_patch"]) == ["tests/test_core.py"]
+    assert "new file mode 100644" in row["test_patch"] and "+def test_add():" in row["test_patch"]
+    assert git_out(mirror, "ls-tree", "-r", "--name-only", row["base_commit"]).split() == [
+        "calc/__init__.py", "calc/core.py"]
+    # patch + test_patch is the whole way back to the clean commit.
+    assert sorted(git_out(mirror, "diff", "--name-only", row["base_commit"],
+                          row["environment_setup_commit"]).split()) == sorted(
+        patch_files(row["patch"]) + patch_files(row["test_patch"]))
+  tasks = load_swe_jsonl(str(hidden / "tasks.jsonl"), mirror=str(hidden / "mirror"),
+                         cache_dir=str(tmp_path / "cache"))
+  assert "tests/test_core.py" not in load_repo_files(tasks[0])
+  report = validate.validate(tasks[:2], make_sandbox_factory("bwrap"), runs=1, workers=2)
+  assert report["accepted"] == [t.instance_id for t in tasks[:2]], report["rejected"]
+  check_against_swebench(hidden_rows[:1], tasks[:1], tmp_path)
+
+
+def test_old_working_tree_rows_still_load(synthesized, tmp_path):
+  """Rows as earlier versions wrote them: lists of ids, repo_path, no log_parser, no -rA."""
+  out, _, _, tasks, rows = synthesized
+  old = {k: v for k, v in rows[0].items() if k not in (
+      "log_parser", "environment_setup_commit", "base_commit")}
+  old.update(FAIL_TO_PASS=ids(rows[0], "FAIL_TO_PASS"), PASS_TO_PASS=ids(rows[0], "PASS_TO_PASS"),
+             test_command=TEST_COMMAND, repo_path=f"{out.name}/{rows[0]['repo_path']}")
+  path = out.parent / f"old-{out.name}.jsonl"
+  path.write_text(json.dumps(old) + "\n")
+  (task,) = load_swe_jsonl(str(path))
+  assert task.fail_to_pass == tasks[0].fail_to_pass and task.test_command == TEST_COMMAND
+  assert load_repo_files(task) == load_repo_files(tasks[0])
+
+
+def test_test_commands_and_log_parsers():
+  c = synth.parse_test_command("python3 -m pytest -q tests")
+  assert (c.command, c.log_parser, c.runner, c.args) == (
+      "python3 -m pytest -rA -q tests", "parse_log_pytest", "pytest", ("-rA", "-q", "tests"))
+  assert synth.parse_test_command("pytest -rA x").command == "pytest -rA x"
+  c = synth.parse_test_command("python3 -m pytest tests", "parse_log_pytest_v2")
+  assert (c.log_parser, c.runner) == ("parse_log_pytest_v2", "pytest")
+  with pytest.raises(ValueError, match=r"test_command=.*-r option 'fE'"):
+    synth.parse_test_command("python3 -m pytest -rfE tests")
+  with pytest.raises(ValueError, match=r"log_parser='': test_command='make test'"):
+    synth.parse_test_command("make test")
+  with pytest.raises(ValueError, match=r"log_parser='parse_log_jest'"):
+    synth.parse_test_command("python3 runtests.py", "parse_log_jest")
+  with pytest.raises(ValueError, match=r"test_command: .*python -m MODULE"):
+    synth.parse_test_command("python3 -m unittest -v", "parse_log_django")
+  with pytest.raises(ValueError, match=r"test_command: .*reads pytest logs"):
+    synth.parse_test_command("python3 runtests.py", "parse_log_pytest")
+  c = synth.parse_test_command("PYTHONHASHSEED=0 python3 runtests.py -v", "parse_log_django")
+  assert (c.runner, c.script, c.args, c.env, c.runner_files) == (
+      "django", "runtests.py", ("-v",), {"PYTHONHASHSEED": "0"}, ("runtests.py",))
+  with pytest.raises(ValueError, match="log_parser"):
+    synth.SynthConfig(log_parser="parse_log_nope")
+  paths = ["pkg/a.py", "tests/test_a.py", "tests/views/tests.py"]
+  assert synth.test_file("tests/test_a.py::test_x", "pytest", paths) == "tests/test_a.py"
+  assert synth.test_file("test_x (tests.test_a.TestA.test_x)", "django", paths) == \
+      "tests/test_a.py"
+  assert synth.test_file("test_x (views.tests.ViewTests)", "django", paths) == \
+      "tests/views/tests.py"
+  assert synth.test_file("test_x", "sympy", paths) is None
+
+
+GEO = '''\
+def area(w, h):
+    return w * h
+
+
+def perimeter(w, h):
+    return 2 * (w + h)
+
+
+def is_square(w, h):
+    return w == h
+
+
+def widest(sizes):
+    best = 0
+    for w in sizes:
+        if w > best:
+            best = w
+    return best
+'''
+GEO_TESTS = '''\
+import unittest
+
+from geo.shapes import area, is_square, perimeter, widest
+
+
+class TestShapes(unittest.TestCase):
+
+    def test_area(self):
+        self.assertEqual(area(2, 3), 6)
+
+    def test_perimeter(self):
+        self.assertEqual(perimeter(2, 3), 10)
+
+    def test_is_square(self):
+        self.assertTrue(is_square(4, 4))
+        self.assertFalse(is_square(4, 5))
+
+    def test_widest(self):
+        self.assertEqual(widest([3, 9, 4]), 9)
+'''
+RUNTESTS = '''\
+import sys
+import unittest
+
+suite = unittest.defaultTestLoader.discover("tests", top_level_dir=".")
+result = unittest.TextTestRunner(verbosity=2).run(suite)
+sys.exit(0 if result.wasSuccessful() else 1)
+'''
+
+
+def test_unittest_runner_script_with_a_named_log_parser(tmp_path):
+  """A repository whose tests run through its own unittest script, graded from the log."""
+  repo = tmp_path / "geo"
+  for path, text in {"geo/__init__.py": "", "geo/shapes.py": GEO, "tests/__init__.py": "",
+                     "tests/test_shapes.py": GEO_TESTS, "runtests.py": RUNTESTS}.items():
+    (repo / path).parent.mkdir(parents=True, exist_ok=True)
+    (repo / path).write_text(text)
+  git(repo, "init", "-q")
+  git(repo, "add", ".")
+  git(repo, "commit", "-q", "-m", "geo")
+  out = tmp_path / "out"
+  report = synth.synthesize(str(repo), "python3 runtests.py", str(out), name="me/geo",
+                            log_parser="parse_log_django", kinds=("operator", "comparison"),
+                            max_per_kind=2, runs=1, workers=2, trees=False)
+  rows = [json.loads(l) for l in (out / "tasks.jsonl").read_text().splitlines()]
+  assert report["tests"] == report["candidate_tests"] == 4 and len(rows) >= 2, report
+  for row in rows:
+    assert (row["test_command"], row["log_parser"]) == ("python3 runtests.py",
+                                                        "parse_log_django")
+    assert patch_files(row["patch"]) == ["geo/shapes.py"]
+    for test in ids(row, "FAIL_TO_PASS") + ids(row, "PASS_TO_PASS"):
+      name = test.split(" ", 1)[0]
+      assert test.startswith(f"{name} (tests.test_shapes.TestShapes") and f"def {name}(" in \
+          GEO_TESTS
+    for test in ids(row, "FAIL_TO_PASS"):  # the traceback's last line, e.g. "AssertionError"
+      assert f"`{test}`:\n      AssertionError" in row["problem_statement"], row
+  tasks = load_swe_jsonl(str(out / "tasks.jsonl"), mirror=str(out / "mirror"),
+                         cache_dir=str(tmp_path / "cache"))
+  assert {t.test_runner for t in tasks} == {"django"}
+  check_against_swebench(rows[:2], tasks[:2], tmp_path)
