@@ -736,3 +736,21 @@ def test_unittest_runner_script_with_a_named_log_parser(tmp_path):
                          cache_dir=str(tmp_path / "cache"))
   assert {t.test_runner for t in tasks} == {"django"}
   check_against_swebench(rows[:2], tasks[:2], tmp_path)
+
+
+def test_swebench_format_grader_resolves_gold_on_mirror_rows(synthesized, tmp_path):
+  """`python -m envs.evaluate --predictions gold` on the rows, their repository the mirror."""
+  out, _, _, _, rows = synthesized
+  portable = tmp_path / "rows.jsonl"
+  portable.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "repo_path"})
+                             + "\n" for r in rows[:2]))
+  env = dict(os.environ, ARBOR_SWE_MIRROR=str(out / "mirror"),
+             ARBOR_SWE_CACHE=str(tmp_path / "cache"))
+  res = subprocess.run([sys.executable, "-m", "envs.evaluate", "--dataset", str(portable),
+                        "--predictions", "gold", "--report", str(tmp_path / "report.json"),
+                        "--log_dir", str(tmp_path / "logs"), "--max_workers", "2",
+                        "--no_progress"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+  assert res.returncode == 0, res.stderr[-3000:]
+  report = json.loads((tmp_path / "report.json").read_text())
+  assert sorted(report["resolved_ids"]) == sorted(r["instance_id"] for r in rows[:2]), report
