@@ -214,6 +214,10 @@ def test_validated_instances_of_several_kinds(synthesized, package):
     assert row["difficulty"] in ("easy", "medium", "hard")
     assert row["source"] == {"package": package.name, "version": row["version"],
                              "commit": head}
+    # envs.environments' spec of the clean source, one for every row (where it is offered).
+    assert row.get("environment") == rows[0].get("environment")
+    if "environment" in row:
+      assert any(p.startswith("pytest") for p in row["environment"]["pip"])
     assert set(row["mutation"]) == {"kind", "description", "path", "function", "lineno"}
     buggy = load_repo_files(task)
     assert buggy != original and set(buggy) == set(original)

@@ -353,8 +353,9 @@ def _write_rows(out: str, synth: _Synth, rows: Sequence[dict]) -> list[dict]:
     raise SynthError(f"out={out!r}: its mirror is refused: {e}") from None
   except safe_git.GitError as e:
     raise SynthError(str(e)) from None
-  base_dir = write_base(out, source.files)
-  env = environment(base_dir)
+  base_dir = write_base(out, source.files) if config.trees else ""
+  clean = next(iter(fields.values()))["environment_setup_commit"] if fields else ""
+  env = environment(source.files, f"{synth.repo}@{clean}") if fields else None
   if config.trees:
     for row in rows:
       path = row["mutation"]["path"]

@@ -145,20 +145,29 @@ def write_base(out: str, files: Mapping[str, bytes]) -> str:
   return base
 
 
-def environment(tree: str) -> Optional[dict]:
-  """The rows' `environment`: `envs.environments.from_repository(tree)` as a dict, or None
-  while `envs.environments` offers no `from_repository` (or it reads no spec from this
-  repository's metadata, which is logged)."""
+def environment(files: Mapping[str, bytes], repository: str) -> Optional[dict]:
+  """The rows' `environment`: the spec `from_repository` of `envs.environments` reads from the
+  clean source's metadata, as a dict; None while `envs.environments` offers no
+  `from_repository`, or when it reads no spec from this repository (logged).
+
+  Args:
+    files: the clean source's files.
+    repository: "owner/name@<clean commit>": what the spec's install step builds from (the
+      same for every instance, as SWE-bench's environment_setup_commit is).
+  """
   try:
-    from envs.environments import from_repository  # pylint: disable=import-outside-toplevel
+    from envs.environments import from_repository
   except ImportError:
-    return None
+    try:
+      from envs.environments.sources import from_repository
+    except ImportError:
+      return None
   try:
-    spec = from_repository(tree)
-  except ValueError as e:
+    spec = from_repository(files, repository=repository)
+  except ValueError as e:  # the spec's own errors (SpecError) are ValueErrors
     log.warning("synth: no environment from the repository's metadata: %s", e)
     return None
-  return spec.to_dict() if hasattr(spec, "to_dict") else dict(spec)
+  return spec.to_dict()
 
 
 def swe_row(row: Mapping, fields: Mapping, command: TestCommand, trees: bool,
