@@ -1,5 +1,5 @@
-"""Isolation of the hardened backends (bwrap, and remote = the sandbox server over loopback
-backed by bwrap), run as root as our machines are.
+"""Isolation of the hardened backends (bwrap, remote = the sandbox server over loopback backed
+by bwrap, and docker on the local engine), run as root as our machines are.
 
 Every check is phrased so that it fails if the protection is missing: the sandbox tries the
 escape and the test asserts that it did not work (and, where it can, that the same action
@@ -27,7 +27,8 @@ import pytest
 
 from envs.sandbox import Limits, PathError, SandboxError, create_sandbox, seccomp
 from envs.sandbox.bwrap import BASE_ENV, BwrapSandbox
-from tests.test_sandbox import REPO, TEST_UIDS, pool_processes, start_server
+from envs.sandbox.docker import DockerSandbox
+from tests.test_sandbox import REPO, TEST_UIDS, docker_kw, pool_processes, start_server
 
 if os.geteuid() != 0:  # the threat model is "the host runs as root"
   pytest.skip("isolation suite runs as root (bwrap backend needs it)", allow_module_level=True)
@@ -95,8 +96,16 @@ def server(tmp_path_factory, canaries):
   assert s.stop() == 0
 
 
-@pytest.fixture(params=["bwrap", "remote"])
+@pytest.fixture(params=["bwrap", "remote", "docker"])
 def make(request, canaries):
+  if request.param == "docker":
+    kw = docker_kw()
+
+    async def make_docker(limits=LIMITS):
+      sb = await create_sandbox("docker", limits=limits, **kw)
+      sb.resident = docker_resident(sb)
+      return sb
+    return make_docker
   if request.param == "remote":
     s = request.getfixturevalue("server")
     return lambda limits=LIMITS: create_sandbox("remote", limits=limits, url=s.url,
@@ -172,11 +181,32 @@ except OSError as e:
     listener.close()
 
 
+def docker_resident(sb) -> set[int]:
+  """Host pids of a new docker sandbox's own processes: Docker's init and its one child, the
+  container's main process (the only processes a docker sandbox keeps between commands)."""
+  sb._container.reload()
+  init = sb._container.attrs["State"]["Pid"]
+  deadline = time.monotonic() + 10
+  while not (children := open(f"/proc/{init}/task/{init}/children").read().split()):
+    assert time.monotonic() < deadline, "the container's main process never started"
+    time.sleep(0.01)
+  assert len(children) == 1, children
+  return {init, int(children[0])}
+
+
+def leftovers(sb=None) -> list[int]:
+  """`pool_processes()` but the ones a docker sandbox `sb` keeps between commands."""
+  return [p for p in pool_processes() if p not in getattr(sb, "resident", ())]
+
+
 def host_path(sb, name: str) -> str:
   """Where workspace file `name` of sandbox `sb` lives on the host (bwrap: its own tmpfs;
-  remote: the server's, found by its unique name)."""
+  docker: the container's, seen through its init's root; remote: the server's, found by its
+  unique name)."""
   if isinstance(sb, BwrapSandbox):
     return os.path.join(sb.workspace, name)
+  if isinstance(sb, DockerSandbox):
+    return f"/proc/{sb._container.attrs['State']['Pid']}/root/workspace/{name}"
   found = glob.glob(f"/run/arbor-sandbox/*/workspace/{name}")
   assert len(found) == 1, found
   return found[0]
@@ -275,8 +305,11 @@ def test_secrets_unreadable(make, canaries):
       for p in paths:
         r = await sb.exec(f"cat {p}")
         assert r.exit_code != 0 and r.stdout == "", (p, r)
-      r = await sb.exec("ls /root; ls /work; ls /home")
-      assert r.exit_code != 0 and r.stdout == "", r
+      for d in ("/root", "/work"):
+        r = await sb.exec(f"ls -A {d}")
+        assert r.exit_code != 0 and r.stdout == "", r
+      r = await sb.exec("ls -A /home")  # bwrap: none; docker: the image's, empty
+      assert r.stdout == "" and (r.exit_code == 0) == isinstance(sb, DockerSandbox), r
       r = await sb.exec(f"ls -l {canaries['root_file']}")  # the host's /etc is not in view
       assert r.exit_code != 0 and r.stdout == "", r
       assert SECRET not in (await sb.exec("grep -rs arbor /etc 2>/dev/null | head")).stdout
@@ -362,7 +395,7 @@ def test_disk_quota(make):
   run(go())
 
 
-def assert_contained(hb, r=None):
+def assert_contained(hb, sb=None):
   # A bomb that dies at once (no fork left for `sleep`) returns in milliseconds: keep measuring
   # for at least 20 beats, so leftovers that still hog the CPU would show in the latency.
   deadline = time.monotonic() + 5
@@ -371,7 +404,7 @@ def assert_contained(hb, r=None):
   # 0.5 s: a leftover process hogging the CPU stalls the loop for seconds; a loaded 2-core
   # machine alone (pytest -n 2 next to the sandboxes) stalls it for ~0.2 s now and then
   assert hb["beats"] >= 20 and hb["max"] < 0.5, hb
-  assert pool_processes() == [], "sandbox processes outlived the exec"
+  assert leftovers(sb) == [], "sandbox processes outlived the exec"
 
 
 def test_fork_bomb(make):
@@ -379,7 +412,7 @@ def test_fork_bomb(make):
     async with await make() as sb:
       with heartbeat() as hb:
         r = await sb.exec("bomb() { bomb | bomb & }; bomb; sleep 1.5; echo survived", timeout=3)
-        assert_contained(hb)
+        assert_contained(hb, sb)
       assert (await sb.exec("echo usable")).stdout == "usable\n"
   run(go())
 
@@ -394,7 +427,7 @@ def test_memory_bombs(make):
             "for i in 1 2 3 4 5 6; do python3 -c \"s = 'x' * (40 << 20); import time; "
             "time.sleep(1); print('held')\" & done; wait", timeout=8)
         assert r.stdout.count("held") <= 1, r  # 6 x 40 MiB never fit in 64 MiB together
-        assert_contained(hb)
+        assert_contained(hb, sb)
   run(go())
 
 
@@ -419,7 +452,7 @@ print(c.children_user + c.children_system)
         assert r.exit_code == 0 and float(r.stdout) < 0.35, r
         r = await sb.exec("while :; do :; done", timeout=1)
         assert r.timed_out and r.duration < 4
-        assert_contained(hb)
+        assert_contained(hb, sb)
   run(go())
 
 
@@ -431,14 +464,14 @@ def test_setsid_daemon_and_unbounded_output(make):
         r = await sb.exec("setsid sh -c 'sleep 30' >/dev/null 2>&1 & "
                           "(nohup sleep 30 >/dev/null 2>&1 &); echo started", timeout=10)
         assert r.stdout == "started\n" and r.duration < 5, r
-        assert pool_processes() == []  # gone with the exec, not only after close
+        assert leftovers(sb) == []  # gone with the exec, not only after close
         r = await sb.exec("yes", timeout=1.5)
         assert r.timed_out and r.stdout_truncated and r.stdout_bytes > 4096, r.exit_code
         assert r.stdout.startswith("y\n" * 1024) and r.stdout.endswith("y\n")
-        assert_contained(hb)
+        assert_contained(hb, sb)
       running = asyncio.ensure_future(sb.exec("sleep 30 & sleep 30", timeout=60))
       deadline = time.monotonic() + 10
-      while len(pool_processes()) < 3:  # wait until it really runs (a loaded host is slow)
+      while len(leftovers(sb)) < 3:  # wait until it really runs (a loaded host is slow)
         assert time.monotonic() < deadline
         await asyncio.sleep(0.05)
     await asyncio.wait_for(running, 10)  # close() ended the exec in flight
@@ -459,7 +492,7 @@ def test_rlimit_fallback_without_cgroups():
         r = await sb.exec("bomb() { bomb | bomb & }; bomb; sleep 1; echo survived", timeout=3)
         r = await sb.exec("python3 -c \"s = 'x' * (512 << 20); print('survived')\"")
         assert "survived" not in r.stdout and r.exit_code != 0, r
-        assert_contained(hb)
+        assert_contained(hb, sb)
   run(go())
 
 
@@ -618,6 +651,9 @@ def test_minimal_etc(make, canaries):
 
   async def go():
     async with await make() as sb:
+      if isinstance(sb, DockerSandbox):
+        await docker_etc(sb, canaries["root_file"], token)
+        return
       r = await sb.exec("ls -A /etc; echo ---; id -un; id -gn; getent passwd $(id -u); "
                         "cat /etc/hosts; ls /etc/ssl; hostname")
       assert r.exit_code == 0, r
@@ -648,6 +684,31 @@ def test_minimal_etc(make, canaries):
     os.unlink(token)
 
 
+async def docker_etc(sb, root_file: str, token: str) -> None:
+  """Docker's version of the /etc contract: the image's /etc, plus only the few files Docker
+  adds (hosts, hostname, resolv.conf, the mtab link), none of them the host's."""
+  from envs.environments import debian
+  image_etc = set(os.listdir(os.path.join(debian.rootfs(packages=("python3-pytest",)), "etc")))
+  r = await sb.exec("ls -A /etc; echo ---; cat /etc/hosts /etc/resolv.conf")
+  assert r.exit_code == 0, r
+  listing, rest = r.stdout.split("---\n")
+  names = set(listing.split())
+  assert names - image_etc <= {"hosts", "hostname", "resolv.conf", "mtab"}, names - image_etc
+  assert image_etc <= names and "passwd" in names
+  assert os.path.basename(root_file) not in names and os.path.basename(token) not in names
+  hosts = rest.splitlines()
+  assert not any(l.startswith("127.0.0.1") and "localhost" not in l for l in hosts), hosts
+  host_dns = [l for l in open("/etc/resolv.conf") if l.startswith("nameserver")]
+  assert "nameserver 127.0.0.1" in hosts and not set(host_dns) & set(hosts), hosts
+  assert (await sb.exec("cat /etc/shadow")).exit_code != 0  # the image's, root's only
+  r = await sb.exec(py("import ssl, sqlite3, pytest, locale, os, time\n"
+                       "print(os.getuid() != 0, time.tzname[0] != '')"))
+  assert r.exit_code == 0 and r.stdout == "True True\n", r
+  r = await sb.exec(f"cat {token}; for d in /*; do case $d in /usr|/proc|/sys|/dev|/bin|"
+                    f"/sbin|/lib*) ;; *) grep -rs {SECRET} $d;; esac; done 2>/dev/null")
+  assert SECRET not in r.stdout, r
+
+
 def test_docker_profile_and_options():
   prof = seccomp.docker_profile(inet=True)
   assert prof["defaultAction"] == "SCMP_ACT_ALLOW"
@@ -668,26 +729,22 @@ def test_docker_profile_and_options():
   assert opts[0] == "no-new-privileges" and opts[1].startswith("seccomp={")
 
 
-def test_docker_container_gets_profile(monkeypatch):
-  """No Docker engine here: the container options are checked on a recording fake client."""
-  from envs.sandbox import docker as docker_backend
-  seen = {}
-
-  class Containers:
-    def run(self, image, command, **kw):
-      seen.update(kw)
-      return object()
-
-  class Client:
-    containers = Containers()
-
-  monkeypatch.setattr(docker_backend, "docker_client", Client)
-  run(docker_backend.DockerSandbox.create(LIMITS))
-  opts = seen["security_opt"]
-  assert "no-new-privileges" in opts and seen["cap_drop"] == ["ALL"], seen
-  prof = __import__("json").loads(next(o for o in opts if o.startswith("seccomp="))[8:])
-  assert prof == seccomp.docker_profile(inet=True)
-  assert seen["network_mode"] == "none" and seen["read_only"] and seen["user"] != "0"
+def test_docker_container_gets_profile():
+  """The container's options as the engine recorded them."""
+  async def go():
+    async with await create_sandbox("docker", limits=LIMITS, **docker_kw()) as sb:
+      sb._container.reload()
+      host, config = sb._container.attrs["HostConfig"], sb._container.attrs["Config"]
+    opts = host["SecurityOpt"]
+    assert "no-new-privileges" in opts and host["CapDrop"] == ["ALL"], host
+    prof = __import__("json").loads(next(o for o in opts if o.startswith("seccomp="))[8:])
+    assert prof == seccomp.docker_profile(inet=True)
+    assert host["NetworkMode"] == "none" and host["ReadonlyRootfs"] and not host["Privileged"]
+    assert config["User"].split(":")[0] not in ("", "0", "root"), config["User"]
+    assert (host["Memory"], host["MemorySwap"], host["PidsLimit"], host["NanoCpus"]) == (
+        LIMITS.memory_mb << 20, LIMITS.memory_mb << 20, LIMITS.pids, int(LIMITS.cpus * 1e9))
+    assert "size=4m" in host["Tmpfs"]["/workspace"] and "ro" in host["Tmpfs"]["/dev/mqueue"]
+  run(go())
 
 
 def test_deep_and_wide_trees_listed_or_refused(make):

@@ -15,14 +15,21 @@ and the profile denies the keyring calls.
 Everything runs through `docker exec` as the sandbox user, the file API included: a command
 is `timeout -k 1 T sh -c cmd` (the image needs `sh` and coreutils' `timeout`, `stat`, `find`,
 `tar`), its stdin streamed in over the exec's connection and its output streamed out and
-capped; the client also stops reading at the deadline. Background processes of an exec live
-until close() (the container is removed with force), unlike bwrap. Files move in and out as
+capped; the client also stops reading at the deadline. What a command leaves running (a
+background job, a `setsid` daemon) is killed once no operation of the sandbox is in flight any
+more (`_SWEEP`, one more exec), as bwrap's per-exec PID namespace ends it; commands that run
+at the same time share the container, so a leftover of one lives until the last ends. Files
+move in and out as
 the stdin and stdout of small shell scripts that walk the path one component at a time and
 refuse symlinks (the engine's archive API cannot be used: it refuses to write into a container
 whose root is read-only, and does not see inside tmpfs mounts). Since those scripts run inside
 the container with the sandbox's own uid and no capabilities, a symlink swapped in mid-way
 reaches nothing the sandbox could not reach itself. `fork()` streams /workspace as a tar
 archive from this container into a new one of the same image, user and limits.
+
+Docker's additions to the image are kept small: /etc/hosts (localhost only), /etc/hostname,
+/etc/resolv.conf naming 127.0.0.1 (the container's own loopback, where nothing answers; not
+the host's resolvers), and /dev/mqueue is an empty read-only tmpfs.
 
 The engine: `docker_engine.ensure_engine()` (or `python -m envs.sandbox.docker_engine`)
 starts the local one when none answers. `DOCKER_HOST` may name a remote engine only over TLS
@@ -49,6 +56,10 @@ from envs.sandbox.base import (ExecResult, Limits, PathError, Sandbox, SandboxEr
                                fill_fork)
 
 WORKSPACE = "/workspace"
+# Docker mounts the message-queue file system of the container's IPC namespace at /dev/mqueue,
+# writable by everyone; an empty read-only tmpfs takes its place, so that nothing outside
+# /workspace, /tmp and /dev/shm can be written (mq_open does not need the mount).
+_EMPTY = "ro,size=4k,mode=0555,nosuid,nodev,noexec"
 # Kills what commands left running: every process but pid 1 (Docker's init), the container's
 # main process (the oldest other one: `sleep infinity` started first) and itself, in rounds
 # until none is left (a process may fork while it is killed). /proc/PID/stat: the command name
@@ -192,7 +203,8 @@ class DockerSandbox(Sandbox):
           mem_limit=f"{limits.memory_mb}m", memswap_limit=f"{limits.memory_mb}m",
           pids_limit=limits.pids, nano_cpus=int(limits.cpus * 1e9),
           shm_size=f"{limits.disk_mb}m", working_dir=WORKSPACE, environment={},
-          tmpfs={WORKSPACE: opts, "/tmp": opts}, labels={"arbor.sandbox": "1"})
+          tmpfs={WORKSPACE: opts, "/tmp": opts, "/dev/mqueue": _EMPTY}, dns=["127.0.0.1"],
+          labels={"arbor.sandbox": "1"})
       return client, container
 
     try:
@@ -339,9 +351,14 @@ class DockerSandbox(Sandbox):
         process.CappedOutput(self.limits.output_bytes)
     async with self._op(command=True):
       t0 = time.monotonic()
-      code = await asyncio.to_thread(self._stream, argv, t0 + timeout + 5, out.add, err.add,
-                                     stdin=None if data is None else lambda send: send(data),
-                                     env=env)
+      try:
+        code = await asyncio.to_thread(self._stream, argv, t0 + timeout + 5, out.add, err.add,
+                                       stdin=None if data is None else lambda send: send(data),
+                                       env=env)
+      except Exception as e:  # docker.errors.*, a broken connection
+        if not self._closed:
+          raise SandboxError(f"docker: running {cmd[:100]!r}: {type(e).__name__}: {e}") from e
+        code = 128 + 9  # close() removed the container (SIGKILL) while the command ran
       duration = time.monotonic() - t0
     timed_out = code in (124, 137, -1) and duration >= timeout
     return ExecResult(exit_code=-1 if timed_out else code, stdout=out.text(), stderr=err.text(),
@@ -354,10 +371,13 @@ class DockerSandbox(Sandbox):
     """Runs `_WALK` for `op` on the components `parts` of `path`; raises what its exit means."""
     err = _Bytes(4096)
     async with self._op():
-      code = await asyncio.to_thread(
-          self._stream, ["sh", "-c", _WALK, "walk", op, str(cap), *parts],
-          time.monotonic() + _OP_TIMEOUT, out.add, err.add,
-          stdin=None if data is None else lambda send: send(data))
+      try:
+        code = await asyncio.to_thread(
+            self._stream, ["sh", "-c", _WALK, "walk", op, str(cap), *parts],
+            time.monotonic() + _OP_TIMEOUT, out.add, err.add,
+            stdin=None if data is None else lambda send: send(data))
+      except Exception as e:  # docker.errors.*, a broken connection
+        raise SandboxError(f"docker: {op} of {path!r}: {type(e).__name__}: {e}") from e
     message = bytes(err.data).decode(errors="replace").strip()
     if code == 0:
       return
