@@ -19,8 +19,12 @@ demo: $(VENV)/.stamp
 	$(PY) -m benchmarks.check --only= --demo_results=/tmp/arbor_demo/demo_results.json --record
 
 # Two xdist workers, each taking whole files (a module's compiled fixtures are built once, not
-# once per worker); the slowest tests are listed so regressions in test time show up.
+# once per worker); the slowest tests are listed so regressions in test time show up. The
+# docker sandbox tests need a Docker engine: the local one is started first if none answers
+# (no bridge network, no iptables rules; see envs/sandbox/docker_engine.py), unless
+# ARBOR_SKIP_DOCKER=1 says this machine cannot run Docker (the docker tests then skip).
 test: $(VENV)/.stamp
+	[ "$$ARBOR_SKIP_DOCKER" = 1 ] || $(PY) -m envs.sandbox.docker_engine
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 $(TESTS) $(PYTEST_ARGS)
 
 venv: $(VENV)/.stamp
@@ -31,9 +35,12 @@ $(VENV)/.stamp: setup.py requirements-lock.txt $(wildcard */__init__.py)
 	@# Sandboxes run in bubblewrap (the verifier runs the sandbox's system python3 with pytest)
 	@# under a seccomp filter compiled with libseccomp, each exec in a fresh session keyring
 	@# (a one-line perl launcher);
-	@# the RL queue tests start their own redis-server; openssl makes their TLS certificates.
+	@# the RL queue tests start their own redis-server; openssl makes their TLS certificates;
+	@# the docker backend runs on Debian's Docker engine (docker.io), its images and the task
+	@# root filesystems are built from Debian packages with mmdebstrap.
 	@# Only what is missing is installed (--no-upgrade: nothing already there changes), and the
-	@# redis-server service is neither started nor enabled at boot.
+	@# redis-server and docker services are neither started nor enabled at boot (Debian's
+	@# dockerd would make a bridge network and firewall rules: Arbor starts its own without).
 	@missing=""; \
 	command -v bwrap >/dev/null || missing="$$missing bubblewrap"; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
@@ -43,6 +50,8 @@ $(VENV)/.stamp: setup.py requirements-lock.txt $(wildcard */__init__.py)
 	{ ls /usr/lib/*/libseccomp.so.2 || ls /lib/*/libseccomp.so.2; } >/dev/null 2>&1 || \
 		missing="$$missing libseccomp2"; \
 	/usr/bin/python3 -c "import pytest" 2>/dev/null || missing="$$missing python3-pytest"; \
+	command -v dockerd >/dev/null || missing="$$missing docker.io"; \
+	command -v mmdebstrap >/dev/null || missing="$$missing mmdebstrap"; \
 	if [ -n "$$missing" ]; then \
 		echo "Installing the missing Debian packages:$$missing"; \
 		policy=""; [ -e /usr/sbin/policy-rc.d ] || policy=/usr/sbin/policy-rc.d; \
@@ -54,6 +63,10 @@ $(VENV)/.stamp: setup.py requirements-lock.txt $(wildcard */__init__.py)
 		if echo "$$missing" | grep -q redis-server; then \
 			$(SUDO) update-rc.d redis-server disable >/dev/null 2>&1 || true; \
 			! command -v systemctl >/dev/null || $(SUDO) systemctl disable redis-server >/dev/null 2>&1 || true; \
+		fi; \
+		if echo "$$missing" | grep -q docker.io; then \
+			$(SUDO) update-rc.d docker disable >/dev/null 2>&1 || true; \
+			! command -v systemctl >/dev/null || $(SUDO) systemctl disable docker.service docker.socket >/dev/null 2>&1 || true; \
 		fi; \
 		exit $$status; \
 	fi
