@@ -43,11 +43,11 @@ exists), resolved / unresolved (among completed), empty_patch_instances, error_i
 (unresolved or error instances whose logs show an environment fault, by swebench's
 signatures), their *_ids lists, failure_reasons and schema_version 2.
 
-Where the verdict can differ from swebench's on the same patch: the patch is applied strictly
-(context must match, offsets allowed; swebench falls back to `patch --fuzz=5`); the
+Patches are applied as swebench applies them, exactly or else with GNU patch's fuzz 5
+(`envs.grading.patch`). Where the verdict can differ from swebench's on the same patch: the
 submission's changes to test files are dropped and changes to test configuration refused (see
 `envs.verifiers.swe`); statuses come from the JUnit report, so tests printed as passing by code
-under test do not count.
+under test do not count; git's binary patches and renames without hunks are not applied.
 """
 
 from __future__ import annotations
@@ -66,8 +66,9 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from envs import tasks as tasks_lib
 from envs.sandbox import Limits, SandboxError
+from envs.grading.patch import apply_prediction
+from envs.grading.predictions import PredictionError, load_predictions  # noqa: F401 (API)
 from envs.tasks import Task
-from envs.untrusted import decode
 from envs.verifiers import swe, swe_logs
 from envs.verifiers.base import SandboxFactory
 
@@ -102,86 +103,12 @@ INFRA_SIGNATURES = (
 _INFRA = [(r, t, re.compile(p, re.M)) for r, t, p in INFRA_SIGNATURES]
 
 
-class PredictionError(ValueError):
-  """A predictions file is malformed; the message names the file, line (or index) and field."""
-
-
 def classify_failure(text: str) -> Optional[tuple[str, str]]:
   """(reason, tier) of the first infrastructure signature in `text`, or None."""
   for reason, tier, pattern in _INFRA:
     if pattern.search(text):
       return reason, tier
   return None
-
-
-# ----------------------------------------------------------------------------- predictions
-
-
-def _check_prediction(record: Any) -> dict:
-  if not isinstance(record, dict):
-    raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-  for field in ("instance_id", "model_name_or_path"):
-    value = record.get(field)
-    if not isinstance(value, str) or not value:
-      raise ValueError(f"field {field!r}: expected a non-empty string, got {value!r:.100}")
-  if "model_patch" not in record:
-    raise ValueError("field 'model_patch': missing (a unified diff, \"\" or null for none)")
-  if not isinstance(record["model_patch"], (str, type(None))):
-    raise ValueError(f"field 'model_patch': expected a string or null, got "
-                     f"{type(record['model_patch']).__name__}")
-  return record
-
-
-def load_predictions(path: str, tasks: Sequence[Task] = ()) -> dict[str, dict]:
-  """The predictions of a file, by instance_id.
-
-  Args:
-    path: a .json file (a list of predictions, or an object {instance_id: prediction}), a
-      .jsonl file (one prediction a line), or "gold": each task's reference patch, model "gold".
-    tasks: the dataset's tasks (for "gold").
-
-  Returns:
-    {instance_id: {"instance_id", "model_name_or_path", "model_patch", ...}} in file order.
-
-  Raises:
-    PredictionError: "PATH:LINE: field 'NAME': ..." (JSONL) or "PATH[INDEX]: ..." (JSON) for
-      a malformed prediction or a repeated instance_id; a file of another kind.
-  """
-  if path == "gold":
-    return {t.instance_id: {"instance_id": t.instance_id, "model_name_or_path": "gold",
-                            "model_patch": t.patch} for t in tasks}
-  if path.endswith(".jsonl"):
-    records = ((where, record) for where, _, record in tasks_lib.jsonl_records(path))
-  elif path.endswith(".json"):
-    with open(path, "rb") as f:
-      try:
-        data = decode.loads(f.read(), what=path)
-      except ValueError as e:
-        raise PredictionError(f"{path}: not JSON: {e}") from None
-    if isinstance(data, dict):  # SWE-agent writes {instance_id: prediction}
-      records = ((f"{path}[{k!r}]", v) for k, v in data.items())
-    elif isinstance(data, list):
-      records = ((f"{path}[{i}]", v) for i, v in enumerate(data))
-    else:
-      raise PredictionError(f"{path}: expected a list of predictions or an object "
-                            f"{{instance_id: prediction}}, got {type(data).__name__}")
-  else:
-    raise PredictionError(f"--predictions={path!r}: expected a .json or .jsonl file, or 'gold'")
-  out: dict[str, dict] = {}
-  seen: dict[str, str] = {}
-  for where, record in records:
-    try:
-      if isinstance(record, ValueError):
-        raise record
-      pred = _check_prediction(record)
-      iid = pred["instance_id"]
-      if iid in seen:
-        raise ValueError(f"field 'instance_id': {iid!r} already given at {seen[iid]}")
-    except ValueError as e:
-      raise PredictionError(f"{where}: {e}") from None
-    seen[iid] = where
-    out[iid] = pred
-  return out
 
 
 # ----------------------------------------------------------------------------- one instance
@@ -224,7 +151,7 @@ def read_report(path: str, instance_id: str) -> Optional[dict]:
     return None
 
 
-def test_output(outcome: swe.Outcome, timeout: float) -> str:
+def output_log(outcome: swe.Outcome, timeout: float) -> str:
   """test_output.txt of a run: the log between swebench's markers (module docstring)."""
   run = outcome.run
   if run.error is not None:
@@ -303,8 +230,13 @@ async def grade_prediction(task: Task, prediction: Mapping[str, Any],
     return error("patch apply failed: the patch names no file (no diff headers)")
   try:
     original = await asyncio.to_thread(tasks_lib.load_repo_files, task)
-    outcome = await swe.grade_submission(task, prediction["model_patch"], make_sandbox,
-                                         original=original)
+    try:
+      patched, how = apply_prediction(original, prediction["model_patch"])
+    except ValueError as e:
+      lines.append(f"{APPLY_PATCH_FAIL}:\n{e}")
+      return error(f"patch apply failed: {e}")
+    lines.append(f"{APPLY_PATCH_PASS} ({how})")
+    outcome = await swe.grade_submission(task, patched, make_sandbox, original=original)
   except SandboxError as e:
     return error(f"the sandbox failed: {e}")
   except (OSError, ValueError, tasks_lib.GitError) as e:  # the repository, or its test patch
@@ -313,16 +245,14 @@ async def grade_prediction(task: Task, prediction: Mapping[str, Any],
     lines.append(traceback.format_exc().rstrip())
     return error(f"unexpected {type(e).__name__} while grading: {e}")
   reason = outcome.verdict.details.get("reason", "")
-  if outcome.stage == "refused":
-    if outcome.patch_failed:
-      lines.append(f"{APPLY_PATCH_FAIL}:\n{reason}")
-      return error("patch apply failed: "
-                   + reason.removeprefix("refused: ").removeprefix("the patch does not apply: "))
+  if outcome.stage == "refused":  # a change to test configuration, or an unsafe path
     return error(reason)
-  lines.append(f"{APPLY_PATCH_PASS}: {', '.join(outcome.verdict.details.get('applied', []))}")
+  lines.append(f"Changed: {', '.join(outcome.verdict.details.get('applied', [])) or 'nothing'}"
+               f"; test files left as the task has them: "
+               f"{', '.join(outcome.verdict.details.get('restored', [])) or 'none'}")
   if outcome.stage == "not_written":
     return error(reason)
-  output = test_output(outcome, task.timeout)
+  output = output_log(outcome, task.timeout)
   _write(os.path.join(out_dir, LOG_TEST_OUTPUT), output)
   if outcome.run.cause in _ENVIRONMENT_CAUSES:
     return error(reason)

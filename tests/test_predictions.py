@@ -51,14 +51,16 @@ def predictions() -> dict:
       "slugs-1": edited(ROWS["slugs-1"], "slugs/text.py", "text.lower()",       # half a fix
                         "text.lower().rstrip('!?. ')"),
       "roman-1": edited(ROWS["roman-1"], "roman.py", '(4, "IV"), ', ""),        # breaks P2P
-      "textstats-1": ts.replace(ts.splitlines()[5], ts.splitlines()[5] + "x"),  # no apply
+      # Its second context line is not the repository's: applies with fuzz 2 (patch --fuzz=5).
+      "textstats-1": ts.replace(ts.splitlines()[5], ts.splitlines()[5] + "x"),
+      "textstats-2": ts.replace('-    for word in text.split(" "):', "-    for w in text:"),
       # Gold, and the code under test skips a PASS_TO_PASS test: a failure, as in swebench.
       "intervals-2": edited(ROWS["intervals-1"], "intervals/merge.py", "    result = []\n",
                             "    if not intervals:\n        import pytest\n"
                             "        pytest.skip('empty')\n    result = []\n",
                             "start < result", "start <= result"),
       "units-2": "",
-      "textstats-2": "I could not find the bug.\n",  # no diff at all
+      "roman-3": "I could not find the bug.\n",  # no diff at all
       "roman-2": None,
   }
 
@@ -70,7 +72,7 @@ def dataset(tmp_path_factory):
   root = tmp_path_factory.mktemp("data")
   shutil.copytree(os.path.join(DATA, "repos"), root / "repos")
   rows = list(ROWS.values()) + [dict(ROWS[i[:-2] + "-1"], instance_id=i)
-                                for i in ("intervals-2", "units-2", "roman-2", "textstats-2")]
+                                for i in ("intervals-2", "units-2", "roman-2", "textstats-2", "roman-3")]
   (root / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
   return root / "tasks.jsonl", rows
 
@@ -123,13 +125,13 @@ def test_predictions_graded_as_swebench_grades_them(dataset, tmp_path, monkeypat
   ours = json.loads((tmp_path / "report.json").read_text())
   assert ours == swebench_run_report(preds, rows, "r1", tmp_path / "sb")
   assert (ours["resolved_ids"], ours["unresolved_ids"]) == (
-      ["intervals-1", "units-1"], ["intervals-2", "roman-1", "slugs-1"])
+      ["intervals-1", "textstats-1", "units-1"], ["intervals-2", "roman-1", "slugs-1"])
   assert (ours["error_ids"], ours["empty_patch_ids"], ours["incomplete_ids"]) == (
-      ["textstats-1", "textstats-2"], ["units-2"], ["roman-2"])
-  assert ours["submitted_instances"] == 8 and ours["total_instances"] == 9
+      ["roman-3", "textstats-2"], ["units-2"], ["roman-2"])
+  assert ours["submitted_instances"] == 9 and ours["total_instances"] == 10
   err = capsys.readouterr().err
-  assert "textstats-1: error: patch apply failed: patch: hunk at line 4 of " in err
-  assert "textstats-2: error: patch apply failed: the patch names no file" in err
+  assert "textstats-2: error: patch apply failed: patch: hunk at line 4 of " in err
+  assert "roman-3: error: patch apply failed: the patch names no file" in err
 
   by_id = {r["instance_id"]: r for r in rows}
   for iid in ours["completed_ids"]:
@@ -161,14 +163,16 @@ def test_predictions_graded_as_swebench_grades_them(dataset, tmp_path, monkeypat
   assert outcomes["intervals-2"].grade.pass_to_pass["tests/test_merge.py::test_empty"] == (
       "skipped")
   assert outcomes["units-1"].grade.pass_to_pass["tests/test_convert.py::test_kelvin"] == "xfail"
-  failed = tmp_path / "logs" / "run_evaluation" / "r1" / "org__model-v1" / "textstats-1"
+  logs = tmp_path / "logs" / "run_evaluation" / "r1" / "org__model-v1"
+  assert "Applied Patch (fuzz 2)" in (logs / "textstats-1" / "run_instance.log").read_text()
+  failed = logs / "textstats-2"
   assert evaluate.APPLY_PATCH_FAIL in (failed / "run_instance.log").read_text()
   assert not (failed / "report.json").exists()
 
   # A rerun reuses every finished instance and retries the error.
   outcomes.clear()
   assert evaluate.main(argv) == 0
-  assert sorted(outcomes) == ["textstats-1"]  # textstats-2 fails before any verification
+  assert outcomes == {}  # the errors failed to apply: retried, before any verification
   assert json.loads((tmp_path / "report.json").read_text()) == ours
 
 
@@ -275,3 +279,60 @@ def test_gold_on_mirrored_parquet_rows(tmp_path, monkeypatch):
     row = next(r for r in rows if r["instance_id"] == iid)
     assert json.loads((out / "report.json").read_text()) == get_eval_report(
         spec(row), preds[iid], str(out / "test_output.txt"), True)
+
+
+def _lines(rng, n):
+  return [f"{rng.choice('abcdefgh')}{rng.randint(0, 5)}\n" for _ in range(n)]
+
+
+def _mutated(rng, lines, edits):
+  lines = list(lines)
+  for _ in range(edits):
+    op, at = rng.random(), rng.randint(0, len(lines))
+    if op < 0.4:
+      lines.insert(at, _lines(rng, 1)[0])
+    elif at < len(lines):
+      if op < 0.7:
+        del lines[at]
+      else:
+        lines[at] = _lines(rng, 1)[0]
+  return lines
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="needs GNU patch, the reference")
+def test_fuzzy_patches_apply_as_gnu_patch_applies_them(tmp_path):
+  """Random diffs (1 to 3 context lines, several hunks, repeated lines) applied to files that
+  have drifted from the diff's base: apply_fuzzy gives the file `patch --batch --forward
+  --fuzz=5 -p1` writes, or fails where it fails (as swebench's last attempt does)."""
+  import difflib
+  import random
+  import subprocess
+  from envs.grading.patch import apply_fuzzy, apply_prediction
+  rng = random.Random(0)
+  counts = {"applied": 0, "failed": 0, "fuzz": 0}
+  for case in range(300):
+    base = _lines(rng, rng.randint(1, 30))
+    diff = "".join(difflib.unified_diff(base, _mutated(rng, base, rng.randint(1, 4)), "a/f.txt",
+                                        "b/f.txt", n=rng.choice([1, 2, 3, 3])))
+    if not diff:
+      continue
+    target = "".join(_mutated(rng, base, rng.randint(0, 3)))
+    for name in os.listdir(tmp_path):
+      os.remove(tmp_path / name)
+    (tmp_path / "f.txt").write_text(target)
+    (tmp_path / "p.diff").write_text(diff)
+    gnu = subprocess.run(["patch", "--batch", "--forward", "--fuzz=5", "-p1", "-i", "p.diff"],
+                         cwd=tmp_path, capture_output=True, text=True)
+    if "Reversed (or previously applied)" in gnu.stdout:
+      continue  # swebench then asks git whether the patch is already applied
+    try:
+      ours, used = apply_fuzzy({"f.txt": target.encode()}, diff)
+    except ValueError:
+      ours = used = None
+    expected = (tmp_path / "f.txt").read_text() if gnu.returncode == 0 else None
+    assert (ours and ours["f.txt"].decode()) == expected, (case, diff, target, gnu.stdout)
+    counts["applied" if ours else "failed"] += 1
+    counts["fuzz"] += bool(used)
+    if ours:  # the exact application, where it applies, agrees
+      assert apply_prediction({"f.txt": target.encode()}, diff)[0] == ours
+  assert min(counts.values()) >= 30, counts
