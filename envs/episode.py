@@ -26,6 +26,7 @@ from typing import Any, Awaitable, Callable, Mapping, Optional, Protocol
 import numpy as np
 
 from envs.chat.formats import ChatFormat
+from envs.environments import build as environment_build
 from envs.net import read_secret
 from envs.policy import Policy
 from envs.sandbox import BACKENDS, Limits, Sandbox, SandboxError, create_sandbox
@@ -199,8 +200,10 @@ def make_sandbox_factory(backend: str, *, limits: Optional[Limits] = None,
     allow_unsafe: permits "local", which runs code without isolation.
 
   Returns:
-    `async make(task) -> Sandbox`; bwrap honours a task's `rootfs`, docker its `image_name`
-    (SWE-bench / SWE-smith rows name the prepared image of their repository).
+    `async make(task) -> Sandbox`; a task's `environment` (`envs.environments`) comes first:
+    bwrap starts from its root filesystem, docker from its image, built on first use; else
+    bwrap honours a task's `rootfs`, docker its `image_name` (SWE-bench / SWE-smith rows name
+    the prepared image of their repository).
 
   Raises:
     ValueError: an unknown backend, or remote without url or token_file.
@@ -221,6 +224,11 @@ def make_sandbox_factory(backend: str, *, limits: Optional[Limits] = None,
       return await create_sandbox("remote", limits=limits, url=url, token=token, cafile=cafile)
     if backend == "local":
       return await create_sandbox("local", limits=limits, allow_unsafe=allow_unsafe)
+    if backend in ("bwrap", "docker") and getattr(task, "environment", None) is not None:
+      # the task's environment, built on first use (cached by its key afterwards)
+      made = await asyncio.to_thread(environment_build.for_task, task, backend)
+      kw = {"rootfs": made} if backend == "bwrap" else {"image": made}
+      return await create_sandbox(backend, limits=limits, **kw)
     if backend == "bwrap" and task.rootfs:
       return await create_sandbox("bwrap", limits=limits, rootfs=task.rootfs)
     if backend == "docker" and getattr(task, "image_name", None):  # a SWE row's prepared image

@@ -48,7 +48,10 @@ How the tests run (`test_runner`, chosen per repository like swebench's specs, o
 --parallel 1 LABELS`) or "sympy" (sympy/sympy: `bin/test -C --verbose FILES`). A `test_command`
 field (ours) overrides the command. Ours also: `problem_statements` (more phrasings), `rootfs`
 (the sandbox's root filesystem, a directory inside the file's folder), `timeout` (seconds for
-the test run).
+the test run), `environment` (an `envs.environments` spec object: the sandbox starts from its
+build, bwrap from its root filesystem and docker from its image). A row without one gets one
+from a spec source when the loader is asked (`env_from="swebench"`: swebench's table for the
+row's repo and version; `"repository"`: the repository's own metadata; default "none").
 A dataset is untrusted: `repo_path` and `rootfs` are resolved by `envs.dataset_paths` inside the
 folder of the file (`base_dir` for rows given as dicts): an absolute path, "..", "~" or a
 symbolic link anywhere on the way is an error naming the field.
@@ -80,6 +83,7 @@ import tempfile
 from typing import Any, Iterable, Mapping, Optional
 
 from envs import dataset_paths, safe_git
+from envs.environments import spec as env_spec
 from envs.untrusted import decode
 from envs.safe_git import GitError  # noqa: F401  (re-exported: git failed on a mirror)
 
@@ -143,6 +147,7 @@ class Task:
   mirror: Optional[str] = None                  # git directory holding base_commit
   cache_dir: Optional[str] = None               # where checkouts of mirrored commits are kept
   image_name: Optional[str] = None              # prepared container image (docker backend)
+  environment: Optional[env_spec.Environment] = None  # what the sandbox starts from, if set
   test_runner: str = "pytest"                   # one of TEST_RUNNERS
   # code
   tests: tuple[Mapping[str, Any], ...] = ()     # {"args", "expected"} or {"input", "output"}
@@ -465,7 +470,8 @@ def _runner(d: Mapping, repo: str) -> str:
 
 
 def swe_task_from_dict(d: Mapping, base_dir: str = ".", mirror: Optional[str] = None,
-                       cache_dir: Optional[str] = None) -> Task:
+                       cache_dir: Optional[str] = None, env_from: str = "none",
+                       swebench_specs: Any = None) -> Task:
   """Returns the "swe" Task of one SWE row (see the module docstring).
 
   Args:
@@ -476,10 +482,14 @@ def swe_task_from_dict(d: Mapping, base_dir: str = ".", mirror: Optional[str] = 
       ARBOR_SWE_MIRROR environment variable).
     cache_dir: where checkouts of mirrored commits go (default: ARBOR_SWE_CACHE, else
       ~/.cache/arbor/swe).
+    env_from: where a row without an `environment` field gets one: "none" (it has none),
+      "swebench" or "repository" (`envs.environments.sources.SOURCES`).
+    swebench_specs: swebench's install table for env_from="swebench"
+      (`envs.environments.sources.load_swebench_specs`'s source).
 
   Raises:
     ValueError: naming the field that is missing or malformed (a mirror or commit that is not
-      there names 'repo' / 'base_commit').
+      there names 'repo' / 'base_commit', a bad spec 'environment.KEY').
   """
   if not isinstance(d, Mapping):
     raise ValueError(f"expected a JSON object, got {type(d).__name__}")
@@ -535,16 +545,32 @@ def swe_task_from_dict(d: Mapping, base_dir: str = ".", mirror: Optional[str] = 
   timeout = _get(d, "timeout", (int, float), DEFAULT_TIMEOUT)
   if not 0 < timeout <= 3600:
     raise ValueError(f"field 'timeout': {timeout!r}: expected seconds in (0, 3600]")
+  environment = _environment(d, env_from, swebench_specs, repo_path, git_dir, base_commit)
   known = {"instance_id", "repo_path", "problem_statement", "problem_statements", "FAIL_TO_PASS",
            "PASS_TO_PASS", "test_command", "patch", "test_patch", "rootfs", "timeout", "repo",
-           "base_commit", "image_name", "log_parser"}
+           "base_commit", "image_name", "log_parser", "environment"}
   return Task(instance_id=instance_id, kind="swe",
               problem_statements=_statements(d, "problem_statement"), repo_path=repo_path,
               fail_to_pass=f2p, pass_to_pass=p2p, test_command=test_command, patch=patch,
               test_patch=test_patch, rootfs=rootfs, timeout=float(timeout), repo=repo,
               base_commit=base_commit, mirror=git_dir, cache_dir=cache_dir if git_dir else None,
               image_name=_get(d, "image_name", str, None), test_runner=runner,
-              metadata={k: v for k, v in d.items() if k not in known})
+              environment=environment, metadata={k: v for k, v in d.items() if k not in known})
+
+
+def _environment(d: Mapping, env_from: str, specs: Any, repo_path: Optional[str],
+                 git_dir: Optional[str], base_commit: str) -> Optional[env_spec.Environment]:
+  """A row's environment: its `environment` field, else one from source `env_from`."""
+  if d.get("environment") is not None:
+    return env_spec.from_dict(d["environment"], "field 'environment'")
+  if env_from == "none":
+    return None
+  from envs.environments import sources  # reads the repository's files: only when asked
+  if env_from not in sources.SOURCES:
+    raise ValueError(f"env_from={env_from!r}: expected one of {sources.ENV_FROM}")
+  files = load_repo_files(repo_path) if repo_path is not None else None
+  return sources.SOURCES[env_from](dict(d, base_commit=base_commit), files=files,
+                                   git_dir=git_dir, specs=specs)
 
 
 def problem_task_from_dict(d: Mapping) -> Task:
@@ -648,12 +674,14 @@ def jsonl_records(path: str):
       yield f"{path}:{lineno}", f"line {lineno}", record
 
 
-def _swe_parser(base_dir: str, mirror: Optional[str], cache_dir: Optional[str]):
-  return lambda d: swe_task_from_dict(d, base_dir, mirror, cache_dir)
+def _swe_parser(base_dir: str, mirror: Optional[str], cache_dir: Optional[str],
+                env_from: str = "none", swebench_specs: Any = None):
+  return lambda d: swe_task_from_dict(d, base_dir, mirror, cache_dir, env_from, swebench_specs)
 
 
 def load_swe_jsonl(path: str, skip_bad: bool = False, errors: Optional[list] = None, *,
-                   mirror: Optional[str] = None, cache_dir: Optional[str] = None) -> list[Task]:
+                   mirror: Optional[str] = None, cache_dir: Optional[str] = None,
+                   env_from: str = "none", swebench_specs: Any = None) -> list[Task]:
   """Returns the tasks of a SWE-format JSONL file, in file order.
 
   Args:
@@ -662,19 +690,22 @@ def load_swe_jsonl(path: str, skip_bad: bool = False, errors: Optional[list] = N
     errors: when given, the skipped lines' errors are appended to it.
     mirror: the directory of git mirrors for rows without `repo_path` (module docstring).
     cache_dir: where checkouts of mirrored commits go.
+    env_from, swebench_specs: where rows without an `environment` get one
+      (`swe_task_from_dict`).
 
   Raises:
     TaskFormatError: "FILE:LINE: field 'NAME': ..." for a bad line or a repeated instance_id
       (unless skip_bad).
   """
   base = os.path.dirname(os.path.abspath(path))
-  return _parse_all(jsonl_records(path), _swe_parser(base, mirror, cache_dir), skip_bad,
-                    errors, path)
+  parse = _swe_parser(base, mirror, cache_dir, env_from, swebench_specs)
+  return _parse_all(jsonl_records(path), parse, skip_bad, errors, path)
 
 
 def load_swe_rows(rows: Iterable[Mapping], skip_bad: bool = False,
                   errors: Optional[list] = None, *, source: str = "rows", base_dir: str = ".",
-                  mirror: Optional[str] = None, cache_dir: Optional[str] = None) -> list[Task]:
+                  mirror: Optional[str] = None, cache_dir: Optional[str] = None,
+                  env_from: str = "none", swebench_specs: Any = None) -> list[Task]:
   """Returns the tasks of SWE rows given as dicts: a Hugging Face `datasets` split, the rows
   of a Parquet file or a DataFrame's `to_dict("records")`.
 
@@ -686,17 +717,21 @@ def load_swe_rows(rows: Iterable[Mapping], skip_bad: bool = False,
     base_dir: the dataset's folder, holding the rows' `repo_path` and `rootfs`.
     mirror: the directory of git mirrors for rows without `repo_path` (module docstring).
     cache_dir: where checkouts of mirrored commits go.
+    env_from, swebench_specs: where rows without an `environment` get one
+      (`swe_task_from_dict`).
 
   Raises:
     TaskFormatError: "SOURCE[INDEX]: field 'NAME': ..." for a bad row (unless skip_bad).
   """
   records = ((f"{source}[{i}]", f"{source}[{i}]", r) for i, r in enumerate(rows))
-  return _parse_all(records, _swe_parser(base_dir, mirror, cache_dir), skip_bad, errors,
+  return _parse_all(records, _swe_parser(base_dir, mirror, cache_dir, env_from,
+                                             swebench_specs), skip_bad, errors,
                     source)
 
 
 def load_swe_parquet(path: str, skip_bad: bool = False, errors: Optional[list] = None, *,
-                     mirror: Optional[str] = None, cache_dir: Optional[str] = None
+                     mirror: Optional[str] = None, cache_dir: Optional[str] = None,
+                     env_from: str = "none", swebench_specs: Any = None
                      ) -> list[Task]:
   """Returns the tasks of a Parquet file of SWE rows (e.g. a SWE-bench split as published).
 
@@ -706,6 +741,8 @@ def load_swe_parquet(path: str, skip_bad: bool = False, errors: Optional[list] =
     errors: when given, the skipped rows' errors are appended to it.
     mirror: the directory of git mirrors for rows without `repo_path` (module docstring).
     cache_dir: where checkouts of mirrored commits go.
+    env_from, swebench_specs: where rows without an `environment` get one
+      (`swe_task_from_dict`).
 
   Raises:
     TaskFormatError: "FILE[ROW]: field 'NAME': ..." for a bad row (unless skip_bad).
@@ -713,7 +750,7 @@ def load_swe_parquet(path: str, skip_bad: bool = False, errors: Optional[list] =
   import pyarrow.parquet as pq  # only Parquet readers need it
   return load_swe_rows(pq.read_table(path).to_pylist(), skip_bad, errors, source=path,
                        base_dir=os.path.dirname(os.path.abspath(path)), mirror=mirror,
-                       cache_dir=cache_dir)
+                       cache_dir=cache_dir, env_from=env_from, swebench_specs=swebench_specs)
 
 
 def load_problems_jsonl(path: str, skip_bad: bool = False,
@@ -729,7 +766,8 @@ def load_problems_jsonl(path: str, skip_bad: bool = False,
 
 
 def load_tasks(path: str, skip_bad: bool = False, errors: Optional[list] = None, *,
-               mirror: Optional[str] = None, cache_dir: Optional[str] = None) -> list[Task]:
+               mirror: Optional[str] = None, cache_dir: Optional[str] = None,
+               env_from: str = "none", swebench_specs: Any = None) -> list[Task]:
   """Returns the tasks of a JSONL file of either format (a line with FAIL_TO_PASS is SWE), or
   of a Parquet file of SWE rows.
 
@@ -739,10 +777,14 @@ def load_tasks(path: str, skip_bad: bool = False, errors: Optional[list] = None,
     errors: when given, the skipped lines' errors are appended to it.
     mirror: the directory of git mirrors for SWE rows without `repo_path`.
     cache_dir: where checkouts of mirrored commits go.
+    env_from, swebench_specs: where rows without an `environment` get one
+      (`swe_task_from_dict`).
   """
   if path.endswith(".parquet"):
-    return load_swe_parquet(path, skip_bad, errors, mirror=mirror, cache_dir=cache_dir)
-  swe = _swe_parser(os.path.dirname(os.path.abspath(path)), mirror, cache_dir)
+    return load_swe_parquet(path, skip_bad, errors, mirror=mirror, cache_dir=cache_dir,
+                            env_from=env_from, swebench_specs=swebench_specs)
+  swe = _swe_parser(os.path.dirname(os.path.abspath(path)), mirror, cache_dir, env_from,
+                    swebench_specs)
 
   def parse(d):
     if isinstance(d, dict) and "FAIL_TO_PASS" in d:
@@ -772,6 +814,8 @@ def task_to_swe_dict(task: Task, repo_path: Optional[str] = None) -> dict:
                        ("image_name", task.image_name)):
     if value:
       d[field] = value
+  if task.environment is not None:
+    d["environment"] = task.environment.to_dict()
   return d
 
 

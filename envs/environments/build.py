@@ -1,6 +1,6 @@
 """Builds an `Environment` into a root filesystem directory (bwrap) and a Docker image.
 
-    path = rootfs(env, repo_dir)        # ROOT/env/<key>/rootfs, or the Debian base itself
+    path = rootfs(env, repo_dir)        # ROOT/env-v2/<key>/rootfs, or the Debian base itself
     tag = docker_image(env, repo_dir)   # "arbor-env:<key[:24]>"
     results = build_many([(env, repo_dir), ...], backend="both", workers=2)
 
@@ -41,7 +41,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from envs.environments import cache, debian
 from envs.environments.spec import Environment
@@ -51,6 +51,9 @@ PIP_HELPERS = ("python3-pip", "python-is-python3")
 STEP_TIMEOUT = 3600          # seconds for one pip or install step
 IMAGE_REPOSITORY = "arbor-env"
 BACKENDS = ("bwrap", "docker", "both")
+# The cache folder of layers: its version changes whenever the recipe changes what a key's
+# build holds, so an old build is never taken for a new one.
+KIND = "env-v2"
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp",
         "LANG": "C.UTF-8", "PIP_BREAK_SYSTEM_PACKAGES": "1", "PIP_NO_CACHE_DIR": "1",
         "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_PROGRESS_BAR": "off",
@@ -94,6 +97,9 @@ def rootfs(env: Environment, repo_dir: Optional[str] = None, cache_dir: Optional
   """
   say = progress or _printer(env.name)
   cache.check_searchable(cache.root(cache_dir))
+  done = os.path.join(cache.root(cache_dir), KIND, env.key, "rootfs")
+  if os.path.isdir(done):  # built before: neither the base nor the repository is needed
+    return done
   base = debian.rootfs(env.suite, base_packages(env), cache_dir, progress=say)
   if not env.pip and not env.install:
     return base
@@ -105,7 +111,7 @@ def rootfs(env: Environment, repo_dir: Optional[str] = None, cache_dir: Optional
     build = lambda tmp: _layer(tmp, env, below, say, network=False, repo_dir=repo_dir)
   else:
     build = lambda tmp: _layer(tmp, env, base, say, network=True, repo_dir=None)
-  return os.path.join(cache.build_once(cache_dir, "env", env.key, build), "rootfs")
+  return os.path.join(cache.build_once(cache_dir, KIND, env.key, build), "rootfs")
 
 
 def _layer(tmp: str, env: Environment, below: str, say: Progress, network: bool,
@@ -128,7 +134,9 @@ def _layer(tmp: str, env: Environment, below: str, say: Progress, network: bool,
   if network:
     with open(os.path.join(work, "requirements.txt"), "w") as f:
       f.write("\n".join(env.pip) + "\n")
-    script = "python3 -m pip install -r /workspace/requirements.txt"
+    # --ignore-installed: what the spec lists comes from PyPI even where a Debian package of
+    # the base has an older copy (Debian's setuptools would otherwise serve the install step)
+    script = "python3 -m pip install --ignore-installed -r /workspace/requirements.txt"
   else:
     script = "set -e\n" + "\n".join(env.install)
   # Mount points the read-only root must already have; made fresh in this copy, removed after.
@@ -279,14 +287,14 @@ def _printer(name: str) -> Progress:
   return lambda line: print(f"[{name}] {line}", file=sys.stderr, flush=True)
 
 
-def build_many(items: Sequence[tuple[Environment, Optional[str]]], backend: str = "bwrap",
+def build_many(items: Sequence[tuple[Environment, Any]], backend: str = "bwrap",
                workers: int = 2, cache_dir: Optional[str] = None, verbose: bool = False,
                out=None) -> list[dict]:
   """Builds many environments with a small pool and a progress bar.
 
   Args:
-    items: (environment, repository directory or None) pairs; equal environments are built
-      once.
+    items: (environment, repository directory, or the `envs.tasks.Task` whose repository it
+      is, or None) pairs; equal environments are built once.
     backend: "bwrap" (root filesystems), "docker" (images) or "both".
     workers: parallel builds (each runs pip or mmdebstrap; 2 suits a 2-core host). Builds
       sharing a layer wait for each other (`cache.build_once` locks).
@@ -303,7 +311,7 @@ def build_many(items: Sequence[tuple[Environment, Optional[str]]], backend: str 
   if workers < 1:
     raise ValueError(f"workers={workers!r}: expected >= 1")
   out = out or sys.stderr
-  todo: dict[str, tuple[Environment, Optional[str]]] = {}
+  todo: dict[str, tuple[Environment, Any]] = {}
   for env, repo in items:
     todo.setdefault(env.key, (env, repo))
   lock, done, failed, total = threading.Lock(), [0], [0], len(todo)
@@ -315,15 +323,17 @@ def build_many(items: Sequence[tuple[Environment, Optional[str]]], backend: str 
               f"({failed[0]} failed) {last[:60]:<60}")
     out.flush()
 
-  def one(env: Environment, repo: Optional[str]) -> dict:
+  def one(env: Environment, repo: Any) -> dict:
     start = time.monotonic()
     say = _printer(env.name) if verbose else (lambda line: None)
     r = {"name": env.name, "key": env.key}
     try:
-      if backend in ("bwrap", "both"):
-        r["rootfs"] = rootfs(env, repo, cache_dir, say)
-      if backend in ("docker", "both"):
-        r["image"] = docker_image(env, repo, cache_dir, say)
+      for name, kind in (("rootfs", "bwrap"), ("image", "docker")):
+        if backend in (kind, "both"):
+          if repo is not None and not isinstance(repo, str):  # a task: for_task finds its files
+            r[name] = for_task(repo, kind, cache_dir, say)
+          else:
+            r[name] = (rootfs if kind == "bwrap" else docker_image)(env, repo, cache_dir, say)
     except Exception as e:  # one failed environment must not stop the others
       r["error"] = f"{type(e).__name__}: {e}"
     r["seconds"] = round(time.monotonic() - start, 1)
@@ -340,3 +350,41 @@ def build_many(items: Sequence[tuple[Environment, Optional[str]]], backend: str 
     results = list(pool.map(lambda kv: one(*kv), todo.values()))
   out.write("\n")
   return results
+
+
+# ----------------------------------------------------------------------------- tasks
+
+
+def for_task(task, backend: str, cache_dir: Optional[str] = None,
+             progress: Optional[Progress] = None) -> str:
+  """What a sandbox of `task` starts from: the root filesystem (backend "bwrap") or the image
+  tag ("docker") of `task.environment`, built on first use.
+
+  Args:
+    task: an `envs.tasks.Task` with an `environment`; its repository (`envs.tasks.repo_dir`)
+      is what the environment's `install` runs on (a tarball is unpacked to a temporary
+      directory first).
+    backend: "bwrap" or "docker".
+
+  Raises:
+    ValueError: the task has no environment, or an unknown backend.
+    BuildError / RuntimeError: as `rootfs` / `docker_image`.
+  """
+  env = task.environment
+  if env is None:
+    raise ValueError(f"Task {task.instance_id!r}: environment=None")
+  if backend not in ("bwrap", "docker"):
+    raise ValueError(f"backend={backend!r}: expected 'bwrap' or 'docker'")
+  make = rootfs if backend == "bwrap" else docker_image
+  if not env.install:
+    return make(env, None, cache_dir, progress)
+  from envs import tasks as tasks_lib  # only tasks with an install need their files
+  path = tasks_lib.repo_dir(task)
+  if os.path.isdir(path):
+    return make(env, path, cache_dir, progress)
+  with tempfile.TemporaryDirectory(prefix="arbor-repo-") as tmp:
+    for rel, data in tasks_lib.load_repo_files(path).items():
+      os.makedirs(os.path.dirname(os.path.join(tmp, rel)), exist_ok=True)
+      with open(os.path.join(tmp, rel), "wb") as f:
+        f.write(data)
+    return make(env, tmp, cache_dir, progress)

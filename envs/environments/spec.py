@@ -32,8 +32,12 @@ from envs.environments.debian import DEFAULT_SUITE, SUITES, check_packages
 # One PEP 508 requirement: a distribution name, extras, then version specifiers and markers.
 # Options ("-e", "--index-url"), paths and URLs are refused: they would let a spec reach past
 # the package index.
-_REQUIREMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._, -]*\])?"
-                          r"\s*([<>=!~]=?|===)?[^@/\\]*$")
+_NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
+_CLAUSE = r"\s*(?:===|==|!=|~=|<=|>=|<|>)\s*[A-Za-z0-9.*+!_-]+"
+_VERSIONS = rf"{_CLAUSE}(?:\s*,{_CLAUSE})*"
+_REQUIREMENT = re.compile(
+    rf"^{_NAME}\s*(?:\[\s*{_NAME}(?:\s*,\s*{_NAME})*\s*\])?"
+    rf"\s*(?:{_VERSIONS}|\(\s*{_VERSIONS}\s*\))?\s*(?:;[^@\\\n]+)?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _REPOSITORY = re.compile(r"^[\w.-]+/[\w.-]+@[0-9a-f]{7,64}$")
 # Variables a sandbox sets itself, or that would change what the interpreter imports.
@@ -258,11 +262,11 @@ def from_dict(d: Any, field: str = "environment") -> Environment:
   suite = d.get("suite")
   if requested is not None and suite is not None:
     python = None  # the recorded choice: the suite is authoritative
+  lists = {key: strings(key) for key in ("system_packages", "pip", "install")}
   try:
     env_obj = Environment.create(
-        python=python, suite=suite, system_packages=strings("system_packages"),
-        pip=strings("pip"), install=strings("install"), env=dict(env),
-        repository=d.get("repository"), python_policy=d.get("python_policy") or "nearest")
+        python=python, suite=suite, env=dict(env), repository=d.get("repository"),
+        python_policy=d.get("python_policy") or "nearest", **lists)
     if requested is not None and env_obj.python_requested is None:
       env_obj = dataclasses.replace(env_obj, python_requested=requested)
     return env_obj
