@@ -8,12 +8,14 @@ Inputs. The dataset is SWE rows (JSONL or Parquet) read by `envs.tasks`' loaders
 repositories from `repo_path` or a mirror (ARBOR_SWE_MIRROR), as for training. Predictions are
 swebench's: objects with `instance_id`, `model_name_or_path` and `model_patch` (a unified diff,
 "" or null for none), as a JSON list, a JSON object {instance_id: prediction} (SWE-agent's) or
-JSONL; `--predictions gold` grades each row's reference patch as model "gold". A malformed
+JSONL; `--predictions gold` grades each row's reference patch as model "gold" (the rows of
+--instance_ids only, when given, as swebench takes them). A malformed
 prediction, a repeated instance_id, or one that is not in the dataset stops the run before
 anything is graded, with an error naming the file, line and field.
 
-Each prediction with a patch is applied to the row's repository at its base commit and graded
-by `envs.verifiers.swe.grade_submission` in a fresh sandbox of the chosen backend, from the
+Each prediction with a patch is applied to the row's repository at its base commit as swebench
+applies it, exactly or else with GNU patch's fuzz 5 (`envs.grading.patch`), and graded by
+`envs.verifiers.swe.grade_submission` in a fresh sandbox of the chosen backend, from the
 factory of `envs.episode` (which starts a task from its root filesystem, image or
 environment). An empty patch is not run. Grading is SWE-bench's (`envs.verifiers.swe_logs`),
 on statuses read from pytest's JUnit report or the repository runner's hash-checked log.
@@ -40,12 +42,11 @@ computed from the report.json files on disk: total_instances (dataset rows, afte
 --instance_ids), submitted_instances (all predictions), completed_instances (a report.json
 exists), resolved / unresolved (among completed), empty_patch_instances, error_instances
 (submitted with a patch, no report.json), infra_failure_instances / ambiguous_failure_instances
-(unresolved or error instances whose logs show an environment fault, by swebench's
-signatures), their *_ids lists, failure_reasons and schema_version 2.
+(unresolved or error instances whose logs match one of swebench's failure signatures, of the
+"environment" or the "ambiguous" tier), their *_ids lists, failure_reasons {instance_id:
+signature} and schema_version 2.
 
-Patches are applied as swebench applies them, exactly or else with GNU patch's fuzz 5
-(`envs.grading.patch`). Where the verdict can differ from swebench's on the same patch: the
-submission's changes to test files are dropped and changes to test configuration refused (see
+Where the verdict can differ from swebench's on the same patch: the submission's changes to test files are dropped and changes to test configuration refused (see
 `envs.verifiers.swe`); statuses come from the JUnit report, so tests printed as passing by code
 under test do not count; git's binary patches and renames without hunks are not applied.
 """

@@ -1,10 +1,12 @@
 """`python -m envs.evaluate` graded against swebench 5's own harness: the bundled SWE rows (four
 pytest repositories, one with Django's log format, an xfail test in PASS_TO_PASS) and copies of
-them under new ids, with gold, wrong, non-applying, skip-forcing, empty and missing predictions,
-graded in bwrap. swebench's `get_eval_report` on each instance's test_output.txt gives exactly
-our report.json, its log parsers read our statuses from the same logs, and its
-`make_run_report` on our log directory gives exactly our run report. A rerun reuses finished
-instances. A sandbox without pytest, and a run that times out, are errors that say so."""
+them under new ids, with gold, wrong, fuzz-applying, non-applying, skip-forcing, empty, no-diff
+and missing predictions, graded in bwrap. swebench's `get_eval_report` on each instance's
+test_output.txt gives exactly our report.json, its log parsers read our statuses from the same
+logs, and its `make_run_report` on our log directory gives exactly our run report. A rerun
+reuses finished instances. A sandbox without pytest, and a run that times out, are errors that
+say so. Gold predictions of mirrored Parquet rows resolve. Patches that need fuzz apply as GNU
+patch applies them."""
 
 import asyncio
 import json
@@ -67,12 +69,12 @@ def predictions() -> dict:
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-  """The bundled rows and three copies under new ids, in a folder of their own (repo_path
+  """The bundled rows and five copies under new ids, in a folder of their own (repo_path
   is resolved inside the dataset's folder)."""
   root = tmp_path_factory.mktemp("data")
   shutil.copytree(os.path.join(DATA, "repos"), root / "repos")
-  rows = list(ROWS.values()) + [dict(ROWS[i[:-2] + "-1"], instance_id=i)
-                                for i in ("intervals-2", "units-2", "roman-2", "textstats-2", "roman-3")]
+  copies = ("intervals-2", "units-2", "roman-2", "textstats-2", "roman-3")
+  rows = list(ROWS.values()) + [dict(ROWS[i[:-2] + "-1"], instance_id=i) for i in copies]
   (root / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
   return root / "tasks.jsonl", rows
 
