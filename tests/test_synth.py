@@ -606,6 +606,15 @@ def test_hidden_tests_come_back_in_the_test_patch(synthesized, package, tmp_path
     assert sorted(git_out(mirror, "diff", "--name-only", row["base_commit"],
                           row["environment_setup_commit"]).split()) == sorted(
         patch_files(row["patch"]) + patch_files(row["test_patch"]))
+  # As SWE-bench's harness does: `git apply` both patches on a clone at base_commit.
+  row, clone = hidden_rows[0], tmp_path / "clone"
+  subprocess.run(["git", "clone", "-q", "--no-checkout", str(mirror), str(clone)], check=True)
+  git(clone, "checkout", "-q", row["base_commit"])
+  for name in ("patch", "test_patch"):
+    (tmp_path / f"{name}.diff").write_text(row[name])
+    git(clone, "apply", str(tmp_path / f"{name}.diff"))
+  git(clone, "add", "-A")
+  git(clone, "diff", "--cached", "--quiet", row["environment_setup_commit"])
   tasks = load_swe_jsonl(str(hidden / "tasks.jsonl"), mirror=str(hidden / "mirror"),
                          cache_dir=str(tmp_path / "cache"))
   assert "tests/test_core.py" not in load_repo_files(tasks[0])
