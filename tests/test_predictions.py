@@ -338,3 +338,31 @@ def test_fuzzy_patches_apply_as_gnu_patch_applies_them(tmp_path):
     if ours:  # the exact application, where it applies, agrees
       assert apply_prediction({"f.txt": target.encode()}, diff)[0] == ours
   assert min(counts.values()) >= 30, counts
+
+
+def test_docker_backend_grades_as_swebench_grades(dataset, tmp_path, monkeypatch):
+  """--backend docker: each row's image_name is its container's image (the docker tests' image,
+  Debian's python3 with pytest). A gold and a wrong prediction, one with pytest and one with
+  Django's log format, graded as swebench grades their logs. Skipped with the other docker
+  tests under ARBOR_SKIP_DOCKER=1."""
+  from tests.test_sandbox import docker_kw
+  image = docker_kw()["image"]
+  path, rows = dataset
+  monkeypatch.chdir(tmp_path)
+  rows = [dict(r, image_name=image) for r in rows if r["instance_id"] in ("roman-1", "slugs-1")]
+  shutil.copytree(path.parent / "repos", tmp_path / "repos")
+  (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  patches = predictions()
+  preds = write_predictions(tmp_path / "preds.jsonl", {"roman-1": ROWS["roman-1"]["patch"],
+                                                       "slugs-1": patches["slugs-1"]})
+  assert evaluate.main(["--dataset", str(tmp_path / "rows.jsonl"), "--predictions",
+                        str(tmp_path / "preds.jsonl"), "--report", str(tmp_path / "r.json"),
+                        "--backend", "docker", "--run_id", "dk", "--no_progress"]) == 0
+  ours = json.loads((tmp_path / "r.json").read_text())
+  assert (ours["resolved_ids"], ours["unresolved_ids"]) == (["roman-1"], ["slugs-1"])
+  assert ours == swebench_run_report(preds, rows, "dk", tmp_path / "sb")
+  for row in rows:
+    iid = row["instance_id"]
+    out = tmp_path / "logs" / "run_evaluation" / "dk" / "org__model-v1" / iid
+    assert json.loads((out / "report.json").read_text()) == get_eval_report(
+        spec(row), preds[iid], str(out / "test_output.txt"), True)
