@@ -5,8 +5,8 @@ and missing predictions, graded in bwrap. swebench's `get_eval_report` on each i
 test_output.txt gives exactly our report.json, its log parsers read our statuses from the same
 logs, and its `make_run_report` on our log directory gives exactly our run report. A rerun
 reuses finished instances. A sandbox without pytest, and a run that times out, are errors that
-say so. Gold predictions of mirrored Parquet rows resolve. Patches that need fuzz apply as GNU
-patch applies them."""
+say so. Gold predictions of mirrored Parquet rows resolve; --backend docker grades alike.
+Patches that need fuzz apply as GNU patch applies them."""
 
 import asyncio
 import json
@@ -132,7 +132,9 @@ def test_predictions_graded_as_swebench_grades_them(dataset, tmp_path, monkeypat
       ["roman-3", "textstats-2"], ["units-2"], ["roman-2"])
   assert ours["submitted_instances"] == 9 and ours["total_instances"] == 10
   err = capsys.readouterr().err
-  assert "textstats-2: error: patch apply failed: patch: hunk at line 4 of " in err
+  assert ("textstats-2: error: patch apply failed: patch: hunk #1 (line 4) of "
+          "'textstats/tokenize.py' does not apply: its removed and context lines are not in the "
+          "file, even with up to 3 context lines ignored at each end") in err
   assert "roman-3: error: patch apply failed: the patch names no file" in err
 
   by_id = {r["instance_id"]: r for r in rows}
@@ -309,7 +311,7 @@ def test_fuzzy_patches_apply_as_gnu_patch_applies_them(tmp_path):
   import difflib
   import random
   import subprocess
-  from envs.grading.patch import apply_fuzzy, apply_prediction
+  from envs.grading.patch import apply_fuzzy
   rng = random.Random(0)
   counts = {"applied": 0, "failed": 0, "fuzz": 0}
   for case in range(300):
@@ -335,8 +337,6 @@ def test_fuzzy_patches_apply_as_gnu_patch_applies_them(tmp_path):
     assert (ours and ours["f.txt"].decode()) == expected, (case, diff, target, gnu.stdout)
     counts["applied" if ours else "failed"] += 1
     counts["fuzz"] += bool(used)
-    if ours:  # the exact application, where it applies, agrees
-      assert apply_prediction({"f.txt": target.encode()}, diff)[0] == ours
   assert min(counts.values()) >= 30, counts
 
 

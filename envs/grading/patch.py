@@ -1,11 +1,13 @@
 """Applying a model's patch as the swebench harness does: exactly if it can, else with fuzz.
 
 swebench tries `git apply`, then `git apply --3way` and `--reject`, then
-`patch --batch --forward --fuzz=5 -p1`. `apply_prediction` does the same in two steps:
-`envs.tasks.apply_patch` (exact context, hunks found at any offset, as `git apply`), then
-`apply_fuzzy`, which follows GNU patch's fuzz: a hunk that does not match may drop up to FUZZ
-lines of context at its start and at its end (never more than it has), fewest first, and is
-placed at the match nearest its line number; the dropped context lines keep the file's text.
+`patch --batch --forward --fuzz=5 -p1`; the last one tries fuzz 0 (exact context, as `git apply`)
+before more. `apply_fuzzy` follows GNU patch's rules: each hunk is placed at the match nearest
+the line its header names (after the lines earlier hunks consumed, later lines first on a tie,
+carrying earlier hunks' offsets); a hunk that does not match drops context lines at its start
+and end, one more per fuzz level up to FUZZ; a hunk with less context on one side (one at the
+start or end of its file) counts the difference as fuzz already spent and is anchored to that
+end of the file until the fuzz covers it; the context lines keep the file's text.
 A hunk that adds lines only may so lose all its context and is then placed at its line
 number, as GNU patch places it.
 Changed lines (removed and added) must always match exactly. Nothing here runs a program: the
@@ -16,8 +18,6 @@ from __future__ import annotations
 
 import re
 from typing import Mapping, Optional
-
-from envs import tasks as tasks_lib
 
 FUZZ = 5  # swebench's `patch --fuzz=5`
 _HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
@@ -162,7 +162,9 @@ def apply_fuzzy(files: Mapping[str, bytes], patch: str, fuzz: int = FUZZ
         if at is not None:
           break
       else:
-        raise ValueError(f"patch: hunk #{n} of {dst or src!r} does not apply with fuzz {fuzz}")
+        raise ValueError(f"patch: hunk #{n} (line {first}) of {dst or src!r} does not apply: its "
+                         f"removed and context lines are not in the file, even with up to "
+                         f"{min(fuzz, context)} context lines ignored at each end")
       used = max(used, level)
       offset = at - start - growth
       # Context lines keep the file's text (fuzz may have ignored them); removed lines go.
@@ -193,23 +195,20 @@ def apply_fuzzy(files: Mapping[str, bytes], patch: str, fuzz: int = FUZZ
 
 def apply_prediction(files: Mapping[str, bytes], patch: str
                      ) -> tuple[dict[str, bytes], str]:
-  """A model patch applied as swebench applies it: exactly, else with fuzz `FUZZ`.
+  """A model patch applied as swebench applies it (module docstring).
 
   Args:
     files: the repository at its base commit.
     patch: the model patch.
 
   Returns:
-    (the patched files, how: "exact" or "fuzz N").
+    (the patched files, how: "exact" or "fuzz N", N the most context lines a hunk dropped).
 
   Raises:
-    ValueError: neither applies; the message is the exact application's reason.
+    ValueError: it does not apply; the message names the hunk and file.
   """
   try:
-    return tasks_lib.apply_patch(files, patch), "exact"
-  except (ValueError, UnicodeDecodeError) as exact:
-    try:
-      patched, used = apply_fuzzy(files, patch)
-    except (ValueError, UnicodeDecodeError):
-      raise ValueError(str(exact)) from None
-    return patched, f"fuzz {used}"
+    patched, used = apply_fuzzy(files, patch, FUZZ)
+  except UnicodeDecodeError as e:
+    raise ValueError(f"patch: a file it changes is not UTF-8 text ({e.reason})") from None
+  return patched, "exact" if used == 0 else f"fuzz {used}"
