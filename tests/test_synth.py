@@ -767,3 +767,25 @@ def test_swebench_format_grader_resolves_gold_on_mirror_rows(synthesized, tmp_pa
   assert res.returncode == 0, res.stderr[-3000:]
   report = json.loads((tmp_path / "report.json").read_text())
   assert sorted(report["resolved_ids"]) == sorted(r["instance_id"] for r in rows[:2]), report
+
+
+def test_mirror_writes_run_no_program_of_the_repository(synthesized, package, tmp_path):
+  """A mirror already in OUT whose hooks and configuration name programs: writing into it
+  (update-ref runs the reference-transaction hook, commit-tree may sign) runs none of them."""
+  out = tmp_path / "out"
+  out.mkdir()
+  for name in ("baseline.json", "journal.jsonl"):
+    shutil.copy(synthesized[0] / name, out / name)
+  mirror = out / "mirror" / "me__calc.git"
+  subprocess.run(["git", "init", "-q", "--bare", str(mirror)], check=True)
+  marker = tmp_path / "ran"
+  hook = mirror / "hooks" / "reference-transaction"
+  hook.write_text(f"#!/bin/sh\ntouch {marker}\n")
+  hook.chmod(0o755)
+  with open(mirror / "config", "a") as f:
+    f.write(f"[core]\n\thooksPath = {mirror / 'hooks'}\n\tfsmonitor = touch {marker}\n"
+            f"[commit]\n\tgpgSign = true\n[gpg]\n\tprogram = touch {marker}\n")
+  sandboxes = CountingSandboxes()
+  synth.synthesize(str(package), TEST_COMMAND, str(out), make_sandbox=sandboxes, **OPTIONS)
+  assert sandboxes.made == 0 and not marker.exists()
+  assert (out / "tasks.jsonl").read_bytes() == (synthesized[0] / "tasks.jsonl").read_bytes()
