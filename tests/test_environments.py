@@ -345,9 +345,13 @@ def test_task_environment_starts_the_sandbox(sdist_dir, built, tmp_path):
 
 
 @needs_build
-def test_debian_rootfs_is_a_task_rootfs():
-  path = debian.rootfs("bookworm", progress=lambda line: None)
-  assert path == debian.rootfs("bookworm", ["python3"])  # python3 is always there: same key
+def test_debian_rootfs_is_a_task_rootfs(built):
+  assert debian.key("bookworm") == debian.key("bookworm", ["python3"])  # always included
+  assert debian.key("bookworm", ["git", "curl"]) == debian.key("bookworm", ["curl", "git"])
+  # the base the acceptance environment was built on (no build of its own)
+  path = debian.rootfs("bookworm", build.PIP_HELPERS, progress=lambda line: None)
+  assert cache.read_manifest(os.path.dirname(path))["spec"]["packages"] == [
+      "python-is-python3", "python3", "python3-pip"]
   res = asyncio.run(_run_tests({}, path, "python3 -c 'import sys; print(sys.version)'; "
                                          "test ! -e /etc/resolv.conf"))
   assert res.exit_code == 0 and res.stdout.startswith("3.11"), res.stderr
