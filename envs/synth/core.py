@@ -59,9 +59,9 @@ class SynthConfig:
     limits: the sandboxes' limits.
     log_parser: the swebench log parser of the test command's output (`envs.synth.runs`);
       "": "parse_log_pytest" for a pytest command.
-    hide_tests: the bug commits remove the files of the FAIL_TO_PASS tests, which come back
-      in `test_patch` (SWE-smith's "Remove F2P Tests"); False: the agent's tree keeps every
-      test and `test_patch` is "".
+    hide_tests: the bug commits also remove the files of the FAIL_TO_PASS tests, which come
+      back in `test_patch` (what SWE-smith's "Remove F2P Tests" commit does); False: the
+      agent's tree keeps every test and `test_patch` is "".
     trees: also write each instance's tree to OUT/repos/<instance_id> and give rows a
       `repo_path` (they then load without the mirror, as rows of earlier versions did).
   """
@@ -274,13 +274,14 @@ async def synthesize_async(repo: str, test_command: str, out: str,
     **options: `SynthConfig` fields (name=, max_per_kind=, workers=, ...) when no config.
 
   Returns:
-    The report (also written to OUT/report.json); the instances are in OUT/tasks.jsonl.
+    The report (also written to OUT/report.json); the instances are in OUT/tasks.jsonl, their
+    commits in the mirror `envs.synth.mirror_dir(OUT, repo)`.
 
   Raises:
-    ValueError: a bad repo, test_command or option, naming it.
+    ValueError: a bad repo, test_command, log_parser or option, naming it.
     TypeError: both config and options, or an unknown option.
-    SynthError: the baseline cannot be run or has no passing test, or OUT holds another
-      source's run.
+    SynthError: the baseline cannot be run or has no passing test, OUT holds another
+      source's run, or its mirror is refused or cannot be written.
   """
   if config is not None and options:
     raise TypeError(f"synthesize: give config or options ({sorted(options)}), not both")
