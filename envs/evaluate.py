@@ -375,9 +375,9 @@ async def evaluate(tasks: Sequence[Task], predictions: Mapping[str, Mapping[str,
       a run_id / model name / instance_id that cannot name a directory.
   """
   if max_workers < 1:
-    raise ValueError(f"max_workers={max_workers}: expected >= 1")
+    raise ValueError(f"--max_workers={max_workers}: expected >= 1")
   if timeout is not None and not 0 < timeout <= 3600:
-    raise ValueError(f"timeout={timeout!r}: expected seconds in (0, 3600]")
+    raise ValueError(f"--timeout={timeout!r}: expected seconds in (0, 3600]")
   chosen = select(tasks, predictions, instance_ids)
   results: list[InstanceResult] = []
   todo = []
@@ -465,6 +465,11 @@ def main(argv: Optional[Sequence[str]] = None,
   """The command line (module docstring). Returns the exit status: 0 when the report is
   written, 2 for bad arguments or inputs (the message on stderr)."""
   args = _parser().parse_args(argv)
+  for flag in ("memory_mb", "disk_mb"):
+    if getattr(args, flag) < 1:
+      print(f"error: --{flag}={getattr(args, flag)}: expected a positive number of MiB",
+            file=sys.stderr)
+      return 2
   from envs.episode import make_sandbox_factory  # the sandbox backends, loaded when run
   try:
     tasks = load_dataset(args.dataset)
