@@ -108,6 +108,40 @@ def test_spec_errors_name_the_field(bad, message):
     spec.from_dict(bad)
 
 
+def test_spec_errors_name_every_bad_field():
+  with pytest.raises(SpecError) as e:
+    spec.from_dict({"pip": ["ok", "-e .", "--index-url=x"], "suite": "sid", "typo": 1,
+                    "env": {"PATH": "/x"}})
+  fields = [m.split("=")[0].split(":")[0] for m in e.value.errors]
+  assert fields == ["environment.typo", "environment.suite", "environment.pip[1]",
+                    "environment.pip[2]", "environment.env.PATH"], e.value.errors
+  assert str(e.value) == "; ".join(e.value.errors)
+
+
+def test_build_many_builds_each_environment_once(monkeypatch):
+  """Equal environments are built once, a failure is reported without stopping the others,
+  and the progress bar counts them."""
+  seen = []
+
+  def fake_rootfs(env, repo, cache_dir, say):
+    seen.append(env.key)
+    if "broken" in env.pip:
+      raise build.BuildError(f"{env.name}: pip install failed")
+    return f"/built/{env.name}"
+  monkeypatch.setattr(build, "rootfs", fake_rootfs)
+  a, b = Environment.create(pip=["a"]), Environment.create(pip=["broken"])
+  out = io.StringIO()
+  results = build.build_many([(a, None), (b, None), (Environment.create(pip=["a"]), None)],
+                             workers=2, out=out)
+  assert sorted(seen) == sorted([a.key, b.key])
+  assert [r["name"] for r in results] == [a.name, b.name]
+  assert results[0]["rootfs"] == f"/built/{a.name}" and "error" not in results[0]
+  assert "pip install failed" in results[1]["error"]
+  assert "2/2 (1 failed)" in out.getvalue()
+  with pytest.raises(ValueError, match="backend='podman'"):
+    build.build_many([], backend="podman")
+
+
 def test_spec_files(tmp_path):
   (tmp_path / "env.toml").write_text('[environment]\npython = "3.13"\npip = ["attrs==23.2.0"]\n'
                                      '[environment.env]\nTZ = "UTC"\n')

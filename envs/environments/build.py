@@ -49,6 +49,8 @@ from envs.environments.spec import Environment
 BUILDER_UID = 1_999_999_000  # outside the sandbox backends' uid pools
 PIP_HELPERS = ("python3-pip", "python-is-python3")
 STEP_TIMEOUT = 3600          # seconds for one pip or install step
+STEP_PROCESSES = 1024        # RLIMIT_NPROC of the builder uid during a step
+STEP_TMP_BYTES = 8 << 30     # size of a step's /tmp (pip unpacks and builds sdists there)
 IMAGE_REPOSITORY = "arbor-env"
 BACKENDS = ("bwrap", "docker", "both")
 # The cache folder of layers: its version changes whenever the recipe changes what a key's
@@ -167,12 +169,14 @@ def _sandboxed(root: str, work: str, script: str, extra_env: dict, network: bool
                say: Progress) -> tuple[int, str]:
   """Runs `script` with /bin/sh in bubblewrap as BUILDER_UID: `root` read-only as /, its
   usr/local and `work` (/workspace) writable; the host's network only if `network`."""
-  argv = ["setpriv", f"--reuid={BUILDER_UID}", f"--regid={BUILDER_UID}", "--clear-groups",
+  # Bounded processes, no core dumps, a bounded /tmp; the step's time by STEP_TIMEOUT.
+  argv = ["prlimit", f"--nproc={STEP_PROCESSES}", "--core=0", "--",
+          "setpriv", f"--reuid={BUILDER_UID}", f"--regid={BUILDER_UID}", "--clear-groups",
           "--no-new-privs", "--", shutil.which("bwrap") or "bwrap", "--unshare-all",
           "--die-with-parent", "--new-session", "--cap-drop", "ALL",
           "--ro-bind", root, "/", "--bind", os.path.join(root, "usr", "local"), "/usr/local",
-          "--bind", work, "/workspace", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-          "--chdir", "/workspace", "--clearenv"]
+          "--bind", work, "/workspace", "--proc", "/proc", "--dev", "/dev",
+          "--size", str(STEP_TMP_BYTES), "--tmpfs", "/tmp", "--chdir", "/workspace", "--clearenv"]
   env = {**_ENV, **extra_env, **({} if network else _OFFLINE)}
   if network:
     argv[argv.index("--unshare-all") + 1:argv.index("--unshare-all") + 1] = ["--share-net"]

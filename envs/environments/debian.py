@@ -26,6 +26,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from typing import Callable, Optional, Sequence
 
@@ -149,15 +150,18 @@ def _run_streaming(argv: list[str], env: dict, say: Callable[[str], None],
   lines = []
   with subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL, text=True, errors="replace") as p:
-    deadline = time.monotonic() + timeout
-    for line in p.stdout:
-      lines.append(line)
-      say(line.rstrip())
-      if time.monotonic() > deadline:
-        p.kill()
-        lines.append(f"timed out after {timeout} s\n")
-        break
-    rc = p.wait()
+    killed = threading.Event()
+    timer = threading.Timer(timeout, lambda: (killed.set(), p.kill()))  # a silent hang too
+    timer.start()
+    try:
+      for line in p.stdout:
+        lines.append(line)
+        say(line.rstrip())
+      rc = p.wait()
+    finally:
+      timer.cancel()
+    if killed.is_set():
+      lines.append(f"killed after {timeout} s\n")
   return rc, "".join(lines)
 
 

@@ -52,7 +52,15 @@ MAX_LEN = 4096      # characters per entry
 
 
 class SpecError(ValueError):
-  """A malformed environment spec; the message names the field and the value."""
+  """A malformed environment spec; the message names each bad field and its value.
+
+  Attributes:
+    errors: the messages, one per bad field (joined with "; " in str()).
+  """
+
+  def __init__(self, message, errors=None):
+    self.errors = list(errors) if errors else [str(message)]
+    super().__init__("; ".join(self.errors) if errors else message)
 
 
 def _version(v: str, field: str) -> tuple[int, int]:
@@ -181,47 +189,64 @@ class Environment:
 
 
 def _validate(e: Environment) -> None:
+  """Raises SpecError naming every bad field (messages joined with "; ")."""
+  errors: list[str] = []
+
   def bad(field, value, what):
-    raise SpecError(f"{field}={value!r:.200}: expected {what}")
+    errors.append(f"{field}={value!r:.200}: expected {what}")
 
   if e.suite not in SUITES:
     bad("suite", e.suite, f"one of {sorted(SUITES)}")
-  if e.python_requested is not None:
-    v = _version(e.python_requested, "python_requested")
-    if f"{v[0]}.{v[1]}" != e.python_requested or e.python_requested == e.python:
-      bad("python_requested", e.python_requested, "None or 'MAJOR.MINOR' other than the "
-          "suite's python")
-  try:
-    if check_packages(e.system_packages, "system_packages") != e.system_packages:
-      bad("system_packages", e.system_packages, "a sorted tuple without duplicates "
+  elif e.python_requested is not None:
+    try:
+      v = _version(e.python_requested, "python_requested")
+      if f"{v[0]}.{v[1]}" != e.python_requested or e.python_requested == e.python:
+        bad("python_requested", e.python_requested, "None or 'MAJOR.MINOR' other than the "
+            "suite's python")
+    except SpecError as err:
+      errors.append(str(err))
+  packages = e.system_packages
+  if not isinstance(packages, tuple):
+    bad("system_packages", packages, "a tuple of Debian package names")
+  else:
+    for i, p in enumerate(packages):
+      try:
+        check_packages([p], f"system_packages[{i}]")
+      except ValueError as err:
+        errors.append(str(err).replace(f"system_packages[{i}][0]", f"system_packages[{i}]"))
+    if list(packages) != sorted(set(packages), key=str):
+      bad("system_packages", packages, "a sorted tuple without duplicates "
           "(Environment.create sorts)")
-  except ValueError as err:
-    raise SpecError(str(err)) from None
   for field in ("pip", "install"):
     items = getattr(e, field)
     if not isinstance(items, tuple) or len(items) > MAX_ITEMS:
       bad(field, items, f"a tuple of at most {MAX_ITEMS} strings")
+      continue
     for i, s in enumerate(items):
       if not isinstance(s, str) or not s.strip() or len(s) > MAX_LEN or "\x00" in s:
         bad(f"{field}[{i}]", s, f"a non-empty string of at most {MAX_LEN} characters")
-      if field == "pip" and not _REQUIREMENT.match(s.strip()):
+      elif field == "pip" and not _REQUIREMENT.match(s.strip()):
         bad(f"pip[{i}]", s, "a PEP 508 requirement ('name[extra]==1.2; marker'), not an "
             "option, path or URL")
-  if not isinstance(e.env, tuple) or list(e.env) != sorted(set(e.env)):
-    bad("env", e.env, "sorted (NAME, VALUE) pairs (Environment.create sorts)")
-  for pair in e.env:
-    if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
-      bad("env", pair, "(NAME, VALUE) string pairs")
-    name, value = pair
-    if not _ENV_NAME.match(name) or name in _RESERVED_ENV:
-      bad(f"env.{name}", value, f"a variable name other than {sorted(_RESERVED_ENV)}")
-    if "\x00" in value or len(value) > MAX_LEN:
-      bad(f"env.{name}", value, f"a value of at most {MAX_LEN} characters")
+  if not isinstance(e.env, tuple) or not all(
+      isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) for x in p)
+      for p in e.env):
+    bad("env", e.env, "(NAME, VALUE) string pairs")
+  else:
+    if list(e.env) != sorted(set(e.env)):
+      bad("env", e.env, "sorted (NAME, VALUE) pairs (Environment.create sorts)")
+    for name, value in e.env:
+      if not _ENV_NAME.match(name) or name in _RESERVED_ENV:
+        bad(f"env.{name}", value, f"a variable name other than {sorted(_RESERVED_ENV)}")
+      elif "\x00" in value or len(value) > MAX_LEN:
+        bad(f"env.{name}", value, f"a value of at most {MAX_LEN} characters")
   if e.repository is not None and not (isinstance(e.repository, str)
                                        and _REPOSITORY.match(e.repository)):
     bad("repository", e.repository, "'owner/name@commit' (hex commit)")
   if e.install and e.repository is None:
     bad("repository", e.repository, "'owner/name@commit' naming the files `install` runs on")
+  if errors:
+    raise SpecError(None, errors)
 
 
 def from_dict(d: Any, field: str = "environment") -> Environment:
@@ -233,45 +258,54 @@ def from_dict(d: Any, field: str = "environment") -> Environment:
   `python` maps from). Unknown keys are refused, so a typo is not silently ignored.
 
   Raises:
-    SpecError: "FIELD.KEY=VALUE: expected ..." for each kind of bad value, one at a time.
+    SpecError: "FIELD.KEY=VALUE: expected ..." for every bad field, joined with "; ".
   """
   if not isinstance(d, Mapping):
     raise SpecError(f"{field}={d!r:.200}: expected an object of environment fields")
   allowed = set(FIELDS) | {"python_policy"}
-  unknown = sorted(set(d) - allowed)
-  if unknown:
-    raise SpecError(f"{field}.{unknown[0]}: unknown field (expected some of {sorted(allowed)})")
-
-  def strings(key):
+  errors = [f"{field}.{k}: unknown field (expected some of {sorted(allowed)})"
+            for k in sorted(set(d) - allowed, key=str)]
+  lists = {}
+  for key in ("system_packages", "pip", "install"):
     v = d.get(key, [])
-    if key == "install" and isinstance(v, str):
-      v = [v]
+    v = [v] if key == "install" and isinstance(v, str) else v
     if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
-      raise SpecError(f"{field}.{key}={v!r:.200}: expected a list of strings")
-    return tuple(v)
-
+      errors.append(f"{field}.{key}={v!r:.200}: expected a list of strings")
+    else:
+      lists[key] = tuple(v)
   env = d.get("env", {})
   if not isinstance(env, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
                                              for k, v in env.items()):
-    raise SpecError(f"{field}.env={env!r:.200}: expected an object of string values")
+    errors.append(f"{field}.env={env!r:.200}: expected an object of string values")
+    env = {}
+  text = {}
   for key in ("python", "suite", "repository", "python_policy", "python_requested"):
     if d.get(key) is not None and not isinstance(d[key], str):
-      raise SpecError(f"{field}.{key}={d[key]!r:.200}: expected a string")
-  requested = d.get("python_requested")
-  python = requested or d.get("python")  # to_dict's output maps back to itself
-  suite = d.get("suite")
+      errors.append(f"{field}.{key}={d[key]!r:.200}: expected a string")
+    else:
+      text[key] = d.get(key)
+  requested = text.get("python_requested")
+  python = requested or text.get("python")  # to_dict's output maps back to itself
+  suite = text.get("suite")
   if requested is not None and suite is not None:
     python = None  # the recorded choice: the suite is authoritative
-  lists = {key: strings(key) for key in ("system_packages", "pip", "install")}
   try:
-    env_obj = Environment.create(
-        python=python, suite=suite, env=dict(env), repository=d.get("repository"),
-        python_policy=d.get("python_policy") or "nearest", **lists)
-    if requested is not None and env_obj.python_requested is None:
-      env_obj = dataclasses.replace(env_obj, python_requested=requested)
-    return env_obj
+    suite_given = Environment.create(python=python, suite=suite,
+                                     python_policy=text.get("python_policy") or "nearest")
+  except SpecError as e:  # the other fields are still checked below
+    errors += [f"{field}.{m}" for m in e.errors]
+    suite_given = Environment()
+  try:
+    packages = tuple(sorted(set(lists.get("system_packages", ()))))
+    env_obj = Environment(suite=suite_given.suite, python_requested=
+                          suite_given.python_requested or requested, system_packages=packages,
+                          pip=lists.get("pip", ()), install=lists.get("install", ()),
+                          env=tuple(sorted(env.items())), repository=text.get("repository"))
   except SpecError as e:
-    raise SpecError(f"{field}.{e}") from None
+    errors += [f"{field}.{m}" for m in e.errors]
+  if errors:
+    raise SpecError(None, errors)
+  return env_obj
 
 
 def load_file(path: str) -> Environment:
@@ -300,4 +334,4 @@ def load_file(path: str) -> Environment:
   try:
     return from_dict(obj)
   except SpecError as e:
-    raise SpecError(f"{path}: {e}") from None
+    raise SpecError(None, [f"{path}: {m}" for m in e.errors]) from None
