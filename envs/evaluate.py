@@ -216,6 +216,10 @@ async def grade_prediction(task: Task, prediction: Mapping[str, Any],
   """
   iid = task.instance_id
   os.makedirs(out_dir, exist_ok=True)
+  try:  # an earlier attempt's log must not describe this one (the run report reads it)
+    os.remove(os.path.join(out_dir, LOG_TEST_OUTPUT))
+  except FileNotFoundError:
+    pass
   lines = [f"Grading {iid} ({prediction['model_name_or_path']}), repository "
            f"{task.repo or task.repo_path} at {task.base_commit or 'its snapshot'}"]
   _write(os.path.join(out_dir, LOG_PATCH), prediction["model_patch"])
