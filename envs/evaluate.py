@@ -2,10 +2,11 @@
 
     python -m envs.evaluate --dataset ROWS.jsonl --predictions PREDS.jsonl --report REPORT.json \
         [--run_id ID] [--backend bwrap|docker] [--max_workers N] [--instance_ids A B ...] \
-        [--timeout S] [--log_dir DIR]
+        [--timeout S] [--log_dir DIR] [--env_from none|swebench|repository]
 
 Inputs. The dataset is SWE rows (JSONL or Parquet) read by `envs.tasks`' loaders, their
-repositories from `repo_path` or a mirror (ARBOR_SWE_MIRROR), as for training. Predictions are
+repositories from `repo_path` or a mirror (ARBOR_SWE_MIRROR), as for training; a row's
+`environment` (or one from --env_from) is what its sandboxes start from. Predictions are
 swebench's: objects with `instance_id`, `model_name_or_path` and `model_patch` (a unified diff,
 "" or null for none), as a JSON list, a JSON object {instance_id: prediction} (SWE-agent's) or
 JSONL; `--predictions gold` grades each row's reference patch as model "gold" (the rows of
@@ -433,11 +434,17 @@ async def evaluate(tasks: Sequence[Task], predictions: Mapping[str, Mapping[str,
 # ----------------------------------------------------------------------------- command line
 
 
-def load_dataset(path: str) -> list[Task]:
-  """The SWE rows of a .jsonl or .parquet file, as tasks (`envs.tasks` loaders)."""
+def load_dataset(path: str, env_from: str = "none") -> list[Task]:
+  """The SWE rows of a .jsonl or .parquet file, as tasks (`envs.tasks` loaders).
+
+  Args:
+    path: the file.
+    env_from: where a row without an `environment` gets one (`envs.tasks.swe_task_from_dict`):
+      "none", "swebench" (swebench's install table) or "repository" (its own metadata).
+  """
   if path.endswith(".parquet"):
-    return tasks_lib.load_swe_parquet(path)
-  return tasks_lib.load_swe_jsonl(path)
+    return tasks_lib.load_swe_parquet(path, env_from=env_from)
+  return tasks_lib.load_swe_jsonl(path, env_from=env_from)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -456,6 +463,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--timeout", type=float, default=None,
                  help="seconds for each test run (default: the row's, else 120)")
   p.add_argument("--log_dir", default=LOG_DIR, help="root of the per-instance logs")
+  p.add_argument("--env_from", default="none", choices=("none", "swebench", "repository"),
+                 help="where rows without an 'environment' get the one their sandboxes start "
+                      "from: swebench's install table, or the repository's metadata")
   p.add_argument("--memory_mb", type=int, default=Limits.memory_mb,
                  help="memory of each sandbox (MiB)")
   p.add_argument("--disk_mb", type=int, default=Limits.disk_mb,
@@ -476,7 +486,7 @@ def main(argv: Optional[Sequence[str]] = None,
       return 2
   from envs.episode import make_sandbox_factory  # the sandbox backends, loaded when run
   try:
-    tasks = load_dataset(args.dataset)
+    tasks = load_dataset(args.dataset, args.env_from)
     # As swebench's: the gold predictions of --instance_ids are those rows' only.
     gold_of = [t for t in tasks if t.instance_id in args.instance_ids] if args.instance_ids \
         else tasks
