@@ -66,7 +66,8 @@ $(VENV)/.stamp: setup.py requirements-lock.txt $(wildcard */__init__.py)
 		fi; \
 		if echo "$$missing" | grep -q docker.io; then \
 			$(SUDO) update-rc.d docker disable >/dev/null 2>&1 || true; \
-			! command -v systemctl >/dev/null || $(SUDO) systemctl disable docker.service docker.socket >/dev/null 2>&1 || true; \
+			! command -v systemctl >/dev/null || \
+				$(SUDO) systemctl disable docker.service docker.socket >/dev/null 2>&1 || true; \
 		fi; \
 		exit $$status; \
 	fi

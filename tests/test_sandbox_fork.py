@@ -227,7 +227,8 @@ def test_docker_fork_restores_modes_and_failed_copy_removes_the_fork(monkeypatch
         created.append(await create(*a, **k))
         return created[-1]
       monkeypatch.setattr(docker_backend.DockerSandbox, "create", record)
-      monkeypatch.setattr(docker_backend, "_UNPACK", "cat > /dev/null; echo broken >&2; exit 2")
+      monkeypatch.setattr(docker_backend, "_UNPACK",
+                          'head -c "$0" >/dev/null; echo broken >&2; exit 2')
       with pytest.raises(SandboxError, match="unpacking the fork's workspace failed.*broken"):
         await sb.fork()
       assert len(created) == 1 and _gone(created[0]._container)

@@ -86,7 +86,8 @@ exit 1
 '''
 _SPOOL_BYTES = 16 << 20  # a fork's workspace archive stays in memory up to this, then on disk
 _OP_TIMEOUT = 120.0      # seconds for one file-API transfer or one side of a fork's copy
-# The file API's path walk. $1: write | read | list; $2: the size cap; then the components.
+# The file API's path walk. $1: write | read | list; $2: the size (write: of the input; read:
+# the cap; list: the depth cap); then the components.
 # Parents are entered one at a time with `cd -P` after a symlink test (write makes missing
 # ones); exit codes: 3 a symlink, 4 a parent that is not a directory, 5 missing, 6 not a
 # regular file, 7 too large (size on stderr).
@@ -99,7 +100,7 @@ while [ $# -gt 1 ]; do
 done
 if [ $# -eq 0 ]; then set -- .; else [ -L "$1" ] && exit 3; fi
 case $op in
-write) [ -e "$1" ] && [ ! -f "$1" ] && exit 6; exec cat > "./$1";;
+write) [ -e "$1" ] && [ ! -f "$1" ] && exit 6; exec head -c "$cap" > "./$1";;
 read) [ -e "$1" ] || exit 5; [ -f "$1" ] || exit 6
       size=$(stat -c %s -- "$1") || exit 2
       [ "$size" -gt "$cap" ] && { echo "$size" >&2; exit 7; }; exec head -c $((cap + 1)) -- "./$1";;
@@ -117,8 +118,10 @@ exec find . -mindepth 1 \( -type d ! -perm -u=rx -printf '%m %p\0' -exec chmod u
   -o \( -type f ! -perm -u=r -printf '%m %p\0' -exec chmod u+r {} + \)
 '''
 _PACK = 'cd /workspace && exec tar -cf - --numeric-owner .'
-_RESTORE = 'cd /workspace && exec xargs -0 -r -n 2 chmod --'  # stdin: MODE\0PATH\0 pairs
-_UNPACK = 'cd /workspace && exec tar -xf - --no-same-owner --delay-directory-restore'
+# $0: the size of the input (MODE\0PATH\0 pairs; the archive).
+_RESTORE = 'cd /workspace && head -c "$0" | xargs -0 -r -n 2 chmod --'
+_UNPACK = ('cd /workspace && head -c "$0" | tar -xf - --no-same-owner '
+           '--delay-directory-restore')
 
 
 def docker_client():
@@ -241,16 +244,25 @@ class DockerSandbox(Sandbox):
           self._sweeping = None
 
   def _sweep(self) -> None:
-    """Blocking: runs `_SWEEP`; a sandbox removed meanwhile is no error."""
-    try:
-      code = self._stream(["sh", "-c", _SWEEP], time.monotonic() + 30, _Bytes(0).add,
-                          _Bytes(0).add)
-    except Exception as e:  # docker.errors.*: the container is gone (closed, or it died)
-      if self._closed:
-        return
-      raise SandboxError(f"docker: ending the processes a command left behind: {e}") from e
-    if code != 0 and not self._closed:
-      raise SandboxError(f"docker: processes a command left behind survived (exit {code})")
+    """Blocking: runs `_SWEEP` until the engine lists only Docker's init and the main process in
+    the container (usually at once: listing costs a third of an exec). A fork bomb may hold
+    every pid the container has, so an exec that cannot start is tried again for a while. A
+    sandbox removed meanwhile is no error."""
+    deadline, why = time.monotonic() + 30, ""
+    while True:
+      try:
+        if len(self._client.api.top(self._container.id, ps_args="-o pid")["Processes"]) <= 2:
+          return
+        code = self._stream(["sh", "-c", _SWEEP], time.monotonic() + 30, _Bytes(0).add,
+                            _Bytes(0).add)
+        why = f"exit {code}"
+      except Exception as e:  # docker.errors.*: closed, the container died, no pid left
+        if self._closed:
+          return
+        why = f"{type(e).__name__}: {e}"
+      if time.monotonic() > deadline:
+        raise SandboxError(f"docker: processes a command left behind survived ({why[:300]})")
+      time.sleep(0.1)
 
   def _stream(self, argv: list[str], deadline: float, out, err, *,
               stdin: Optional[Callable[[Callable[[bytes], None]], None]] = None,
@@ -261,9 +273,10 @@ class DockerSandbox(Sandbox):
       argv: the program and its arguments.
       deadline: `time.monotonic()` after which reading stops (the exit code is then unknown).
       out, err: called with each chunk of stdout and of stderr.
-      stdin: called in a thread with a `send(bytes)` function to feed the standard input,
-        which is closed when it returns (or fails: a process that exits without reading its
-        input is no error). None: no standard input.
+      stdin: called in a thread with a `send(bytes)` function to feed the standard input (a
+        process that exits without reading it all is no error). The input is never closed
+        (a TLS connection cannot be half-closed from Python), so the command reads exactly
+        what is sent, e.g. through `head -c N`. None: no standard input.
       env: the environment.
 
     Returns:
@@ -288,11 +301,6 @@ class DockerSandbox(Sandbox):
             stdin(sock.sendall)
           except OSError:  # the process exited without reading it all
             pass
-          finally:
-            try:
-              sock.shutdown(socket.SHUT_WR)  # the process sees the end of its input
-            except OSError:
-              pass
         writer = threading.Thread(target=feed, daemon=True)
         writer.start()
       # Bytes that came with the response's headers wait in the reader's buffer; take them
@@ -347,6 +355,8 @@ class DockerSandbox(Sandbox):
     env = {"HOME": "/tmp", "LANG": "C.UTF-8", **process.check_env(env)}
     data = stdin.encode() if isinstance(stdin, str) else stdin
     argv = ["timeout", "-k", "1", f"{timeout:.3f}", "sh", "-c", cmd]
+    if data is not None:  # the command's input ends after len(data) bytes (see `_stream`)
+      argv = ["sh", "-c", 'head -c "$0" | "$@"', str(len(data)), *argv]
     out, err = process.CappedOutput(self.limits.output_bytes), \
         process.CappedOutput(self.limits.output_bytes)
     async with self._op(command=True):
@@ -373,7 +383,8 @@ class DockerSandbox(Sandbox):
     async with self._op():
       try:
         code = await asyncio.to_thread(
-            self._stream, ["sh", "-c", _WALK, "walk", op, str(cap), *parts],
+            self._stream, ["sh", "-c", _WALK, "walk", op,
+                           str(cap if data is None else len(data)), *parts],
             time.monotonic() + _OP_TIMEOUT, out.add, err.add,
             stdin=None if data is None else lambda send: send(data))
       except Exception as e:  # docker.errors.*, a broken connection
@@ -470,9 +481,11 @@ class DockerSandbox(Sandbox):
       finally:  # the modes go back even when the copy failed half-way
         if changed:  # children before their parents: a directory may lose its x bit again
           listing = b"".join(m + b"\0" + p + b"\0" for m, p in reversed(changed))
-          self._stream(["sh", "-c", _RESTORE], time.monotonic() + _OP_TIMEOUT, _Bytes(0).add,
-                       _Bytes(0).add, stdin=lambda send: send(listing))
-      if code not in (0, 1):  # -2: _UNLOCK failed; 1: a file changed while it was read (a snapshot, see fork)
+          self._stream(["sh", "-c", _RESTORE, str(len(listing))],
+                       time.monotonic() + _OP_TIMEOUT, _Bytes(0).add, _Bytes(0).add,
+                       stdin=lambda send: send(listing))
+      # -2: _UNLOCK failed; 1: a file changed while tar read it (fine: a snapshot, see fork)
+      if code not in (0, 1):
         raise SandboxError(f"docker: packing the workspace failed (exit {code}): "
                            f"{bytes(err.data).decode(errors='replace')[:300]}")
       original = {os.path.normpath(os.fsdecode(p)): int(m, 8) for m, p in changed}
@@ -487,6 +500,7 @@ class DockerSandbox(Sandbox):
           if name in original:
             member.mode = (member.mode & ~0o7777) | original[name]
           dst.addfile(member, src.extractfile(member) if member.isfile() else None)
+      size = out.tell()
       out.seek(0)
       err = _Bytes(4096)
 
@@ -494,7 +508,7 @@ class DockerSandbox(Sandbox):
         while chunk := out.read(1 << 16):
           send(chunk)
 
-      code = fork._stream(["sh", "-c", _UNPACK], time.monotonic() + _OP_TIMEOUT,
+      code = fork._stream(["sh", "-c", _UNPACK, str(size)], time.monotonic() + _OP_TIMEOUT,
                           _Bytes(4096).add, err.add, stdin=send_archive)
       if code != 0:
         raise SandboxError(f"docker: unpacking the fork's workspace failed (exit {code}): "
