@@ -214,10 +214,7 @@ def test_validated_instances_of_several_kinds(synthesized, package):
     assert row["difficulty"] in ("easy", "medium", "hard")
     assert row["source"] == {"package": package.name, "version": row["version"],
                              "commit": head}
-    # envs.environments' spec of the clean source, one for every row (where it is offered).
-    assert row.get("environment") == rows[0].get("environment")
-    if "environment" in row:
-      assert any(p.startswith("pytest") for p in row["environment"]["pip"])
+    assert "environment" not in row and task.environment is None  # the host's sandboxes
     assert set(row["mutation"]) == {"kind", "description", "path", "function", "lineno"}
     buggy = load_repo_files(task)
     assert buggy != original and set(buggy) == set(original)
@@ -659,6 +656,8 @@ def test_test_commands_and_log_parsers():
       "django", "runtests.py", ("-v",), {"PYTHONHASHSEED": "0"}, ("runtests.py",))
   with pytest.raises(ValueError, match="log_parser"):
     synth.SynthConfig(log_parser="parse_log_nope")
+  with pytest.raises(ValueError, match=r"SynthConfig.environment='debian'"):
+    synth.SynthConfig(environment="debian")
   paths = ["pkg/a.py", "tests/test_a.py", "tests/views/tests.py"]
   assert synth.test_file("tests/test_a.py::test_x", "pytest", paths) == "tests/test_a.py"
   assert synth.test_file("test_x (tests.test_a.TestA.test_x)", "django", paths) == \
@@ -730,11 +729,16 @@ def test_unittest_runner_script_with_a_named_log_parser(tmp_path):
   git(repo, "add", ".")
   git(repo, "commit", "-q", "-m", "geo")
   out = tmp_path / "out"
+  # The rows name the environment of the repository's metadata (no package metadata here:
+  # the default suite's python with pytest); the runs' sandboxes are given, so nothing builds.
   report = synth.synthesize(str(repo), "python3 runtests.py", str(out), name="me/geo",
                             log_parser="parse_log_django", kinds=("operator", "comparison"),
-                            max_per_kind=2, runs=1, workers=2, trees=False)
+                            max_per_kind=2, runs=1, workers=2, trees=False,
+                            environment="repository", make_sandbox=lambda: create_sandbox("bwrap"))
   rows = [json.loads(l) for l in (out / "tasks.jsonl").read_text().splitlines()]
   assert report["tests"] == report["candidate_tests"] == 4 and len(rows) >= 2, report
+  assert rows[0]["environment"]["pip"] == ["pytest"] and not rows[0]["environment"]["install"]
+  assert all(r["environment"] == rows[0]["environment"] for r in rows)
   for row in rows:
     assert (row["test_command"], row["log_parser"]) == ("python3 runtests.py",
                                                         "parse_log_django")
@@ -748,6 +752,7 @@ def test_unittest_runner_script_with_a_named_log_parser(tmp_path):
   tasks = load_swe_jsonl(str(out / "tasks.jsonl"), mirror=str(out / "mirror"),
                          cache_dir=str(tmp_path / "cache"))
   assert {t.test_runner for t in tasks} == {"django"}
+  assert {t.environment.key for t in tasks} == {tasks[0].environment.key}
   check_against_swebench(rows[:2], tasks[:2], tmp_path)
 
 

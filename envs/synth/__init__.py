@@ -9,7 +9,8 @@
     python -m envs.synth --repo DIR_OR_TGZ --test_command "python3 -m pytest -q tests" \\
         --out DIR [--name owner/name --kinds K,... --max_per_kind N --max_instances N --runs 3 \\
         --workers 2 --commits REV,... --statements template|teacher --teacher_url URL \\
-        --teacher_model M --seed 0 --log_parser P --hide_tests --no_trees]
+        --teacher_model M --seed 0 --log_parser P --hide_tests --no_trees \\
+        --environment none|repository]
 
 The source is a local git repository (its HEAD commit), or a directory or .tar.gz of an
 unpacked source distribution with its tests. Every test run happens in a FRESH sandbox (bwrap by
@@ -44,8 +45,9 @@ verbosely).
      clean commit), test_command (pytest's with "-rA"), log_parser (swebench's parser name),
      timeout, problem_statements (three phrasings), difficulty, mutation {kind, description,
      path, function, lineno}, source {package, version, commit (git)}, statement_source;
-     environment (the spec `envs.environments.from_repository` reads from the repository's
-     metadata, while that function exists); repo_path (`trees`, the default: the tree of
+     environment (with `environment="repository"`: the spec `envs.environments` reads from the
+     repository's metadata, built before the baseline so that every run of the synthesis
+     starts from it, as the rows' runs will); repo_path (`trees`, the default: the tree of
      base_commit at OUT/repos/<instance_id>, every unchanged file hard-linked to the clean
      copy OUT/base; read-only data, sandboxes get copies).
    Tests: by default the agent's tree keeps every test and `test_patch` is "": the tests
@@ -73,8 +75,8 @@ FAIL_TO_PASS tests: "easy" when L <= 2 and F >= 3 (a small fix that many tests p
 
 from envs.synth.candidates import REVERT, candidate_key, difficulty, draw_candidates, \
     mutable_paths
-from envs.synth.core import DIFFICULTIES, STATEMENTS, SynthConfig, main, summary, synthesize, \
-    synthesize_async
+from envs.synth.core import DIFFICULTIES, ENVIRONMENTS, STATEMENTS, SynthConfig, main, summary, \
+    synthesize, synthesize_async
 from envs.synth.mirror import MirrorWriter
 from envs.synth.rows import MAIN, mirror_dir
 from envs.synth.runs import SandboxMaker, TestCommand, node_statuses, parse_test_command, \
@@ -85,7 +87,7 @@ from envs.synth.statements import _TEACHER_STYLES, Teacher, failure_messages, fu
     teacher_statements, template_statements
 
 __all__ = [
-    "DIFFICULTIES", "MAIN", "REVERT", "SOURCE_EPOCH", "STATEMENTS", "MirrorWriter",
+    "DIFFICULTIES", "ENVIRONMENTS", "MAIN", "REVERT", "SOURCE_EPOCH", "STATEMENTS", "MirrorWriter",
     "SandboxMaker", "Source", "SynthConfig", "SynthError", "Teacher", "TestCommand",
     "candidate_key", "difficulty", "digest", "draw_candidates", "failure_messages",
     "function_source", "leak_reason", "load_source", "main", "mirror_dir", "module_name",

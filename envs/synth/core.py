@@ -19,8 +19,8 @@ from envs import aio, safe_git
 from envs.mutate import KINDS, Mutation
 from envs.sandbox import Limits, SandboxError, create_sandbox
 from envs.synth.candidates import REVERT, candidate_key, difficulty, draw_candidates
-from envs.synth.rows import buggy_file, environment, slug, swe_row, write_base, write_mirror, \
-    write_tree
+from envs.synth.rows import buggy_file, clean_commit, environment, slug, swe_row, write_base, \
+    write_mirror, write_tree
 from envs.synth.runs import PYTEST_PARSER, SandboxMaker, TestCommand, parse_test_command, \
     run_suite, test_file
 from envs.synth.source import Source, SynthError, digest, load_source
@@ -33,6 +33,7 @@ log = logging.getLogger("envs.synth")
 
 DESCRIPTION = "Synthesis of SWE-style bug-fixing instances from a repository and its tests."
 STATEMENTS = ("template", "teacher")
+ENVIRONMENTS = ("none", "repository")  # where the rows' environment comes from
 DIFFICULTIES = ("easy", "medium", "hard")
 _FAILING = (swe_logs.FAILED, swe_logs.ERROR, None)  # None: the test did not run at all
 
@@ -64,6 +65,12 @@ class SynthConfig:
       agent's tree keeps every test and `test_patch` is "".
     trees: also write each instance's tree to OUT/repos/<instance_id> and give rows a
       `repo_path` (they then load without the mirror, as rows of earlier versions did).
+    environment: "none": the sandboxes are the backend's own (the host's python3 under
+      bwrap) and rows name no environment; "repository": the spec `envs.environments` reads
+      from the repository's metadata is built (bwrap root filesystem or docker image, cached)
+      and every test run of the synthesis starts from it, and the rows carry it as their
+      `environment`, so they are graded where they were validated. A caller's `make_sandbox`
+      must then start from that environment itself.
   """
 
   name: str = ""
@@ -84,6 +91,7 @@ class SynthConfig:
   log_parser: str = ""
   hide_tests: bool = False
   trees: bool = True
+  environment: str = "none"
 
   def __post_init__(self):
     def need(ok, field, what):
@@ -107,6 +115,7 @@ class SynthConfig:
          f"'' or one of {sorted(LOG_PARSERS)}")
     for field in ("hide_tests", "trees"):
       need(isinstance(getattr(self, field), bool), field, "True or False")
+    need(self.environment in ENVIRONMENTS, "environment", f"one of {ENVIRONMENTS}")
 
 
 
@@ -144,6 +153,7 @@ class _Synth:
     self.sandbox_runs = 0
     self.sandbox_errors = 0  # candidates left unevaluated because a sandbox failed
     self.paths = sorted(source.files)
+    self.environment = None  # the envs.environments spec the runs start from, if any
 
   async def run(self, files: Mapping[str, bytes], timeout: float
                 ) -> tuple[RunResult, dict[str, str], float]:
@@ -155,8 +165,12 @@ class _Synth:
     path = os.path.join(self.out, "baseline.json")
     # The command as given (and a parser other than pytest's): journals of earlier versions,
     # whose runs asked for the same statuses, still resume.
-    fingerprint = digest(self.source.files, self.test_command if self.command.log_parser ==
-                         PYTEST_PARSER else f"{self.test_command}\0{self.command.log_parser}")
+    what = self.test_command
+    if self.command.log_parser != PYTEST_PARSER:
+      what += f"\0{self.command.log_parser}"
+    if self.environment is not None:  # runs in another environment are other runs
+      what += f"\0environment={self.environment.key}"
+    fingerprint = digest(self.source.files, what)
     if os.path.exists(path):
       with open(path) as f:
         base = json.load(f)
@@ -298,8 +312,12 @@ async def synthesize_async(repo: str, test_command: str, out: str,
   os.makedirs(out, exist_ok=True)
   source = load_source(repo, out)
   source.version = config.version or source.version
-  make_sandbox = make_sandbox or (lambda: create_sandbox(config.backend, limits=config.limits))
-  synth = _Synth(source, test_command, command, out, config, make_sandbox)
+  synth = _Synth(source, test_command, command, out, config, make_sandbox or (
+      lambda: create_sandbox(config.backend, limits=config.limits)))
+  if config.environment == "repository":
+    synth.environment = _repository_environment(out, synth)
+    if make_sandbox is None:
+      synth.make_sandbox = await _environment_sandboxes(out, synth)
   base = await synth.baseline()
   candidates, dropped = draw_candidates(source, config, command.runner_files)
   journal_path = os.path.join(out, "journal.jsonl")
@@ -345,6 +363,36 @@ async def synthesize_async(repo: str, test_command: str, out: str,
   return report
 
 
+def _repository_environment(out: str, synth: _Synth):
+  """The spec of the repository's metadata, named after the mirror's clean commit."""
+  try:
+    clean = clean_commit(out, synth.repo, synth.source)
+    env = environment(synth.source.files, f"{synth.repo}@{clean}")
+  except safe_git.RepositoryError as e:
+    raise SynthError(f"out={out!r}: its mirror is refused: {e}") from None
+  except safe_git.GitError as e:
+    raise SynthError(str(e)) from None
+  except ValueError as e:
+    raise SynthError(f"environment='repository': the repository's metadata gives no "
+                     f"environment: {e}") from None
+  if env is None:
+    raise SynthError("environment='repository': envs.environments offers no from_repository")
+  return env
+
+
+async def _environment_sandboxes(out: str, synth: _Synth) -> SandboxMaker:
+  """Sandboxes of the config's backend that start from the synthesis' environment (built now,
+  or found in the environments' cache)."""
+  from envs.environments import build  # builds need it; synthesis without them does not
+  backend, limits = synth.config.backend, synth.config.limits
+  if backend not in ("bwrap", "docker"):
+    raise ValueError(f"backend={backend!r}: environment='repository' needs 'bwrap' or 'docker'")
+  make = build.rootfs if backend == "bwrap" else build.docker_image
+  made = await asyncio.to_thread(make, synth.environment, write_base(out, synth.source.files))
+  option = {"rootfs": made} if backend == "bwrap" else {"image": made}
+  return lambda: create_sandbox(backend, limits=limits, **option)
+
+
 def _write_rows(out: str, synth: _Synth, rows: Sequence[dict]) -> list[dict]:
   """The mirror, the trees (`config.trees`) and OUT/tasks.jsonl of the accepted rows."""
   source, config = synth.source, synth.config
@@ -355,8 +403,7 @@ def _write_rows(out: str, synth: _Synth, rows: Sequence[dict]) -> list[dict]:
   except safe_git.GitError as e:
     raise SynthError(str(e)) from None
   base_dir = write_base(out, source.files) if config.trees else ""
-  clean = next(iter(fields.values()))["environment_setup_commit"] if fields else ""
-  env = environment(source.files, f"{synth.repo}@{clean}") if fields else None
+  env = synth.environment.to_dict() if synth.environment is not None else None
   if config.trees:
     for row in rows:
       path = row["mutation"]["path"]
@@ -459,6 +506,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  help="the agent's tree lacks the FAIL_TO_PASS tests' files (test_patch has them)")
   p.add_argument("--no_trees", action="store_true",
                  help="rows from the mirror only (no OUT/repos, no repo_path)")
+  p.add_argument("--environment", default="none", choices=ENVIRONMENTS,
+                 help="repository: build the environment of the repository's metadata, run "
+                      "every test in it and name it in the rows")
   args = p.parse_args(argv)
   logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
   commits = tuple(c for c in args.commits.split(",") if c)
@@ -475,7 +525,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        commits=commits, statements=args.statements, teacher=teacher,
                        seed=args.seed, timeout=args.timeout, backend=args.backend,
                        log_parser=args.log_parser, hide_tests=args.hide_tests,
-                       trees=not args.no_trees)
+                       trees=not args.no_trees, environment=args.environment)
   report = synthesize(args.repo, args.test_command, args.out, config)
   print(summary(report))
   print(f"instances: {os.path.join(args.out, 'tasks.jsonl')}; report: "

@@ -18,7 +18,6 @@ The mirror's history shows each bug commit's diff: hand agents a checkout of `ba
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import shutil
@@ -29,8 +28,6 @@ from envs.synth.mirror import EXECUTABLE, FILE, MirrorWriter
 from envs.synth.runs import TestCommand, test_file
 from envs.synth.source import Source
 from envs.tasks import apply_patch, reverse_patch
-
-log = logging.getLogger(__name__)
 
 MAIN = "main"            # the mirror's branch of the clean source
 BUG_SUBJECT = "Bug Patch"  # SWE-smith's subject of the commit that plants the bug
@@ -59,6 +56,25 @@ def hidden_tests(row: Mapping, command: TestCommand, paths: Sequence[str]) -> li
   return sorted(f for f in files if f in set(paths) and f not in command.runner_files)
 
 
+def _clean(writer: MirrorWriter, source: Source) -> tuple[dict, str]:
+  """Writes the clean source's commit (branch `main`, HEAD); (its {path: (mode, blob)}, id)."""
+  blobs = writer.blobs(source.files)
+  entries = {p: (EXECUTABLE if p in source.executables else FILE, blobs[p])
+             for p in sorted(source.files)}
+  message = f"{source.package} {source.version}".strip() + "\n"
+  if source.base_commit:
+    message += f"\nSource commit {source.base_commit}\n"
+  clean = writer.commit(writer.tree(entries), [], message, source.date)
+  writer.set_branch(MAIN, clean)
+  writer.set_head(MAIN)
+  return entries, clean
+
+
+def clean_commit(out: str, repo: str, source: Source) -> str:
+  """The mirror's clean commit (written now if it is not there yet: the same id either way)."""
+  return _clean(MirrorWriter(mirror_dir(out, repo)), source)[1]
+
+
 def write_mirror(out: str, repo: str, source: Source, rows: Sequence[dict],
                  command: TestCommand, hide_tests: bool) -> dict[str, dict]:
   """Writes the mirror (module docstring) and returns each row's repository fields.
@@ -76,23 +92,14 @@ def write_mirror(out: str, repo: str, source: Source, rows: Sequence[dict],
   """
   writer = MirrorWriter(mirror_dir(out, repo))
   paths = sorted(source.files)
-  blobs = writer.blobs(source.files)
-
-  def mode(path):
-    return EXECUTABLE if path in source.executables else FILE
-  entries = {p: (mode(p), blobs[p]) for p in paths}
-  message = f"{source.package} {source.version}".strip() + "\n"
-  if source.base_commit:
-    message += f"\nSource commit {source.base_commit}\n"
-  clean = writer.commit(writer.tree(entries), [], message, source.date)
-  writer.set_branch(MAIN, clean)
-  writer.set_head(MAIN)
+  entries, clean = _clean(writer, source)
   out_fields = {}
   for row in rows:
     path = row["mutation"]["path"]
     hidden = hidden_tests(row, command, paths) if hide_tests else []
     bug_entries = dict(entries)
-    bug_entries[path] = (mode(path), writer.blobs({path: buggy_file(source, row)})[path])
+    bug_entries[path] = (entries[path][0],
+                         writer.blobs({path: buggy_file(source, row)})[path])
     for p in hidden:
       del bug_entries[p]
     bug = writer.commit(writer.tree(bug_entries), [clean], BUG_SUBJECT + "\n", source.date)
@@ -145,15 +152,17 @@ def write_base(out: str, files: Mapping[str, bytes]) -> str:
   return base
 
 
-def environment(files: Mapping[str, bytes], repository: str) -> Optional[dict]:
-  """The rows' `environment`: the spec `from_repository` of `envs.environments` reads from the
-  clean source's metadata, as a dict; None while `envs.environments` offers no
-  `from_repository`, or when it reads no spec from this repository (logged).
+def environment(files: Mapping[str, bytes], repository: str):
+  """The spec that `envs.environments`' `from_repository` reads from the clean source's
+  metadata (an `envs.environments` Environment), or None while it offers none.
 
   Args:
     files: the clean source's files.
     repository: "owner/name@<clean commit>": what the spec's install step builds from (the
       same for every instance, as SWE-bench's environment_setup_commit is).
+
+  Raises:
+    ValueError: the metadata gives no valid spec (the spec's SpecError names the field).
   """
   try:
     from envs.environments import from_repository
@@ -162,12 +171,7 @@ def environment(files: Mapping[str, bytes], repository: str) -> Optional[dict]:
       from envs.environments.sources import from_repository
     except ImportError:
       return None
-  try:
-    spec = from_repository(files, repository=repository)
-  except ValueError as e:  # the spec's own errors (SpecError) are ValueErrors
-    log.warning("synth: no environment from the repository's metadata: %s", e)
-    return None
-  return spec.to_dict()
+  return from_repository(files, repository=repository)
 
 
 def swe_row(row: Mapping, fields: Mapping, command: TestCommand, trees: bool,
