@@ -122,7 +122,8 @@ def _layer(tmp: str, env: Environment, below: str, say: Progress, network: bool,
   os.chmod(tmp, 0o755)
   target = os.path.join(tmp, "rootfs")
   start = time.monotonic()
-  say(f"layer on {below}: {'pip ' + str(len(env.pip)) + ' requirement(s)' if network else 'install'}")
+  step = f"pip install of {len(env.pip)} requirement(s)" if network else "install"
+  say(f"{step} on {below}")
   subprocess.run(["cp", "-al", below, target], check=True, timeout=1800)
   local = os.path.join(target, "usr", "local")
   shutil.rmtree(local)

@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from envs.environments import metadata
 from envs.environments.debian import SUITES
-from envs.environments.spec import (_REQUIREMENT, Environment, SpecError, load_file,
+from envs.environments.spec import (_REQUIREMENT, Environment, load_file,
                                     suite_for_python)
 
 SPECS_ENV_VAR = "ARBOR_SWEBENCH_SPECS"
@@ -114,7 +114,8 @@ def load_swebench_specs(source: Any = None) -> SweSpecs:
 
 class GitFiles(collections.abc.Mapping):
   """The files of one commit of a mirror, read on demand ({path: bytes}, Mapping): a
-  requirements file or setup.py is read without checking the whole tree out."""
+  requirements file or setup.py is read without checking the whole tree out. Any path can be
+  looked up; iteration lists the top level only (what `metadata.read` looks at)."""
 
   def __init__(self, git_dir: str, commit: str):
     self.git_dir, self.commit, self._cache = git_dir, commit, {}
