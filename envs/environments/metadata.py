@@ -23,7 +23,7 @@ import posixpath
 import re
 from typing import Mapping, Optional
 
-from envs.environments.spec import _REQUIREMENT
+from envs.environments.spec import REQUIREMENT
 
 MAX_FILE_BYTES = 1 << 20
 REQUIREMENTS_DEPTH = 3
@@ -54,7 +54,7 @@ def _add(out: list[str], reqs, meta: RepoMetadata, where: str) -> None:
     r = r.strip() if isinstance(r, str) else r
     if not isinstance(r, str) or not r:
       continue
-    if not _REQUIREMENT.match(r):
+    if not REQUIREMENT.match(r):
       meta.skipped.append(f"{where}: {r[:200]}")
     elif r not in out:
       out.append(r)

@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from envs.environments import metadata
 from envs.environments.debian import SUITES
-from envs.environments.spec import (_REQUIREMENT, Environment, load_file,
+from envs.environments.spec import (REQUIREMENT, Environment, load_file,
                                     suite_for_python)
 
 SPECS_ENV_VAR = "ARBOR_SWEBENCH_SPECS"
@@ -197,7 +197,7 @@ def _dedupe(reqs) -> list[str]:
     r = r.strip()
     name = re.split(r"[\s\[<>=!~;]", r, 1)[0]
     r = _REPLACED.get(name, "") + r[len(name):] if name in _REPLACED else r
-    if r and _REQUIREMENT.match(r) and r not in out:
+    if r and REQUIREMENT.match(r) and r not in out:
       out.append(r)
   return out
 

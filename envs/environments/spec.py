@@ -35,7 +35,7 @@ from envs.environments.debian import DEFAULT_SUITE, SUITES, check_packages
 _NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
 _CLAUSE = r"\s*(?:===|==|!=|~=|<=|>=|<|>)\s*[A-Za-z0-9.*+!_-]+"
 _VERSIONS = rf"{_CLAUSE}(?:\s*,{_CLAUSE})*"
-_REQUIREMENT = re.compile(
+REQUIREMENT = re.compile(
     rf"^{_NAME}\s*(?:\[\s*{_NAME}(?:\s*,\s*{_NAME})*\s*\])?"
     rf"\s*(?:{_VERSIONS}|\(\s*{_VERSIONS}\s*\))?\s*(?:;[^@\\\n]+)?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -225,7 +225,7 @@ def _validate(e: Environment) -> None:
     for i, s in enumerate(items):
       if not isinstance(s, str) or not s.strip() or len(s) > MAX_LEN or "\x00" in s:
         bad(f"{field}[{i}]", s, f"a non-empty string of at most {MAX_LEN} characters")
-      elif field == "pip" and not _REQUIREMENT.match(s.strip()):
+      elif field == "pip" and not REQUIREMENT.match(s.strip()):
         bad(f"pip[{i}]", s, "a PEP 508 requirement ('name[extra]==1.2; marker'), not an "
             "option, path or URL")
   if not isinstance(e.env, tuple) or not all(
