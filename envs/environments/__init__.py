@@ -14,3 +14,11 @@ This package owns
 Tasks name an environment (`envs.tasks.Task.environment`); `envs.episode` starts their
 sandboxes from its build.
 """
+
+from envs.environments.build import build_many, for_task
+from envs.environments.sources import (SOURCES, from_file, from_repository, from_swebench,
+                                       load_swebench_specs)
+from envs.environments.spec import Environment, SpecError, from_dict, load_file
+
+__all__ = ["Environment", "SOURCES", "SpecError", "build_many", "for_task", "from_dict",
+           "from_file", "from_repository", "from_swebench", "load_file", "load_swebench_specs"]
