@@ -146,8 +146,8 @@ class Sandbox(abc.ABC):
     (never followed), hard links as links. Other special files (FIFOs, sockets) are left out.
     From then on the two are independent: what one writes the other never sees.
 
-    Process state is not carried: a command still running here (a background job on the
-    docker backend, an exec in flight) is not in the fork, and nothing outside the workspace
+    Process state is not carried: a command still running here (an exec in flight, with
+    what it started) is not in the fork, and nothing outside the workspace
     (/tmp, /dev/shm, a HOME outside it) is copied. That loses nothing an agent relies on:
     every tool call is a fresh `exec` (a new process with a fixed environment), so tools carry
     state from one call to the next only through the workspace files. A copy taken while a

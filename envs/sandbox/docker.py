@@ -236,12 +236,12 @@ class DockerSandbox(Sandbox):
       self._busy -= 1
       self._dirty = self._dirty or command
       if self._busy == 0 and self._dirty and not self._closed:
-        self._dirty = False  # set before any await: no operation can start in between
-        self._sweeping = asyncio.ensure_future(asyncio.to_thread(self._sweep))
-        try:
-          await asyncio.shield(self._sweeping)
-        finally:
-          self._sweeping = None
+        # Set before any await, so no operation starts in between; cleared when the sweep is
+        # done, even if this caller is cancelled meanwhile.
+        self._dirty = False
+        sweeping = self._sweeping = asyncio.ensure_future(asyncio.to_thread(self._sweep))
+        sweeping.add_done_callback(lambda f: setattr(self, "_sweeping", None))
+        await asyncio.shield(sweeping)
 
   def _sweep(self) -> None:
     """Blocking: runs `_SWEEP` until the engine lists only Docker's init and the main process in
