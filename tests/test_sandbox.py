@@ -351,6 +351,25 @@ def test_docker_remote_engine_only_over_tls(monkeypatch):
       docker_client()
 
 
+def test_docker_file_api_runs_as_the_sandbox_user():
+  """Unlike bwrap's (root on the host), docker's file API runs inside the container as the
+  sandbox user: what the sandbox made unreadable or read-only stays so for the API too."""
+  async def go():
+    async with await create_sandbox("docker", limits=LIMITS, **docker_kw()) as sb:
+      r = await sb.exec("echo x > a && chmod 000 a && echo y > b && chmod 444 b && "
+                        "mkdir -p d/e && echo z > d/e/f && chmod 000 d")
+      assert r.exit_code == 0, r
+      for op in (lambda: sb.read_file("a"), lambda: sb.write_file("b", "new"),
+                 lambda: sb.read_file("d/e/f"), lambda: sb.write_file("d/g", "new"),
+                 lambda: sb.list_files("d")):
+        with pytest.raises(PermissionError):
+          await op()
+      assert (await sb.exec("chmod 700 d a b && cat a b d/e/f")).stdout == "x\ny\nz\n"
+      await sb.write_file("b", "new")  # and once the modes allow it, the API can
+      assert await sb.read_file("b") == b"new" and await sb.list_files("d") == ["d/e/f"]
+  run(go())
+
+
 def test_docker_engine_found_or_explained(tmp_path, monkeypatch):
   """ensure_engine: a client when the engine answers; otherwise each reason it cannot start one,
   on an engine address nothing listens at and a stand-in dockerd."""

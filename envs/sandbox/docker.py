@@ -24,7 +24,9 @@ the stdin and stdout of small shell scripts that walk the path one component at 
 refuse symlinks (the engine's archive API cannot be used: it refuses to write into a container
 whose root is read-only, and does not see inside tmpfs mounts). Since those scripts run inside
 the container with the sandbox's own uid and no capabilities, a symlink swapped in mid-way
-reaches nothing the sandbox could not reach itself. `fork()` streams /workspace as a tar
+reaches nothing the sandbox could not reach itself; for the same reason a file the sandbox
+made unreadable (or read-only) raises PermissionError from read_file (write_file), where bwrap,
+reading and writing as root on the host, succeeds. `fork()` streams /workspace as a tar
 archive from this container into a new one of the same image, user and limits.
 
 Docker's additions to the image are kept small: /etc/hosts (localhost only), /etc/hostname,
@@ -90,13 +92,13 @@ _OP_TIMEOUT = 120.0      # seconds for one file-API transfer or one side of a fo
 # the cap; list: the depth cap); then the components.
 # Parents are entered one at a time with `cd -P` after a symlink test (write makes missing
 # ones); exit codes: 3 a symlink, 4 a parent that is not a directory, 5 missing, 6 not a
-# regular file, 7 too large (size on stderr).
+# regular file, 7 too large (size on stderr), 8 a parent the sandbox user cannot enter.
 _WALK = r'''
 op=$1; cap=$2; shift 2; cd /workspace || exit 2
 while [ $# -gt 1 ]; do
   [ -L "$1" ] && exit 3
   if [ ! -e "$1" ]; then [ "$op" = write ] || exit 5; mkdir -- "$1" || exit 4; fi
-  cd -P -- "$1" 2>/dev/null || exit 4; shift
+  [ -d "$1" ] || exit 4; cd -P -- "$1" 2>/dev/null || exit 8; shift
 done
 if [ $# -eq 0 ]; then set -- .; else [ -L "$1" ] && exit 3; fi
 case $op in
@@ -402,6 +404,9 @@ class DockerSandbox(Sandbox):
       raise PathError(f"path={path!r}: not a regular file")
     if code == 7:
       raise ValueError(f"{path!r}: {message} bytes > limits.file_bytes={cap}")
+    if code == 8:
+      raise PermissionError(errno.EACCES, f"path={path!r}: the sandbox user may not enter a "
+                            "parent directory (its mode)")
     if "No space left" in message or "Disk quota" in message:
       raise OSError(errno.ENOSPC, f"path={path!r}: the workspace is full ({message})")
     if "Permission denied" in message:
