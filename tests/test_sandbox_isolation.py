@@ -484,7 +484,8 @@ def test_setsid_daemon_and_unbounded_output(make):
 
 def test_rlimit_fallback_without_cgroups():
   """cgroups=False: RLIMIT_NPROC on the dedicated uid still stops a fork bomb and RLIMIT_AS a
-  single memory bomb (a forked memory bomb is the documented gap)."""
+  single memory bomb (a forked memory bomb is the documented gap). bwrap only: a Docker
+  container always has its cgroup limits."""
   async def go():
     async with await BwrapSandbox.create(LIMITS, cgroups=False, uids=TEST_UIDS) as sb:
       assert sb.cgroup is None
@@ -532,7 +533,8 @@ def test_keyring_of_the_starter_not_reachable(make, canaries):
 
 def test_fresh_session_keyring_per_exec_without_seccomp(canaries):
   """The keyring layer on its own (filter off): the planted key is out of reach, and a key that
-  one exec adds is gone for the next exec and for another sandbox."""
+  one exec adds is gone for the next exec and for another sandbox. bwrap only: its per-exec
+  keyring launcher; Docker gives each container its own session keyring."""
   add = f"""
 import ctypes, errno, os, platform
 libc = ctypes.CDLL(None, use_errno=True)
@@ -601,7 +603,7 @@ def probe(r) -> dict:
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="syscall numbers are x86_64's")
-def test_seccomp_denies_each_call_with_eperm(make):
+def test_seccomp_denies_each_call_with_eperm(make, monkeypatch):
   assert set(X86_64) == set(seccomp.denied_syscalls())  # the probe covers the whole list
 
   async def go():
@@ -615,9 +617,16 @@ def test_seccomp_denies_each_call_with_eperm(make):
       r = await sb.exec("python3 -c 'import ctypes; ctypes.CDLL(None).syscall(0x40000000 | 250, "
                         "0, -3, 0); print(\"survived\")'; echo rc=$?")
       assert "survived" not in r.stdout and "rc=159" in r.stdout, r  # 128 + SIGSYS
+    free = None
     if isinstance(sb, BwrapSandbox):  # control: the same probe without the filter
       async with await BwrapSandbox.create(LIMITS, uids=TEST_UIDS, seccomp_filter=False) as c:
         free = probe(await c.exec(py(PROBE)))
+    elif isinstance(sb, DockerSandbox):  # control: the same container with no profile at all
+      monkeypatch.setattr(seccomp, "docker_security_opt",
+                          lambda inet: ["no-new-privileges", "seccomp=unconfined"])
+      async with await make() as c:
+        free = probe(await c.exec(py(PROBE)))
+    if free is not None:
       differs = {k for k, v in free.items() if v != "EPERM"}
       expect = set(NOT_EPERM_UNFILTERED)
       with contextlib.suppress(OSError):  # a host that disables io_uring answers EPERM itself
@@ -629,6 +638,7 @@ def test_seccomp_denies_each_call_with_eperm(make):
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="syscall numbers are x86_64's")
 def test_seccomp_network_none_denies_inet():
+  """bwrap only: its network="none" policy (docker sandboxes keep their own loopback)."""
   async def go():
     async with await BwrapSandbox.create(LIMITS, uids=TEST_UIDS, network="none") as sb:
       got = probe(await sb.exec(py(PROBE)))
