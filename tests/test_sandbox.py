@@ -381,6 +381,8 @@ def test_docker_engine_found_or_explained(tmp_path, monkeypatch):
   monkeypatch.setenv("DOCKER_HOST", nowhere)
   with pytest.raises(SandboxError, match="no Docker engine answers"):
     docker_engine.ensure_engine(start=False)
+  with pytest.raises(SandboxError, match="python -m envs.sandbox.docker_engine"):
+    run(create_sandbox("docker"))  # the backend names the way to start one
   with pytest.raises(SandboxError, match="only the local engine"):
     docker_engine.ensure_engine()
   monkeypatch.setattr(docker_engine, "_LOCAL", (nowhere,))

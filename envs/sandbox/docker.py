@@ -198,7 +198,13 @@ class DockerSandbox(Sandbox):
       raise ValueError(f"user={user!r}: the sandbox user and group must not be root")
 
     def start():
-      client = docker_client()
+      try:
+        client = docker_client()
+      except SandboxError:
+        raise
+      except Exception as e:  # docker.errors.DockerException: nothing answers at the socket
+        raise SandboxError(f"docker: no Docker engine answers ({e}); start the local one with "
+                           "`python -m envs.sandbox.docker_engine` (as root)") from e
       opts = (f"size={limits.disk_mb}m,nr_inodes={max(1024, limits.disk_mb * 256)},mode=0700,"
               f"uid={uid},gid={gid or uid},exec,nosuid,nodev")
       container = client.containers.run(
