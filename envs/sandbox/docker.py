@@ -303,16 +303,8 @@ class DockerSandbox(Sandbox):
     sock = reader.raw._sock
     writer = None
     try:
-      if stdin is not None:
-        def feed():
-          try:
-            stdin(sock.sendall)
-          except OSError:  # the process exited without reading it all
-            pass
-        writer = threading.Thread(target=feed, daemon=True)
-        writer.start()
       # Bytes that came with the response's headers wait in the reader's buffer; take them
-      # (without blocking), then read the socket itself.
+      # (without blocking, and before the writer below uses the socket), then read the socket.
       sock.setblocking(False)
       try:
         pending = reader.peek()
@@ -321,6 +313,16 @@ class DockerSandbox(Sandbox):
         buf = bytearray()
       finally:
         sock.setblocking(True)
+      if stdin is not None:
+        def feed():
+          try:
+            stdin(sock.sendall)
+          except OSError:  # the process exited without reading it all
+            pass
+        writer = threading.Thread(target=feed, daemon=True)
+        writer.start()
+      poller = select.poll()  # not select(): a busy worker's descriptors pass FD_SETSIZE
+      poller.register(sock, select.POLLIN)
       # Multiplexed frames: 1 byte stream (1 stdout, 2 stderr), 3 zero bytes, 4 bytes length.
       sinks = {1: out, 2: err}
       while True:
@@ -333,7 +335,7 @@ class DockerSandbox(Sandbox):
           del buf[:8 + size]
         left = deadline - time.monotonic()
         tls_pending = getattr(sock, "pending", lambda: 0)()
-        if left <= 0 or not (tls_pending or select.select([sock], [], [], left)[0]):
+        if left <= 0 or not (tls_pending or poller.poll(left * 1000)):
           return -1
         chunk = sock.recv(1 << 16)
         if not chunk:
