@@ -39,6 +39,12 @@ COMMANDS = {
     "python -m trainer.main --config=configs/rl.py --config.rl.tasks=": "a template (a SWE-bench "
         "Parquet file): tests/test_tasks.py loads official rows, tests/test_rl.py runs RL",
     "python -m envs.synth": "tests/test_synth.py::test_command_line_resumes",
+    "python -m envs.environments build": "a template (a SWE table and mirrors): tests/"
+                                         "test_environments.py::"
+                                         "test_task_environment_starts_the_sandbox",
+    "sudo .venv/bin/python -m envs.sandbox.docker_engine": "make test runs it; tests/"
+                                                           "test_sandbox.py::"
+                                                           "test_docker_engine_found_or_explained",
     "python -m envs.validate": "tests/test_synth.py::test_validate_rejects_hand_broken_rows",
     "python -m envs.pypi_tasks": "minutes: docs/benchmarks.md records its run; tests/"
                                  "test_pypi_tasks.py synthesizes from a bundled package",
