@@ -1,5 +1,5 @@
 """envs.environments: spec keys, spec sources (swebench's table, repository metadata, files),
-tasks naming an environment, and an acceptance build: a real PyPI sdist (parse_type 0.6.6,
+tasks naming an environment, and an end-to-end build: a real PyPI sdist (parse_type 0.6.6,
 whose tests need `parse`, absent from the host's python3) passes its own tests in a bwrap
 sandbox started from the environment built for it, and fails on the host's python.
 
@@ -288,7 +288,7 @@ def test_rows_name_environments(tmp_path):
   assert tasks_lib.swe_task_from_dict(row, base_dir=str(tmp_path)).environment is None
 
 
-# ----------------------------------------------------------------------------- acceptance
+# ----------------------------------------------------------------------------- a real repository
 
 
 @pytest.fixture(scope="module")
@@ -383,7 +383,7 @@ def test_task_environment_starts_the_sandbox(sdist_dir, built, tmp_path):
 def test_debian_rootfs_is_a_task_rootfs(built):
   assert debian.key("bookworm") == debian.key("bookworm", ["python3"])  # always included
   assert debian.key("bookworm", ["git", "curl"]) == debian.key("bookworm", ["curl", "git"])
-  # the base the acceptance environment was built on (no build of its own)
+  # the base the real repository's environment was built on (no build of its own)
   path = debian.rootfs("bookworm", build.PIP_HELPERS, progress=lambda line: None)
   assert cache.read_manifest(os.path.dirname(path))["spec"]["packages"] == [
       "python-is-python3", "python3", "python3-pip"]
