@@ -316,6 +316,12 @@ def _rl() -> ml_collections.ConfigDict:
   # SWE-bench rows (repo + base_commit) of rl.tasks and eval.tasks check out from git mirrors
   s.swe_mirror = ""  # dir of owner__name.git mirrors ("" = $ARBOR_SWE_MIRROR)
   s.swe_cache = ""  # where checkouts go ("" = $ARBOR_SWE_CACHE, else ~/.cache/arbor/swe)
+  # where SWE rows (rl.tasks, eval.tasks) without an `environment` get one: "none" (the
+  # sandbox's own root) | "swebench" (its install table: $ARBOR_SWEBENCH_SPECS) | "repository"
+  s.env_from = "none"
+  # the environment of every other task without one (generated tasks, problems): "" (none),
+  # a preset of envs.task_environments ("bookworm-pytest") or a .json / .toml spec file
+  s.default_environment = ""
   s.task_level = 0  # generated tasks: taskgen level 0 | 1 | 2 | 3
   s.task_seed = 1  # generated tasks: taskgen seed (disjoint from the SFT demo's)
   # a group: "independent" (G episodes) | "branching" (one entropy-guided tree of G leaves)

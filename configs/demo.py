@@ -9,7 +9,9 @@ Per seed (trainer/demo.py; <workdir>/seed_<s>/):
          (bwrap sandboxes), then SFT of a tiny MoE + MLA
          model on trees of those episodes with Muon (configs/sft_demo.py) for `sft.train.steps`;
   rl/    CISPO on tree-packed batches with Muon, on fresh generated tasks (a different taskgen
-         seed), rewards from the tasks' tests run in bwrap sandboxes;
+         seed), rewards from the tasks' tests run in bwrap sandboxes started from the
+         environment `rl.default_environment` ("bookworm-pytest": the python3 and pytest
+         a Debian bookworm host has with python3-pytest, so the figures below carry over);
   eval   greedy pass@1 of the SFT and the RL checkpoints on the same `rl.eval.num_tasks`
          held-out tasks.
 Then <workdir>/demo_report.html + demo_results.json: the curves, both pass@1 values per seed
@@ -82,6 +84,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   r.rl.max_context_tokens = 2048  # a demo episode is ~0.9k tokens
   r.rl.concurrency = 16  # episodes in flight (engine slots)
   r.rl.sandbox = "bwrap"  # agent tools and the tests run in bubblewrap sandboxes
+  # ... started from Debian bookworm's python3 3.11 + python3-pytest 7.2.1 (built at start)
+  r.rl.default_environment = "bookworm-pytest"
   r.rl.task_level = 0  # taskgen level, as in SFT
   r.rl.task_seed = 1  # fresh tasks: SFT used taskgen seed 0
   r.data.row_len = 4096  # a group's tree (~0.6k shared prompt + 8 x ~0.3k) fits one row

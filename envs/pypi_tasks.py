@@ -8,6 +8,11 @@ sandboxes) with the package's test command. The tasks of every package are also 
 one eval file (`combine`), and a chosen few rows can be packed into a small self-contained set
 (`export`: each buggy tree as one .tar.gz). Check a set with `python -m envs.validate`.
 
+Every row carries the package's environment (`package_environment`: what
+`envs.environments.from_repository` reads from the sdist's metadata, pytest from the Debian
+suite), and every test run of the synthesis starts from it, so rows are graded where they
+were validated.
+
     python -m envs.pypi_tasks --out pypi_tasks --max_instances 60
     # -> pypi_tasks/<name>/tasks.jsonl (+ report.json, buggy trees) per package,
     #    pypi_tasks/tasks.jsonl: every package's rows, repo_path relative to pypi_tasks/
@@ -33,6 +38,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from envs import dataset_paths, synth
+from envs.environments import spec as env_spec
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "pypi")
 COMBINED = "tasks.jsonl"  # the eval file of every package, in the output directory
@@ -122,6 +128,36 @@ def get_package(name: str, data_dir: str = DATA_DIR) -> Package:
   raise ValueError(f"package={name!r}: expected one of {', '.join(p.name for p in packages)}")
 
 
+def package_files(package: Package) -> dict[str, bytes]:
+  """The regular files of the package's sdist, relative to its top directory."""
+  files = {}
+  with tarfile.open(package.source) as tar:
+    for member in tar.getmembers():
+      if member.isfile() and member.name.startswith(package.root + "/"):
+        files[member.name[len(package.root) + 1:]] = tar.extractfile(member).read()
+  return files
+
+
+def package_environment(package: Package) -> env_spec.Environment:
+  """The environment the package's tasks run in: `envs.environments.from_repository` of the
+  sdist's metadata (its Python, dependencies and test extras; no install step, since every
+  task's sandbox holds the package's files and the suites import them from there), with
+  pytest taken from the Debian suite's python3-pytest instead of PyPI. Debian's package is
+  the pytest of that suite (bookworm: 7.2.1) on every build, where an unpinned PyPI pytest
+  would follow PyPI; a package that needs nothing else so gets the `bookworm-pytest`
+  environment (`envs.task_environments.PRESETS`), one build shared with the other bundled rows.
+
+  Raises:
+    SpecError: the metadata gives no valid environment.
+  """
+  from envs.environments import sources  # reads metadata only when asked
+  env = sources.from_repository(package_files(package), install=False)
+  pip = tuple(r for r in env.pip if sources._dist(r) != "pytest")
+  return dataclasses.replace(
+      env, system_packages=tuple(sorted(set(env.system_packages) | {"python3-pytest"})),
+      pip=pip)
+
+
 def synthesize(name: str, out_dir: str, *, data_dir: str = DATA_DIR,
                **synth_options: Any) -> dict:
   """Synthesizes the tasks of one bundled package into `out_dir` with `envs.synth`.
@@ -134,15 +170,57 @@ def synthesize(name: str, out_dir: str, *, data_dir: str = DATA_DIR,
       max_per_kind, kinds, seed, backend).
 
   Returns:
-    The synthesizer's report.
+    The synthesizer's report; the rows of `out_dir`/tasks.jsonl carry the package's
+    environment (`package_environment`), in whose sandboxes (backend bwrap or docker) every
+    test run of the synthesis ran.
 
   Raises:
     ValueError: an unknown package or a bad bundled file.
+    BuildError / RuntimeError: the environment's build failed.
   """
   package = get_package(name, data_dir)
+  env = package_environment(package)
+  config = synth.SynthConfig(name=package.repo, version=package.version, **synth_options)
+  make_sandbox = None
+  if config.backend in ("bwrap", "docker"):
+    from envs.environments import build
+    from envs.sandbox import create_sandbox
+    made = (build.rootfs if config.backend == "bwrap" else build.docker_image)(env)
+    option = {"rootfs": made} if config.backend == "bwrap" else {"image": made}
+    make_sandbox = lambda: create_sandbox(config.backend, limits=config.limits, **option)
   # The sdist itself is the source: synth reads it (its one top folder stripped) in memory.
-  return synth.synthesize(package.source, package.test_command, out_dir, name=package.repo,
-                          version=package.version, **synth_options)
+  report = synth.synthesize(package.source, package.test_command, out_dir, config,
+                            make_sandbox=make_sandbox)
+  if make_sandbox is not None:
+    add_environment(os.path.join(out_dir, "tasks.jsonl"), env)
+  return report
+
+
+def add_environment(tasks_file: str, env: env_spec.Environment) -> int:
+  """Gives every row of `tasks_file` without an `environment` field `env` (rewritten in
+  place, atomically); returns the number of rows changed (0 when the file is absent)."""
+  if not os.path.exists(tasks_file):
+    return 0
+  with open(tasks_file, encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  changed = 0
+  for row in rows:
+    if row.get("environment") is None:
+      row["environment"] = environment_field(env)
+      changed += 1
+  with open(tasks_file + ".tmp", "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(row) + "\n" for row in rows)
+  os.replace(tasks_file + ".tmp", tasks_file)
+  return changed
+
+
+def environment_field(env: env_spec.Environment) -> dict:
+  """A row's `environment` field for `env`: only the fields that differ from a default
+  Environment, plus the suite (`env_spec.from_dict` reads it back to the same key)."""
+  full, blank = env.to_dict(), env_spec.Environment().to_dict()
+  out = {"suite": full["suite"]}
+  out.update({k: v for k, v in full.items() if v != blank[k] and k not in ("python", "suite")})
+  return out
 
 
 def combine(out_dir: str, names: Sequence[str]) -> int:

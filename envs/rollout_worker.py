@@ -18,6 +18,9 @@ them; when the grace runs out, cancel the remaining episodes and deliver the fin
 each group (a partial group, which the trainer's group rule completes or drops); a group with
 nothing finished is released for immediate re-issue. Then exit 0.
 
+Tasks without an `environment` get one as the trainer gives them (`envs.task_environments`):
+`--env_from` for SWE rows, `--default_environment` for the others.
+
 The in-process entry point (`RolloutWorker(...).run()`, e.g. from the trainer with an
 `InMemoryQueue` and an engine-backed `Policy`) is the same code as the command line.
 """
@@ -43,6 +46,7 @@ from envs.episode import (EpisodeFn, GroupFn, independent_groups, load_task_file
 from envs.net import read_secret
 from envs.policy import HTTPPolicy
 from envs.queue import RolloutQueue, TaskLease, default_worker_id, make_queue, task_order
+from envs import task_environments
 from envs.scaffold import add_scaffold_flags, scaffold_config_from_flags
 from envs.tasks import Task
 from envs.trajectory import Trajectory
@@ -389,6 +393,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   a("--swe_mirror", default="", help="directory of git mirrors SWE rows check out from "
     "(default: $ARBOR_SWE_MIRROR)")
   a("--swe_cache", default="", help="where their checkouts go (default: $ARBOR_SWE_CACHE)")
+  a("--env_from", choices=task_environments.ENV_FROM, default="none",
+    help="where SWE rows without an `environment` get one (envs.task_environments)")
+  a("--default_environment", default="", help="the environment of every other task without "
+    "one: '' (none), a preset (bookworm-pytest) or a .json / .toml spec file")
   a("--group_size", type=int, default=8, help="episodes per task draw (G)")
   a("--concurrency", type=int, default=8, help="episodes in flight")
   a("--sandbox", choices=("remote", "bwrap", "local"), default="bwrap",
@@ -432,6 +440,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
   tasks, bad = load_task_file(args.tasks, mirror=args.swe_mirror or None,
                               cache_dir=args.swe_cache or None)
+  try:
+    tasks = task_environments.with_environments(
+        tasks, args.env_from,
+        task_environments.default_environment(args.default_environment, "--default_environment"))
+  except ValueError as e:
+    log.error("%s: %s", args.tasks, e)
+    return 2
   if bad:
     log.warning("%s: %d bad task line(s) skipped", args.tasks, bad)
   if not tasks:

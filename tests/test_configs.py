@@ -343,3 +343,22 @@ def test_demo_switches_to_tree_rollouts_and_aepo_by_fields(tmp_path):
   c.rl.rl.rollout_workers = "queue"
   with pytest.raises(ConfigError, match=r"config\.rl\.rl\.rollout='branching'"):
     timed_validate(c, str(tmp_path / "demo"))
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("env_from", "conda", r"^config\.rl\.rl\.env_from='conda': expected one of \('none', "),
+    ("default_environment", "bookworm", r"^config\.rl\.rl\.default_environment='bookworm': "
+     r"expected '' \(none\), a preset \(bookworm-pytest\)"),
+    ("default_environment", "/nope/env.toml", r"^config\.rl\.rl\.default_environment="
+     r"'/nope/env.toml': no such spec file"),
+])
+def test_task_environment_fields_are_validated(field, value, match, tmp_path):
+  c = load("demo")
+  c.rl.rl[field] = value  # the demo's RL stage
+  with pytest.raises(ConfigError, match=match):
+    timed_validate(c, str(tmp_path / "w"))
+
+
+def test_the_demo_runs_its_tasks_in_the_bookworm_pytest_environment():
+  c = load("demo")
+  assert (c.rl.rl.env_from, c.rl.rl.default_environment) == ("none", "bookworm-pytest")

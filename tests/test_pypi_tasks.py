@@ -96,7 +96,8 @@ def test_sample_tasks_validate_in_fresh_sandboxes():
   assert len(tasks) == 10 and len({t.metadata["mutation"]["kind"] for t in tasks}) >= 5
   for task in tasks:
     check_one_bug(task, package, release)
-  report = validate(tasks, runs=1, workers=2)
+    assert task.environment == pypi_tasks.package_environment(package)
+  report = validate(tasks, runs=1, workers=2)  # in sandboxes of that environment
   assert report["rejected"] == {} and len(report["accepted"]) == len(tasks)
   for task in tasks:
     (gold,), (empty,) = (report["instances"][task.instance_id][k] for k in ("gold", "empty"))
@@ -124,6 +125,8 @@ def test_live_synthesis_and_the_combined_file(live):
   assert len({t.instance_id for t in tasks}) == 2
   for task in tasks:
     check_one_bug(task, package, release)
+    # validated in the package's environment, and graded there (tests/test_task_environments.py)
+    assert task.environment == pypi_tasks.package_environment(package)
 
 
 def test_export_packs_each_tree_into_one_tarball(live, tmp_path):

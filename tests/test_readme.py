@@ -39,6 +39,12 @@ COMMANDS = {
     "python -m trainer.main --config=configs/rl.py --config.rl.tasks=": "a template (a SWE-bench "
         "Parquet file): tests/test_tasks.py loads official rows, tests/test_rl.py runs RL",
     "python -m envs.synth": "tests/test_synth.py::test_command_line_resumes",
+    "python -m envs.environments build --tasks /data/rows.jsonl --env_from repository": "a "
+        "template: tests/test_task_environments.py::test_a_folder_of_rows_becomes_tasks_with_"
+        "environments runs it on the bundled rows",
+    "python -m trainer.main --config=configs/rl.py:qwen2.5-coder --config.model.init=hf:HF_DIR "
+    "--config.rl.tasks=": "a template (HF_DIR): tests/test_task_environments.py::test_a_folder_"
+                          "of_rows_becomes_tasks_with_environments loads the rows with it",
     "python -m envs.environments build": "a template (a SWE table and mirrors): tests/"
                                          "test_environments.py::"
                                          "test_task_environment_starts_the_sandbox",

@@ -449,3 +449,19 @@ def test_react_episode_end_to_end(server, tmp_path):
       assert second.input_ids[:len(first.input_ids) + len(first.output_ids)] == \
           first.input_ids + first.output_ids
   assert sorted(t.reward for t in trajs) == [0.0, 0.0, 1.0, 1.0]
+
+
+def test_the_command_line_gives_tasks_their_environments(caplog):
+  """--env_from / --default_environment are read as the trainer reads rl.env_from and
+  rl.default_environment; a bad value stops the worker before it connects anywhere."""
+  from envs import rollout_worker
+  base = ["--policy_url", "http://127.0.0.1:9", "--queue", "redis://127.0.0.1:9",
+          "--tokenizer", "unused", "--tasks",
+          os.path.join(ROOT, "envs", "data", "swe", "tasks.jsonl")]
+  args = rollout_worker.parse_args(base + ["--env_from", "repository",
+                                           "--default_environment", "bookworm-pytest"])
+  assert (args.env_from, args.default_environment) == ("repository", "bookworm-pytest")
+  with pytest.raises(SystemExit):
+    rollout_worker.parse_args(base + ["--env_from", "conda"])
+  assert rollout_worker.main(base + ["--default_environment", "nope"]) == 2
+  assert "--default_environment='nope': expected" in caplog.text

@@ -48,7 +48,7 @@ from typing import Any, Optional
 import ml_collections
 
 from configs import base
-from envs import branching, net, sandbox, taskgen
+from envs import branching, net, sandbox, task_environments, taskgen
 from envs.chat import load_chat, load_tokenizer, make_chat, read_chat_templates
 from envs.chat.formats import FORMATS, ChatFormat
 from models import hf
@@ -766,6 +766,12 @@ def _validate_rl(config) -> None:
   _str(config, "rl.tasks")
   _str(config, "rl.swe_mirror")
   _str(config, "rl.swe_cache")
+  _choice(config, "rl.env_from", task_environments.ENV_FROM)
+  try:  # a preset name or a spec file: read now, so a typo fails at start-up
+    task_environments.default_environment(_str(config, "rl.default_environment"),
+                                          "rl.default_environment")
+  except ValueError as e:
+    raise ConfigError(f"config.{e}") from None
   _choice(config, "rl.task_level", taskgen.LEVELS)
   _int(config, "rl.task_seed", 0)
   _choice(config, "rl.rollout", RL_ROLLOUTS)

@@ -140,6 +140,34 @@ def run_seed(config, seed: int, seed_dir: str, mesh) -> dict | None:
   return result
 
 
+def prepare_environment(config) -> list[str]:
+  """Builds the environment the RL stage's and the evals' sandboxes start from
+  (`rl.default_environment`) before the first stage, with its progress on stderr; a cached
+  build is found at once.
+
+  Returns:
+    Its root filesystem (bwrap) or image tag (docker); [] without one, or for a sandbox
+    backend that builds nothing here.
+
+  Raises:
+    ConfigError: naming rl.default_environment when it cannot be read.
+    BuildError / RuntimeError: the build failed.
+  """
+  from envs.tasks import Task
+  from trainer.tasks import build_environments, with_environments
+  probe = with_environments(config.rl, [Task(instance_id="demo-environment", kind="code",
+                                             problem_statements=("-",),
+                                             tests=({"input": "", "output": ""},))])
+  if probe[0].environment is None:
+    return []
+  say("demo", f"environment {config.rl.rl.default_environment!r}: building, or found in the "
+      "cache")
+  t0 = time.perf_counter()
+  made = build_environments(config.rl, probe, progress=lambda line: say("demo", line))
+  say("demo", f"environment ready in {time.perf_counter() - t0:.1f} s")
+  return made
+
+
 def run(config, workdir: str, mesh=None) -> dict:
   """Every seed's pipeline, then the results (demo_results.json) and the report.
 
@@ -154,6 +182,7 @@ def run(config, workdir: str, mesh=None) -> dict:
     report's path; {"preempted": True} when a seed was interrupted.
   """
   os.makedirs(workdir, exist_ok=True)
+  prepare_environment(config)
   per_seed = []
   for seed in config.seeds:
     result = run_seed(config, seed, os.path.join(workdir, f"seed_{seed}"), mesh)

@@ -9,6 +9,10 @@ take the "train" split in order, evals the "eval" split (programs that no genera
 task, SFT demo or RL, ever has). A task file or directory (`rl.tasks`, `eval.tasks`) is read
 with `envs.episode.load_task_file`; `eval.tasks` may list several, comma-separated, "generated"
 among them (a mixed eval set).
+
+Every task gets the environment its sandboxes start from (`with_environments`): SWE rows
+without an `environment` field one from `rl.env_from`, every other task without one (the
+generated tasks among them) `rl.default_environment` (`envs.task_environments`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Optional
 
 import ml_collections
 
-from envs import taskgen
+from envs import task_environments, taskgen
 from envs.episode import load_task_file
 from envs.tasks import Task
 from trainer import config as config_lib
@@ -45,8 +49,10 @@ class TaskSource:
     self._file: Optional[list[Task]] = None
     self._dir = (tempfile.mkdtemp(prefix="arbor-rl-tasks-") if config_lib.is_remote(workdir)
                  else os.path.join(workdir, "tasks"))
+    self._config = config
     if config.rl.tasks:
-      self._file = load_task_file(config.rl.tasks, **swe_sources(config))[0]
+      self._file = with_environments(config,
+                                     load_task_file(config.rl.tasks, **swe_sources(config))[0])
       if not self._file:
         raise config_lib.ConfigError(f"config.rl.tasks={config.rl.tasks!r}: no tasks")
 
@@ -56,14 +62,42 @@ class TaskSource:
     if self._file is not None:
       return [self._file[(start + j) % len(self._file)] for j in range(self.per_step)]
     out = os.path.join(self._dir, f"step_{step}")
-    return taskgen.write_tasks(out, self.per_step, self.rl.task_level, self.rl.task_seed, start,
-                               split="train")
+    return with_environments(self._config, taskgen.write_tasks(
+        out, self.per_step, self.rl.task_level, self.rl.task_seed, start, split="train"))
 
 
 def swe_sources(config: ml_collections.ConfigDict) -> dict:
   """{"mirror", "cache_dir"} of SWE rows from config.rl (None where unset: the environment's)."""
   return {"mirror": config.rl.get("swe_mirror") or None,
           "cache_dir": config.rl.get("swe_cache") or None}
+
+
+def with_environments(config: ml_collections.ConfigDict, tasks: list[Task]) -> list[Task]:
+  """`tasks`, each with the environment of `rl.env_from` / `rl.default_environment`
+  (`envs.task_environments.with_environments`; a task's own `environment` is kept).
+
+  Raises:
+    ConfigError: naming rl.env_from or rl.default_environment when a task's environment
+      cannot be derived or the default cannot be read.
+  """
+  env_from = config.rl.get("env_from", "none")
+  try:
+    default = task_environments.default_environment(config.rl.get("default_environment", ""),
+                                                    "rl.default_environment")
+  except ValueError as e:
+    raise config_lib.ConfigError(f"config.{e}") from None
+  try:
+    return task_environments.with_environments(tasks, env_from, default)
+  except ValueError as e:
+    raise config_lib.ConfigError(f"config.rl.env_from={env_from!r}: {e}") from None
+
+
+def build_environments(config: ml_collections.ConfigDict, tasks: list[Task],
+                       progress=None) -> list[str]:
+  """Builds the distinct environments of `tasks` for `rl.sandbox` now (each once, cached by
+  content), so that a run's first episodes do not wait for mmdebstrap or pip; returns the
+  root filesystems / image tags (`envs.task_environments.build_all`)."""
+  return task_environments.build_all(tasks, config.rl.sandbox, progress)
 
 
 GENERATED = "generated"  # the entry of eval.tasks that stands for generated tasks
@@ -109,4 +143,4 @@ def held_out_tasks(config: ml_collections.ConfigDict, directory: str) -> list[Ta
             f"both {seen[t.instance_id]!r} and {entry!r}")
       seen[t.instance_id] = entry
     tasks += part
-  return tasks
+  return with_environments(config, tasks)
