@@ -25,6 +25,9 @@ only ever used over the VM's loopback); then starts two systemd units:
                  server over loopback, to Redis with AUTH (+TLS with rediss://) and to the
                  policy server with its token. The secrets reach it as systemd credentials
                  (LoadCredential: a private copy only this service can read).
+With `--sandbox_backend docker` the VM also runs a Docker engine without bridge or iptables
+and holds the `--image`s (bucket tarballs or registry pulls), which the sandbox server allows
+(`launch/fleet_docker.py`).
 SIGTERM (a VM stop or a group resize) stops the worker first: it delivers what it has
 (envs/rollout_worker.py) and its leased draws go back to the queue.
 
@@ -49,7 +52,7 @@ import tempfile
 from typing import Optional, Sequence
 
 from envs.net import is_loopback
-from launch import common, local_fleet
+from launch import common, fleet_docker, local_fleet
 from launch.common import Command, LaunchError
 from launch.local_fleet import LocalFleet, run_local
 
@@ -139,6 +142,8 @@ class Fleet:
   warm: int = 4
   queue_prefix: str = "arbor"
   grace: float = 60.0
+  sandbox_backend: str = "bwrap"  # bwrap | docker (launch.fleet_docker)
+  images: tuple[fleet_docker.FleetImage, ...] = ()  # docker: the servers' allow-list
 
   @property
   def template(self) -> str:
@@ -189,8 +194,10 @@ def worker_argv(f: Fleet, tasks: str, tokenizer: str) -> list[str]:
 
 def sandbox_argv(f: Fleet) -> list[str]:
   """The sandbox server's command line on a VM: loopback only, token required."""
+  backend = (fleet_docker.server_flags(f.images) if f.sandbox_backend == "docker"
+             else ["--backend=bwrap"])
   return [f"{VENV}/bin/python", "-m", "envs.sandbox_server", "--host=127.0.0.1",
-          f"--port={SANDBOX_PORT}", "--backend=bwrap", f"--max_sandboxes={f.max_sandboxes}",
+          f"--port={SANDBOX_PORT}", *backend, f"--max_sandboxes={f.max_sandboxes}",
           f"--warm={f.warm}", "--token-file=/run/arbor/secrets/sandbox.token"]
 
 
@@ -223,8 +230,10 @@ def boot_script(f: Fleet) -> str:
       "KillMode=mixed", "KillSignal=SIGTERM", f"TimeoutStopSec={int(f.grace) + 30}",
       "Restart=always", "RestartSec=5", "NoNewPrivileges=yes", "PrivateTmp=yes",
       "[Install]", "WantedBy=multi-user.target"])
+  engine = ([f"Requires={fleet_docker.UNIT}", f"After={fleet_docker.UNIT}"]
+            if f.sandbox_backend == "docker" else [])
   sandbox_unit = "\n".join([
-      "[Unit]", "Description=Arbor sandbox server (loopback only)", "[Service]",
+      "[Unit]", "Description=Arbor sandbox server (loopback only)", *engine, "[Service]",
       f"WorkingDirectory={SRC}", "ExecStart=" + shlex.join(sandbox_argv(f)),
       "KillMode=mixed", "KillSignal=SIGTERM", "TimeoutStopSec=60", "Restart=always",
       # the server makes its sandboxes' cgroups under its own: the unit's limits bound them all
@@ -258,6 +267,9 @@ def boot_script(f: Fleet) -> str:
               f"install -d -m 0700 {sec}",
               f"[ -s {sec}/sandbox.token ] || ( umask 077; python3 -c "
               f"'import secrets; print(secrets.token_hex(32))' > {sec}/sandbox.token )"]
+  if f.sandbox_backend == "docker":
+    lines += ["# 3b. the Docker engine and the sandboxes' images (launch.fleet_docker)",
+              *fleet_docker.boot_lines(f.images)]
   lines += [
       "# 4. services",
       "cat > /etc/systemd/system/arbor-sandbox.service <<'ARBOR_EOF'", sandbox_unit, "ARBOR_EOF",
@@ -402,8 +414,13 @@ def build_parser() -> argparse.ArgumentParser:
   # local mode
   a("--local", action="store_true", help="run the fleet's processes on this machine")
   a("--sandbox_servers", type=int, default=-1, help="--local: sandbox servers (default --workers)")
-  a("--sandbox_backend", default="bwrap", choices=("bwrap", "local"),
-    help="--local: sandbox backend (local = no isolation, for trusted tests only)")
+  a("--sandbox_backend", default="bwrap", choices=("bwrap", "docker", "local"),
+    help="sandbox backend: bwrap or docker (cloud); bwrap or local (--local; local = no "
+    "isolation, for trusted tests only)")
+  a("--image", action="append", default=[], metavar="REF[=gs://B/P.tar.gz]",
+    help="--sandbox_backend docker: an image of the sandbox servers' allow-list (the first "
+    "the default): a `docker save | gzip` tarball loaded at boot, or REF pulled from its "
+    "registry (repeatable; see launch/fleet_docker.py)")
   a("--redis_password_file", default="", help="--local with --redis: file with its password")
   a("--policy_token_file", default="", help="--local: file with the policy server's token")
   a("--ready_file", default="", help="--local: write the fleet info JSON here once up")
@@ -453,6 +470,14 @@ def parse_cloud(args: argparse.Namespace) -> Fleet:
     value = getattr(args, flag)
     if value:
       common.parse_secrets(f"--{flag}", [f"x={value}"])
+  if args.sandbox_backend not in ("bwrap", "docker"):
+    raise LaunchError(f"--sandbox_backend={args.sandbox_backend}: a cloud fleet runs bwrap or "
+                      "docker")
+  images = tuple(fleet_docker.parse_image("--image", v) for v in args.image)
+  if args.sandbox_backend == "docker" and not images:
+    raise LaunchError("--sandbox_backend docker needs --image (REF=gs://B/P.tar.gz or REF)")
+  if images and args.sandbox_backend != "docker":
+    raise LaunchError("--image: only --sandbox_backend docker starts from images")
   redis = check_redis_url("--redis", args.redis, args.allow_plaintext_redis)
   if args.redis_ca_secret and not redis.startswith("rediss://"):
     raise LaunchError("--redis_ca_secret needs a rediss:// --redis")
@@ -471,7 +496,8 @@ def parse_cloud(args: argparse.Namespace) -> Fleet:
       network=args.network, subnet=args.subnet, service_account=args.service_account,
       spot=args.spot, chat=args.chat, group_size=args.group_size,
       concurrency=args.concurrency, max_sandboxes=args.max_sandboxes, warm=args.warm,
-      queue_prefix=args.queue_prefix, grace=args.grace)
+      queue_prefix=args.queue_prefix, grace=args.grace, sandbox_backend=args.sandbox_backend,
+      images=images)
 
 
 def parse_local(args: argparse.Namespace) -> LocalFleet:
@@ -488,6 +514,9 @@ def parse_local(args: argparse.Namespace) -> LocalFleet:
   """
   if args.workers < 0:
     raise LaunchError(f"--workers={args.workers}: must be >= 0")
+  if args.sandbox_backend == "docker" or args.image:
+    raise LaunchError("--local runs bwrap or local sandbox servers; --sandbox_backend docker "
+                      "and --image are for a cloud fleet")
   servers = args.workers if args.sandbox_servers < 0 else args.sandbox_servers
   if args.workers and servers < 1:
     raise LaunchError(f"--sandbox_servers={servers}: workers need at least one")

@@ -84,7 +84,8 @@ HELP_FLAGS = {
     xm: ["--config", "--dry_run", "--executor", "--name", "--project", "--secret", "--spot",
          "--sweep", "--title", "--tpu", "--workdir", "--zone"],
     fleet: ["--allow_plaintext_redis", "--chat", "--concurrency", "--dry_run", "--grace",
-            "--group_size", "--keep_dir", "--local", "--machine_type", "--max_sandboxes", "--name",
+            "--group_size", "--image", "--keep_dir", "--local", "--machine_type",
+            "--max_sandboxes", "--name",
             "--network", "--policy_token_file", "--policy_token_secret", "--policy_url",
             "--project", "--queue_prefix", "--ready_file", "--redis", "--redis_ca_secret",
             "--redis_password_file", "--redis_password_secret", "--sandbox_backend",
@@ -484,6 +485,60 @@ def test_fleet_dry_run_template_group_and_boot_script():
                               if l.startswith("ExecStart="))[len("ExecStart="):]))
   assert sf["--host"] == "127.0.0.1" and sf["--backend"] == "bwrap"
   assert "secrets.token_hex(32)" in script  # no --sandbox_token_secret: generated on the VM
+
+
+def test_fleet_docker_backend_boot_script():
+  """--sandbox_backend docker: Debian's docker units masked before docker.io is installed, the
+  engine started as envs.sandbox.docker_engine starts it (no bridge, no iptables), each image
+  loaded from its tarball or pulled only when absent, the sandbox server on the docker backend
+  with the images as its allow-list, after the engine."""
+  from envs.sandbox import docker_engine
+  images = ["arbor-env:0123abcd=gs://bkt/images/env.tar.gz",
+            "swebench/sweb.eval.x86_64.django_1776_django-11099:latest"]
+  rc, out, _ = run_main(fleet, FLEET_ARGS + ["--sandbox_backend=docker", "--dry_run"] +
+                        [f"--image={i}" for i in images])
+  assert rc == 0
+  script, _ = split_dry_run(out)
+  bash_syntax_ok(script)
+  lines = script.splitlines()
+  mask = lines.index("systemctl mask docker.service docker.socket")
+  assert mask < lines.index("apt-get -qq install -y docker.io")
+  unit = heredoc(script, "/etc/systemd/system/arbor-dockerd.service")
+  dockerd = shlex.split(next(l for l in unit.splitlines() if l.startswith("ExecStart="))
+                        [len("ExecStart="):])
+  assert dockerd[0] == "/usr/sbin/dockerd" and tuple(dockerd[1:4]) == docker_engine.DOCKERD_ARGS
+  assert "--bridge=none" in dockerd and "--iptables=false" in dockerd
+  start = lines.index("systemctl enable --now arbor-dockerd.service")
+  load = lines.index("  gunzip -c /var/lib/arbor/images/0.tar.gz | docker load")
+  assert mask < start < load < lines.index("systemctl enable --now arbor-sandbox.service")
+  assert ("if ! docker image inspect arbor-env:0123abcd >/dev/null 2>&1; then" in lines and
+          "  gcloud storage cp gs://bkt/images/env.tar.gz /var/lib/arbor/images/0.tar.gz"
+          in lines)
+  ref = images[1]
+  assert f"docker image inspect {ref} >/dev/null 2>&1 || docker pull {ref}" in lines
+  assert not any(w in script for w in ("docker run", "--network", "daemon.json", "docker0"))
+  sandbox_unit = heredoc(script, "/etc/systemd/system/arbor-sandbox.service")
+  assert "Requires=arbor-dockerd.service" in sandbox_unit.splitlines()
+  argv = shlex.split(next(l for l in sandbox_unit.splitlines() if l.startswith("ExecStart="))
+                     [len("ExecStart="):])
+  assert "--backend=docker" in argv and "--host=127.0.0.1" in argv
+  assert [a for a in argv if a.startswith("--image=")] == [
+      "--image=arbor-env:0123abcd", f"--image={ref}"]
+  rc, out, _ = run_main(fleet, FLEET_ARGS + ["--dry_run"])  # bwrap: no engine at all
+  assert rc == 0 and "docker" not in split_dry_run(out)[0]
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--sandbox_backend=docker"], "--sandbox_backend docker needs --image"),
+    (["--image=arbor-env:x"], "--image: only --sandbox_backend docker"),
+    (["--sandbox_backend=docker", "--image=Bad Ref"], "--image='Bad Ref'"),
+    (["--sandbox_backend=docker", "--image=a:b=gs://bkt/x.zip"], "PATH.tar.gz"),
+    (["--sandbox_backend=docker", "--image=a:b=/local/x.tar.gz"], "--image='/local/x.tar.gz'"),
+    (["--sandbox_backend=local"], "--sandbox_backend=local: a cloud fleet runs bwrap or docker"),
+])
+def test_fleet_docker_flag_errors(extra, words):
+  rc, _, err = run_main(fleet, FLEET_ARGS + extra + ["--dry_run"])
+  assert rc == 2 and words in err, err
 
 
 def test_fleet_teardown():

@@ -13,13 +13,14 @@ import shutil
 import socket
 import ssl
 import subprocess
+import sys
 import time
 
 import pytest
 
 from envs.sandbox import Limits, create_sandbox
 from envs.sandbox_server import MAX_JSON_DEPTH, HTTPError, parse_body
-from tests.test_sandbox import pool_processes, start_server
+from tests.test_sandbox import REPO, docker_kw, pool_processes, start_server
 
 
 def run(coro):
@@ -340,3 +341,38 @@ def test_exec_argv_and_deep_directory_tree(server):
     status, body = server.request("POST", f"/sandboxes/{sid}/exec", {"cmd": bad})
     assert status == 400 and "cmd" in body["error"], body
     server.request("DELETE", f"/sandboxes/{sid}")
+
+
+def test_docker_backend_round_trip_and_image_allow_list(tmp_path):
+  """--backend docker: a sandbox from an allowed image (the SWE-layout one: its workspace is
+  /testbed, seeded, with the conda env's python) does exec and file write/read through the
+  server; the first --image is the default; an image off the allow-list is a 400 naming it;
+  an absent image stops the server at start-up, named."""
+  from tests.test_sandbox_images import swe_layout_image
+  swe, plain = swe_layout_image(), docker_kw()["image"]
+  s = start_server(str(tmp_path), "--backend", "docker", "--image", plain, "--image", swe,
+                   "--max_sandboxes", "2")
+  try:
+    async def go():
+      async with await create_sandbox("remote", url=s.url, token=s.token, image=swe) as sb:
+        assert sb.workspace_path == "/testbed"
+        await sb.write_file("swelayout/extra.py", "X = 7\n")
+        r = await sb.exec("command -v python; python -c 'import swelayout.extra as e; "
+                          "print(e.X, e.__file__)'")
+        assert r.stdout == ("/opt/miniconda3/envs/testbed/bin/python\n"
+                            "7 /testbed/swelayout/extra.py\n"), r
+        assert await sb.read_file("swelayout/extra.py") == b"X = 7\n"
+      async with await create_sandbox("remote", url=s.url, token=s.token) as sb:
+        assert sb.workspace_path == "/workspace"  # the default: the first --image
+        assert (await sb.exec("cat /testbed/swelayout/_built.py")).exit_code != 0
+      with pytest.raises(ValueError, match=r"image='arbor-other:x': not one this server "
+                         r"offers \(its --image: \["):
+        await create_sandbox("remote", url=s.url, token=s.token, image="arbor-other:x")
+    run(go())
+  finally:
+    assert s.stop() == 0, open(s.log).read()[-2000:]
+  token = tmp_path / "token"
+  r = subprocess.run([sys.executable, "-m", "envs.sandbox_server", "--token_file", str(token),
+                      "--backend", "docker", "--image", "arbor-env:absent0000"],
+                     capture_output=True, text=True, timeout=60, cwd=REPO)
+  assert r.returncode == 2 and "--image='arbor-env:absent0000'" in r.stderr, r.stderr

@@ -33,6 +33,13 @@ Docker's additions to the image are kept small: /etc/hosts (localhost only), /et
 /etc/resolv.conf naming 127.0.0.1 (the container's own loopback, where nothing answers; not
 the host's resolvers), and /dev/mqueue is an empty read-only tmpfs.
 
+The image's name picks its profile (`envs.sandbox.images`): the workspace's path (/testbed
+for SWE-bench / SWE-smith images), what every command's environment adds (their conda env on
+PATH), the default user, and whether the workspace starts as a copy of the image's own content
+there (the repository with what its editable install built), unpacked by the sandbox user
+like a fork's. An absent image is pulled when the profile allows it and a registry answers;
+otherwise `create` names the image and the fallbacks (`envs.environments`, `docker load`).
+
 The engine: `docker_engine.ensure_engine()` (or `python -m envs.sandbox.docker_engine`)
 starts the local one when none answers. `DOCKER_HOST` may name a remote engine only over TLS
 (DOCKER_TLS_VERIFY=1, DOCKER_CERT_PATH): plain tcp:// and ssh:// are refused.
@@ -53,7 +60,7 @@ import threading
 import time
 from typing import Callable, Mapping, Optional, Sequence
 
-from envs.sandbox import hostfs, process, seccomp
+from envs.sandbox import hostfs, images, process, seccomp
 from envs.sandbox.base import (ExecResult, Limits, PathError, Sandbox, SandboxError,
                                fill_fork)
 
@@ -124,6 +131,10 @@ _PACK = 'cd /workspace && exec tar -cf - --numeric-owner .'
 _RESTORE = 'cd /workspace && head -c "$0" | xargs -0 -r -n 2 chmod --'
 _UNPACK = ('cd /workspace && head -c "$0" | tar -xf - --no-same-owner '
            '--delay-directory-restore')
+# $0: the size of the input, the engine's archive of the image's workspace folder, whose
+# entries all sit under that folder's own name (dropped).
+_SEED = ('cd /workspace && head -c "$0" | tar -xf - --no-same-owner '
+         '--delay-directory-restore --strip-components=1')
 
 
 def docker_client():
@@ -162,49 +173,66 @@ class _Bytes:
 class DockerSandbox(Sandbox):
   """One container per sandbox (see the module docstring).
 
-  Create with `await DockerSandbox.create(limits, image=..., user=...)`.
+  Create with `await DockerSandbox.create(limits, image=..., user=...)`. `workspace_path` is
+  the profile's workspace (/workspace for Arbor's images, /testbed for SWE images).
   """
 
   workspace_path = WORKSPACE
 
-  def __init__(self, client, container, limits: Limits, image: str = "", user: str = ""):
+  def __init__(self, client, container, limits: Limits, image: str = "", user: str = "",
+               profile: images.ImageProfile = images.ARBOR):
     self._client, self._container, self.limits, self._closed = client, container, limits, False
-    self._image, self._user = image, user  # for fork()
+    self._image, self._user, self.profile = image, user, profile  # for fork()
+    self.workspace_path = profile.workspace
     # Operations in flight (commands, file transfers), whether a command ran since the last
     # sweep, and the sweep running now (operations wait for it).
     self._busy, self._dirty, self._sweeping = 0, False, None
 
   @classmethod
   async def create(cls, limits: Limits = Limits(), *, image: str = "python:3.11-slim",
-                   user: str = "65534:65534") -> "DockerSandbox":
+                   user: Optional[str] = None, seed: bool = True) -> "DockerSandbox":
     """Starts a container.
 
     Args:
-      limits: the sandbox's limits.
-      image: the image (present in the engine: nothing is pulled); it needs `sh` and
-        coreutils, findutils and tar.
+      limits: the sandbox's limits; with a seeded workspace, `disk_mb` must hold the copy.
+      image: the image; its name picks the profile (`images.profile_for`). Absent from the
+        engine, it is pulled when the profile allows it and a registry answers. It needs `sh`
+        and coreutils, findutils and tar.
       user: "uid[:gid]" the commands run as (numeric ids need no entry in the image's
-        /etc/passwd); never root.
+        /etc/passwd); never root. None: the profile's user.
+      seed: start the workspace as a copy of the image's content at that path when the
+        profile says the image holds the repository there (`fork` passes False: it copies
+        the workspace it forks instead).
 
     Returns:
       The started sandbox.
 
     Raises:
-      ValueError: user or its group is root.
-      SandboxError: no usable Docker engine, or the container could not start.
+      ValueError: user or its group is root, or `image` is not a string.
+      SandboxError: no usable Docker engine, the image is absent and cannot be pulled (the
+        message names it and the fallbacks), the container could not start, or the seed copy
+        failed (e.g. larger than limits.disk_mb).
     """
+    profile = images.profile_for(image)
+    user = profile.user if user is None else user
     uid, _, gid = user.partition(":")
     if uid in ("0", "root", "") or gid in ("0", "root"):
       raise ValueError(f"user={user!r}: the sandbox user and group must not be root")
+    ws = profile.workspace
 
     def start():
       try:
         client = docker_client()
+        client.ping()
       except SandboxError:
         raise
       except Exception as e:  # docker.errors.DockerException: nothing answers at the socket
         raise SandboxError(f"docker: no Docker engine answers ({e}); start the local one with "
                            "`python -m envs.sandbox.docker_engine` (as root)") from e
+      try:
+        images.ensure_image(client, image, profile.pull)
+      except LookupError as e:
+        raise SandboxError(f"docker: {e}") from None
       opts = (f"size={limits.disk_mb}m,nr_inodes={max(1024, limits.disk_mb * 256)},mode=0700,"
               f"uid={uid},gid={gid or uid},exec,nosuid,nodev")
       container = client.containers.run(
@@ -213,8 +241,8 @@ class DockerSandbox(Sandbox):
           read_only=True, init=True,
           mem_limit=f"{limits.memory_mb}m", memswap_limit=f"{limits.memory_mb}m",
           pids_limit=limits.pids, nano_cpus=int(limits.cpus * 1e9),
-          shm_size=f"{limits.disk_mb}m", working_dir=WORKSPACE, environment={},
-          tmpfs={WORKSPACE: opts, "/tmp": opts, "/dev/mqueue": _EMPTY}, dns=["127.0.0.1"],
+          shm_size=f"{limits.disk_mb}m", working_dir=ws, environment={},
+          tmpfs={ws: opts, "/tmp": opts, "/dev/mqueue": _EMPTY}, dns=["127.0.0.1"],
           labels={"arbor.sandbox": "1"})
       return client, container
 
@@ -224,7 +252,46 @@ class DockerSandbox(Sandbox):
       raise
     except Exception as e:  # docker.errors.*: engine down, image missing, ...
       raise SandboxError(f"docker: could not start a container from {image!r}: {e}") from e
-    return cls(client, container, limits, image, user)
+    sb = cls(client, container, limits, image, user, profile)
+    if seed and profile.seed:
+      try:
+        await asyncio.to_thread(sb._seed)
+      except BaseException:
+        await sb.close()
+        raise
+    return sb
+
+  def _script(self, script: str) -> str:
+    """A shell script of this module with its `cd /workspace` moved to this workspace (a
+    plain absolute path: `ImageProfile` checks it)."""
+    return script.replace("cd /workspace", f"cd {self.workspace_path}")
+
+  def _seed(self) -> None:
+    """Blocking: the image's content at the workspace path into the workspace (see `create`):
+    the engine's archive of that folder (`images.read_folder`), spooled here, unpacked by the
+    sandbox user inside the sandbox."""
+    err = _Bytes(4096)
+    with tempfile.SpooledTemporaryFile(_SPOOL_BYTES) as raw:
+      try:
+        images.read_folder(self._client, self._image, self.workspace_path, raw.write)
+      except LookupError as e:
+        raise SandboxError(f"docker: {e} (profile {self.profile.name} seeds the workspace "
+                           "from it)") from None
+      size = raw.tell()
+      raw.seek(0)
+
+      def send(push):
+        while chunk := raw.read(1 << 16):
+          push(chunk)
+
+      code = self._stream(["sh", "-c", self._script(_SEED), str(size)],
+                          time.monotonic() + _OP_TIMEOUT, _Bytes(0).add, err.add, stdin=send)
+    if code != 0:
+      message = bytes(err.data).decode(errors="replace")
+      if "No space left" in message:
+        message = f"larger than limits.disk_mb={self.limits.disk_mb}: {message}"
+      raise SandboxError(f"docker: seeding {self.workspace_path} from image {self._image!r} "
+                         f"failed (exit {code}): {message[:300]}")
 
   def _check_open(self) -> None:
     if self._closed:
@@ -275,7 +342,7 @@ class DockerSandbox(Sandbox):
   def _stream(self, argv: list[str], deadline: float, out, err, *,
               stdin: Optional[Callable[[Callable[[bytes], None]], None]] = None,
               env: Optional[dict] = None) -> int:
-    """Blocking: runs argv in the container (as its user, in /workspace) and waits.
+    """Blocking: runs argv in the container (as its user, in its workspace) and waits.
 
     Args:
       argv: the program and its arguments.
@@ -292,7 +359,8 @@ class DockerSandbox(Sandbox):
     """
     api = self._client.api
     exec_id = api.exec_create(self._container.id, argv, stdin=stdin is not None, stdout=True,
-                              stderr=True, workdir=WORKSPACE, environment=env or {})["Id"]
+                              stderr=True, workdir=self.workspace_path,
+                              environment=env or {})["Id"]
     # The exec's HTTP connection, upgraded to a raw stream (what docker-py's exec_start does);
     # the buffered reader keeps any bytes that arrived with the response's headers.
     res = api._post_json(api._url("/exec/{0}/start", exec_id), stream=True,
@@ -362,7 +430,8 @@ class DockerSandbox(Sandbox):
                  env: Optional[Mapping[str, str]] = None) -> ExecResult:
     self._check_open()
     cmd, timeout = process.check_exec_args(cmd, timeout, stdin, self.limits.default_timeout)
-    env = {"HOME": "/tmp", "LANG": "C.UTF-8", **process.check_env(env)}
+    env = {"HOME": "/tmp", "LANG": "C.UTF-8", **dict(self.profile.env),
+           **process.check_env(env)}
     data = stdin.encode() if isinstance(stdin, str) else stdin
     argv = ["timeout", "-k", "1", f"{timeout:.3f}", "sh", "-c", cmd]
     if data is not None:  # the command's input ends after len(data) bytes (see `_stream`)
@@ -393,7 +462,7 @@ class DockerSandbox(Sandbox):
     async with self._op():
       try:
         code = await asyncio.to_thread(
-            self._stream, ["sh", "-c", _WALK, "walk", op,
+            self._stream, ["sh", "-c", self._script(_WALK), "walk", op,
                            str(cap if data is None else len(data)), *parts],
             time.monotonic() + _OP_TIMEOUT, out.add, err.add,
             stdin=None if data is None else lambda send: send(data))
@@ -473,7 +542,8 @@ class DockerSandbox(Sandbox):
     for the time tar reads it; its mode is restored here and written into the archive.
     """
     self._check_open()
-    fork = await DockerSandbox.create(self.limits, image=self._image, user=self._user)
+    fork = await DockerSandbox.create(self.limits, image=self._image, user=self._user,
+                                      seed=False)
 
     async def copy():
       async with self._op():
@@ -481,20 +551,21 @@ class DockerSandbox(Sandbox):
     return await fill_fork(fork, copy)
 
   def _copy_workspace(self, fork: "DockerSandbox") -> None:
-    """Blocking: this /workspace's content into the fork's, through a spooled tar stream."""
+    """Blocking: this workspace's content into the fork's, through a spooled tar stream."""
     modes, err = _Bytes(64 << 20), _Bytes(4096)
-    code = self._stream(["sh", "-c", _UNLOCK], time.monotonic() + _OP_TIMEOUT, modes.add,
-                        err.add)
+    code = self._stream(["sh", "-c", self._script(_UNLOCK)], time.monotonic() + _OP_TIMEOUT,
+                        modes.add, err.add)
     changed = [e.split(b" ", 1) for e in bytes(modes.data).split(b"\0") if b" " in e]
     with tempfile.SpooledTemporaryFile(_SPOOL_BYTES) as raw, \
          tempfile.SpooledTemporaryFile(_SPOOL_BYTES) as out:
       try:
         code = -2 if code != 0 else self._stream(
-            ["sh", "-c", _PACK], time.monotonic() + _OP_TIMEOUT, raw.write, err.add)
+            ["sh", "-c", self._script(_PACK)], time.monotonic() + _OP_TIMEOUT, raw.write,
+            err.add)
       finally:  # the modes go back even when the copy failed half-way
         if changed:  # children before their parents: a directory may lose its x bit again
           listing = b"".join(m + b"\0" + p + b"\0" for m, p in reversed(changed))
-          self._stream(["sh", "-c", _RESTORE, str(len(listing))],
+          self._stream(["sh", "-c", self._script(_RESTORE), str(len(listing))],
                        time.monotonic() + _OP_TIMEOUT, _Bytes(0).add, _Bytes(0).add,
                        stdin=lambda send: send(listing))
       # -2: _UNLOCK failed; 1: a file changed while tar read it (fine: a snapshot, see fork)
@@ -521,8 +592,9 @@ class DockerSandbox(Sandbox):
         while chunk := out.read(1 << 16):
           send(chunk)
 
-      code = fork._stream(["sh", "-c", _UNPACK, str(size)], time.monotonic() + _OP_TIMEOUT,
-                          _Bytes(4096).add, err.add, stdin=send_archive)
+      code = fork._stream(["sh", "-c", fork._script(_UNPACK), str(size)],
+                          time.monotonic() + _OP_TIMEOUT, _Bytes(4096).add, err.add,
+                          stdin=send_archive)
       if code != 0:
         raise SandboxError(f"docker: unpacking the fork's workspace failed (exit {code}): "
                            f"{bytes(err.data).decode(errors='replace')[:300]}")

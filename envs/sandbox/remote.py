@@ -85,7 +85,8 @@ class RemoteSandbox(Sandbox):
   async def create(cls, url: str, token: Optional[str] = None, *,
                    limits: Optional[Limits] = None, token_file: Optional[str] = None,
                    cafile: Optional[str] = None, timeout: float = 120.0,
-                   rootfs: Optional[str] = None) -> "RemoteSandbox":
+                   rootfs: Optional[str] = None,
+                   image: Optional[str] = None) -> "RemoteSandbox":
     """Asks the sandbox server at `url` for a sandbox.
 
     Args:
@@ -98,6 +99,7 @@ class RemoteSandbox(Sandbox):
       cafile: CA certificate of an https server.
       timeout: seconds for the request.
       rootfs: the name of a root filesystem the server offers (its --rootfs allow-list).
+      image: an image a docker-backed server offers (its --image allow-list).
 
     Returns:
       The sandbox, with the limits the server granted.
@@ -118,6 +120,8 @@ class RemoteSandbox(Sandbox):
                         if getattr(limits, f.name) != getattr(default, f.name)}
     if rootfs is not None:
       body["rootfs"] = rootfs
+    if image is not None:
+      body["image"] = image
     r = await client.request("POST", "/sandboxes", body, timeout)
     return cls(client, r["id"], Limits(**r["limits"]), r.get("workspace", ""))
 
