@@ -33,25 +33,28 @@ SWE rows use the official fields of SWE-bench, SWE-bench Verified, SWE-Gym and S
   (swebench >= 5: which log format the tests print). Other fields are kept in `metadata`.
 Where the repository comes from:
   - `repo_path` (ours): a directory or .tar/.tar.gz/.tgz snapshot inside the file's folder;
-  - otherwise `repo` + `base_commit` in a local mirror of git repositories (`mirror=DIR`, or the
-    ARBOR_SWE_MIRROR environment variable): DIR/<owner>__<name>.git, DIR/<owner>__<name>,
-    DIR/<owner>/<name>.git or DIR/<owner>/<name>, bare or not, read only through
-    `envs.safe_git` (none of the repository's configured programs runs; a repository of
-    another user, or one linked into DIR, is refused). The commit is checked out once
-    into a cache directory keyed by (repo, commit) (`cache_dir=`, ARBOR_SWE_CACHE, default
-    ~/.cache/arbor/swe) when the repository is first read. A SWE-smith row (repo "swesmith/...")
-    without base_commit starts from the branch named after its instance_id; when that branch's
-    head is SWE-smith's "Remove F2P Tests" commit, its parent's test files become the test patch.
-How the tests run (`test_runner`, chosen per repository like swebench's specs, or by
-`log_parser`): "pytest" (the default: `python3 -m pytest -rA FILES`, FILES from the test patch),
-"django" (django/django: `python3 tests/runtests.py --verbosity 2 --settings=test_sqlite
---parallel 1 LABELS`) or "sympy" (sympy/sympy: `bin/test -C --verbose FILES`). A `test_command`
-field (ours) overrides the command. Ours also: `problem_statements` (more phrasings), `rootfs`
-(the sandbox's root filesystem, a directory inside the file's folder), `timeout` (seconds for
-the test run), `environment` (an `envs.environments` spec object: the sandbox starts from its
-build, bwrap from its root filesystem and docker from its image). A row without one gets one
-from a spec source when the loader is asked (`env_from="swebench"`: swebench's table for the
-row's repo and version; `"repository"`: the repository's own metadata; default "none").
+  - otherwise `repo` + `base_commit` in a local mirror of git repositories (`mirror=DIR`, else the
+    ARBOR_SWE_MIRROR environment variable, else, for a file's rows, the `mirror/` folder beside the
+    file, as `envs.synth` writes it; `envs.swe_mirror`): DIR/<owner>__<name>.git,
+    DIR/<owner>__<name>, DIR/<owner>/<name>.git or DIR/<owner>/<name>, bare or not, read only
+    through `envs.safe_git` (none of the repository's configured programs runs; a repository of
+    another user, or one linked into DIR, is refused). The commit is checked out once into a cache
+    directory keyed by (repo, commit) (`cache_dir=`, ARBOR_SWE_CACHE, default ~/.cache/arbor/swe)
+    when the repository is first read. A SWE-smith row (repo "swesmith/...") without base_commit
+    starts from the branch named after its instance_id; when that branch's head is SWE-smith's
+    "Remove F2P Tests" commit, its parent's test files become the test patch.
+How the tests run (`test_runner`, chosen per repository like swebench's specs, or by `log_parser`):
+"pytest" (the default: `python3 -m pytest -rA FILES`, FILES from the test patch), "django"
+(django/django: `python3 tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1
+LABELS`) or "sympy" (sympy/sympy: `bin/test -C --verbose FILES`). A `test_command` field (ours)
+overrides the command; one of the form `[NAME=VALUE ...] python3 -m unittest [ARGS]` selects
+"unittest" (run as `python3 -m unittest -v ARGS`, its log read by swebench's "parse_log_django",
+the only `log_parser` such a row may name). Ours also: `problem_statements` (more phrasings),
+`rootfs` (the sandbox's root filesystem, a directory inside the file's folder), `timeout` (seconds
+for the test run), `environment` (an `envs.environments` spec object: the sandbox starts from its
+build, bwrap from its root filesystem and docker from its image). A row without one gets one from a
+spec source when the loader is asked (`env_from="swebench"`: swebench's table for the row's repo
+and version; `"repository"`: the repository's own metadata; default "none").
 A dataset is untrusted: `repo_path` and `rootfs` are resolved by `envs.dataset_paths` inside the
 folder of the file (`base_dir` for rows given as dicts): an absolute path, "..", "~" or a
 symbolic link anywhere on the way is an error naming the field.
@@ -76,16 +79,18 @@ import logging
 import os
 import re
 import shlex
-import shutil
 import stat
 import tarfile
-import tempfile
 from typing import Any, Iterable, Mapping, Optional
 
-from envs import dataset_paths, safe_git
+from envs import dataset_paths
 from envs.environments import spec as env_spec
 from envs.untrusted import decode
 from envs.safe_git import GitError  # noqa: F401  (re-exported: git failed on a mirror)
+# Mirror helpers live in envs.swe_mirror; their names stay importable from here.
+from envs.swe_mirror import (DEFAULT_CACHE, check_rel as _check_rel, checkout,  # noqa: F401
+                             dataset_mirror, find_mirror, resolve_commit,
+                             smith_test_patch as _smith_test_patch)
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +107,9 @@ CODE_TIMEOUT = 10.0      # seconds for each test process of a code problem
 _PYTHON = re.compile(r"^(?:[\w.+-]*/)*python[\d.]*$")
 
 # How a repository's tests run and print their results: pytest (JUnit report), or the log
-# formats of Django's tests/runtests.py and sympy's bin/test, parsed as SWE-bench parses them.
-TEST_RUNNERS = ("pytest", "django", "sympy")
+# formats of Django's tests/runtests.py, sympy's bin/test and `python -m unittest -v`, parsed as
+# SWE-bench parses them.
+TEST_RUNNERS = ("pytest", "django", "sympy", "unittest")
 REPO_RUNNERS = {"django/django": "django", "sympy/sympy": "sympy"}  # others: pytest
 # swebench's log_parser names (PARSER_REGISTRY) of Python repositories -> our runner.
 LOG_PARSERS = {"parse_log_django": "django", "parse_log_sympy": "sympy", **{
@@ -111,6 +117,7 @@ LOG_PARSERS = {"parse_log_django": "django", "parse_log_sympy": "sympy", **{
         "pytest", "pytest_options", "pytest_v2", "astroid", "astropy", "flask", "marshmallow",
         "matplotlib", "pvlib", "pydicom", "pylint", "pyvista", "requests", "scikit", "seaborn",
         "sphinx", "sqlfluff", "xarray")}}
+UNITTEST_PARSER = "parse_log_django"  # swebench's reader of unittest's verbose log
 # SWE-bench's test commands (constants/python.py), run with the sandbox's python3.
 DJANGO_COMMAND = "python3 tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1"
 DJANGO_COMMAND_1_9 = "python3 tests/runtests.py --verbosity 2"  # Django 1.9 has neither option
@@ -119,7 +126,6 @@ SYMPY_COMMAND = ("PYTHONWARNINGS='ignore::UserWarning,ignore::SyntaxWarning' "
 # Files a test patch may touch that are data, not tests (SWE-bench's NON_TEST_EXTS).
 _NON_TEST_EXTS = (".json", ".png", "csv", ".txt", ".md", ".jpg", ".jpeg", ".pkl", ".yml",
                   ".yaml", ".toml")
-_SMITH_REMOVAL = "Remove F2P Tests"  # subject of SWE-smith's commit hiding the failing tests
 
 
 class TaskFormatError(ValueError):
@@ -185,7 +191,11 @@ class Task:
     return pytest_command(self.test_command)
 
   def script_command(self) -> tuple[dict[str, str], str, str, list[str]]:
-    """(environment, python, script, arguments) of `test_command` (django / sympy tasks)."""
+    """(environment, python, script, arguments) of `test_command` (django / sympy tasks; for
+    unittest tasks the script is "" and the arguments are unittest's, see `unittest_command`)."""
+    if self.test_runner == "unittest":
+      env, python, args = unittest_command(self.test_command)
+      return env, python, "", args
     return script_command(self.test_command)
 
 
@@ -216,6 +226,18 @@ def script_command(test_command: str) -> tuple[dict[str, str], str, str, list[st
   Raises:
     ValueError: naming the value, for any other command.
   """
+  env, words = _env_words(test_command)
+  python = words.pop(0) if words and _PYTHON.match(words[0]) else "python3"
+  script = words[0].removeprefix("./") if words else ""
+  if (not script or script.startswith(("-", "/")) or ".." in script.split("/")
+      or "\x00" in script):
+    raise ValueError(f"test_command={test_command!r}: expected '[NAME=VALUE ...] [python3] "
+                     "SCRIPT ARGS' with SCRIPT a path inside the repository")
+  return env, python, script, words[1:]
+
+
+def _env_words(test_command: str) -> tuple[dict[str, str], list[str]]:
+  """({NAME: VALUE} of the leading assignments, the remaining words) of a test command."""
   try:
     words = shlex.split(test_command)
   except ValueError as e:
@@ -224,13 +246,36 @@ def script_command(test_command: str) -> tuple[dict[str, str], str, str, list[st
   while words and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]):
     name, value = words.pop(0).split("=", 1)
     env[name] = value
-  python = words.pop(0) if words and _PYTHON.match(words[0]) else "python3"
-  script = words[0].removeprefix("./") if words else ""
-  if (not script or script.startswith(("-", "/")) or ".." in script.split("/")
-      or "\x00" in script):
-    raise ValueError(f"test_command={test_command!r}: expected '[NAME=VALUE ...] [python3] "
-                     "SCRIPT ARGS' with SCRIPT a path inside the repository")
-  return env, python, script, words[1:]
+  return env, words
+
+
+def unittest_command(test_command: str) -> tuple[dict[str, str], str, list[str]]:
+  """Returns (env, python, args) of "[NAME=VALUE ...] PYTHON -m unittest [ARGS]".
+
+  The verifier runs `PYTHON -m unittest -v ARGS` (-v after a leading "discover"), whose
+  verbose log SWE-bench's django parser reads (`UNITTEST_PARSER`).
+
+  Raises:
+    ValueError: naming the value, for any other command, or one with -q / --quiet (it would
+      hide the per-test lines that the log parser reads).
+  """
+  env, words = _env_words(test_command)
+  if not (len(words) >= 3 and _PYTHON.match(words[0]) and words[1:3] == ["-m", "unittest"]):
+    raise ValueError(f"test_command={test_command!r}: expected '[NAME=VALUE ...] python3 -m "
+                     "unittest [ARGS]'")
+  if {"-q", "--quiet"} & set(words[3:]):
+    raise ValueError(f"test_command={test_command!r}: -q / --quiet hides the per-test lines "
+                     "that the log parser reads; leave it out")
+  return env, words[0], words[3:]
+
+
+def is_unittest_command(test_command: str) -> bool:
+  """Whether `test_command` runs "PYTHON -m unittest" (well formed or not)."""
+  try:
+    words = _env_words(test_command)[1]
+  except ValueError:
+    return False
+  return len(words) >= 3 and bool(_PYTHON.match(words[0])) and words[1:3] == ["-m", "unittest"]
 
 
 def task_format(task: Task) -> str:
@@ -292,7 +337,7 @@ def _validate(t: Task) -> None:
     if t.test_runner == "pytest":
       pytest_command(t.test_command)  # raises naming test_command
     else:
-      script_command(t.test_command)
+      t.script_command()
   elif t.kind == "code":
     need(t.tests and all(isinstance(c, Mapping) for c in t.tests), "tests", t.tests,
          "a non-empty list of test objects")
@@ -461,6 +506,12 @@ def default_test_command(test_ids: Iterable[str], runner: str = "pytest", test_p
 
 def _runner(d: Mapping, repo: str) -> str:
   parser = _get(d, "log_parser", str, None)
+  command = _get(d, "test_command", str, None)
+  if command and is_unittest_command(command):  # the command names its runner
+    if parser not in (None, UNITTEST_PARSER):
+      raise ValueError(f"field 'log_parser': {parser!r}: test_command {command!r} runs unittest, "
+                       f"whose log {UNITTEST_PARSER!r} reads")
+    return "unittest"
   if parser is None:
     return REPO_RUNNERS.get(repo, "pytest")
   if parser not in LOG_PARSERS:
@@ -530,13 +581,14 @@ def swe_task_from_dict(d: Mapping, base_dir: str = ".", mirror: Optional[str] = 
     if smith and test_patch is None:
       test_patch = _smith_test_patch(git_dir, base_commit)
     cache_dir = os.path.abspath(os.path.expanduser(
-        cache_dir or os.environ.get("ARBOR_SWE_CACHE") or "~/.cache/arbor/swe"))
+        cache_dir or os.environ.get("ARBOR_SWE_CACHE") or DEFAULT_CACHE))
   test_patch = test_patch or ""
   version = _get(d, "version", (str, int, float), "")
   test_command = _get(d, "test_command", str, None) or default_test_command(
       f2p + p2p, runner, test_patch, str(version))
   try:
-    pytest_command(test_command) if runner == "pytest" else script_command(test_command)
+    {"pytest": pytest_command, "unittest": unittest_command}.get(runner, script_command)(
+        test_command)
   except ValueError as e:
     raise ValueError(f"field 'test_command': {e}") from None
   rootfs = _get(d, "rootfs", str, None)
@@ -674,6 +726,13 @@ def jsonl_records(path: str):
       yield f"{path}:{lineno}", f"line {lineno}", record
 
 
+def _file_mirror(path: str, mirror: Optional[str]) -> Optional[str]:
+  """The mirror for a dataset file's rows: `mirror`, else ARBOR_SWE_MIRROR, else the `mirror/`
+  folder beside the file (`envs.swe_mirror.dataset_mirror`), else None."""
+  return (mirror or os.environ.get("ARBOR_SWE_MIRROR")
+          or dataset_mirror(os.path.dirname(os.path.abspath(path))))
+
+
 def _swe_parser(base_dir: str, mirror: Optional[str], cache_dir: Optional[str],
                 env_from: str = "none", swebench_specs: Any = None):
   return lambda d: swe_task_from_dict(d, base_dir, mirror, cache_dir, env_from, swebench_specs)
@@ -688,7 +747,8 @@ def load_swe_jsonl(path: str, skip_bad: bool = False, errors: Optional[list] = N
     path: the file; relative `repo_path`s are resolved against its directory.
     skip_bad: log and skip a bad line instead of raising.
     errors: when given, the skipped lines' errors are appended to it.
-    mirror: the directory of git mirrors for rows without `repo_path` (module docstring).
+    mirror: the directory of git mirrors for rows without `repo_path` (module docstring;
+      default ARBOR_SWE_MIRROR, else the `mirror/` folder beside the file if there is one).
     cache_dir: where checkouts of mirrored commits go.
     env_from, swebench_specs: where rows without an `environment` get one
       (`swe_task_from_dict`).
@@ -698,7 +758,7 @@ def load_swe_jsonl(path: str, skip_bad: bool = False, errors: Optional[list] = N
       (unless skip_bad).
   """
   base = os.path.dirname(os.path.abspath(path))
-  parse = _swe_parser(base, mirror, cache_dir, env_from, swebench_specs)
+  parse = _swe_parser(base, _file_mirror(path, mirror), cache_dir, env_from, swebench_specs)
   return _parse_all(jsonl_records(path), parse, skip_bad, errors, path)
 
 
@@ -739,7 +799,8 @@ def load_swe_parquet(path: str, skip_bad: bool = False, errors: Optional[list] =
     path: the file; relative `repo_path`s are resolved against its directory.
     skip_bad: log and skip a bad row instead of raising.
     errors: when given, the skipped rows' errors are appended to it.
-    mirror: the directory of git mirrors for rows without `repo_path` (module docstring).
+    mirror: the directory of git mirrors for rows without `repo_path` (module docstring;
+      default ARBOR_SWE_MIRROR, else the `mirror/` folder beside the file if there is one).
     cache_dir: where checkouts of mirrored commits go.
     env_from, swebench_specs: where rows without an `environment` get one
       (`swe_task_from_dict`).
@@ -749,7 +810,8 @@ def load_swe_parquet(path: str, skip_bad: bool = False, errors: Optional[list] =
   """
   import pyarrow.parquet as pq  # only Parquet readers need it
   return load_swe_rows(pq.read_table(path).to_pylist(), skip_bad, errors, source=path,
-                       base_dir=os.path.dirname(os.path.abspath(path)), mirror=mirror,
+                       base_dir=os.path.dirname(os.path.abspath(path)),
+                       mirror=_file_mirror(path, mirror),
                        cache_dir=cache_dir, env_from=env_from, swebench_specs=swebench_specs)
 
 
@@ -775,7 +837,8 @@ def load_tasks(path: str, skip_bad: bool = False, errors: Optional[list] = None,
     path: the file; relative `repo_path`s are resolved against its directory.
     skip_bad: log and skip a bad line instead of raising TaskFormatError (`load_swe_jsonl`).
     errors: when given, the skipped lines' errors are appended to it.
-    mirror: the directory of git mirrors for SWE rows without `repo_path`.
+    mirror: the directory of git mirrors for SWE rows without `repo_path` (default as
+      `load_swe_jsonl`'s).
     cache_dir: where checkouts of mirrored commits go.
     env_from, swebench_specs: where rows without an `environment` get one
       (`swe_task_from_dict`).
@@ -783,8 +846,8 @@ def load_tasks(path: str, skip_bad: bool = False, errors: Optional[list] = None,
   if path.endswith(".parquet"):
     return load_swe_parquet(path, skip_bad, errors, mirror=mirror, cache_dir=cache_dir,
                             env_from=env_from, swebench_specs=swebench_specs)
-  swe = _swe_parser(os.path.dirname(os.path.abspath(path)), mirror, cache_dir, env_from,
-                    swebench_specs)
+  swe = _swe_parser(os.path.dirname(os.path.abspath(path)), _file_mirror(path, mirror),
+                    cache_dir, env_from, swebench_specs)
 
   def parse(d):
     if isinstance(d, dict) and "FAIL_TO_PASS" in d:
@@ -807,7 +870,8 @@ def task_to_swe_dict(task: Task, repo_path: Optional[str] = None) -> dict:
            problem_statements=list(task.problem_statements),
            FAIL_TO_PASS=list(task.fail_to_pass), PASS_TO_PASS=list(task.pass_to_pass),
            test_command=task.test_command, test_patch=task.test_patch, timeout=task.timeout,
-           log_parser=f"parse_log_{task.test_runner}",
+           log_parser=(UNITTEST_PARSER if task.test_runner == "unittest"
+                       else f"parse_log_{task.test_runner}"),
            patch=reverse_patch(task.patch) if task.repo.startswith("swesmith/") else task.patch)
   for field, value in (("repo_path", repo_path or task.repo_path), ("rootfs", task.rootfs),
                        ("repo", task.repo), ("base_commit", task.base_commit),
@@ -830,133 +894,6 @@ def is_cache_path(path: str) -> bool:
   return any(p in _SKIP_DIRS for p in parts[:-1]) or parts[-1].endswith((".pyc", ".pyo"))
 
 
-def _check_rel(path: str, where: str) -> str:
-  parts = path.split("/")
-  if path.startswith("/") or ".." in parts or "\x00" in path or not path:
-    raise ValueError(f"{where}: unsafe path {path!r} (absolute, '..' or empty)")
-  return "/".join(p for p in parts if p not in ("", "."))
-
-
-_GIT_REF = re.compile(r"^[\w][\w./@+-]*$")  # a commit or branch name, never an option
-_REPO = re.compile(r"^[\w.-]+/[\w.-]+$")
-
-
-def find_mirror(mirror: str, repo: str) -> str:
-  """The git directory of `repo` ("owner/name") in a directory of mirrors.
-
-  Looked for, in order: MIRROR/owner__name.git, MIRROR/owner__name, MIRROR/owner/name.git,
-  MIRROR/owner/name; each a bare repository or a clone with a .git directory. The row's `repo`
-  names a path inside MIRROR (`envs.dataset_paths`: no "..", no symbolic link on the way), and
-  the repository must pass `envs.safe_git.check_repository` (owned by the user running this,
-  no linked config or objects, no alternates outside the folder holding it).
-
-  Args:
-    mirror: the directory of mirrors.
-    repo: the row's `repo`.
-
-  Returns:
-    The absolute git directory.
-
-  Raises:
-    ValueError: naming 'repo' (a malformed name, no mirror of it, or one that is refused).
-  """
-  if not _REPO.match(repo) or ".." in repo.split("/"):
-    raise ValueError(f"field 'repo': {repo!r}: expected 'owner/name'")
-  owner, name = repo.split("/")
-  mirror = os.path.abspath(os.path.expanduser(mirror))  # the caller's, not the row's
-  tried = []
-  for rel in (f"{owner}__{name}.git", f"{owner}__{name}", f"{owner}/{name}.git",
-              f"{owner}/{name}"):
-    tried.append(os.path.join(mirror, rel))
-    try:
-      path = dataset_paths.resolve(mirror, rel, f"field 'repo': {repo!r}: mirror", kind="dir")
-    except dataset_paths.MissingPath:
-      continue
-    try:
-      git_dir = safe_git.find_git_dir(path)
-    except safe_git.RepositoryError as e:
-      if os.path.lexists(os.path.join(path, ".git")):  # a linked or file .git: refused
-        raise ValueError(f"field 'repo': {repo!r}: {e}") from None
-      continue  # a folder that is no repository (e.g. MIRROR/owner holding owner/name)
-    try:
-      return safe_git.check_repository(git_dir)
-    except safe_git.RepositoryError as e:
-      raise ValueError(f"field 'repo': {repo!r}: {e}") from None
-  raise ValueError(f"field 'repo': {repo!r}: no git mirror of it (looked for {', '.join(tried)})")
-
-
-def resolve_commit(git_dir: str, ref: str) -> str:
-  """The full commit id of `ref` (a commit id, possibly abbreviated, or a branch) in a mirror.
-
-  A branch is also looked for as origin/BRANCH (a clone keeps the remote's branches there).
-
-  Raises:
-    ValueError: naming 'base_commit' (malformed, or not in the mirror).
-  """
-  if not _GIT_REF.match(ref) or ".." in ref:
-    raise ValueError(f"field 'base_commit': {ref!r}: expected a commit id or branch name")
-  for candidate in (ref, f"origin/{ref}"):
-    commit = safe_git.rev_parse(git_dir, candidate)
-    if commit:
-      return commit
-  raise ValueError(f"field 'base_commit': {ref!r}: no such commit in the mirror {git_dir}")
-
-
-def _smith_test_patch(git_dir: str, commit: str) -> str:
-  """SWE-smith's test patch: when `commit` is its "Remove F2P Tests" commit, the diff that
-  brings the failing tests back from its parent (the "Bug Patch" commit); else ""."""
-  if safe_git.commit_header(git_dir, commit)[0] != _SMITH_REMOVAL:
-    return ""
-  return safe_git.git(git_dir, "-c", "core.quotePath=false", "diff-tree", "-r", "-p",
-                      "--no-color", "--no-ext-diff", "--no-textconv", "--no-renames",
-                      "--src-prefix=a/", "--dst-prefix=b/", commit, f"{commit}~1", "--"
-                      ).decode("utf-8", errors="replace")
-
-
-def checkout(git_dir: str, commit: str, cache_dir: str, repo: str) -> str:
-  """The files of `commit` in a cache directory keyed by (repo, commit), written once.
-
-  The tree is read with `envs.safe_git.tree_files` (exact blob bytes: no export-ignore, no
-  end-of-line or filter conversion); regular files only (symlinks and submodules are left
-  out, as `load_repo_files` would). It is written to a temporary directory that is renamed
-  into place, so concurrent or interrupted checkouts never leave a partial tree.
-
-  Args:
-    git_dir: the mirror's git directory.
-    commit: a full commit id in it.
-    cache_dir: the cache's root.
-    repo: "owner/name" (the cache's subdirectory is owner__name).
-
-  Returns:
-    The checkout's directory.
-
-  Raises:
-    GitError: git failed.
-    ValueError: the repository is refused (`envs.safe_git.check_repository`) or holds a path
-      that is not safe.
-  """
-  parent = os.path.join(cache_dir, repo.replace("/", "__"))
-  final = os.path.join(parent, commit)
-  if os.path.isdir(final):
-    return final
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
-  try:
-    for mode, path, data in safe_git.tree_files(git_dir, commit):
-      target = os.path.join(tmp, _check_rel(path, f"{repo}@{commit}"))
-      os.makedirs(os.path.dirname(target), exist_ok=True)
-      with open(target, "wb") as f:
-        f.write(data)
-      os.chmod(target, 0o755 if mode == "100755" else 0o644)
-    try:
-      os.rename(tmp, final)
-    except OSError:
-      if not os.path.isdir(final):  # not another process's finished checkout: a real error
-        raise
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
-  return final
-
 
 def repo_dir(task: Task) -> str:
   """The directory or tarball holding a "swe" task's repository: its `repo_path`, or the
@@ -971,7 +908,7 @@ def repo_dir(task: Task) -> str:
   if not (task.mirror and task.base_commit):
     raise ValueError(f"Task {task.instance_id!r}: repo_path=None: this task has no repository")
   return checkout(task.mirror, task.base_commit, task.cache_dir or os.path.expanduser(
-      "~/.cache/arbor/swe"), task.repo or "unknown/repo")
+      DEFAULT_CACHE), task.repo or "unknown/repo")
 
 
 def load_repo_files(task_or_path) -> dict[str, bytes]:

@@ -648,7 +648,7 @@ def test_test_commands_and_log_parsers():
   with pytest.raises(ValueError, match=r"log_parser='parse_log_jest'"):
     synth.parse_test_command("python3 runtests.py", "parse_log_jest")
   with pytest.raises(ValueError, match=r"test_command: .*python -m MODULE"):
-    synth.parse_test_command("python3 -m unittest -v", "parse_log_django")
+    synth.parse_test_command("python3 -m nose2 -v", "parse_log_django")
   with pytest.raises(ValueError, match=r"test_command: .*reads pytest logs"):
     synth.parse_test_command("python3 runtests.py", "parse_log_pytest")
   c = synth.parse_test_command("PYTHONHASHSEED=0 python3 runtests.py -v", "parse_log_django")

@@ -13,6 +13,8 @@ table (`envs.tasks.LOG_PARSERS`):
   the repository) whose log a named parser reads: "parse_log_django" for unittest's verbose
   format (Django's tests/runtests.py, or any script running unittest with verbosity 2),
   "parse_log_sympy" for sympy's bin/test. Statuses and test ids are the parser's.
+- unittest ("[NAME=VALUE ...] python3 -m unittest [ARGS]", log parser "parse_log_django" by
+  default and the only one it takes): the verifier runs `python3 -m unittest -v ARGS`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import time
 from typing import Awaitable, Callable, Mapping, Optional, Sequence, Union
 
 from envs.sandbox import Sandbox
-from envs.tasks import LOG_PARSERS, pytest_command, script_command
+from envs.tasks import (LOG_PARSERS, UNITTEST_PARSER, is_unittest_command, pytest_command,
+                        script_command, unittest_command)
 from envs.verifiers.swe import RUNNER_FILES, RunResult, junit_key, run_log_tests, run_pytest
 
 # make_sandbox() -> a fresh sandbox, or an awaitable of one.
@@ -60,7 +63,7 @@ class TestCommand:
   @property
   def runner_files(self) -> tuple[str, ...]:
     """Files of the runner itself (never mutated; the verifier restores them like tests)."""
-    if self.runner == "pytest":
+    if self.runner in ("pytest", "unittest"):  # unittest's runner is the standard library's
       return ()
     return (self.script, *RUNNER_FILES.get(self.runner, ()))
 
@@ -83,21 +86,25 @@ def parse_test_command(command: str, log_parser: str = "") -> TestCommand:
 
   Args:
     command: the user's command, run in the repository's root.
-    log_parser: a swebench log parser name; "" infers "parse_log_pytest" for a pytest command.
+    log_parser: a swebench log parser name; "" infers "parse_log_pytest" for a pytest command
+      and "parse_log_django" for a `python3 -m unittest` one.
 
   Returns:
     The command (for pytest, with "-rA" added after "pytest" when it has no -r option).
 
   Raises:
-    ValueError: naming `log_parser` (unknown, or missing for a command that is not pytest) or
-      `test_command` (one the verifier cannot run with that parser, or whose -r option hides
-      passing tests from the log).
+    ValueError: naming `log_parser` (unknown, or missing for a command that is neither pytest
+      nor unittest) or `test_command` (one the verifier cannot run with that parser, or whose
+      -r option hides passing tests from the log).
   """
   try:
     words = shlex.split(command)
   except ValueError as e:
     raise ValueError(f"test_command={command!r}: {e}") from None
   is_pytest = words[:1] in (["pytest"], ["py.test"]) or words[1:3] == ["-m", "pytest"]
+  unittest = is_unittest_command(command)
+  if not log_parser and unittest:
+    log_parser = UNITTEST_PARSER
   if not log_parser:
     if not is_pytest:
       raise ValueError(f"log_parser='': test_command={command!r} is not a pytest command; name "
@@ -108,6 +115,9 @@ def parse_test_command(command: str, log_parser: str = "") -> TestCommand:
     raise ValueError(f"log_parser={log_parser!r}: expected one of {sorted(LOG_PARSERS)} (the "
                      "Python parsers of swebench's table that the verifier can grade)")
   runner = LOG_PARSERS[log_parser]
+  if unittest and log_parser == UNITTEST_PARSER:
+    env, python, args = unittest_command(command)
+    return TestCommand(command, log_parser, "unittest", python, tuple(args), "", env)
   if runner == "pytest":
     try:
       python, args = pytest_command(command)
@@ -127,8 +137,8 @@ def parse_test_command(command: str, log_parser: str = "") -> TestCommand:
   try:
     env, python, script, args = script_command(command)
   except ValueError as e:
-    module = " (a 'python -m MODULE' command is not one: the verifier starts log-parsed runs " \
-             "only from a script inside the repository)" if "-m" in words else ""
+    module = " (of 'python -m MODULE' commands the verifier runs 'python3 -m unittest' only, " \
+             f"read by {UNITTEST_PARSER!r})" if "-m" in words else ""
     raise ValueError(f"test_command: log_parser={log_parser!r} reads the log of a runner script "
                      f"of the repository{module}: {e}") from None
   return TestCommand(command, log_parser, runner, python, tuple(args), script, env)

@@ -15,6 +15,11 @@ Where the statuses come from depends on the task's `test_runner`:
   run they read from it the statuses the JUnit report gave, but only the report is trusted.
 - django / sympy: the log of the repository's own runner (tests/runtests.py, bin/test), parsed
   as SWE-bench parses it (`swe_logs.parse_django_log`, `parse_sympy_log`).
+- unittest (a test command `[NAME=VALUE ...] PYTHON -m unittest [ARGS]`): the log of
+  `PYTHON -m unittest -v ARGS` ("-v" after a leading "discover"), parsed by SWE-bench's django
+  parser (unittest's verbose lines are Django's: "test_x (pkg.tests.test_a.TestA.test_x) ... ok"
+  on Python >= 3.11, "test_x (pkg.tests.test_a.TestA) ... ok" before). The test ids' modules
+  are the task's test files.
 
 `verify_tests` gives the reward; `grade_submission` the same verification with the run's log
 and where it stopped (`Outcome`), for graders of predictions (`envs.evaluate`). A run that cannot
@@ -23,20 +28,26 @@ start because the sandbox has no interpreter or no pytest says so (`RunResult.ca
 
 Threat model of `verify_tests`. The agent controls the files it submits, and its code runs in
 the same sandbox, and in the same Python process, as the test runner. Defences:
-1. What is applied: test files (those named by the task's test ids and test patch, the runner's
-   own files, and any path matching test patterns: test_*.py, *_test.py, tests.py, tests/,
-   test/, testing/) are restored from the original, new ones dropped; changes to conftest.py,
+1. What is applied: test files (those named by the task's test ids and test patch, the runner's own
+   files, and any path matching test patterns: test_*.py, *_test.py, tests.py, tests/, test/,
+   testing/) are restored from the original, new ones dropped; changes to conftest.py,
    pytest.ini/.pytest.ini/tox.ini/setup.cfg/pyproject.toml/setup.py, sitecustomize.py,
-   usercustomize.py and *.pth are refused: reward 0 with the reason. Byte-code caches (an
-   unchecked-hash .pyc replaces its source) and package metadata (*.dist-info, *.egg-info:
-   entry points can load pytest plugins) are dropped.
+   usercustomize.py and *.pth are refused: reward 0 with the reason. So are changes to a
+   unittest.py, unittest/ or unittest extension module at the workspace root: `python -m unittest`
+   (and test code importing unittest, which pytest consults) would import it in place of the
+   standard library's unittest, since `-m` puts the working directory first on sys.path. Byte-code
+   caches (an unchecked-hash .pyc replaces its source) and package metadata (*.dist-info,
+   *.egg-info: entry points can load pytest plugins) are dropped.
 2. How the tests start: a trusted runner arrives on stdin (`python3 -I -B -`), so neither argv
    nor the environment shows its nonce. The pytest runner imports pytest and all its built-in
    plugins BEFORE the workspace joins sys.path (a `pytest.py` or `xml/` in the repo cannot
    shadow them), disables plugin auto-loading, and passes `--rootdir` so node ids are stable.
    The log runner makes itself non-dumpable (other processes of the sandbox's uid cannot read
-   its memory or file descriptors) and starts the repository's runner as a child process whose
-   stdout and stderr go to a memfd.
+   its memory or file descriptors) and starts the repository's runner (or `python -m unittest
+   -v`) as a child process whose stdout and stderr go to a memfd. The unittest child runs
+   without -P (Python >= 3.11 only), which would keep the working directory off sys.path and
+   so leave the test modules that a command names unimportable: the refusal in 1. is what
+   keeps the standard library's unittest the runner.
 3. The results: right after the tests return, the runner hashes the report and the log, copies
    them into the workspace under random names, prints one line "NONCE rc sha256 size sha256
    size" (the nonce is random per run) to its saved stdout, and leaves with `os._exit` (no
@@ -48,33 +59,34 @@ the same sandbox, and in the same Python process, as the test runner. Defences:
    not trusted.
 4. After the run, the test modules, runner, conftest and config files in the sandbox must still
    be byte-identical to what was written (code that rewrites tests on disk gets 0).
-Residual risk: code under test runs inside the test runner's process. With pytest it could, by
-a targeted attack on this runner (reading the nonce from the interpreter's memory, patching
-pytest objects), forge a result; no in-process reporter can prevent that. With the django and
-sympy runners the risk is larger and simpler: the log is the runner's own output, which the
-code under test shares, so code that prints fake "... ok" lines and then exits with status 0,
-or that replaces sys.stdout to hide failures, is graded on what it printed (SWE-bench's
-grading has the same weakness). Restored tests and runner files mean such code must sit in the
-non-test files of the submission, where a reviewer of the diff sees it; prefer pytest tasks for
-RL where the choice exists. Generated tests compare with exact types, so objects whose __eq__
-always answers True fail them.
+Residual risk: code under test runs inside the test runner's process. With pytest it could, by a
+targeted attack on this runner (reading the nonce from the interpreter's memory, patching pytest
+objects), forge a result; no in-process reporter can prevent that. With the django, sympy and
+unittest runners the risk is larger and simpler: the log is the runner's own output, which the code
+under test shares, so code that prints fake "... ok" lines and then exits with status 0, or that
+replaces sys.stdout to hide failures, is graded on what it printed (SWE-bench's grading has the
+same weakness). Likewise a top-level module of the workspace named like a standard-library module
+that unittest imports after the working directory joins sys.path (difflib, say) loads in its place:
+code of the submission running in the runner's process, no more than code under test can do.
+Restored tests and runner files mean such code must sit in the non-test files of the submission,
+where a reviewer of the diff sees it; prefer pytest tasks for RL where the choice exists. Generated
+tests compare with exact types, so objects whose __eq__ always answers True fail them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import re
-import secrets
-import shlex
-import xml.etree.ElementTree as ET
-from typing import Mapping, Optional, Sequence, Union
+from typing import Collection, Mapping, Optional, Sequence, Union
 
 from envs.sandbox.base import Sandbox
 from envs.tasks import Task, apply_patch, is_cache_path, load_repo_files, patch_files
 from envs.verifiers import swe_logs
 from envs.verifiers.base import SandboxFactory, Verdict, start_sandbox
+# The runners live in swe_run; their names stay importable from here.
+from envs.verifiers.swe_run import (LOG_TAIL, RUN_FAILURES, PytestRun, RunResult,  # noqa: F401
+                                    junit_key, parse_junit, run_log_tests, run_pytest)
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +96,10 @@ CONFIG_FILES = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini",
 TEST_DIRS = frozenset({"test", "tests", "testing"})
 # Runner code outside the test patterns, restored like tests (besides the command's script).
 RUNNER_FILES = {"sympy": ("bin/test", "sympy/utilities/runtests.py")}
-LOG_TAIL = 3000  # bytes of the tests' output kept in details (debugging only, never scored)
+# What `python -m unittest` would import from the workspace root instead of the standard
+# library's unittest: a module, a package or an extension module (.pyc caches are dropped).
+_UNITTEST_SHADOW = re.compile(r"unittest(/.+|\.pyc?|(\.[\w-]+)?\.so)")
+_UNITTEST_ID = re.compile(r"\(([\w.]+)\)$")  # "test_x (pkg.tests.test_a.TestA[.test_x])"
 
 
 async def workspace_files(sandbox: Sandbox) -> dict[str, bytes]:
@@ -109,19 +124,52 @@ async def workspace_files(sandbox: Sandbox) -> dict[str, bytes]:
   return files
 
 
-def task_test_files(task: Task) -> set[str]:
-  """Files the task names as tests: modules of its pytest ids, files of its test patch, and the
-  test runner's own files (Django's tests/runtests.py, sympy's bin/test and its runner module).
+def unittest_test_files(test_ids: Sequence[str],
+                        paths: Optional[Collection[str]] = None) -> set[str]:
+  """The modules of unittest's verbose test names ("test_x (pkg.tests.test_a.TestA.test_x)" or
+  "test_x (pkg.tests.test_a.TestA)"; a docstring line names no module).
+
+  Args:
+    test_ids: the names.
+    paths: the repository's files: each name's module is the longest dotted prefix that is
+      one of them (pkg/tests/test_a.py or pkg/tests/test_a/__init__.py). None: every
+      prefix's .py path (a superset).
+
+  Returns:
+    Workspace-relative paths.
+  """
+  out = set()
+  for test in test_ids:
+    m = _UNITTEST_ID.search(test)
+    parts = m.group(1).split(".") if m else []
+    for i in range(len(parts), 0, -1):
+      base = "/".join(parts[:i])
+      found = [f for f in (f"{base}.py", f"{base}/__init__.py") if paths is None or f in paths]
+      out.update(found[:1])
+      if found and paths is not None:
+        break
+  return out
+
+
+def task_test_files(task: Task, paths: Optional[Collection[str]] = None) -> set[str]:
+  """Files the task names as tests: modules of its pytest ids or unittest names, files of its
+  test patch, and the test runner's own files (Django's tests/runtests.py, sympy's bin/test and
+  its runner module; `python -m unittest` has none in the repository).
 
   Args:
     task: a "swe" task.
+    paths: the repository's files, which tell a unittest name's module exactly
+      (`unittest_test_files`; None: every candidate).
 
   Returns:
     Workspace-relative paths.
   """
   files = set(patch_files(task.test_patch))
+  tests = task.fail_to_pass + task.pass_to_pass
   if task.test_runner == "pytest":
-    files |= {i.split("::", 1)[0] for i in task.fail_to_pass + task.pass_to_pass}
+    files |= {i.split("::", 1)[0] for i in tests}
+  elif task.test_runner == "unittest":
+    files |= unittest_test_files(tests, paths)
   else:
     files.add(task.script_command()[2])
     files |= set(RUNNER_FILES.get(task.test_runner, ()))
@@ -153,13 +201,17 @@ def refused_reason(path: str) -> Optional[str]:
     path: a workspace-relative path.
 
   Returns:
-    The reason, or None when a change to it may be applied.
+    The reason, or None when a change to it may be applied (refused: the CONFIG_FILES, *.pth,
+    and unittest.py, unittest/ or a unittest extension module at the workspace root).
   """
   parts = path.split("/")
   if parts[-1] in CONFIG_FILES:
     return f"{path}: changes to {parts[-1]} are refused (test configuration / start-up code)"
   if parts[-1].endswith(".pth"):
     return f"{path}: .pth files are refused (they run code at interpreter start)"
+  if _UNITTEST_SHADOW.fullmatch(path):
+    return (f"{path}: a unittest module or package at the workspace root is refused (it would "
+            "replace the standard library's unittest, the test runner)")
   return None
 
 
@@ -225,7 +277,7 @@ def merge_submission(task: Task, original: Mapping[str, bytes],
       final[_safe_path(p)] = content.encode() if isinstance(content, str) else content
       if not isinstance(final[p], bytes):
         raise Refused(f"content of {p!r}: expected bytes or str, got {type(content).__name__}")
-  task_files = task_test_files(task)
+  task_files = task_test_files(task, original)
   applied, restored, ignored = [], [], []
   for p in sorted(set(original) | set(final)):
     if original.get(p) == final.get(p):
@@ -248,297 +300,6 @@ def merge_submission(task: Task, original: Mapping[str, bytes],
   if task.test_patch:
     files = apply_patch(files, task.test_patch)  # a broken test patch is the task's bug: raise
   return files, {"applied": applied, "restored": restored, "ignored": ignored}
-
-
-def junit_key(node_id: str) -> tuple[str, str]:
-  """The (classname, name) that pytest's JUnit report gives a test.
-
-  "tests/test_a.py::TestX::test_y[1-2]" -> ("tests.test_a.TestX", "test_y[1-2]").
-
-  Args:
-    node_id: a pytest node id.
-
-  Returns:
-    (classname, name).
-  """
-  path, bracket, params = node_id.partition("[")
-  names = path.split("::")
-  names[0] = re.sub(r"\.py$", "", names[0].replace("/", "."))
-  names[-1] += bracket + params
-  return ".".join(names[:-1]), names[-1]
-
-
-_XPASS_MESSAGE = "xfail-marked test passes unexpectedly"  # older pytest's xpass element
-_RANK = {swe_logs.PASSED: 0, swe_logs.XFAIL: 1, swe_logs.XPASS: 1, swe_logs.SKIPPED: 1,
-         swe_logs.XFAIL_UNMARKED: 2, swe_logs.FAILED: 2, swe_logs.ERROR: 3}
-
-
-def parse_junit(xml: bytes) -> dict[tuple[str, str], str]:
-  """The per-test statuses of a JUnit XML report (pytest's, with the runner's properties).
-
-  A test reported more than once (e.g. a passing call and a failing teardown) takes the worst.
-
-  Args:
-    xml: the report.
-
-  Returns:
-    {(classname, name): status}, status one of passed | failed | error | skipped | xfail |
-    xpass | xfail_unmarked (see `envs.verifiers.swe_logs`).
-
-  Raises:
-    ValueError: the root element is not testsuites / testsuite.
-  """
-  root = ET.fromstring(xml)
-  if root.tag not in ("testsuites", "testsuite"):
-    raise ValueError(f"not a JUnit report: root element <{root.tag}>")
-  out: dict[tuple[str, str], str] = {}
-  for case in root.iter("testcase"):
-    children = {child.tag: child for child in case}
-    outcome = {p.get("name"): p.get("value") for p in case.iter("property")}.get(
-        "arbor_outcome")
-    skipped = children.get("skipped")
-    if "error" in children:
-      status = swe_logs.ERROR
-    elif "failure" in children:
-      status = swe_logs.FAILED
-    elif skipped is not None and skipped.get("message") == _XPASS_MESSAGE:
-      status = swe_logs.XPASS
-    elif skipped is not None and skipped.get("type") == "pytest.xfail":
-      status = swe_logs.XFAIL_UNMARKED if outcome == "xfail_unmarked" else swe_logs.XFAIL
-    elif skipped is not None:
-      status = swe_logs.SKIPPED
-    else:
-      status = swe_logs.XPASS if outcome == "xpass" else swe_logs.PASSED
-    key = (case.get("classname", ""), case.get("name", ""))
-    if _RANK[status] >= _RANK[out.get(key, swe_logs.PASSED)]:
-      out[key] = status
-  return out
-
-
-# The end of both runners: copy the report (pytest's JUnit XML, or None) and the log into the
-# workspace under random names and print their hashes under the nonce on the saved stdout.
-_FINISH = r'''
-def _copy(name, data):
-  fd = os.open(os.path.join(WS, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
-               0o600)
-  view = memoryview(data)
-  while view:
-    view = view[os.write(fd, view):]
-  os.close(fd)
-  return "%s %d" % (hashlib.sha256(data).hexdigest(), len(data))
-
-def _finish(rc, report, log_fd):
-  import sys
-  for stream in (sys.stdout, sys.stderr):  # what the tests printed is still in their buffers
-    try:
-      stream.flush()
-    except Exception:
-      pass
-  out = os.pread(log_fd, os.fstat(log_fd).st_size, 0)
-  report = _copy(COPY + "r", report) if report else "none 0"
-  line = "%s %d %s %s" % (NONCE, rc, report, _copy(COPY + "l", out))
-  os.write(OUT, out[-TAIL:] + ("\n" + line + "\n").encode())
-  os._exit(0)
-'''
-
-_PYTEST_RUNNER = r'''
-import hashlib, importlib, os, sys
-sys.dont_write_bytecode = True
-for _k in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS"):
-  os.environ.pop(_k, None)
-os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-import pytest, _pytest.config
-# Import pytest's own plugins now, while the workspace is not on sys.path yet.
-for _name in _pytest.config.default_plugins:
-  importlib.import_module("_pytest." + _name)
-import xml.etree.ElementTree
-WS = os.getcwd()
-
-class _Outcomes:
-  """Marks in the JUnit report what its elements cannot tell: an xfail test that passed, and
-  an xfail without an xfail marker (a pytest.xfail() call, which code under test can make)."""
-
-  @pytest.hookimpl(hookwrapper=True, tryfirst=True)
-  def pytest_runtest_makereport(self, item, call):
-    rep = (yield).get_result()
-    if not hasattr(rep, "wasxfail"):
-      return
-    if rep.when == "call" and rep.passed:
-      item.user_properties.append(("arbor_outcome", "xpass"))
-    elif rep.skipped and not (any(item.iter_markers("xfail")) if hasattr(item, "iter_markers")
-                              else item.get_marker("xfail")):  # pytest < 3.6
-      item.user_properties.append(("arbor_outcome", "xfail_unmarked"))
-
-# The report goes to an anonymous in-memory file: outside the repository, with no path on disk.
-_report = os.memfd_create("m")
-_log = os.memfd_create("l")
-OUT = os.dup(1)
-os.dup2(_log, 1)
-os.dup2(_log, 2)
-sys.path.insert(0, WS)
-try:
-  rc = int(pytest.main(ARGS + ["--rootdir", WS, "--junitxml", "/proc/self/fd/%d" % _report,
-                               "-p", "no:cacheprovider"], plugins=[_Outcomes()]))
-except BaseException:
-  rc = -1
-_finish(rc, os.pread(_report, os.fstat(_report).st_size, 0), _log)
-'''
-
-_LOG_RUNNER = r'''
-import ctypes, hashlib, os, subprocess
-try:  # PR_SET_DUMPABLE 0: the tests' processes cannot read this one's memory or descriptors
-  ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)
-except Exception:
-  pass
-WS = os.getcwd()
-OUT = 1
-_log = os.memfd_create("l")
-env = {**os.environ, **ENV, "PYTHONDONTWRITEBYTECODE": "1"}
-try:
-  rc = subprocess.Popen([PYTHON, SCRIPT] + ARGS, cwd=WS, stdin=subprocess.DEVNULL, stdout=_log,
-                        stderr=_log, env=env).wait()
-except OSError as e:
-  os.write(_log, ("cannot run %s: %s\n" % (SCRIPT, e)).encode())
-  rc = -1
-_finish(rc, None, _log)
-'''
-
-
-@dataclasses.dataclass
-class RunResult:
-  """One trusted test run: per-test statuses, or why there are none."""
-
-  statuses: dict  # pytest: {(classname, name): status}; log runners: {test name: status}
-  exit_code: Optional[int]
-  log: str                     # the output's tail (LOG_TAIL bytes)
-  error: Optional[str] = None  # set when there is no trustworthy result
-  output: str = ""             # the whole output (the log runners' statuses come from it)
-  cause: Optional[str] = None  # with `error`: one of RUN_FAILURES
-
-
-PytestRun = RunResult  # the name envs.verifiers exports
-
-# Why a run has no trustworthy result (`RunResult.cause`). "timeout" and "runner_missing" are
-# the environment's doing (no interpreter, or one without the test runner); the others may be
-# the submission's (code under test that kills the runner, floods its output or rewrites its
-# results).
-RUN_FAILURES = ("timeout", "runner_missing", "no_result", "unreadable", "changed", "no_report",
-                "bad_report")
-_NO_MODULE = re.compile(r"No module named '?([\w.]+)'?")
-
-
-def _missing_runner(python: str, exit_code: int, tail: str, runner: str) -> Optional[str]:
-  """Why the runner could not start in the sandbox, or None when that is not what happened.
-
-  The runner's own import comes first, before the workspace joins sys.path, so a missing
-  module here is the environment's (the submission's code has not run yet).
-  """
-  m = _NO_MODULE.search(tail)
-  if m and m.group(1).split(".")[0] in (runner, "_" + runner):
-    return (f"the test runner is missing from the sandbox: {python} cannot import {runner} "
-            f"(No module named {m.group(1)!r}); install it in the task's environment")
-  if exit_code == 127 or re.search(rf"{re.escape(python)}: (command )?not found", tail):
-    return (f"the sandbox has no {python!r} interpreter (exit status {exit_code}); the task's "
-            "environment must provide it")
-  return None
-
-
-async def _run(sandbox: Sandbox, python: str, program: str, timeout: float, runner: str,
-               **header) -> tuple[Optional[int], str, Optional[bytes], str,
-                                  Optional[tuple[str, str]]]:
-  """Runs a runner program fed on stdin; (rc, output, report, log tail, (cause, error))."""
-  nonce = secrets.token_hex(16)
-  copy = f".arbor-result-{secrets.token_hex(16)}"  # no .xml: generic sprayers pass it by
-  header.update(COPY=copy, NONCE=nonce, TAIL=LOG_TAIL)
-  code = "".join(f"{k} = {v!r}\n" for k, v in header.items()) + _FINISH + program
-  res = await sandbox.exec(f"{shlex.quote(python)} -I -B -", timeout=timeout, stdin=code)
-  lines = re.findall(rf"^{nonce} (-?\d+) ([0-9a-f]{{64}}|none) (\d+) ([0-9a-f]{{64}}) (\d+)$",
-                     res.stdout, re.M)
-  tail = res.stdout.split(nonce)[0][-LOG_TAIL:] + res.stderr[-LOG_TAIL:]
-  if res.timed_out:
-    return None, "", None, tail, ("timeout", f"the test run timed out after {timeout:g}s")
-  if len(lines) != 1:
-    missing = _missing_runner(python, res.exit_code, tail, runner) if not lines else None
-    if missing:
-      return res.exit_code, "", None, tail, ("runner_missing", missing)
-    return None, "", None, tail, ("no_result", "the test run did not finish (no result line "
-                                  "from the runner: it crashed, exited early, or its output was "
-                                  "flooded)")
-  rc, *hashes = lines[0]
-  data = {}
-  for suffix, digest, size in (("r", hashes[0], hashes[1]), ("l", hashes[2], hashes[3])):
-    if digest == "none":
-      data[suffix] = None
-      continue
-    try:
-      data[suffix] = await sandbox.read_file(copy + suffix)
-    except (OSError, ValueError) as e:  # PathError is a ValueError
-      return int(rc), "", None, tail, ("unreadable", f"the run's results could not be read: {e}")
-    if len(data[suffix]) != int(size) or hashlib.sha256(data[suffix]).hexdigest() != digest:
-      return int(rc), "", None, tail, ("changed", "the run's results were changed after the "
-                                       "run wrote them")
-  return int(rc), data["l"].decode("utf-8", errors="replace"), data["r"], tail, None
-
-
-async def run_pytest(sandbox: Sandbox, args: Sequence[str], timeout: float,
-                     python: str = "python3") -> RunResult:
-  """Runs pytest in a sandbox's workspace and reads its JUnit report (see the module docstring).
-
-  The log (`output`) is pytest's terminal output with "-rA" added to the arguments (the last
-  -r option wins), so its short summary names every passed, failed, erroring and xfail test as
-  SWE-bench's pytest log parser reads it; the statuses come from the JUnit report only.
-
-  Args:
-    sandbox: holds the files to test.
-    args: pytest's arguments (the task's test command without the interpreter).
-    timeout: seconds for the whole run.
-    python: the interpreter in the sandbox.
-
-  Returns:
-    The statuses {(classname, name): status}, or the reason there are none in `error` (and
-    its kind in `cause`).
-  """
-  rc, output, report, tail, failure = await _run(sandbox, python, _PYTEST_RUNNER, timeout,
-                                                 "pytest", ARGS=list(args) + ["-rA"])
-  if failure is None and report is None:
-    failure = ("no_report", "pytest wrote no JUnit report")
-  if failure is not None:
-    return RunResult({}, rc, tail, failure[1], output, failure[0])
-  try:
-    statuses = parse_junit(report)
-  except (ET.ParseError, ValueError) as e:
-    return RunResult({}, rc, tail, f"the JUnit report does not parse: {e}", output,
-                     "bad_report")
-  return RunResult(statuses, rc, tail, None, output)
-
-
-async def run_log_tests(sandbox: Sandbox, runner: str, script: str, args: Sequence[str],
-                        timeout: float, python: str = "python3",
-                        env: Optional[Mapping[str, str]] = None) -> RunResult:
-  """Runs a repository's own test runner script and parses its log (module docstring).
-
-  Args:
-    sandbox: holds the files to test.
-    runner: "django" or "sympy": which log format to parse.
-    script: the runner script, workspace-relative (tests/runtests.py, bin/test).
-    args: its arguments.
-    timeout: seconds for the whole run.
-    python: the interpreter in the sandbox.
-    env: variables set for the runner (e.g. PYTHONWARNINGS).
-
-  Returns:
-    The statuses {test name: status}, or the reason there are none in `error` (and its kind
-    in `cause`).
-  """
-  parse = swe_logs.LOG_PARSERS[runner]
-  # The log runner itself needs only the standard library: a missing interpreter is all that
-  # `_missing_runner` can find here ("python" never names a module).
-  rc, output, _, tail, failure = await _run(sandbox, python, _LOG_RUNNER, timeout, "python",
-                                            PYTHON=python, SCRIPT=script, ARGS=list(args),
-                                            ENV=dict(env or {}))
-  if failure is not None:
-    return RunResult({}, rc, tail, failure[1], output, failure[0])
-  return RunResult(parse(output), rc, tail, None, output)
 
 
 # How far `grade_submission` got (`Outcome.stage`).
@@ -619,7 +380,7 @@ async def grade_submission(task: Task, submission: Union[Mapping[str, Union[byte
       run = await run_log_tests(sandbox, task.test_runner, script, args, task.timeout, python,
                                 env)
     # Tests and configuration must be exactly what we wrote, whatever the run did on disk.
-    named = task_test_files(task)
+    named = task_test_files(task, files)
     guarded = [p for p in sorted(files) if p in named or p.rsplit("/", 1)[-1] in CONFIG_FILES]
     for path in guarded:
       try:

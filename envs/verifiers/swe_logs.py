@@ -1,4 +1,4 @@
-"""SWE-bench's grading rules, and the test logs of Django's and sympy's runners.
+"""SWE-bench's grading rules, and the test logs of Django's, sympy's and unittest's runners.
 
 Statuses are the lowercase names of swebench's `TestStatus`: passed, failed, skipped, error,
 xfail. Two more come from JUnit reports (`envs.verifiers.swe.parse_junit`) and are graded as
@@ -38,14 +38,16 @@ MISSING = "missing"  # what the details say for a test absent from the run's res
 SWEBENCH_STATUSES = frozenset({PASSED, FAILED, SKIPPED, ERROR, XFAIL})
 # The statuses SWE-bench's parser of each runner's log records under a test's name.
 PYTEST_RECORDED = frozenset({PASSED, FAILED, ERROR, XFAIL})
-RECORDED = {"pytest": PYTEST_RECORDED, "django": SWEBENCH_STATUSES, "sympy": SWEBENCH_STATUSES}
+RECORDED = {"pytest": PYTEST_RECORDED, "django": SWEBENCH_STATUSES, "sympy": SWEBENCH_STATUSES,
+            "unittest": SWEBENCH_STATUSES}
 _PASSING = frozenset({PASSED, XFAIL})
 
 
 # ----------------------------------------------------------------------------- Django
 
 
-# Verbose unittest lines of Django's tests/runtests.py: "NAME ... ok" (NAME is
+# Verbose unittest lines of Django's tests/runtests.py and of `python -m unittest -v` (the
+# same TextTestRunner): "NAME ... ok" (NAME is
 # "test_x (module.Class)", "test_x (module.Class.test_x)" on Python >= 3.11, or a docstring's
 # first line), "... skipped 'why'", "... FAIL", "... ERROR", and the "FAIL: NAME" /
 # "ERROR: NAME" headers of the tracebacks after the run.
@@ -62,7 +64,8 @@ _DJANGO_7188_PREFIX = "Applying sites.0002_alter_domain_unique...test_no_migrati
 
 
 def parse_django_log(log: str) -> dict[str, str]:
-  """Per-test statuses of a Django runtests.py log, as SWE-bench's django parser reads it.
+  """Per-test statuses of a Django runtests.py or `python -m unittest -v` log, as SWE-bench's
+  django parser reads it (an "expected failure" or "unexpected success" line is not recorded).
 
   Args:
     log: the runner's output (stdout and stderr together).
@@ -124,7 +127,7 @@ def parse_sympy_log(log: str) -> dict[str, str]:
 
 
 LOG_PARSERS: dict[str, Callable[[str], dict[str, str]]] = {
-    "django": parse_django_log, "sympy": parse_sympy_log}
+    "django": parse_django_log, "sympy": parse_sympy_log, "unittest": parse_django_log}
 
 
 # ----------------------------------------------------------------------------- grading
