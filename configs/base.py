@@ -227,6 +227,7 @@ def _data() -> ml_collections.ConfigDict:
   s.demo.error_rate = 0.25  # fraction of episodes with a failed (error-masked) tool call
   s.demo.early_submit_rate = 0.0  # fraction of episodes that submit without the fix
   s.demo.sandbox = "bwrap"  # where the scripted solver's tools run: "bwrap" | "local"
+  s.demo.environment = ""  # their sandboxes' environment: "" | a preset | a spec file (as rl.)
   return s
 
 

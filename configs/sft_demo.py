@@ -57,6 +57,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.demo.level = 0  # taskgen level: one planted bug, small repositories
   c.data.demo.error_rate = 0.25  # episodes with a failed tool call first (error-masked)
   c.data.demo.early_submit_rate = 0.5  # noisy demonstrator: episodes that submit unfixed
+  c.data.demo.environment = "bookworm-pytest"  # sandboxes: bookworm python3 + python3-pytest
   c.data.row_len = 2048  # a tree of 4 episodes (~1.7k tokens; one episode ~0.9k) fits a row
   c.data.rows_per_batch = 2  # rows per micro-batch
   c.data.max_seqs = 8  # trajectories per micro-batch at most

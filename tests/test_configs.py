@@ -362,3 +362,11 @@ def test_task_environment_fields_are_validated(field, value, match, tmp_path):
 def test_the_demo_runs_its_tasks_in_the_bookworm_pytest_environment():
   c = load("demo")
   assert (c.rl.rl.env_from, c.rl.rl.default_environment) == ("none", "bookworm-pytest")
+
+
+def test_the_demo_episodes_environment_is_validated(tmp_path):
+  c = load("sft_demo")
+  assert c.data.demo.environment == "bookworm-pytest"
+  c.data.demo.environment = "trixie"
+  with pytest.raises(ConfigError, match=r"^config\.data\.demo\.environment='trixie': expected"):
+    timed_validate(c, str(tmp_path / "w"))

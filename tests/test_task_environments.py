@@ -171,3 +171,25 @@ def test_a_folder_of_rows_becomes_tasks_with_environments(tmp_path):
                                   make_sandbox_factory("bwrap")))
   assert gold.reward == 1.0, gold.details
   assert f"pytest {BOOKWORM_PYTEST}" not in versions(tasks[0])  # PyPI's pytest, not Debian's
+
+
+def test_the_demos_sft_episodes_start_from_the_environment(bookworm_pytest, monkeypatch):
+  """configs/sft_demo.py (and the demo's SFT stage) records its scripted episodes with
+  data.demo.environment: the tools' and the tests' sandboxes start from its build. The pinned
+  losses of tests/test_sft.py::test_the_demo_sft_stage_computes_what_it_computed are those
+  episodes' (unchanged: same Python, same pytest)."""
+  from configs import sft_demo
+  from envs.chat import make_chat
+  from trainer import demo_data
+  env, rootfs = bookworm_pytest
+  assert sft_demo.get_config().data.demo.environment == "bookworm-pytest"
+  import envs.episode as episode
+  real, seen = episode.create_sandbox, []
+
+  async def recording(backend, **kw):
+    seen.append(kw.get("rootfs"))
+    return await real(backend, **kw)
+  monkeypatch.setattr(episode, "create_sandbox", recording)
+  chat = make_chat("chatml", demo_data.ByteTokenizer(["<|im_start|>", "<|im_end|>"]))
+  (t,) = demo_data.demo_trajectories(chat, 1, seed=3, verify=True, environment="bookworm-pytest")
+  assert t.reward == 1.0 and seen == [rootfs, rootfs]  # the agent's sandbox, the verifier's

@@ -604,6 +604,11 @@ def _validate_data(config, mode: str) -> None:
   _number(config, "data.demo.error_rate", 0.0, 1.0)
   _number(config, "data.demo.early_submit_rate", 0.0, 1.0)
   _choice(config, "data.demo.sandbox", demo_data.SANDBOXES)
+  try:
+    task_environments.default_environment(_str(config, "data.demo.environment"),
+                                          "data.demo.environment")
+  except ValueError as e:
+    raise ConfigError(f"config.{e}") from None
   if mode == "sft" and not config.data.sources and not config.data.demo.episodes:
     raise ConfigError("config.data.sources=(): no training data; give files or set "
                       "data.demo.episodes > 0 (generated demo episodes)")

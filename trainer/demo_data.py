@@ -42,6 +42,7 @@ from envs import aio
 from envs.chat.formats import ChatFormat, make_chat
 from envs.episode import make_sandbox_factory
 from envs.scaffold import ScaffoldConfig, ScriptedPolicy, run_episode
+from envs import task_environments
 from envs.taskgen import write_tasks
 from envs.tasks import Task, load_repo_files
 from envs.tools import default_tools
@@ -195,7 +196,7 @@ def demo_trajectories(chat: ChatFormat, n: int, *, level: int = 0, seed: int = 0
                       start: int = 0, split: Optional[str] = None, error_rate: float = 0.0,
                       early_submit_rate: float = 0.0, sandbox: str = "bwrap",
                       config: ScaffoldConfig = DEMO_SCAFFOLD, verify: bool = False,
-                      concurrency: int = 4) -> list[Trajectory]:
+                      concurrency: int = 4, environment: str = "") -> list[Trajectory]:
   """Scripted episodes on the taskgen tasks (level, seed, start..start+n-1), in task order.
 
   Every call's input extends the previous call's input + output (the scaffold never
@@ -214,6 +215,9 @@ def demo_trajectories(chat: ChatFormat, n: int, *, level: int = 0, seed: int = 0
     config: the scaffold's limits (turns, tokens, timeout).
     verify: reward from the `tests` verifier (a second sandbox runs pytest: ~15x slower).
     concurrency: episodes run at once.
+    environment: the environment the sandboxes start from: "" (the backend's own root), a
+      preset or a spec file (`envs.task_environments.default_environment`); built (or found
+      in the cache) before the first episode.
 
   Returns:
     The trajectories. metadata: "messages" and "tools" (the transcript as a chat record, see
@@ -221,7 +225,7 @@ def demo_trajectories(chat: ChatFormat, n: int, *, level: int = 0, seed: int = 0
     0.0 with verified=False.
 
   Raises:
-    ValueError: an unknown sandbox or a rate outside [0, 1].
+    ValueError: an unknown sandbox or environment, or a rate outside [0, 1].
     RuntimeError: an episode did not end with a submit.
   """
   if sandbox not in SANDBOXES:
@@ -230,7 +234,10 @@ def demo_trajectories(chat: ChatFormat, n: int, *, level: int = 0, seed: int = 0
     if not 0.0 <= rate <= 1.0:
       raise ValueError(f"{name}={rate!r}: expected a probability in [0, 1]")
   with tempfile.TemporaryDirectory(prefix="arbor-demo-tasks-") as d:
-    tasks = write_tasks(d, n, level, seed, start, split=split)
+    tasks = task_environments.with_environments(
+        write_tasks(d, n, level, seed, start, split=split),
+        default=task_environments.default_environment(environment, "environment"))
+    task_environments.build_all(tasks[:1], sandbox)
 
     async def run_all():
       limit = asyncio.Semaphore(concurrency)

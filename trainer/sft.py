@@ -94,7 +94,8 @@ def prepare_demo(config: ml_collections.ConfigDict, workdir: str) -> None:
     trajectories = demo_trajectories(chat, n, level=demo.level, seed=demo.seed, split=split,
                                      error_rate=demo.error_rate,
                                      early_submit_rate=demo.early_submit_rate,
-                                     sandbox=demo.sandbox)
+                                     sandbox=demo.sandbox,
+                                     environment=demo.get("environment", ""))
     write_jsonl(os.path.join(workdir, "data", name), [chat_record(t) for t in trajectories])
     metrics.say("sft", f"recorded {n} demo episodes in {os.path.join(workdir, 'data', name)} "
          f"({time.perf_counter() - t0:.1f}s)")
