@@ -67,6 +67,7 @@ import traceback
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from envs import tasks as tasks_lib
+from envs.episode import make_sandbox_factory
 from envs.sandbox import Limits, SandboxError
 from envs.grading.patch import apply_prediction
 from envs.grading.predictions import PredictionError, load_predictions  # noqa: F401 (API)
@@ -484,7 +485,6 @@ def main(argv: Optional[Sequence[str]] = None,
       print(f"error: --{flag}={getattr(args, flag)}: expected a positive number of MiB",
             file=sys.stderr)
       return 2
-  from envs.episode import make_sandbox_factory  # the sandbox backends, loaded when run
   try:
     tasks = load_dataset(args.dataset, args.env_from)
     # As swebench's: the gold predictions of --instance_ids are those rows' only.

@@ -91,6 +91,9 @@ from envs.safe_git import GitError  # noqa: F401  (re-exported: git failed on a 
 from envs.swe_mirror import (DEFAULT_CACHE, check_rel as _check_rel, checkout,  # noqa: F401
                              dataset_mirror, find_mirror, resolve_commit,
                              smith_test_patch as _smith_test_patch)
+# A task's repository as files lives in envs.repo_files; its names stay importable from here.
+from envs.repo_files import is_cache_path, load_repo_files, repo_dir  # noqa: F401
+from envs.environments import sources as env_sources
 
 log = logging.getLogger(__name__)
 
@@ -617,11 +620,10 @@ def _environment(d: Mapping, env_from: str, specs: Any, repo_path: Optional[str]
     return env_spec.from_dict(d["environment"], "field 'environment'")
   if env_from == "none":
     return None
-  from envs.environments import sources  # reads the repository's files: only when asked
-  if env_from not in sources.SOURCES:
-    raise ValueError(f"env_from={env_from!r}: expected one of {sources.ENV_FROM}")
+  if env_from not in env_sources.SOURCES:
+    raise ValueError(f"env_from={env_from!r}: expected one of {env_sources.ENV_FROM}")
   files = load_repo_files(repo_path) if repo_path is not None else None
-  return sources.SOURCES[env_from](dict(d, base_commit=base_commit), files=files,
+  return env_sources.SOURCES[env_from](dict(d, base_commit=base_commit), files=files,
                                    git_dir=git_dir, specs=specs)
 
 
@@ -881,76 +883,6 @@ def task_to_swe_dict(task: Task, repo_path: Optional[str] = None) -> dict:
   if task.environment is not None:
     d["environment"] = task.environment.to_dict()
   return d
-
-
-# ----------------------------------------------------------------------------- repositories
-
-_SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", ".hg", ".svn"}
-
-
-def is_cache_path(path: str) -> bool:
-  """Byte-code and tool caches: never part of a task or of an agent's change."""
-  parts = path.split("/")
-  return any(p in _SKIP_DIRS for p in parts[:-1]) or parts[-1].endswith((".pyc", ".pyo"))
-
-
-
-def repo_dir(task: Task) -> str:
-  """The directory or tarball holding a "swe" task's repository: its `repo_path`, or the
-  checkout of `base_commit` from its mirror (made on first use, then reused).
-
-  Raises:
-    ValueError: the task has no repository.
-    GitError: the checkout failed.
-  """
-  if task.repo_path:
-    return task.repo_path
-  if not (task.mirror and task.base_commit):
-    raise ValueError(f"Task {task.instance_id!r}: repo_path=None: this task has no repository")
-  return checkout(task.mirror, task.base_commit, task.cache_dir or os.path.expanduser(
-      DEFAULT_CACHE), task.repo or "unknown/repo")
-
-
-def load_repo_files(task_or_path) -> dict[str, bytes]:
-  """The snapshot's regular files as {relative path: bytes} (caches and .git left out).
-
-  Symlinks and special files are skipped: the sandbox file API writes regular files only. A
-  directory is read with descriptors (`envs.dataset_paths.read_tree`), so no link inside it is
-  ever followed.
-
-  Args:
-    task_or_path: a Task (its `repo_dir`), or a path to a directory or a .tar / .tar.gz /
-      .tgz archive.
-
-  Raises:
-    ValueError: the task has no repository, the path is neither a directory nor a tar archive,
-      or an archive member has an unsafe path.
-    GitError: checking a mirrored commit out failed.
-  """
-  path = repo_dir(task_or_path) if isinstance(task_or_path, Task) else task_or_path
-  if path is None:
-    raise ValueError("repo_path=None: this task has no repository")
-  if os.path.isdir(path):
-    return dataset_paths.read_tree(path, "", f"repo_path={path!r}", skip_dirs=_SKIP_DIRS,
-                                   keep=lambda rel: not is_cache_path(rel))
-  files: dict[str, bytes] = {}
-  try:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-  except OSError as e:
-    raise ValueError(f"repo_path={path!r}: not a directory or tar archive ({e.strerror})"
-                     ) from None
-  with os.fdopen(fd, "rb") as f:
-    if not (stat.S_ISREG(os.fstat(fd).st_mode) and tarfile.is_tarfile(f)):
-      raise ValueError(f"repo_path={path!r}: not a directory or tar archive")
-    f.seek(0)
-    with tarfile.open(fileobj=f) as tar:
-      for m in tar:
-        if not m.isfile():
-          continue
-        rel = _check_rel(m.name, f"repo_path={path!r}")
-        if not is_cache_path(rel):
-          files[rel] = tar.extractfile(m).read()
-  return files
 
 
 # ----------------------------------------------------------------------------- unified diffs

@@ -254,6 +254,12 @@ def test_swebench_table_for_real_repositories(swebench_table, tmp_path):
   again = tasks_lib.swe_task_from_dict(tasks_lib.task_to_swe_dict(task), mirror=str(mirror),
                                        cache_dir=str(tmp_path / "c"))
   assert again.environment == env
+  # the repository's own metadata, read at environment_setup_commit from the mirror (whose top
+  # level holds directories too), installed on base_commit
+  own = tasks_lib.swe_task_from_dict(row, mirror=str(mirror), cache_dir=str(tmp_path / "c"),
+                                     env_from="repository").environment
+  assert "blinker>=1.6.2" in own.pip and "pytest" in own.pip
+  assert own.repository == f"pallets/flask@{base_commit}"
 
   sk = sources.from_swebench({"repo": "scikit-learn/scikit-learn", "version": "0.20",
                               "base_commit": "abcdef0"}, specs=swebench_table, files={})

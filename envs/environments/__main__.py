@@ -18,6 +18,7 @@ import json
 import logging
 import sys
 
+from envs import tasks as tasks_lib
 from envs.environments import build, sources, spec
 
 
@@ -44,7 +45,6 @@ def main(argv=None) -> int:
     if a.spec:
       items = [(spec.load_file(a.spec), a.repo)]
     else:
-      from envs import tasks as tasks_lib
       loaded = tasks_lib.load_tasks(a.tasks, mirror=a.mirror, env_from=a.env_from,
                                     swebench_specs=a.specs)
       items = [(t.environment, t) for t in loaded if t.environment is not None]

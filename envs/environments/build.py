@@ -43,6 +43,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from envs import repo_files
 from envs.environments import cache, debian
 from envs.environments.spec import Environment
 
@@ -383,12 +384,11 @@ def for_task(task, backend: str, cache_dir: Optional[str] = None,
   make = rootfs if backend == "bwrap" else docker_image
   if not env.install:
     return make(env, None, cache_dir, progress)
-  from envs import tasks as tasks_lib  # only tasks with an install need their files
-  path = tasks_lib.repo_dir(task)
+  path = repo_files.repo_dir(task)  # only tasks with an install need their files
   if os.path.isdir(path):
     return make(env, path, cache_dir, progress)
   with tempfile.TemporaryDirectory(prefix="arbor-repo-") as tmp:
-    for rel, data in tasks_lib.load_repo_files(path).items():
+    for rel, data in repo_files.load_repo_files(path).items():
       os.makedirs(os.path.dirname(os.path.join(tmp, rel)), exist_ok=True)
       with open(os.path.join(tmp, rel), "wb") as f:
         f.write(data)

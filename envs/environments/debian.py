@@ -31,6 +31,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 from envs.environments import cache
+from envs.sandbox import docker_engine
 
 log = logging.getLogger(__name__)
 
@@ -186,18 +187,9 @@ def _neutralize(target: str) -> None:
 
 
 def docker_client():
-  """A docker-py client of the local engine, started if this host knows how
-  (`envs.sandbox.docker_engine.ensure_engine`, where that module exists)."""
-  try:
-    from envs.sandbox import docker_engine  # the engine's start-up lives with the backend
-  except ImportError:
-    docker_engine = None
-  if docker_engine is not None and hasattr(docker_engine, "ensure_engine"):
-    client = docker_engine.ensure_engine()
-    if client is not None and hasattr(client, "images"):
-      return client
-  from envs.sandbox.docker import docker_client as client_from_env
-  return client_from_env()
+  """A docker-py client of the local engine, started when none answers
+  (`envs.sandbox.docker_engine.ensure_engine`)."""
+  return docker_engine.ensure_engine()
 
 
 def image_exists(client, tag: str) -> bool:

@@ -31,6 +31,7 @@ import shlex
 import zipfile
 from typing import Any, Callable, Mapping, Optional
 
+from envs import repo_files, safe_git
 from envs.environments import metadata
 from envs.environments.debian import SUITES
 from envs.environments.spec import (REQUIREMENT, Environment, load_file,
@@ -121,7 +122,6 @@ class GitFiles(collections.abc.Mapping):
     self.git_dir, self.commit, self._cache = git_dir, commit, {}
 
   def __getitem__(self, path: str) -> bytes:
-    from envs import safe_git
     if path not in self._cache:
       try:
         self._cache[path] = safe_git.read_blob(self.git_dir, self.commit, path)
@@ -132,7 +132,6 @@ class GitFiles(collections.abc.Mapping):
     return self._cache[path]
 
   def __iter__(self):
-    from envs import safe_git
     names = safe_git.git(self.git_dir, "ls-tree", "--name-only", self.commit).decode(
         "utf-8", errors="replace").split("\n")
     return iter([n for n in names if n])
@@ -283,8 +282,7 @@ def from_swebench(row: Mapping[str, Any], *, git_dir: Optional[str] = None,
 def _files_of(source) -> Mapping[str, bytes]:
   if isinstance(source, Mapping):
     return source
-  from envs.tasks import load_repo_files  # reads a directory without following links
-  return load_repo_files(str(source))
+  return repo_files.load_repo_files(str(source))  # a directory, read without following links
 
 
 def _python_for(requires: Optional[str]) -> Optional[str]:
@@ -361,11 +359,16 @@ def from_file(path: str) -> Environment:
 
 def _from_row_repository(row: Mapping[str, Any], *, files=None, git_dir=None,
                          **_) -> Environment:
-  """`from_repository` of a row's files (given, or its base_commit in the mirror)."""
-  named = row.get("repo") and row.get("base_commit")
+  """`from_repository` of a row's files (given), or else of its `environment_setup_commit`
+  (its base_commit when absent) in the mirror, as SWE-bench reads a row's dependencies at that
+  commit; the install step runs on the row's base_commit, which `repository` names."""
+  commit = row.get("environment_setup_commit") or row.get("base_commit")
   if files is None:
-    files = GitFiles(git_dir, row["base_commit"])
-    files = {p: files[p] for p in files}  # the top level: what `metadata.read` looks at
+    if not (git_dir and commit):
+      raise ValueError(f"env_from='repository': row {row.get('instance_id')!r} has neither "
+                       "files ('repo_path') nor a mirrored commit")
+    files = GitFiles(git_dir, commit)  # looked up on demand: directories are not files
+  named = row.get("repo") and row.get("base_commit")
   return from_repository(files, repository=f"{row['repo']}@{row['base_commit']}"
                          if named else None)
 

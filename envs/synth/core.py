@@ -16,6 +16,7 @@ import time
 from typing import Any, Mapping, Optional, Sequence
 
 from envs import aio, safe_git
+from envs.environments import build
 from envs.mutate import KINDS, Mutation
 from envs.sandbox import Limits, SandboxError, create_sandbox
 from envs.synth.candidates import REVERT, candidate_key, difficulty, draw_candidates
@@ -383,7 +384,6 @@ def _repository_environment(out: str, synth: _Synth):
 async def _environment_sandboxes(out: str, synth: _Synth) -> SandboxMaker:
   """Sandboxes of the config's backend that start from the synthesis' environment (built now,
   or found in the environments' cache)."""
-  from envs.environments import build  # builds need it; synthesis without them does not
   backend, limits = synth.config.backend, synth.config.limits
   if backend not in ("bwrap", "docker"):
     raise ValueError(f"backend={backend!r}: environment='repository' needs 'bwrap' or 'docker'")

@@ -24,6 +24,7 @@ import shutil
 import tempfile
 from typing import Mapping, Optional, Sequence
 
+from envs import environments
 from envs.synth.mirror import EXECUTABLE, FILE, MirrorWriter
 from envs.synth.runs import TestCommand, test_file
 from envs.synth.source import Source
@@ -164,14 +165,7 @@ def environment(files: Mapping[str, bytes], repository: str):
   Raises:
     ValueError: the metadata gives no valid spec (the spec's SpecError names the field).
   """
-  try:
-    from envs.environments import from_repository
-  except ImportError:
-    try:
-      from envs.environments.sources import from_repository
-    except ImportError:
-      return None
-  return from_repository(files, repository=repository)
+  return environments.from_repository(files, repository=repository)
 
 
 def swe_row(row: Mapping, fields: Mapping, command: TestCommand, trees: bool,
