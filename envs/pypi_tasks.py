@@ -38,7 +38,9 @@ import time
 from typing import Any, Optional, Sequence
 
 from envs import dataset_paths, synth
+from envs.environments import build, sources
 from envs.environments import spec as env_spec
+from envs.sandbox import create_sandbox
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "pypi")
 COMBINED = "tasks.jsonl"  # the eval file of every package, in the output directory
@@ -150,7 +152,6 @@ def package_environment(package: Package) -> env_spec.Environment:
   Raises:
     SpecError: the metadata gives no valid environment.
   """
-  from envs.environments import sources  # reads metadata only when asked
   env = sources.from_repository(package_files(package), install=False)
   pip = tuple(r for r in env.pip if sources._dist(r) != "pytest")
   return dataclasses.replace(
@@ -183,8 +184,6 @@ def synthesize(name: str, out_dir: str, *, data_dir: str = DATA_DIR,
   config = synth.SynthConfig(name=package.repo, version=package.version, **synth_options)
   make_sandbox = None
   if config.backend in ("bwrap", "docker"):
-    from envs.environments import build
-    from envs.sandbox import create_sandbox
     made = (build.rootfs if config.backend == "bwrap" else build.docker_image)(env)
     option = {"rootfs": made} if config.backend == "bwrap" else {"image": made}
     make_sandbox = lambda: create_sandbox(config.backend, limits=config.limits, **option)

@@ -24,6 +24,8 @@ import dataclasses
 import os
 from typing import Any, Callable, Optional, Sequence
 
+from envs import repo_files
+from envs.environments import build, sources
 from envs.environments import spec as env_spec
 from envs.environments.sources import ENV_FROM  # "none" + the sources
 
@@ -72,11 +74,9 @@ def default_environment(value: str, field: str = "default_environment"
 
 def _from_source(task, env_from: str, swebench_specs: Any) -> env_spec.Environment:
   """The environment source `env_from` derives for a SWE task from its repository."""
-  from envs import tasks as tasks_lib
-  from envs.environments import sources  # reads repositories: only when asked
   row = {**dict(task.metadata), "repo": task.repo, "base_commit": task.base_commit,
          "instance_id": task.instance_id}
-  files = tasks_lib.load_repo_files(task.repo_path) if task.repo_path else None
+  files = repo_files.load_repo_files(task.repo_path) if task.repo_path else None
   return sources.SOURCES[env_from](row, files=files, git_dir=task.mirror, specs=swebench_specs)
 
 
@@ -135,7 +135,6 @@ def build_all(tasks: Sequence, backend: str = "bwrap",
   """
   if backend not in ("bwrap", "docker"):
     return []
-  from envs.environments import build
   say = progress or (lambda line: None)
   seen, out = set(), []
   for t in tasks:

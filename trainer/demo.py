@@ -22,7 +22,8 @@ from matplotlib.figure import Figure
 from trainer import config as config_lib
 from trainer import evaluate, harness, rl, rollouts, sft
 from trainer.metrics import JSONL, read_jsonl, say
-from trainer.tasks import held_out_tasks
+from envs.tasks import Task
+from trainer.tasks import build_environments, held_out_tasks, with_environments
 
 STAGES = ("sft", "rl")
 
@@ -153,8 +154,6 @@ def prepare_environment(config) -> list[str]:
     ConfigError: naming rl.default_environment when it cannot be read.
     BuildError / RuntimeError: the build failed.
   """
-  from envs.tasks import Task
-  from trainer.tasks import build_environments, with_environments
   probe = with_environments(config.rl, [Task(instance_id="demo-environment", kind="code",
                                              problem_statements=("-",),
                                              tests=({"input": "", "output": ""},))])
