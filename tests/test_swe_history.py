@@ -20,8 +20,8 @@ Environment notes. The repository's setup.py of 2020 sets use_2to3, which setupt
 refuses, and an older setuptools' `setup.py develop` targets /usr/lib/python3.X/site-packages
 under Debian's python: the environment holds the dependencies only (install=False) and the
 tests import parse_type from the checkout (pytest's rootdir on sys.path). Its pytest.ini
-addopts use pytest-html's and pytest-metadata's options (--html, --metadata): the row's
-test_command loads those plugins by name, since the grader's pytest does not auto-load plugins.
+addopts use pytest-html's and pytest-metadata's options (--html, --metadata): the grader's
+pytest loads the plugins installed in the environment, as pytest -rA does under swebench.
 The latest releases of the dependencies pass the tests, so none is pinned.
 """
 
@@ -59,7 +59,6 @@ FIXES = {  # instance_id -> the upstream commit
 }
 # The develop extra's pytest-html (pytest.ini's addopts use its options; pytest-metadata with it).
 PYTEST_HTML = "pytest-html >= 1.19.0"
-PLUGINS = "-p pytest_metadata.plugin -p pytest_html.plugin"
 PARSER = PARSER_REGISTRY["parse_log_pytest"]
 _BASE = 2_002_600_000 + random.randrange(16) * 32
 UIDS = range(_BASE, _BASE + 32)
@@ -141,7 +140,7 @@ def rows(mirror, environment):
   for iid, fix in FIXES.items():
     base = _git(git_dir, "rev-parse", f"{fix}~1").strip()
     patch, test_patch = _split(git_dir, fix)
-    command = " ".join(["python3 -m pytest -rA", PLUGINS,
+    command = " ".join(["python3 -m pytest -rA",
                         *tasks_lib.patch_directives(test_patch)])
     files = tasks_lib.load_repo_files(tasks_lib.checkout(
         git_dir, base, os.path.join(os.path.dirname(git_dir), "checkouts"), REPO))

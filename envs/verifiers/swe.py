@@ -41,7 +41,11 @@ the same sandbox, and in the same Python process, as the test runner. Defences:
 2. How the tests start: a trusted runner arrives on stdin (`python3 -I -B -`), so neither argv
    nor the environment shows its nonce. The pytest runner imports pytest and all its built-in
    plugins BEFORE the workspace joins sys.path (a `pytest.py` or `xml/` in the repo cannot
-   shadow them), disables plugin auto-loading, and passes `--rootdir` so node ids are stable.
+   shadow them), loads the pytest plugins installed in the interpreter's own site-packages
+   (the environment's: read-only in the sandbox; registered under their entry point names, so
+   `-p no:NAME` in the repository's ini still applies) at the same point, disables pytest's
+   auto-loading (which would also read package metadata found through the workspace), and
+   passes `--rootdir` so node ids are stable.
    The log runner makes itself non-dumpable (other processes of the sandbox's uid cannot read
    its memory or file descriptors) and starts the repository's runner (or `python -m unittest
    -v`) as a child process whose stdout and stderr go to a memfd. The unittest child runs

@@ -125,6 +125,40 @@ for _name in _pytest.config.default_plugins:
 import xml.etree.ElementTree
 WS = os.getcwd()
 
+def _installed_plugins():
+  """The pytest11 entry points of the interpreter's installed distributions (the environment's,
+  read-only in the sandbox), loaded now, before the workspace joins sys.path: pytest's own
+  auto-loading would also read package metadata found through the workspace."""
+  try:
+    import importlib.metadata as md
+    eps = md.entry_points()
+    eps = eps.select(group="pytest11") if hasattr(eps, "select") else eps.get("pytest11", ())
+  except Exception:  # Python < 3.8, or unreadable metadata: pytest's own plugins only
+    return []
+  out, seen = [], set()
+  for ep in eps:
+    if ep.name in seen:
+      continue
+    seen.add(ep.name)
+    try:
+      out.append((ep.name, ep.load()))
+    except Exception:  # a broken plugin fails pytest's auto-loading too; here it is left out
+      pass
+  return out
+
+_PLUGINS = _installed_plugins()
+
+class _Register:
+  """Registers the installed plugins under their entry point names (as auto-loading does, so
+  `-p no:NAME` still disables one) before pytest reads its ini file's addopts."""
+
+  @pytest.hookimpl(tryfirst=True)
+  def pytest_load_initial_conftests(self, early_config):
+    pm = early_config.pluginmanager
+    for name, plugin in _PLUGINS:
+      if not pm.is_blocked(name) and not pm.is_registered(plugin) and pm.get_plugin(name) is None:
+        pm.register(plugin, name)
+
 class _Outcomes:
   """Marks in the JUnit report what its elements cannot tell: an xfail test that passed, and
   an xfail without an xfail marker (a pytest.xfail() call, which code under test can make)."""
@@ -149,7 +183,7 @@ os.dup2(_log, 2)
 sys.path.insert(0, WS)
 try:
   rc = int(pytest.main(ARGS + ["--rootdir", WS, "--junitxml", "/proc/self/fd/%d" % _report,
-                               "-p", "no:cacheprovider"], plugins=[_Outcomes()]))
+                               "-p", "no:cacheprovider"], plugins=[_Outcomes(), _Register()]))
 except BaseException:
   rc = -1
 _finish(rc, os.pread(_report, os.fstat(_report).st_size, 0), _log)
