@@ -203,7 +203,10 @@ def make_sandbox_factory(backend: str, *, limits: Optional[Limits] = None,
     `async make(task) -> Sandbox`; a task's `environment` (`envs.environments`) comes first:
     bwrap starts from its root filesystem, docker from its image, built on first use; else
     bwrap honours a task's `rootfs`, docker its `image_name` (SWE-bench / SWE-smith rows name
-    the prepared image of their repository).
+    the prepared image of their repository). remote asks its server for the environment's image
+    (`build.image_tag`, built and loaded on the fleet beforehand) or the row's `image_name`:
+    a docker-backed server offers the images of its --image list; without either, the
+    server's default.
 
   Raises:
     ValueError: an unknown backend, or remote without url or token_file.
@@ -220,8 +223,12 @@ def make_sandbox_factory(backend: str, *, limits: Optional[Limits] = None,
     token = read_secret(token_file)
 
   async def make(task: Task) -> Sandbox:
-    if backend == "remote":
-      return await create_sandbox("remote", limits=limits, url=url, token=token, cafile=cafile)
+    if backend == "remote":  # a docker-backed server offers environments and row images
+      image = (environment_build.image_tag(task.environment)
+               if getattr(task, "environment", None) is not None
+               else getattr(task, "image_name", None))
+      return await create_sandbox("remote", limits=limits, url=url, token=token, cafile=cafile,
+                                  image=image)
     if backend == "local":
       return await create_sandbox("local", limits=limits, allow_unsafe=allow_unsafe)
     if backend in ("bwrap", "docker") and getattr(task, "environment", None) is not None:

@@ -18,7 +18,11 @@ import time
 
 import pytest
 
+from envs.environments import build
+from envs.environments.spec import Environment
+from envs.episode import make_sandbox_factory
 from envs.sandbox import Limits, create_sandbox
+from envs.tasks import Task
 from envs.sandbox_server import MAX_JSON_DEPTH, HTTPError, parse_body
 from tests.test_sandbox import REPO, docker_kw, pool_processes, start_server
 
@@ -343,6 +347,10 @@ def test_exec_argv_and_deep_directory_tree(server):
     server.request("DELETE", f"/sandboxes/{sid}")
 
 
+def _task(**kw) -> Task:
+  return Task(instance_id="t", kind="exact", problem_statements=("-",), answers=("x",), **kw)
+
+
 def test_docker_backend_round_trip_and_image_allow_list(tmp_path):
   """--backend docker: a sandbox from an allowed image (the SWE-layout one: its workspace is
   /testbed, seeded, with the conda env's python) does exec and file write/read through the
@@ -368,6 +376,17 @@ def test_docker_backend_round_trip_and_image_allow_list(tmp_path):
       with pytest.raises(ValueError, match=r"image='arbor-other:x': not one this server "
                          r"offers \(its --image: \["):
         await create_sandbox("remote", url=s.url, token=s.token, image="arbor-other:x")
+      # episodes' sandboxes: a row's image_name, or its environment's image by its tag
+      token_file = tmp_path / "client-token"
+      token_file.write_text(s.token)
+      make = make_sandbox_factory("remote", url=s.url, token_file=str(token_file))
+      env = Environment.create(suite="bookworm", system_packages=["python3-pytest"])
+      assert build.image_tag(env) == plain  # the tests' image is that environment's
+      for task, workspace in ((_task(image_name=swe), "/testbed"),
+                              (_task(environment=env), "/workspace")):
+        async with await make(task) as sb:
+          assert sb.workspace_path == workspace
+          assert (await sb.exec("python3 -c 'import pytest'")).exit_code == 0
     run(go())
   finally:
     assert s.stop() == 0, open(s.log).read()[-2000:]

@@ -239,6 +239,14 @@ def installed(root: str, python: str) -> list[str]:
 # ----------------------------------------------------------------------------- Docker
 
 
+def image_tag(env: Environment) -> str:
+  """The tag `docker_image(env)` gives, computed without building or asking an engine (what a
+  sandbox server whose images were built elsewhere and loaded is asked for)."""
+  if not env.pip and not env.install and not env.env:
+    return f"{debian.IMAGE_REPOSITORY}:{debian.key(env.suite, base_packages(env))[:24]}"
+  return f"{IMAGE_REPOSITORY}:{env.key[:24]}"
+
+
 def docker_image(env: Environment, repo_dir: Optional[str] = None,
                  cache_dir: Optional[str] = None, progress: Optional[Progress] = None) -> str:
   """The Docker image of `env`: the Debian base's image with the layer's /usr/local and the
@@ -256,9 +264,9 @@ def docker_image(env: Environment, repo_dir: Optional[str] = None,
   """
   say = progress or _printer(env.name)
   base_tag = debian.docker_image(env.suite, base_packages(env), cache_dir, progress=say)
-  if not env.pip and not env.install and not env.env:
+  tag = image_tag(env)
+  if tag == base_tag:  # the environment installs nothing
     return base_tag
-  tag = f"{IMAGE_REPOSITORY}:{env.key[:24]}"
   client = debian.docker_client()
   if debian.image_exists(client, tag):
     return tag
