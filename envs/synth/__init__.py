@@ -3,8 +3,8 @@
     report = synthesize("path/to/repo_or_sdist.tar.gz", "python3 -m pytest -q tests", "out/",
                         name="me/calc", max_per_kind=20, workers=2)   # or a SynthConfig
     print(summary(report))                                 # rows in out/tasks.jsonl
-    tasks = envs.tasks.load_swe_jsonl("out/tasks.jsonl")   # or, rows without repo_path:
-    tasks = envs.tasks.load_swe_jsonl("rows.jsonl", mirror="out/mirror")
+    tasks = envs.tasks.load_swe_jsonl("out/tasks.jsonl")   # rows without repo_path load
+                                                           # from out/mirror, found beside them
 
     python -m envs.synth --repo DIR_OR_TGZ --test_command "python3 -m pytest -q tests" \\
         --out DIR [--name owner/name --kinds K,... --max_per_kind N --max_instances N --runs 3 \\
@@ -15,9 +15,9 @@
 The source is a local git repository (its HEAD commit), or a directory or .tar.gz of an
 unpacked source distribution with its tests. Every test run happens in a FRESH sandbox (bwrap by
 default) under the verifier's trusted runners (`envs.verifiers.swe`). The test command is
-pytest, or a runner script of the repository whose log a named swebench parser reads
-(`envs.synth.runs`: e.g. `--log_parser parse_log_django` for a script running unittest
-verbosely).
+pytest, `python3 -m unittest ...` (its verbose log read by swebench's `parse_log_django`), or
+a runner script of the repository whose log a named swebench parser reads (`envs.synth.runs`:
+e.g. `--log_parser parse_log_django` for a script running unittest verbosely).
 1. Baseline: the whole suite runs `runs` times. Tests that pass in every run are the candidate
    tests; tests whose outcome differs between runs are flaky (dropped and listed in the report);
    tests that always fail or skip are ignored.
