@@ -25,7 +25,13 @@ demo: $(VENV)/.stamp
 # ARBOR_SKIP_DOCKER=1 says this machine cannot run Docker (the docker tests then skip).
 test: $(VENV)/.stamp
 	[ "$$ARBOR_SKIP_DOCKER" = 1 ] || $(PY) -m envs.sandbox.docker_engine
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 $(TESTS) $(PYTEST_ARGS)
+	@# The Debian bases the tests' environments and sandboxes start from (cached by content:
+	@# built once per machine, ~25 s each): the bundled tasks' bookworm-pytest, pip's, bare.
+	docker=both; [ "$$ARBOR_SKIP_DOCKER" = 1 ] && docker=bwrap; \
+	$(PY) -m envs.environments base --packages python3-pytest --backend $$docker && \
+	$(PY) -m envs.environments base --packages python3-pip,python-is-python3 --backend $$docker && \
+	$(PY) -m envs.environments base --backend bwrap
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 $(TESTS) $(PYTEST_ARGS)
 
 venv: $(VENV)/.stamp
 

@@ -68,13 +68,17 @@ def moe_mla_model():
   return model
 
 
-# The longest files first: `make test` hands whole files to its two workers in collection order,
-# so the long ones start early and short files fill the end instead of one long file running
-# alone (the order within a file is unchanged). Longest first, from `--durations`.
-LONGEST_FIRST = ("test_rl.py", "test_lora.py", "test_sft.py", "test_vmap_grad.py",
-                 "test_step.py", "test_tree_training.py", "test_aot.py", "test_notebook.py",
-                 "test_expert_parallel.py", "test_context_parallel.py", "test_models.py",
-                 "test_cluster.py")
+# The longest files first: `make test` hands whole files to its two workers in collection order
+# (with --no-loadscope-reorder; xdist's default order is by test count), so the long ones start
+# early and short files fill the end instead of one long file running alone (the order within a
+# file is unchanged). Longest first, from `--durations`.
+LONGEST_FIRST = ("test_rl.py", "test_sft.py", "test_notebook.py", "test_aot.py",
+                 "test_vmap_grad.py", "test_expert_parallel.py", "test_cluster.py",
+                 "test_context_parallel.py", "test_tree_training.py", "test_sandbox_isolation.py",
+                 "test_aot_lora.py", "test_lora.py", "test_step.py", "test_environments.py",
+                 "test_swe_history.py", "test_models.py", "test_hf_sharded.py",
+                 "test_optimizers.py", "test_multihost.py", "test_routing_replay.py",
+                 "test_rejection.py")
 
 
 def pytest_collection_modifyitems(items):
