@@ -51,6 +51,7 @@ import sys
 import tempfile
 from typing import Optional, Sequence
 
+from envs import task_environments
 from envs.net import is_loopback
 from launch import common, fleet_docker, local_fleet
 from launch.common import Command, LaunchError
@@ -144,6 +145,8 @@ class Fleet:
   grace: float = 60.0
   sandbox_backend: str = "bwrap"  # bwrap | docker (launch.fleet_docker)
   images: tuple[fleet_docker.FleetImage, ...] = ()  # docker: the servers' allow-list
+  env_from: str = "none"  # the workers' --env_from (SWE rows without an environment)
+  default_environment: str = ""  # the workers' --default_environment (other tasks)
 
   @property
   def template(self) -> str:
@@ -189,6 +192,10 @@ def worker_argv(f: Fleet, tasks: str, tokenizer: str) -> list[str]:
           "--token_file=%d/sandbox.token", f"--grace={f.grace}", "--worker_id=%H"]
   if f.redis_ca_secret:
     argv.append("--queue_ca_file=%d/redis-ca.pem")
+  if f.env_from != "none":  # tasks' environments: their images on a docker fleet's servers
+    argv.append(f"--env_from={f.env_from}")
+  if f.default_environment:
+    argv.append(f"--default_environment={f.default_environment}")
   return argv
 
 
@@ -405,6 +412,11 @@ def build_parser() -> argparse.ArgumentParser:
   a("--warm", type=int, default=4, help="warm sandboxes per server (cloud)")
   a("--queue_prefix", default="arbor", help="key prefix of the run's queue")
   a("--grace", type=float, default=60.0, help="seconds a worker may finish groups on SIGTERM")
+  a("--env_from", default="none", choices=task_environments.ENV_FROM,
+    help="workers: where SWE rows without an `environment` get one (docker fleets: the "
+    "environments' images must be in --image)")
+  a("--default_environment", default="",
+    help="workers: the environment of every other task (a preset such as bookworm-pytest)")
   a("--redis_password_secret", default="", help="Secret Manager id of the Redis password")
   a("--redis_ca_secret", default="", help="Secret Manager id of the Redis server CA (rediss)")
   a("--policy_token_secret", default="", help="Secret Manager id of the policy server token")
@@ -426,6 +438,13 @@ def build_parser() -> argparse.ArgumentParser:
   a("--ready_file", default="", help="--local: write the fleet info JSON here once up")
   a("--keep_dir", action="store_true", help="--local: keep logs and secret files on exit")
   return p
+
+
+def _default_environment(value: str) -> str:
+  """--default_environment: "", a preset, or a spec file inside the repository (it ships)."""
+  if value and value not in task_environments.PRESETS:
+    common.check_shipped("--default_environment", value, file_only=True)
+  return value
 
 
 def _repo_or_gcs(flag: str, value: str) -> str:
@@ -478,6 +497,9 @@ def parse_cloud(args: argparse.Namespace) -> Fleet:
     raise LaunchError("--sandbox_backend docker needs --image (REF=gs://B/P.tar.gz or REF)")
   if images and args.sandbox_backend != "docker":
     raise LaunchError("--image: only --sandbox_backend docker starts from images")
+  if (args.env_from != "none" or args.default_environment) and args.sandbox_backend != "docker":
+    raise LaunchError("--env_from / --default_environment: tasks' environments reach the "
+                      "sandbox servers as images: use --sandbox_backend docker")
   redis = check_redis_url("--redis", args.redis, args.allow_plaintext_redis)
   if args.redis_ca_secret and not redis.startswith("rediss://"):
     raise LaunchError("--redis_ca_secret needs a rediss:// --redis")
@@ -497,7 +519,8 @@ def parse_cloud(args: argparse.Namespace) -> Fleet:
       spot=args.spot, chat=args.chat, group_size=args.group_size,
       concurrency=args.concurrency, max_sandboxes=args.max_sandboxes, warm=args.warm,
       queue_prefix=args.queue_prefix, grace=args.grace, sandbox_backend=args.sandbox_backend,
-      images=images)
+      images=images, env_from=args.env_from,
+      default_environment=_default_environment(args.default_environment))
 
 
 def parse_local(args: argparse.Namespace) -> LocalFleet:
@@ -517,6 +540,9 @@ def parse_local(args: argparse.Namespace) -> LocalFleet:
   if args.sandbox_backend == "docker" or args.image:
     raise LaunchError("--local runs bwrap or local sandbox servers; --sandbox_backend docker "
                       "and --image are for a cloud fleet")
+  if args.env_from != "none" or args.default_environment:
+    raise LaunchError("--env_from / --default_environment: tasks' environments reach sandbox "
+                      "servers as images, on a cloud fleet with --sandbox_backend docker")
   servers = args.workers if args.sandbox_servers < 0 else args.sandbox_servers
   if args.workers and servers < 1:
     raise LaunchError(f"--sandbox_servers={servers}: workers need at least one")

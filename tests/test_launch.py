@@ -83,7 +83,8 @@ HELP_FLAGS = {
           "--zone"],
     xm: ["--config", "--dry_run", "--executor", "--name", "--project", "--secret", "--spot",
          "--sweep", "--title", "--tpu", "--workdir", "--zone"],
-    fleet: ["--allow_plaintext_redis", "--chat", "--concurrency", "--dry_run", "--grace",
+    fleet: ["--allow_plaintext_redis", "--chat", "--concurrency", "--default_environment",
+            "--dry_run", "--env_from", "--grace",
             "--group_size", "--image", "--keep_dir", "--local", "--machine_type",
             "--max_sandboxes", "--name",
             "--network", "--policy_token_file", "--policy_token_secret", "--policy_url",
@@ -524,8 +525,30 @@ def test_fleet_docker_backend_boot_script():
   assert "--backend=docker" in argv and "--host=127.0.0.1" in argv
   assert [a for a in argv if a.startswith("--image=")] == [
       "--image=arbor-env:0123abcd", f"--image={ref}"]
+  assert not any(a.startswith(("--env_from", "--default_environment"))
+                 for a in worker_command(script))
   rc, out, _ = run_main(fleet, FLEET_ARGS + ["--dry_run"])  # bwrap: no engine at all
   assert rc == 0 and "docker" not in split_dry_run(out)[0]
+  # the workers give tasks their environments, whose images the servers are asked for
+  rc, out, _ = run_main(fleet, FLEET_ARGS + ["--sandbox_backend=docker", "--dry_run",
+                                             f"--image={images[0]}", "--env_from=repository",
+                                             "--default_environment=bookworm-pytest"])
+  assert rc == 0
+  argv = worker_command(split_dry_run(out)[0])
+  assert "--env_from=repository" in argv and "--default_environment=bookworm-pytest" in argv
+  rc, _, err = run_main(fleet, FLEET_ARGS + ["--sandbox_backend=docker", "--dry_run",
+                                             f"--image={images[0]}",
+                                             "--default_environment=nope.toml"])
+  assert rc != 0 and "--default_environment='nope.toml'" in err
+  rc, _, err = run_main(fleet, FLEET_ARGS + ["--dry_run", "--env_from=repository"])
+  assert rc != 0 and "use --sandbox_backend docker" in err
+
+
+def worker_command(script: str) -> list[str]:
+  """The rollout worker unit's argv in a boot script."""
+  unit = heredoc(script, "/etc/systemd/system/arbor-worker.service")
+  return shlex.split(next(l for l in unit.splitlines() if l.startswith("ExecStart="))
+                     [len("ExecStart="):])
 
 
 @pytest.mark.parametrize("extra,words", [
