@@ -756,22 +756,30 @@ def test_unittest_runner_script_with_a_named_log_parser(tmp_path):
   check_against_swebench(rows[:2], tasks[:2], tmp_path)
 
 
-def test_swebench_format_grader_resolves_gold_on_mirror_rows(synthesized, tmp_path):
-  """`python -m envs.evaluate --predictions gold` on the rows, their repository the mirror."""
+def test_swebench_format_grader_on_mirror_rows_gold_resolved_empty_not(synthesized, tmp_path):
+  """`python -m envs.evaluate` on the rows, their repository the mirror: the fix of the first
+  row resolves it, an empty prediction for the second is an empty-patch instance."""
   out, _, _, _, rows = synthesized
   portable = tmp_path / "rows.jsonl"
   portable.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "repo_path"})
                              + "\n" for r in rows[:2]))
+  predictions = tmp_path / "preds.jsonl"
+  predictions.write_text("".join(
+      json.dumps({"instance_id": r["instance_id"], "model_name_or_path": "m",
+                  "model_patch": patch}) + "\n"
+      for r, patch in ((rows[0], rows[0]["patch"]), (rows[1], ""))))
   env = dict(os.environ, ARBOR_SWE_MIRROR=str(out / "mirror"),
              ARBOR_SWE_CACHE=str(tmp_path / "cache"))
   res = subprocess.run([sys.executable, "-m", "envs.evaluate", "--dataset", str(portable),
-                        "--predictions", "gold", "--report", str(tmp_path / "report.json"),
+                        "--predictions", str(predictions), "--report",
+                        str(tmp_path / "report.json"),
                         "--log_dir", str(tmp_path / "logs"), "--max_workers", "2",
                         "--no_progress"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
   assert res.returncode == 0, res.stderr[-3000:]
   report = json.loads((tmp_path / "report.json").read_text())
-  assert sorted(report["resolved_ids"]) == sorted(r["instance_id"] for r in rows[:2]), report
+  assert report["resolved_ids"] == [rows[0]["instance_id"]], report
+  assert report["empty_patch_ids"] == [rows[1]["instance_id"]], report
 
 
 def test_mirror_writes_run_no_program_of_the_repository(synthesized, package, tmp_path):
