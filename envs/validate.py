@@ -38,7 +38,13 @@ from envs.verifiers import swe_logs
 log = logging.getLogger(__name__)
 
 _PASSING = (swe_logs.PASSED, swe_logs.XFAIL)  # SWE-bench's successes of a FAIL_TO_PASS test
-_P2P_OK = _PASSING + (swe_logs.SKIPPED,)      # and of a PASS_TO_PASS test
+
+
+def _p2p_ok(task: Task) -> tuple[str, ...]:
+  """SWE-bench's successes of a PASS_TO_PASS test: a skip counts only where the runner's log
+  records skips (its pytest parser never does: a skipped test is missing)."""
+  skipped = swe_logs.SKIPPED in swe_logs.RECORDED[task.test_runner]
+  return _PASSING + ((swe_logs.SKIPPED,) if skipped else ())
 
 
 def _statuses(verdict: Verdict) -> dict[str, str]:
@@ -68,7 +74,7 @@ def judge(task: Task, gold: Sequence[Verdict], empty: Sequence[Verdict],
     if v.reward != 1.0:
       st = _statuses(v)
       bad = [t for t in task.fail_to_pass if st.get(t) not in _PASSING] + [
-          t for t in task.pass_to_pass if st.get(t) not in _P2P_OK]
+          t for t in task.pass_to_pass if st.get(t) not in _p2p_ok(task)]
       what = f": {_listed(bad, st)}" if bad else ""
       return f"gold patch fails (run {i + 1}): {v.details.get('reason', 'reward 0')}{what}"
   for i, v in enumerate(empty):
@@ -81,7 +87,7 @@ def judge(task: Task, gold: Sequence[Verdict], empty: Sequence[Verdict],
               f"{_listed(passing, st)}")
     if len(passing) == len(task.fail_to_pass):
       return f"every FAIL_TO_PASS test passes without the fix (run {i + 1})"
-    broken = [t for t in task.pass_to_pass if st.get(t) not in _P2P_OK]
+    broken = [t for t in task.pass_to_pass if st.get(t) not in _p2p_ok(task)]
     if broken:
       return (f"PASS_TO_PASS tests fail without the fix (run {i + 1}): "
               f"{_listed(broken, st)}")

@@ -471,6 +471,23 @@ def test_validate_rejects_hand_broken_rows(synthesized, tmp_path):
   assert load_repo_files(accepted[0]) == load_repo_files(load_swe_jsonl(str(path))[0])
 
 
+def test_validate_lists_a_skipped_pass_to_pass_test_as_failing_under_pytest():
+  """A gold run whose PASS_TO_PASS test skipped: swebench's pytest parser never records a
+  skip, so the rejection names it; a log runner's recorded skip is a success."""
+  from envs.tasks import Task
+  from envs.verifiers import Verdict
+  gold = Verdict(0.0, {"reason": "PASS_TO_PASS failed", "fail_to_pass": {"t::f": "passed"},
+                       "pass_to_pass": {"t::p": "skipped", "t::q": "passed"}})
+  task = Task(instance_id="x", kind="swe", problem_statements=("-",), repo_path="r",
+              fail_to_pass=("t::f",), pass_to_pass=("t::p", "t::q"),
+              test_command="python3 -m pytest -rA t.py")
+  assert validate.judge(task, [gold], []).endswith(": t::p (skipped)")
+  django = Task(instance_id="x", kind="swe", problem_statements=("-",), repo_path="r",
+                fail_to_pass=("t::f",), pass_to_pass=("t::p", "t::q"), test_runner="django",
+                test_command="tests/runtests.py t")
+  assert validate.judge(django, [gold], []).endswith("PASS_TO_PASS failed")
+
+
 def test_validate_bundled_set():
   tasks = load_swe_jsonl(BUNDLED)
   report = validate.validate(tasks, make_sandbox_factory("bwrap"), runs=1, workers=2)
