@@ -427,16 +427,7 @@ async def verify_tests(task: Task, submission: Union[Mapping[str, Union[bytes, s
                        original: Optional[Mapping[str, bytes]] = None) -> Verdict:
   """Reward of an agent's changes to a "swe" task: `grade_submission`'s verdict.
 
-  Args:
-    task: the "swe" task.
-    submission: the agent's final workspace {path: bytes} (see `workspace_files`) or a
-      unified diff against the original repository.
-    make_sandbox: make_sandbox(task) gives a fresh sandbox (or an awaitable of one); this
-      function closes it.
-    partial: reward = fraction of FAIL_TO_PASS + PASS_TO_PASS tests graded a success instead
-      of all-or-nothing.
-    original: the repository files, if the caller already holds them (default:
-      `load_repo_files(task)`).
+  Args: as `grade_submission`'s.
 
   Returns:
     The verdict; its details name the per-test statuses, or the reason for reward 0.
