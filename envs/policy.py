@@ -14,7 +14,7 @@ import json
 import urllib.error
 import urllib.request
 import uuid
-from typing import Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -32,10 +32,25 @@ class SamplingParams:
   stop_token_ids: tuple[int, ...] = ()  # generation stops after emitting one of these
   stop: tuple[str, ...] = ()            # stop strings (checked on detokenised text)
   seed: Optional[int] = None            # per-request seed (None: the engine's stream)
+  min_p: float = 0.0                    # keep tokens with p >= min_p * p_max (0 = off)
+  min_tokens: int = 0                   # stop_token_ids cannot be sampled before this many
+                                        # tokens (0 = off)
+  ignore_eos: bool = False              # True: stop_token_ids never end the sample
+  # Grammar-constrained decoding (in-process engines only): an object whose `start()` gives
+  # each sample a fresh `models.constraint.TokenConstraint` (token masks; the sample stops
+  # when its grammar ends), e.g. from trainer.serving.constrain. None: unconstrained.
+  constraint: Optional[Any] = dataclasses.field(default=None, compare=False)
 
   def to_dict(self) -> dict:
-    """The parameters as a JSON-ready dict (tuples as lists)."""
-    d = dataclasses.asdict(self)
+    """The parameters as a JSON-ready dict (tuples as lists).
+
+    Raises:
+      ValueError: a `constraint` is set (it is a live object, not JSON).
+    """
+    if self.constraint is not None:
+      raise ValueError("SamplingParams.constraint: a grammar constraint cannot be sent as "
+                       "JSON; constrain on the server that runs the engine")
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "constraint"}
     d["stop_token_ids"], d["stop"] = list(self.stop_token_ids), list(self.stop)
     return d
 
@@ -233,6 +248,12 @@ class CompletionsPolicy:
       body["stop_token_ids"] = list(params.stop_token_ids)
     if params.seed is not None:
       body["seed"] = params.seed
+    if params.constraint is not None:
+      raise ValueError("SamplingParams.constraint: a grammar constraint cannot be sent to a "
+                       "completions server")
+    for name, neutral in (("min_p", 0.0), ("min_tokens", 0), ("ignore_eos", False)):
+      if getattr(params, name) != neutral:  # as vLLM names them
+        body[name] = getattr(params, name)
     return body
 
   def _call(self, input_ids: Sequence[int], params: SamplingParams) -> Generation:

@@ -60,11 +60,15 @@ prefill / copy / decode calls.
 
 Sampling parameters are read structurally: any object with the fields of
 `envs.policy.SamplingParams` (max_tokens, temperature, top_p, top_k, stop_token_ids, stop,
-seed), which the trainer passes through; the engine never builds one.
+seed; min_p, min_tokens, ignore_eos and constraint where present), which the trainer passes
+through; the engine never builds one.
 
-Log-probs are those of the model itself (temperature 1, no top-k/top-p truncation): exactly
-what a teacher-forced forward pass of the finished sequence gives the trainer. The entropy of
-that same distribution is reported per token too (one reduction per decode step).
+Log-probs are those of the model itself (temperature 1, no top-k/top-p/min-p truncation):
+exactly what a teacher-forced forward pass of the finished sequence gives the trainer. The
+entropy of that same distribution is reported per token too (one reduction per decode step).
+A request with token masks (a grammar `constraint`, or stop ids held back by `min_tokens`)
+reports those of the distribution it was drawn from: the model's, renormalised over the allowed
+tokens (models/constraint.py). While any slot has a constraint, decode calls run one step.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models import constraint as constraints
 from models import lora, sampler, transformer
 from models.cache_pool import CachePool
 from models.config import BASE_QTYPES
@@ -169,6 +174,7 @@ class _Request:
     self.started = False  # its Future is running
     self.checked = 0  # output tokens already searched for stop strings
     self.row = -1  # cache row (paged: sequence id) while running
+    self.constraint = constraints.start(params)  # its TokenConstraint state, or None
     self.admission = 0  # order of its latest admission
 
   def seq(self) -> np.ndarray:
@@ -667,6 +673,7 @@ class Engine:
                        "callback")
     if any(not isinstance(s, str) or not s for s in p.stop):
       raise ValueError(f"stop={list(p.stop)!r}: stop strings must be non-empty strings")
+    constraints.check(p)
     if p.seed is None:
       with self._lock:  # submit may be called from many threads
         seed = int(self._rng.integers(0, 2**32))
@@ -710,6 +717,7 @@ class Engine:
         if on_update == "restart":
           req.output, req.logprobs, req.entropies, req.versions, req.top = [], [], [], [], []
           req.checked = 0
+          req.constraint = constraints.start(req.params)
     self._queue.extendleft(reversed(running))
     with self._lock:
       self._state, self.version = state, version
@@ -819,7 +827,16 @@ class Engine:
       lengths[i] = seq_len - 1
       counts[i], limits[i] = len(req.output), p.max_tokens
       temperature[i], top_p[i], top_k[i], seeds[i] = p.temperature, p.top_p, p.top_k, req.seed
-      stop_ids[i, :len(p.stop_token_ids)] = p.stop_token_ids
+      stop_ids[i, :len(constraints.stop_ids(p))] = constraints.stop_ids(p)
+    ctl = constraints.controls(self._slots, self.model_cfg.vocab_size)
+    for i, error in ctl.failed:  # a constraint that allows no token fails its request alone
+      req, active[i], rows[i] = self._slots[i], False, self.num_rows
+      self._release(req)
+      self._slots[i] = None
+      req.future.set_exception(error)
+    if not active.any():
+      return
+    max_steps = np.int32(1 if ctl.constrained else c.steps_per_call)
     waiting = bool(self._queue) or bool(self._incoming)
     if self.paged:
       self._pool.flush()
@@ -827,14 +844,14 @@ class Engine:
       self._pool.caches, steps, _, _, _, new_counts, out = sampler.decode_paged(
           self._graphdef, c.steps_per_call, c.top_logprobs, c.return_expert_ids, self._state,
           self._pool.caches, table, tokens, lengths, active, counts, limits, temperature,
-          top_k, top_p, seeds, stop_ids, np.int32(c.steps_per_call), np.bool_(waiting))
+          top_k, top_p, seeds, stop_ids, max_steps, np.bool_(waiting), **ctl.kwargs())
       with self._lock:
         self._counters["pages_peak"] = max(self._counters["pages_peak"], self._pool.pages_used)
     else:
       self._pool.caches, steps, _, _, _, new_counts, out = sampler.decode(
           self._graphdef, c.steps_per_call, c.top_logprobs, c.return_expert_ids, self._state,
           self._pool.caches, rows, tokens, lengths, active, counts, limits, temperature,
-          top_k, top_p, seeds, stop_ids, np.int32(c.steps_per_call), np.bool_(waiting))
+          top_k, top_p, seeds, stop_ids, max_steps, np.bool_(waiting), **ctl.kwargs())
     with self._lock:
       self._counters["running_peak"] = max(self._counters["running_peak"], int(active.sum()))
     out = jax.device_get(out)
@@ -849,6 +866,7 @@ class Engine:
         fed = len(req.input_ids) + len(req.output) - 1
         self._pool.expert_row(req.row)[fed:fed + n] = out["expert_ids"][:n, :, i]
       req.output.extend(out["tokens"][:n, i].tolist())
+      ended = constraints.advance(req.constraint, req.output[len(req.output) - n:])
       req.logprobs.extend(out["logprobs"][:n, i].tolist())
       req.entropies.extend(out["entropy"][:n, i].tolist())
       req.versions.extend([self.version] * n)
@@ -856,7 +874,7 @@ class Engine:
         req.top.extend([list(zip(out["top_ids"][t, i].tolist(), out["top_logprobs"][t, i].tolist()))
                         for t in range(n)])
       reason = None
-      if req.output and req.output[-1] in req.params.stop_token_ids:
+      if req.output and (ended or req.output[-1] in constraints.stop_ids(req.params)):
         reason = "stop"
       elif len(req.output) >= req.params.max_tokens:
         reason = "length"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -20,11 +21,13 @@ TRACES: collections.Counter = collections.Counter()
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-           keys: jax.Array) -> jax.Array:
+           keys: jax.Array, min_p: Optional[jax.Array] = None) -> jax.Array:
   """Sample one token per row with per-row settings (Gumbel-max).
 
-  Top-k is applied first, then top-p keeps the smallest prefix of the renormalised top-k
-  distribution whose mass reaches top_p.
+  The logits are divided by the temperature; min-p then keeps the tokens whose probability
+  (at that temperature) is at least min_p times the most likely one's; top-k is applied next,
+  then top-p keeps the smallest prefix of the renormalised top-k distribution whose mass
+  reaches top_p. Tokens masked out beforehand (logit -inf) are never drawn.
 
   Args:
     logits: [batch, vocab] fp32.
@@ -32,6 +35,7 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     top_k: [batch] int; 0 = off.
     top_p: [batch]; 1 = off.
     keys: [batch] one PRNG key per row.
+    min_p: [batch] in [0, 1]; 0 = off (None: off for every row).
 
   Returns:
     [batch] int32 token ids.
@@ -43,6 +47,8 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
 
   def draw(_):
     x = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    if min_p is not None:
+      x = jax.lax.cond(jnp.any(min_p > 0), _min_p, lambda x, _: x, x, min_p)
     x = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), _truncate, lambda x, *_: x,
                      x, top_k, top_p)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, x.shape[-1:], jnp.float32))(keys)
@@ -61,6 +67,33 @@ def entropy(logp: jax.Array) -> jax.Array:
   """
   p = jnp.exp(logp)
   return -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
+
+
+def _min_p(x: jax.Array, min_p: jax.Array) -> jax.Array:
+  """Set logits [batch, vocab] of tokens with p < min_p * p_max to -inf: in logit space,
+  x < max(x) + log(min_p) (min_p = 0 keeps every token)."""
+  threshold = jnp.max(x, axis=-1, keepdims=True) + jnp.log(min_p)[:, None]
+  return jnp.where(x >= threshold, x, -jnp.inf)
+
+
+def allowed_tokens(mask: jax.Array, vocab: int) -> jax.Array:
+  """Unpacks a token bitmask [batch, ceil(vocab / 32)] uint32 (bit t % 32 of word t // 32 set:
+  token t allowed) to bool [batch, vocab]."""
+  ids = jnp.arange(vocab, dtype=jnp.uint32)
+  words = jnp.take(mask, (ids // 32).astype(jnp.int32), axis=1)
+  return ((words >> (ids % 32)[None]) & 1).astype(bool)
+
+
+def _restrict(logits, allowed, count, min_tokens, stop_ids):
+  """Logits [batch, vocab] with the disallowed tokens at -inf: those off in `allowed` [batch,
+  vocab] bool, and a row's stop ids [batch, n_stop] while it has fewer than `min_tokens`
+  tokens (`count`), unless that would leave the row no token at all (the grammar's end: the
+  stop token is then its only way on)."""
+  rows = jnp.arange(logits.shape[0])[:, None]
+  hold = (count < min_tokens)[:, None] & (stop_ids >= 0)
+  held = allowed.at[rows, jnp.where(hold, stop_ids, logits.shape[-1])].set(False, mode="drop")
+  allowed = jnp.where(jnp.any(held, axis=-1, keepdims=True), held, allowed)
+  return jnp.where(allowed, logits, -jnp.inf)
 
 
 def _truncate(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -180,11 +213,19 @@ def copy_row(pool: dict, src: jax.Array, dst: jax.Array) -> dict:
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
 def decode(graphdef, k: int, top_n: int, experts: bool, state, pool, rows, tokens, lengths,
            active, counts, limits, temperature, top_k, top_p, seeds, stop_ids, max_steps,
-           exit_on_finish):
+           exit_on_finish, *, mask=None, min_p=None, min_tokens=None):
   """Up to `max_steps` (<= k) decode steps of the slots batch, in one `lax.while_loop`.
 
   Arrays are [slots] unless noted. Each step samples with `sample` (keys: `seeds` folded with
   the tokens generated so far) and stops a slot at a stop token or its limit.
+
+  Token masks: with `mask`, the tokens a row may sample are those its bitmask allows, less its
+  stop ids while it holds fewer than `min_tokens` tokens; the others get logit -inf before
+  temperature, min-p, top-k, top-p and greedy, and the log-probs, entropy and top log-probs
+  are those of the model's distribution renormalised over the allowed tokens (temperature 1,
+  no truncation). An all-allowed row (every bit set, min_tokens 0) samples and reports exactly
+  what it would without a mask. The mask holds for every step of the call: a caller whose
+  masks change per token runs one step per call.
 
   Args:
     graphdef: the (unstacked) model's graphdef (static).
@@ -206,6 +247,10 @@ def decode(graphdef, k: int, top_n: int, experts: bool, state, pool, rows, token
     stop_ids: [slots, max_stop_token_ids] stop token ids (-1 = none).
     max_steps: steps to run at most (<= k).
     exit_on_finish: stop after the step in which any slot finishes.
+    mask: [slots, ceil(vocab / 32)] uint32 token bitmask (`allowed_tokens`); None: no masks
+      (nor min_p / min_tokens: the three come together).
+    min_p: [slots] float32 min-p of `sample`; 0 = off.
+    min_tokens: [slots] int32; a row's stop ids are masked while `counts` < this.
 
   Returns:
     (pool, steps run, final tokens, lengths, active, counts, per-step outputs {name: [k, ...]}:
@@ -217,14 +262,14 @@ def decode(graphdef, k: int, top_n: int, experts: bool, state, pool, rows, token
   sub = _gather_rows(pool, rows)
   sub, *rest = _decode_loop(graphdef, k, top_n, experts, state, sub, None, tokens, lengths,
                             active, counts, limits, temperature, top_k, top_p, seeds, stop_ids,
-                            max_steps, exit_on_finish)
+                            max_steps, exit_on_finish, mask, min_p, min_tokens)
   return (_scatter_rows(pool, rows, sub), *rest)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
 def decode_paged(graphdef, k: int, top_n: int, experts: bool, state, pages, page_table, tokens,
                  lengths, active, counts, limits, temperature, top_k, top_p, seeds, stop_ids,
-                 max_steps, exit_on_finish):
+                 max_steps, exit_on_finish, *, mask=None, min_p=None, min_tokens=None):
   """`decode` over a paged cache: `pages` (donated) replaces the pool and `page_table`
   [slots, pages_per_seq] int32 (each slot's pages; an empty slot names no page, ids >=
   num_pages) the rows. Every position a slot writes in the call must lie in its own pages.
@@ -232,12 +277,12 @@ def decode_paged(graphdef, k: int, top_n: int, experts: bool, state, pages, page
   TRACES["decode_paged"] += 1
   return _decode_loop(graphdef, k, top_n, experts, state, pages, page_table, tokens, lengths,
                       active, counts, limits, temperature, top_k, top_p, seeds, stop_ids,
-                      max_steps, exit_on_finish)
+                      max_steps, exit_on_finish, mask, min_p, min_tokens)
 
 
 def _decode_loop(graphdef, k, top_n, experts, state, cache, page_table, tokens, lengths, active,
                  counts, limits, temperature, top_k, top_p, seeds, stop_ids, max_steps,
-                 exit_on_finish):
+                 exit_on_finish, mask=None, min_p=None, min_tokens=None):
   """The while loop of `decode` over the slots' caches (rows gathered from the pool, or the
   pages with `page_table`)."""
   model = nnx.merge(graphdef, state)
@@ -252,6 +297,7 @@ def _decode_loop(graphdef, k, top_n, experts, state, cache, page_table, tokens, 
   if experts:
     out["expert_ids"] = jnp.zeros((k, mc.num_moe_layers, s, mc.experts_per_token), jnp.int32)
   base_keys = jax.vmap(jax.random.key)(seeds)
+  allowed = None if mask is None else allowed_tokens(mask, mc.vocab_size)
 
   def cond(carry):
     step, _, _, _, act, _, finished, _ = carry
@@ -262,9 +308,11 @@ def _decode_loop(graphdef, k, top_n, experts, state, cache, page_table, tokens, 
     h, aux, sub = _forward(graphdef, state, tok[:, None], length[:, None], sub, length,
                            page_table)
     logits = jnp.dot(h[:, 0].astype(jnp.float32), lm_head)
+    if allowed is not None:
+      logits = _restrict(logits, allowed, count, min_tokens, stop_ids)
     logp = jax.nn.log_softmax(logits, axis=-1)
     keys = jax.vmap(jax.random.fold_in)(base_keys, count)
-    nxt = sample(logits, temperature, top_k, top_p, keys)
+    nxt = sample(logits, temperature, top_k, top_p, keys, min_p)
     out = dict(out)
     out["tokens"] = out["tokens"].at[step].set(nxt)
     out["logprobs"] = out["logprobs"].at[step].set(
