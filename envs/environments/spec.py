@@ -1,9 +1,11 @@
 """`Environment`: what a sandbox needs besides the task's files, independent of any backend.
 
 An environment is a Debian suite (which fixes the Python version), Debian packages, pip
-requirements, optional install commands run on the repository's files, and environment
-variables. Its `key` is the SHA-256 of its canonical JSON (`to_dict`), so equal environments
-share one build and any change of a field gives another build.
+requirements, optional install commands run on the repository's files, environment
+variables, and tools kept apart from the task's packages (agent scaffolds: npm packages, or pip
+ones in their own virtual environment; see `TOOL`). Its `key` is the SHA-256 of its canonical
+JSON (`to_dict`), so equal environments share one build and any change of a field gives another
+build.
 
     env = Environment.create(python="3.10", pip=["attrs==23.2.0", "pytest==8.3.3"])
     env.suite, env.python, env.python_requested   # "bookworm", "3.11", "3.10"
@@ -40,13 +42,20 @@ REQUIREMENT = re.compile(
     rf"\s*(?:{_VERSIONS}|\(\s*{_VERSIONS}\s*\))?\s*(?:;[^@\\\n]+)?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _REPOSITORY = re.compile(r"^[\w.-]+/[\w.-]+@[0-9a-f]{7,64}$")
+# A tool: "npm:NAME@VERSION" (a global npm install into /usr/local, exact version) or
+# "pip:NAME==VERSION" (a pinned distribution in its own virtual environment,
+# /usr/local/lib/arbor-tools/NAME). Nothing else: no ranges, tags, paths or URLs.
+_NPM_NAME = r"(?:@[a-z0-9][a-z0-9._-]*/)?[a-z0-9][a-z0-9._-]*"
+TOOL = re.compile(rf"^(?:npm:{_NPM_NAME}@\d+\.\d+\.\d+(?:-[0-9A-Za-z.-]+)?"
+                  rf"|pip:{_NAME}==[A-Za-z0-9.+!_-]+)$")
+TOOLS_DIR = "/usr/local/lib/arbor-tools"
 # Variables a sandbox sets itself, or that would change what the interpreter imports.
 _RESERVED_ENV = frozenset({"PATH", "HOME", "TMPDIR", "USER", "LOGNAME", "PYTHONPATH",
                            "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "LD_PRELOAD",
                            "LD_LIBRARY_PATH"})
 PYTHON_POLICIES = ("nearest", "exact")
 FIELDS = ("suite", "python", "python_requested", "system_packages", "pip", "install", "env",
-          "repository")
+          "repository", "tools")
 MAX_ITEMS = 2000    # entries per list field
 MAX_LEN = 4096      # characters per entry
 
@@ -121,6 +130,11 @@ class Environment:
     env: sorted (NAME, VALUE) pairs set while building and in the Docker image.
     repository: "owner/name@commit" (or any "x/y@hex" naming the files) that `install` runs on;
       required with `install`, since the build depends on those files.
+    tools: `TOOL` entries installed in this order after `pip`, in the same download step, apart
+      from the task's packages: "npm:NAME@VERSION" globally into /usr/local (its commands in
+      /usr/local/bin; the base gets Debian's npm), "pip:NAME==VERSION" into its own virtual
+      environment `TOOLS_DIR`/NAME (its commands in its bin/; nothing of it on the task's
+      sys.path). Part of the key only when set, so environments without tools keep their keys.
   """
 
   suite: str = DEFAULT_SUITE
@@ -130,6 +144,7 @@ class Environment:
   install: tuple[str, ...] = ()
   env: tuple[tuple[str, str], ...] = ()
   repository: Optional[str] = None
+  tools: tuple[str, ...] = ()
 
   def __post_init__(self):
     _validate(self)
@@ -138,8 +153,8 @@ class Environment:
   def create(cls, *, python: Optional[str] = None, suite: Optional[str] = None,
              system_packages: Sequence[str] = (), pip: Sequence[str] = (),
              install: Sequence[str] = (), env: Optional[Mapping[str, str]] = None,
-             repository: Optional[str] = None, python_policy: str = "nearest"
-             ) -> "Environment":
+             repository: Optional[str] = None, python_policy: str = "nearest",
+             tools: Sequence[str] = ()) -> "Environment":
     """An environment from loose arguments: `python` picks the suite (`suite_for_python`)
     unless `suite` is given (then `python`, if given, must be that suite's); packages are
     sorted and deduplicated, `env` sorted.
@@ -160,7 +175,8 @@ class Environment:
       raise SpecError(str(e)) from None
     return cls(suite=suite, python_requested=requested, system_packages=packages,
                pip=tuple(pip), install=tuple(install),
-               env=tuple(sorted((env or {}).items())), repository=repository)
+               env=tuple(sorted((env or {}).items())), repository=repository,
+               tools=tuple(tools))
 
   @property
   def python(self) -> str:
@@ -168,10 +184,14 @@ class Environment:
     return SUITES[self.suite]
 
   def to_dict(self) -> dict:
-    """The canonical JSON form (lists for tuples; `python` included for readers)."""
-    return {"suite": self.suite, "python": self.python, "python_requested": self.python_requested,
-            "system_packages": list(self.system_packages), "pip": list(self.pip),
-            "install": list(self.install), "env": dict(self.env), "repository": self.repository}
+    """The canonical JSON form (lists for tuples; `python` included for readers; `tools` only
+    when set)."""
+    d = {"suite": self.suite, "python": self.python, "python_requested": self.python_requested,
+         "system_packages": list(self.system_packages), "pip": list(self.pip),
+         "install": list(self.install), "env": dict(self.env), "repository": self.repository}
+    if self.tools:
+      d["tools"] = list(self.tools)
+    return d
 
   @property
   def key(self) -> str:
@@ -217,7 +237,7 @@ def _validate(e: Environment) -> None:
     if list(packages) != sorted(set(packages), key=str):
       bad("system_packages", packages, "a sorted tuple without duplicates "
           "(Environment.create sorts)")
-  for field in ("pip", "install"):
+  for field in ("pip", "install", "tools"):
     items = getattr(e, field)
     if not isinstance(items, tuple) or len(items) > MAX_ITEMS:
       bad(field, items, f"a tuple of at most {MAX_ITEMS} strings")
@@ -228,6 +248,10 @@ def _validate(e: Environment) -> None:
       elif field == "pip" and not REQUIREMENT.match(s.strip()):
         bad(f"pip[{i}]", s, "a PEP 508 requirement ('name[extra]==1.2; marker'), not an "
             "option, path or URL")
+      elif field == "tools" and not TOOL.match(s):
+        bad(f"tools[{i}]", s, "'npm:NAME@X.Y.Z' or 'pip:NAME==VERSION' (exact versions)")
+    if field == "tools" and len(set(items)) != len(items):
+      bad("tools", items, "no duplicate entries")
   if not isinstance(e.env, tuple) or not all(
       isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) for x in p)
       for p in e.env):
@@ -253,7 +277,8 @@ def from_dict(d: Any, field: str = "environment") -> Environment:
   """An Environment from spec data (JSON object / TOML table).
 
   Keys: `python` or `suite` (or both, agreeing), `system_packages`, `pip`, `install` (a list
-  of commands, or one string), `env` (an object of strings), `repository`, `python_policy`
+  of commands, or one string), `env` (an object of strings), `repository`, `tools`,
+  `python_policy`
   ("nearest" | "exact"), `python_requested` (as `to_dict` writes it: kept when it is what
   `python` maps from). Unknown keys are refused, so a typo is not silently ignored.
 
@@ -266,7 +291,7 @@ def from_dict(d: Any, field: str = "environment") -> Environment:
   errors = [f"{field}.{k}: unknown field (expected some of {sorted(allowed)})"
             for k in sorted(set(d) - allowed, key=str)]
   lists = {}
-  for key in ("system_packages", "pip", "install"):
+  for key in ("system_packages", "pip", "install", "tools"):
     v = d.get(key, [])
     v = [v] if key == "install" and isinstance(v, str) else v
     if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
@@ -300,7 +325,8 @@ def from_dict(d: Any, field: str = "environment") -> Environment:
     env_obj = Environment(suite=suite_given.suite, python_requested=
                           suite_given.python_requested or requested, system_packages=packages,
                           pip=lists.get("pip", ()), install=lists.get("install", ()),
-                          env=tuple(sorted(env.items())), repository=text.get("repository"))
+                          env=tuple(sorted(env.items())), repository=text.get("repository"),
+                          tools=lists.get("tools", ()))
   except SpecError as e:
     errors += [f"{field}.{m}" for m in e.errors]
   if errors:

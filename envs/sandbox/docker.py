@@ -180,9 +180,11 @@ class DockerSandbox(Sandbox):
   workspace_path = WORKSPACE
 
   def __init__(self, client, container, limits: Limits, image: str = "", user: str = "",
-               profile: images.ImageProfile = images.ARBOR):
+               profile: images.ImageProfile = images.ARBOR,
+               binds: Sequence[tuple[str, str]] = ()):
     self._client, self._container, self.limits, self._closed = client, container, limits, False
     self._image, self._user, self.profile = image, user, profile  # for fork()
+    self._binds = tuple(binds)
     self.workspace_path = profile.workspace
     # Operations in flight (commands, file transfers), whether a command ran since the last
     # sweep, and the sweep running now (operations wait for it).
@@ -190,7 +192,8 @@ class DockerSandbox(Sandbox):
 
   @classmethod
   async def create(cls, limits: Limits = Limits(), *, image: str = "python:3.11-slim",
-                   user: Optional[str] = None, seed: bool = True) -> "DockerSandbox":
+                   user: Optional[str] = None, seed: bool = True,
+                   binds: Sequence[tuple[str, str]] = ()) -> "DockerSandbox":
     """Starts a container.
 
     Args:
@@ -203,12 +206,16 @@ class DockerSandbox(Sandbox):
       seed: start the workspace as a copy of the image's content at that path when the
         profile says the image holds the repository there (`fork` passes False: it copies
         the workspace it forks instead).
+      binds: (host_path, container_path) pairs bound read-only (e.g. the directory of a
+        scaffold's channel socket: connecting to a socket needs no write access); both
+        absolute, the host path existing on the engine's host.
 
     Returns:
       The started sandbox.
 
     Raises:
-      ValueError: user or its group is root, or `image` is not a string.
+      ValueError: user or its group is root, `image` is not a string, or a binds entry is not
+        a pair of absolute paths with an existing host path.
       SandboxError: no usable Docker engine, the image is absent and cannot be pulled (the
         message names it and the fallbacks), the container could not start, or the seed copy
         failed (e.g. larger than limits.disk_mb).
@@ -219,6 +226,13 @@ class DockerSandbox(Sandbox):
     if uid in ("0", "root", "") or gid in ("0", "root"):
       raise ValueError(f"user={user!r}: the sandbox user and group must not be root")
     ws = profile.workspace
+    volumes = {}
+    for b in binds:
+      if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(
+          isinstance(p, str) and os.path.isabs(p) for p in b) and os.path.exists(b[0])):
+        raise ValueError(f"binds entry {b!r}: expected (existing absolute host path, absolute "
+                         "container path)")
+      volumes[b[0]] = {"bind": b[1], "mode": "ro"}
 
     def start():
       try:
@@ -243,7 +257,7 @@ class DockerSandbox(Sandbox):
           pids_limit=limits.pids, nano_cpus=int(limits.cpus * 1e9),
           shm_size=f"{limits.disk_mb}m", working_dir=ws, environment={},
           tmpfs={ws: opts, "/tmp": opts, "/dev/mqueue": _EMPTY}, dns=["127.0.0.1"],
-          labels={"arbor.sandbox": "1"})
+          labels={"arbor.sandbox": "1"}, volumes=volumes)
       return client, container
 
     try:
@@ -252,7 +266,7 @@ class DockerSandbox(Sandbox):
       raise
     except Exception as e:  # docker.errors.*: engine down, image missing, ...
       raise SandboxError(f"docker: could not start a container from {image!r}: {e}") from e
-    sb = cls(client, container, limits, image, user, profile)
+    sb = cls(client, container, limits, image, user, profile, binds)
     if seed and profile.seed:
       try:
         await asyncio.to_thread(sb._seed)
@@ -543,7 +557,7 @@ class DockerSandbox(Sandbox):
     """
     self._check_open()
     fork = await DockerSandbox.create(self.limits, image=self._image, user=self._user,
-                                      seed=False)
+                                      seed=False, binds=self._binds)
 
     async def copy():
       async with self._op():

@@ -1,0 +1,25 @@
+"""Scaffolds: the agent loops that episodes run, Arbor's own and black-box CLIs.
+
+This package owns
+- `registry`: one `Scaffold` entry per agent loop: its install recipe (`Environment.tools`
+  entries, exact versions), the protocol its model calls speak, and how one non-interactive
+  run is started and pointed at the gateway (`launch`). Entries: "react" (Arbor's loop,
+  `envs.scaffold`, run host-side), "claude-code", "codex", "qwen-code", "opencode",
+  "mini-swe-agent". `with_scaffold(env, name)` extends a task's `Environment` with one;
+- `channel`: the per-episode channel from a sandbox (no network) to the policy gateway: a
+  UNIX socket bound into the sandbox, the episode's session and the gateway's token forced on
+  every request, replies streamed through;
+- `relay`: the in-sandbox end of the channel (stdlib; TCP 127.0.0.1:PORT to the socket);
+- `runner`: `run_blackbox_episode`: environment with the scaffold → sandbox with the task's
+  files and the channel → the CLI → the task's verifier; returns the reward and the session id;
+- `__main__`: `python -m envs.scaffolds list | check [NAME ...]`: installs each recipe into an
+  environment and runs its version command in a sandbox.
+"""
+
+from envs.scaffolds.channel import Channel
+from envs.scaffolds.registry import (PROTOCOLS, REGISTRY, Launch, LaunchRequest, Scaffold, get,
+                                     register, with_scaffold)
+from envs.scaffolds.runner import BlackboxResult, run_blackbox_episode
+
+__all__ = ["BlackboxResult", "Channel", "Launch", "LaunchRequest", "PROTOCOLS", "REGISTRY",
+           "Scaffold", "get", "register", "run_blackbox_episode", "with_scaffold"]

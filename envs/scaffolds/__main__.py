@@ -1,0 +1,78 @@
+"""Lists the scaffolds, or checks that their install recipes build and run.
+
+    python -m envs.scaffolds list
+    python -m envs.scaffolds check [NAME ...] [--suite bookworm] [--backend bwrap|docker]
+
+`check` extends a bare environment of the suite with each sandboxed scaffold
+(`with_scaffold`), builds it (cached by its key: the first build downloads from npm / PyPI),
+starts a sandbox of it and runs the entry's version command there, without network. One JSON
+line per scaffold goes to stdout ({"name", "ok", "seconds", "output" or "error"}); the exit
+status is 1 when any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+
+from envs.environments import build
+from envs.environments.spec import Environment
+from envs.sandbox import Limits, create_sandbox
+from envs.scaffolds.registry import REGISTRY, get, with_scaffold
+
+
+async def _check(name: str, suite: str, backend: str) -> dict:
+  sc = get(name)
+  start = time.monotonic()
+  out = {"name": name, "tools": list(sc.tools)}
+  try:
+    env = with_scaffold(Environment.create(suite=suite), sc)
+    made = await asyncio.to_thread(
+        build.rootfs if backend == "bwrap" else build.docker_image, env, None, None,
+        lambda line: None)
+    out["built_seconds"] = round(time.monotonic() - start, 1)
+    kw = {"rootfs": made} if backend == "bwrap" else {"image": made}
+    async with await create_sandbox(backend, limits=Limits(memory_mb=2048, pids=256), **kw) as sb:
+      res = await sb.exec(list(sc.version_argv), timeout=120)
+    text = (res.stdout + res.stderr).strip()
+    out.update(ok=res.exit_code == 0, exit_code=res.exit_code, output=text[-600:])
+  except Exception as e:  # one failed recipe must not stop the others
+    out.update(ok=False, error=f"{type(e).__name__}: {str(e)[-2000:]}")
+  out["seconds"] = round(time.monotonic() - start, 1)
+  return out
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m envs.scaffolds", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("command", choices=("list", "check"))
+  p.add_argument("names", nargs="*", help="scaffolds to check (default: every sandboxed one)")
+  p.add_argument("--suite", default="bookworm", help="the Debian suite of the environment")
+  p.add_argument("--backend", default="bwrap", choices=("bwrap", "docker"))
+  a = p.parse_args(argv)
+  if a.command == "list":
+    for sc in REGISTRY.values():
+      print(json.dumps({"name": sc.name, "protocol": sc.protocol, "tools": list(sc.tools),
+                        "host_side": sc.host_side, "description": sc.description}))
+    return 0
+  try:
+    names = a.names or [n for n, sc in REGISTRY.items() if not sc.host_side]
+    for n in names:
+      if get(n).host_side:
+        raise ValueError(f"scaffold={n!r} runs host-side: nothing to install")
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  failed = False
+  for n in names:
+    r = asyncio.run(_check(n, a.suite, a.backend))
+    failed |= not r["ok"]
+    print(json.dumps(r), flush=True)
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
