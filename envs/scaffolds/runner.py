@@ -74,11 +74,12 @@ class BlackboxResult:
   scaffold: str
 
 
-def _sandbox_maker(backend: str, made: str, limits: Limits, channel: Channel):
+def _sandbox_maker(backend: str, made: str, limits: Limits, channel: Channel, extra: dict):
   kw = {"rootfs": made} if backend == "bwrap" else {"image": made}
 
   async def make(task: Task):
-    return await create_sandbox(backend, limits=limits, **kw, **channel.sandbox_kwargs(backend))
+    return await create_sandbox(backend, limits=limits, **kw, **extra,
+                                **channel.sandbox_kwargs(backend))
   return make
 
 
@@ -89,7 +90,8 @@ async def run_blackbox_episode(task: Task, scaffold: "str | Scaffold", gateway_u
                                limits: Limits = DEFAULT_LIMITS, prompt: Optional[str] = None,
                                cache_dir: Optional[str] = None,
                                verifier_backend: Optional[str] = None,
-                               port: int = RELAY_PORT) -> BlackboxResult:
+                               port: int = RELAY_PORT,
+                               sandbox_kw: Optional[dict] = None) -> BlackboxResult:
   """Runs one episode of `task` with a sandboxed scaffold (module docstring).
 
   Args:
@@ -108,6 +110,8 @@ async def run_blackbox_episode(task: Task, scaffold: "str | Scaffold", gateway_u
     cache_dir: the environment build cache.
     verifier_backend: the backend of the verifier's fresh sandboxes (default: `backend`).
     port: the relay's port inside the sandbox.
+    sandbox_kw: more `create_sandbox` arguments of the agent's sandbox (bwrap `uids`, docker
+      `user`, ...), not the image, root filesystem or binds.
 
   Returns:
     The result; a sandbox failure gives termination "sandbox_error" and reward 0.
@@ -138,8 +142,8 @@ async def run_blackbox_episode(task: Task, scaffold: "str | Scaffold", gateway_u
   reward, details = 0.0, {}
   async with Channel(gateway_url, session_id, token) as channel:
     try:
-      sandbox = await episodes.start_sandbox(task, _sandbox_maker(backend, made, limits,
-                                                                  channel))
+      sandbox = await episodes.start_sandbox(
+          task, _sandbox_maker(backend, made, limits, channel, dict(sandbox_kw or {})))
     except SandboxError as e:
       return BlackboxResult(session_id, 0.0, {}, "sandbox_error", -1, "", str(e),
                             list(channel.requests), round(time.monotonic() - start, 2), sc.name)
