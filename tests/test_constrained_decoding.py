@@ -1,0 +1,417 @@
+"""Grammar-constrained decoding (models/constraint.py, models/sampler.py, trainer/serving/
+constrain.py) and the sampler's min_p / min_tokens / ignore_eos, on a random-weight tiny model.
+
+- At temperature 1 over several seeds, json_schema replies parse and validate, json_object
+  replies parse, tool_choice "required" / named replies parse (with the chat format's own
+  parser) into calls of known tools with schema-valid arguments; contiguous and paged engines.
+- Every sampled token is allowed by a replayed matcher, and the log-probs and entropies are
+  those of the model's teacher-forced distribution renormalised over the allowed tokens.
+- A constrained and an unconstrained request share one compiled decode call (no retrace), and
+  the unconstrained one samples what it samples alone.
+- min_p / min_tokens / ignore_eos against NumPy references; neutral values (all-allowed mask,
+  min_p 0, min_tokens 0) give bit-identical tokens and log-probs to the unmasked program.
+- The vocabulary mapping reads real token bytes (sentencepiece byte fallback too); refusals.
+"""
+
+import dataclasses
+import io
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from envs.chat.formats import DeepSeekV3, make_chat
+from envs.chat.tokenizer import HFTokenizer, SentencePieceTokenizer
+from envs.policy import SamplingParams
+from models import constraint as constraints
+from models import sampler, transformer
+from models.cache_pool import CachePool
+from models.engine import Engine, EngineConfig
+from tests.test_engine import teacher
+from trainer.serving import constrain
+
+jsonschema = pytest.importorskip("jsonschema")
+
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789{}[]\":,<>/_-.+E \n\\"
+MERGES = [('"', ':'), ('"', ','), ('"', '}'), ('"', ']')]  # JSON-ish merges of a real BPE
+CONFIG = EngineConfig(slots=4, max_seq_len=256, prefix_cache_rows=4, min_prefix=4,
+                      prefill_chunk=64, prefill_bucket=32, steps_per_call=8,
+                      max_stop_token_ids=4, top_logprobs=2)
+SEEDS = (0, 1, 2, 3)
+SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 6},
+    "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    "ok": {"type": "boolean"},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+    "required": ["city", "n", "ok"], "additionalProperties": False}
+TOOLS = [
+    {"type": "function", "function": {"name": "sum", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                                         "b": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["a", "b"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get", "parameters": {
+        "type": "object", "properties": {"key": {"type": "string", "maxLength": 5},
+                                         "flag": {"enum": ["on", "off"]}},
+        "required": ["key"], "additionalProperties": False}}}]
+
+
+def _byte_spelling() -> dict[int, str]:
+  """GPT-2's byte-level spelling of each byte (what a byte-level BPE vocabulary stores)."""
+  bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+  cs, n = bs[:], 0
+  for b in range(256):
+    if b not in bs:
+      bs.append(b)
+      cs.append(256 + n)
+      n += 1
+  return dict(zip(bs, map(chr, cs)))
+
+
+def make_tokenizer(specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>")) -> HFTokenizer:
+  """A byte-level BPE tokenizer.json over a small alphabet (fits the tiny model's 128 ids)."""
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers
+
+  spell = lambda text: "".join(_byte_spelling()[b] for b in text.encode())
+  vocab = {spell(c): i for i, c in enumerate(CHARS)}
+  for a, b in MERGES:
+    vocab[spell(a) + spell(b)] = len(vocab)
+  tok = tokenizers.Tokenizer(models.BPE(vocab=vocab,
+                                        merges=[(spell(a), spell(b)) for a, b in MERGES]))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.add_special_tokens(list(specials))
+  return HFTokenizer(tok, eos_token="<|endoftext|>")
+
+
+@pytest.fixture(scope="module")
+def chat():
+  return make_chat("chatml", make_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def engines(dense_model):
+  return {"contiguous": Engine(dense_model, CONFIG),
+          "paged": Engine(dense_model, dataclasses.replace(CONFIG, cache="paged", page_size=16))}
+
+
+def run(engine, chat, fields, seeds=SEEDS, max_tokens=160, prompt="go", **kw):
+  """One request per seed, all in one batch; returns (prompt ids, completions)."""
+  ids = chat.tokenizer.encode(prompt)
+  futures = [engine.submit(ids, SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=s,
+                                               stop_token_ids=chat.stop_token_ids, **fields,
+                                               **kw)) for s in seeds]
+  while engine.pending():
+    engine.step()
+  return ids, [f.result() for f in futures]
+
+
+def replay(fields, output_ids, vocab):
+  """Per output token, the bool [vocab] mask a fresh matcher gave before it (asserting each
+  token was allowed), and whether the matcher ended."""
+  state = fields["constraint"].start()
+  masks = []
+  for t in output_ids:
+    words = constraints.pack(state.allowed(), vocab)
+    mask = ((words[np.arange(vocab) // 32] >> (np.arange(vocab) % 32).astype(np.uint32)) & 1
+            ).astype(bool)
+    assert mask[t], f"token {t} was not allowed"
+    masks.append(mask)
+    state.advance(t)
+  return masks, state.is_done()
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_json_schema_and_object_replies_parse(engines, chat, kind):
+  fields = constrain.sampling_fields(chat, response_format={
+      "type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA, "strict": True}})
+  _, outs = run(engines[kind], chat, fields)
+  for o in outs:
+    assert o.finish_reason == "stop" and o.output_ids[-1] in chat.stop_token_ids
+    text = chat.tokenizer.decode(o.output_ids[:-1])
+    jsonschema.validate(json.loads(text), SCHEMA)
+  assert len({tuple(o.output_ids) for o in outs}) > 1  # the seeds sample different replies
+  fields = constrain.sampling_fields(chat, response_format={"type": "json_object"})
+  _, outs = run(engines[kind], chat, fields, max_tokens=200)
+  for o in outs:
+    assert o.finish_reason == "stop"
+    assert isinstance(json.loads(chat.tokenizer.decode(o.output_ids[:-1])), dict)
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_tool_choice_replies_are_valid_calls(engines, chat, kind):
+  names = {t["function"]["name"] for t in TOOLS}
+  for choice, name in (("required", None), ("named", "get")):
+    fields = constrain.sampling_fields(chat, tools=TOOLS, tool_choice=choice, tool_name=name,
+                                       parallel_tool_calls=choice == "named")
+    _, outs = run(engines[kind], chat, fields)
+    for o in outs:
+      assert o.finish_reason == "stop"
+      turn = chat.parse_assistant(o.output_ids, TOOLS)
+      assert turn.finished and not turn.errors and turn.tool_calls, turn
+      assert turn.content == ""
+      for call in turn.tool_calls:
+        assert call.name == name if name else call.name in names
+        schema = next(t["function"]["parameters"] for t in TOOLS
+                      if t["function"]["name"] == call.name)
+        jsonschema.validate(call.arguments, schema)
+
+
+def test_forced_opening_in_prompt(engines, chat):
+  """With the format's tool-call opening already in the prompt (as the server forces
+  tool_choice), the grammar covers the rest of the call."""
+  for name in (None, "sum"):
+    prefix = chat.tool_call_prefix_ids(name)
+    fields = constrain.sampling_fields(chat, tools=TOOLS, tool_choice="named" if name else
+                                       "required", tool_name=name, parallel_tool_calls=False,
+                                       prompt_prefix=prefix)
+    ids = chat.tokenizer.encode("go") + prefix
+    outs = engines["contiguous"].generate(
+        [ids] * 2, SamplingParams(max_tokens=120, seed=5, stop_token_ids=chat.stop_token_ids,
+                                  **fields))
+    for o in outs:
+      turn = chat.parse_assistant(prefix + o.output_ids, TOOLS)
+      assert len(turn.valid_calls) == 1 and not turn.errors, turn
+      assert name is None or turn.valid_calls[0].name == name
+
+
+def test_masks_and_logprobs_match_a_numpy_recomputation(engines, chat, dense_model):
+  """Sampled tokens are allowed; log-probs, entropies and top log-probs are those of the
+  teacher-forced distribution renormalised over the allowed tokens."""
+  fields = constrain.sampling_fields(chat, tools=TOOLS, tool_choice="required",
+                                     parallel_tool_calls=False)
+  ids, outs = run(engines["contiguous"], chat, fields, seeds=(11, 12))
+  refs = teacher(dense_model, [ids + o.output_ids for o in outs])
+  vocab = dense_model.cfg.vocab_size
+  for o, (logp, _) in zip(outs, refs):
+    masks, done = replay(fields, o.output_ids, vocab)
+    assert done
+    rows = logp[len(ids) - 1:len(ids) - 1 + len(o.output_ids)].astype(np.float64)
+    masked = np.where(np.array(masks), rows, -np.inf)
+    masked -= np.log(np.exp(masked).sum(-1, keepdims=True))
+    want = masked[np.arange(len(o.output_ids)), o.output_ids]
+    np.testing.assert_allclose(o.logprobs, want, atol=1e-4)
+    p = np.exp(masked)
+    np.testing.assert_allclose(o.entropies, -(p * np.where(p > 0, masked, 0)).sum(-1),
+                               atol=1e-4)
+    forced = [t for t, m in enumerate(masks) if m.sum() == 1]
+    assert forced and all(abs(o.logprobs[t]) < 1e-5 for t in forced)  # one choice: log 1
+    for t, top in enumerate(o.top_logprobs):
+      assert all(masks[t][i] for i, v in top if v > -np.inf)
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_one_compiled_step_for_mixed_batches(engines, chat, kind):
+  eng = engines[kind]
+  name = "decode_paged" if kind == "paged" else "decode"
+  ids = chat.tokenizer.encode("go")
+  plain = SamplingParams(max_tokens=12, temperature=1.0, seed=3)
+  alone = eng.generate([ids], plain)[0]  # warm-up, and the reference
+  traces = sampler.TRACES[name]
+  fields = constrain.sampling_fields(chat, response_format={
+      "type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}})
+  both = [eng.submit(ids, dataclasses.replace(plain, seed=4, max_tokens=160,
+                                              stop_token_ids=chat.stop_token_ids, **fields)),
+          eng.submit(ids, plain)]
+  while eng.pending():
+    eng.step()
+  assert sampler.TRACES[name] == traces
+  assert both[1].result().output_ids == alone.output_ids
+  assert both[1].result().logprobs == alone.logprobs
+  json.loads(chat.tokenizer.decode(both[0].result().output_ids[:-1]))
+
+
+class EvenTokens:
+  """A hand-written constraint: even ids only, done after `n` tokens; `empty` allows none."""
+
+  def __init__(self, n, empty=False):
+    self.n, self.empty = n, empty
+
+  def start(self):
+    return self
+
+  def allowed(self):
+    a = np.arange(128) % 2 == 0
+    return a & False if self.empty else a
+
+  def advance(self, token_id):
+    assert token_id % 2 == 0
+    self.n -= 1
+
+  def is_done(self):
+    return self.n <= 0
+
+
+def test_protocol_constraint_and_a_constraint_with_no_token(dense_model):
+  eng = Engine(dense_model, CONFIG)
+  good = eng.submit([1, 2, 3], SamplingParams(max_tokens=20, seed=1, constraint=EvenTokens(5)))
+  bad = eng.submit([1, 2, 3], SamplingParams(max_tokens=20, seed=2,
+                                             constraint=EvenTokens(5, empty=True)))
+  other = eng.submit([4, 5], SamplingParams(max_tokens=6, seed=3))
+  while eng.pending():
+    eng.step()
+  out = good.result()
+  assert out.finish_reason == "stop" and len(out.output_ids) == 5
+  assert all(t % 2 == 0 for t in out.output_ids)
+  with pytest.raises(RuntimeError, match="no token"):
+    bad.result()
+  assert len(other.result().output_ids) == 6
+  with pytest.raises(ValueError, match="constraint="):
+    eng.submit([1], SamplingParams(max_tokens=8, constraint=object()))
+  for field, value in (("min_p", 1.5), ("min_tokens", -1), ("min_tokens", 9),
+                       ("ignore_eos", "yes")):
+    with pytest.raises(ValueError, match=f"{field}="):
+      eng.submit([1], SamplingParams(max_tokens=8, **{field: value}))
+  with pytest.raises(ValueError, match="constraint"):
+    SamplingParams(constraint=EvenTokens(1)).to_dict()
+
+
+def test_min_p_against_numpy():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(0, 2, (4, 40)).astype(np.float32)
+  temperature = np.array([1.0, 0.7, 1.3, 0.0], np.float32)
+  min_p = np.array([0.1, 0.3, 0.05, 0.5], np.float32)
+  zeros = np.zeros(4, np.int32)
+  ones = np.ones(4, np.float32)
+  keys = jax.random.split(jax.random.key(1), (300, 4))
+  draw = jax.jit(jax.vmap(lambda k, m: sampler.sample(jnp.asarray(logits), temperature, zeros,
+                                                      ones, k, m), in_axes=(0, None)))
+  got = np.asarray(draw(keys, min_p))
+  gumbel = np.asarray(jax.vmap(jax.vmap(lambda k: jax.random.gumbel(k, (40,), jnp.float32)))(
+      keys))
+  x = logits / np.where(temperature > 0, temperature, 1)[:, None]
+  keep = x >= x.max(-1, keepdims=True) + np.log(min_p)[:, None]
+  want = np.argmax(np.where(keep, x, -np.inf)[None] + gumbel, -1)
+  want[:, 3] = np.argmax(logits[3])  # greedy row
+  np.testing.assert_array_equal(got, want)
+  assert len(set(got[:, 2])) > 3  # the draws vary
+  # min_p 0 is bit-identical to no min_p
+  np.testing.assert_array_equal(np.asarray(draw(keys, np.zeros(4, np.float32))), np.asarray(
+      jax.jit(jax.vmap(lambda k: sampler.sample(jnp.asarray(logits), temperature, zeros, ones,
+                                                k)))(keys)))
+
+
+def test_min_p_in_the_engine(engines, dense_model):
+  eng = engines["contiguous"]
+  ids = [5, 9, 14, 3]
+  out = eng.generate([ids], SamplingParams(max_tokens=10, seed=7, min_p=0.6))[0]
+  (logp, _), = teacher(dense_model, [ids + out.output_ids])
+  rows = logp[len(ids) - 1:len(ids) - 1 + len(out.output_ids)]
+  chosen = rows[np.arange(len(out.output_ids)), out.output_ids]
+  assert np.all(chosen >= rows.max(-1) + np.log(0.6) - 1e-6)
+  np.testing.assert_allclose(out.logprobs, chosen, atol=1e-5)  # unmasked: the model's own
+
+
+def test_min_tokens_and_ignore_eos(engines, dense_model):
+  eng = engines["paged"]
+  ids = [7, 3, 22, 8]
+  greedy = SamplingParams(max_tokens=8, temperature=0.0)
+  base = eng.generate([ids], greedy)[0]
+  stop = base.output_ids[0]
+  stopped = eng.generate([ids], dataclasses.replace(greedy, stop_token_ids=(stop,)))[0]
+  assert stopped.output_ids == [stop] and stopped.finish_reason == "stop"
+  # ignore_eos: the stop id never ends the sample
+  ignored = eng.generate([ids], dataclasses.replace(greedy, stop_token_ids=(stop,),
+                                                    ignore_eos=True))[0]
+  assert ignored.output_ids == base.output_ids and ignored.finish_reason == "length"
+  assert ignored.logprobs == base.logprobs
+  # min_tokens: the stop id is masked for the first 3 tokens (greedy takes the runner-up)
+  held = eng.generate([ids], dataclasses.replace(greedy, stop_token_ids=(stop,),
+                                                 min_tokens=3))[0]
+  (logp, _), = teacher(dense_model, [ids + held.output_ids])
+  for t, tok in enumerate(held.output_ids):
+    row = logp[len(ids) - 1 + t].astype(np.float64)
+    if t < 3:
+      row = np.where(np.arange(len(row)) == stop, -np.inf, row)
+      row -= np.log(np.exp(row).sum())
+    assert tok == int(np.argmax(row)), t
+    assert abs(held.logprobs[t] - row[tok]) < 1e-4
+  assert stop not in held.output_ids[:3]
+  assert held.finish_reason == ("stop" if held.output_ids[-1] == stop else "length")
+
+
+def test_neutral_controls_are_bit_identical(dense_model):
+  """The decode call with all-allowed masks, min_p 0 and min_tokens 0 samples and reports
+  exactly what the call without masks does (greedy and sampled rows)."""
+  model = transformer.unstack(dense_model)
+  graphdef, state = nnx.split(model)
+  pool = CachePool(model, 4, 64, lambda **_: None)
+  s, vocab = 4, dense_model.cfg.vocab_size
+  prompts = np.array([[3, 5, 7, 9], [2, 4, 6, 8], [1, 1, 2, 3], [9, 8, 7, 6]], np.int32)
+  caches = sampler.prefill(graphdef, state, pool.caches, np.arange(s, dtype=np.int32),
+                           prompts[:, :-1], np.zeros(s, np.int32))
+  args = (prompts[:, -1], np.full(s, 3, np.int32), np.ones(s, bool), np.zeros(s, np.int32),
+          np.full(s, 12, np.int32), np.array([0, 1, 0.7, 1.2], np.float32),
+          np.array([0, 0, 5, 0], np.int32), np.array([1, 1, 1, 0.9], np.float32),
+          np.arange(s, dtype=np.uint32), np.full((s, 2), -1, np.int32), np.int32(12),
+          np.bool_(False))
+  outs = []
+  for kwargs in ({}, {"mask": np.full((s, constraints.words(vocab)), constraints.ALL_ALLOWED),
+                      "min_p": np.zeros(s, np.float32), "min_tokens": np.zeros(s, np.int32)}):
+    copy = jax.tree.map(jnp.copy, caches)
+    out = sampler.decode(graphdef, 12, 2, False, state, copy, np.arange(s, dtype=np.int32),
+                         *args, **kwargs)[-1]
+    outs.append(jax.device_get(out))
+  for key in ("tokens", "logprobs", "entropy", "top_ids", "top_logprobs"):
+    np.testing.assert_array_equal(outs[0][key], outs[1][key], err_msg=key)
+
+
+def test_vocabulary_bytes_sentencepiece_byte_fallback():
+  import sentencepiece
+
+  text = ["hello world { } [ ] : , 0 1 2", "json object with keys and values"] * 20
+  buf = io.BytesIO()
+  sentencepiece.SentencePieceTrainer.train(
+      sentence_iterator=iter(text), model_writer=buf, vocab_size=300, byte_fallback=True,
+      model_type="bpe", add_dummy_prefix=False, normalization_rule_name="identity",
+      remove_extra_whitespaces=False, minloglevel=2)
+  tok = SentencePieceTokenizer(model_proto=buf.getvalue())
+  sp = tok._sp
+  got = constrain.token_bytes(tok)
+  for i in range(tok.vocab_size):
+    piece = sp.id_to_piece(i)
+    if sp.is_byte(i):
+      assert got[i] == bytes([int(piece[3:-1], 16)]), piece
+    elif sp.is_control(i) or sp.is_unknown(i):
+      assert got[i].startswith(b"\xff"), piece
+    else:
+      assert got[i] == piece.replace("\u2581", " ").encode(), piece
+  # a json_object grammar over this vocabulary: "{" first; inside a string, a character no
+  # piece spells ("~") only through its byte-fallback token
+  chat = make_chat("plain", tok)
+  fields = constrain.sampling_fields(chat, response_format={"type": "json_object"})
+  state = fields["constraint"].start()
+  allowed_ids = lambda: [i for i in range(tok.vocab_size) if (constraints.pack(
+      state.allowed(), tok.vocab_size)[i // 32] >> (i % 32)) & 1]
+  ids = allowed_ids()
+  assert ids and all(got[i].lstrip(b" ").startswith(b"{") for i in ids), [got[i] for i in ids]
+  for t in tok.encode('{"'):
+    state.advance(t)
+  assert sp.piece_to_id("<0x7E>") in allowed_ids()
+
+
+def test_refusals(chat):
+  ds = make_chat("deepseek_v3", make_tokenizer(("<|endoftext|>",) +
+                                              tuple(DeepSeekV3.TOKENS.values())))
+  with pytest.raises(ValueError, match="deepseek_v3"):
+    constrain.sampling_fields(ds, tools=TOOLS, tool_choice="required")
+  assert constrain.sampling_fields(ds, response_format={"type": "json_object"})
+  assert constrain.sampling_fields(chat, tools=TOOLS, tool_choice="auto") == {}
+  assert constrain.sampling_fields(chat, response_format={"type": "text"}) == {}
+  with pytest.raises(ValueError, match="response_format="):
+    constrain.sampling_fields(chat, response_format={"type": "yaml"})
+  with pytest.raises(ValueError, match="tool_name='nope'"):
+    constrain.sampling_fields(chat, tools=TOOLS, tool_choice="named", tool_name="nope")
+  bad = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}
+  with pytest.raises(ValueError, match="response_format: cannot be compiled"):
+    constrain.sampling_fields(chat, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": bad, "strict": True}})
+  assert constrain.sampling_fields(chat, response_format={  # not strict: "not" is ignored
+      "type": "json_schema", "json_schema": {"name": "x", "schema": bad}})
+  # compiled grammars are cached: the same request reuses the compiled matcher
+  f1 = constrain.sampling_fields(chat, tools=TOOLS, tool_choice="required")
+  f2 = constrain.sampling_fields(chat, tools=TOOLS, tool_choice="required")
+  assert f1["constraint"]._matcher is f2["constraint"]._matcher
