@@ -2,12 +2,19 @@
 
     python -m envs.scaffolds list
     python -m envs.scaffolds check [NAME ...] [--suite bookworm] [--backend bwrap|docker]
+    python -m envs.scaffolds probe [NAME ...] [--suite bookworm] [--backend bwrap|docker]
 
 `check` extends a bare environment of the suite with each sandboxed scaffold
 (`with_scaffold`), builds it (cached by its key: the first build downloads from npm / PyPI),
 starts a sandbox of it and runs the entry's version command there, without network. One JSON
 line per scaffold goes to stdout ({"name", "ok", "seconds", "output" or "error"}); the exit
 status is 1 when any failed.
+
+`probe` runs each scaffold's black-box episode (`run_blackbox_episode`) on a one-line shell task
+against a scripted gateway (`envs.scaffolds.stub`: one final reply per call, in the call's
+protocol) through the episode's channel, and reports the CLI's exit, the calls the gateway saw
+(path, session, whether streamed) and the output's tail: "ok" when the CLI exited 0 and every
+call landed in the episode's session.
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ from envs.environments import build
 from envs.environments.spec import Environment
 from envs.sandbox import Limits, create_sandbox
 from envs.scaffolds.registry import REGISTRY, get, with_scaffold
+from envs.scaffolds.runner import run_blackbox_episode
+from envs.scaffolds.stub import StubGateway
+from envs.tasks import Task
 
 
 async def _check(name: str, suite: str, backend: str) -> dict:
@@ -45,10 +55,32 @@ async def _check(name: str, suite: str, backend: str) -> dict:
   return out
 
 
+async def _probe(name: str, suite: str, backend: str) -> dict:
+  start = time.monotonic()
+  task = Task(instance_id=f"probe-{name}", kind="shell", check_script="true",
+              check_parser="exit_code", agent_timeout=120,
+              problem_statements=("Reply with the single word: done. Do not run any tool.",),
+              environment=Environment.create(suite=suite))
+  out = {"name": name}
+  try:
+    with StubGateway(token="probe-token") as gw:
+      r = await run_blackbox_episode(task, name, gw.url, model="stub", token="probe-token",
+                                     session_id=f"probe-{name}", backend=backend, max_turns=3)
+      calls = list(gw.calls)
+    out.update(ok=r.exit_code == 0 and bool(calls) and all(
+        c["session"] == r.session_id and c["status"] == 200 for c in calls),
+        termination=r.termination, exit_code=r.exit_code, calls=calls,
+        channel=[list(x) for x in r.requests], stdout=r.stdout[-800:], stderr=r.stderr[-800:])
+  except Exception as e:  # one failed scaffold must not stop the others
+    out.update(ok=False, error=f"{type(e).__name__}: {str(e)[-2000:]}")
+  out["seconds"] = round(time.monotonic() - start, 1)
+  return out
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m envs.scaffolds", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("command", choices=("list", "check"))
+  p.add_argument("command", choices=("list", "check", "probe"))
   p.add_argument("names", nargs="*", help="scaffolds to check (default: every sandboxed one)")
   p.add_argument("--suite", default="bookworm", help="the Debian suite of the environment")
   p.add_argument("--backend", default="bwrap", choices=("bwrap", "docker"))
@@ -68,7 +100,7 @@ def main(argv=None) -> int:
     return 2
   failed = False
   for n in names:
-    r = asyncio.run(_check(n, a.suite, a.backend))
+    r = asyncio.run((_check if a.command == "check" else _probe)(n, a.suite, a.backend))
     failed |= not r["ok"]
     print(json.dumps(r), flush=True)
   return 1 if failed else 0
