@@ -16,6 +16,7 @@ constrain.py) and the sampler's min_p / min_tokens / ignore_eos, on a random-wei
 import dataclasses
 import io
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ import pytest
 from flax import nnx
 
 from envs.chat.formats import DeepSeekV3, make_chat
+from envs.chat.jinja_format import JinjaChat
 from envs.chat.tokenizer import HFTokenizer, SentencePieceTokenizer
 from envs.policy import SamplingParams
 from models import constraint as constraints
@@ -158,6 +160,28 @@ def test_tool_choice_replies_are_valid_calls(engines, chat, kind):
         schema = next(t["function"]["parameters"] for t in TOOLS
                       if t["function"]["name"] == call.name)
         jsonschema.validate(call.arguments, schema)
+
+
+def test_checkpoint_template_with_marker_tokens(engines):
+  """A Qwen3 checkpoint template (hermes family, thinking) over a tokenizer with `<tool_call>`
+  as an added token, as Qwen's: the calls use the marker token and parse with the template's
+  reader (the template's empty reasoning first)."""
+  from tokenizers import AddedToken
+
+  base = make_tokenizer()
+  base._tok.add_tokens([AddedToken(t, special=False)
+                        for t in ("<tool_call>", "</tool_call>", "<think>", "</think>")])
+  tok = HFTokenizer(base._tok, eos_token="<|im_end|>")
+  path = os.path.join(os.path.dirname(__file__), "data", "chat_templates", "qwen3.jinja")
+  with open(path, encoding="utf-8") as f:
+    chat = JinjaChat(tok, f.read(), name="qwen3")
+  fields = constrain.sampling_fields(chat, tools=TOOLS, tool_choice="required",
+                                     parallel_tool_calls=False)
+  _, outs = run(engines["contiguous"], chat, fields, seeds=(1, 2))
+  for o in outs:
+    assert tok.token_to_id("<tool_call>") in o.output_ids
+    turn = chat.parse_assistant(o.output_ids, TOOLS)
+    assert turn.finished and len(turn.valid_calls) == 1 and not turn.errors, turn
 
 
 def test_forced_opening_in_prompt(engines, chat):

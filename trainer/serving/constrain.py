@@ -81,10 +81,15 @@ _MATCHERS: collections.OrderedDict = collections.OrderedDict()  # (grammar, key)
 
 
 class _State:
-  """One sample's grammar state (a `models.constraint.TokenConstraint`)."""
+  """One sample's grammar state (a `models.constraint.TokenConstraint`).
 
-  def __init__(self, matcher, n_words: int):
-    self._m = matcher
+  The grammar's text complete, the matcher allows only the stop tokens; the sample is done
+  once it took one (so a reply ends with the chat format's end-of-turn token, as unconstrained
+  replies do).
+  """
+
+  def __init__(self, matcher, n_words: int, stop_ids: frozenset):
+    self._m, self._stop_ids, self._last = matcher, stop_ids, None
     self._mask = np.zeros((1, n_words), np.int32)
 
   def allowed(self) -> np.ndarray:
@@ -100,9 +105,10 @@ class _State:
     if not self._m.consume_token(int(token_id)):
       raise RuntimeError(f"constraint: token {token_id} is not allowed by the grammar: "
                          f"{self._m.get_error()}")
+    self._last = int(token_id)
 
   def is_done(self) -> bool:
-    return self._m.is_stopped()
+    return self._m.is_stopped() and self._last in self._stop_ids
 
 
 class GrammarConstraint:
@@ -112,14 +118,16 @@ class GrammarConstraint:
     matcher: the compiled llguidance matcher in its start state (never advanced itself).
     vocab_size: the tokenizer vocabulary the masks cover.
     grammar: the grammar's text (llguidance Lark), for messages and logs.
+    stop_ids: the tokens that end a complete reply.
   """
 
-  def __init__(self, matcher, vocab_size: int, grammar: str):
+  def __init__(self, matcher, vocab_size: int, grammar: str, stop_ids: Sequence[int]):
     self._matcher, self.vocab_size, self.grammar = matcher, vocab_size, grammar
+    self.stop_ids = frozenset(int(t) for t in stop_ids)
 
   def start(self) -> _State:
     """A fresh state for one sample."""
-    return _State(self._matcher.deep_copy(), -(-self.vocab_size // 32))
+    return _State(self._matcher.deep_copy(), -(-self.vocab_size // 32), self.stop_ids)
 
   def __repr__(self) -> str:
     return f"GrammarConstraint({self.grammar[:80]!r}...)"
@@ -225,7 +233,7 @@ def compile_grammar(grammar: str, tokenizer, stop_ids: Sequence[int],
       _MATCHERS[key] = matcher
       while len(_MATCHERS) > CACHE_SIZE:
         _MATCHERS.popitem(last=False)
-  return GrammarConstraint(matcher, llt.vocab_size, grammar)
+  return GrammarConstraint(matcher, llt.vocab_size, grammar, llt.eos_tokens)
 
 
 # ------------------------------------------------------------------ grammars
@@ -245,6 +253,25 @@ def _json_rule(schema: Any, strict: bool, whitespace_flexible: bool, what: str) 
 def _lit(text: str) -> str:
   """A Lark string literal of `text`."""
   return json.dumps(text, ensure_ascii=False)
+
+
+def _text_expr(text: str, tokenizer, llt) -> str:
+  """A Lark expression of fixed text. Marker tokens in it that the vocabulary holds as added
+  tokens (Qwen's `<tool_call>`, `<think>`: llguidance reads every added token as a special
+  token, which text cannot spell) are written as that token (`<[id]>`), the rest as string
+  literals: the text the model writes is then exactly what the tokenizer encodes."""
+  parts, run = [], []
+  for t in tokenizer.encode(text):
+    if llt.is_special_token(t):
+      if run:
+        parts.append(_lit(tokenizer.decode(run)))
+        run = []
+      parts.append(f"<[{t}]>")
+    else:
+      run.append(t)
+  if run:
+    parts.append(_lit(tokenizer.decode(run)))
+  return " ".join(parts) if parts else '""'
 
 
 def _response_schema(response_format: Any) -> Optional[tuple[Any, bool]]:
@@ -297,7 +324,7 @@ def _call_opening(chat, template_kwargs: Optional[dict]) -> tuple[str, str]:
 
 def tool_grammar_rules(tools: Sequence[Any], name: Optional[str], first: str, later: str,
                        parallel: bool, strict: bool, whitespace_flexible: bool,
-                       skip: str = "") -> tuple[str, list[str]]:
+                       skip: str = "", lit=_lit) -> tuple[str, list[str]]:
   """The Lark rules of a turn of tool calls.
 
   Args:
@@ -310,6 +337,7 @@ def tool_grammar_rules(tools: Sequence[Any], name: Optional[str], first: str, la
       with "strict": true is strict anyway).
     whitespace_flexible: allow any JSON whitespace.
     skip: text the prompt already holds of the first call (it starts the grammar's text).
+    lit: fixed text -> its Lark expression.
 
   Returns:
     (the start symbol's expression, the rule definitions).
@@ -328,14 +356,14 @@ def tool_grammar_rules(tools: Sequence[Any], name: Optional[str], first: str, la
     rules.append(f"args_{i}: " + _json_rule(params, strict or fn.get("strict") is True,
                                            whitespace_flexible,
                                            f"tools[{fn['name']!r}].parameters"))
-    alts.append(f"{_lit(fn['name'] + _ARGS_OPEN)} args_{i}")
-  close = _lit("}\n" + _CLOSE)
+    alts.append(f"{lit(fn['name'] + _ARGS_OPEN)} args_{i}")
+  close = lit("}\n" + _CLOSE)
   rules.append("call_rest: (" + " | ".join(alts) + ") " + close)
   full = first
   if not (full.startswith(skip) or skip.startswith(full)):
     raise ValueError(f"prompt_prefix: {skip!r} does not open a tool call ({first!r})")
   if len(skip) <= len(full):
-    head = _lit(full[len(skip):]) + " call_rest" if full[len(skip):] else "call_rest"
+    head = lit(full[len(skip):]) + " call_rest" if full[len(skip):] else "call_rest"
   else:  # the prefix names the function: the arguments come next
     after = skip[len(full):]
     match = [i for i, fn in enumerate(fns) if after == fn["name"] + _ARGS_OPEN]
@@ -343,11 +371,11 @@ def tool_grammar_rules(tools: Sequence[Any], name: Optional[str], first: str, la
       raise ValueError(f"prompt_prefix: {skip!r} does not open a call of "
                        f"{[f['name'] for f in fns]}")
     head = f"args_{match[0]} {close}"
-  more = f" ({_lit(chr(10) + later)} call_rest)*" if parallel else ""
+  more = f" ({lit(chr(10) + later)} call_rest)*" if parallel else ""
   return head + more, rules
 
 
-def grammar_for(chat, *, response_format: Any = None, tools: Optional[Sequence[Any]] = None,
+def grammar_for(chat, tokenizer=None, *, response_format: Any = None, tools: Optional[Sequence[Any]] = None,
                 tool_choice: Optional[str] = None, tool_name: Optional[str] = None,
                 parallel_tool_calls: bool = True, prompt_prefix: Sequence[int] = (),
                 template_kwargs: Optional[dict] = None,
@@ -381,10 +409,13 @@ def grammar_for(chat, *, response_format: Any = None, tools: Optional[Sequence[A
     starts.append("response")
   if calls:
     first, later = _call_opening(chat, template_kwargs)
-    skip = chat.tokenizer.decode(list(prompt_prefix)) if prompt_prefix else ""
+    tok = chat.tokenizer if tokenizer is None else tokenizer
+    skip = tok.decode(list(prompt_prefix)) if prompt_prefix else ""
+    llt = _ll_tokenizer(tok, chat.stop_token_ids)
     head, tool_rules = tool_grammar_rules(
         tools, tool_name if tool_choice == "named" else None, first, later,
-        parallel_tool_calls, False, whitespace_flexible, skip)
+        parallel_tool_calls, False, whitespace_flexible, skip,
+        lambda text: _text_expr(text, tok, llt))
     rules += tool_rules
     starts.append(head)
   grammar = "start: " + " | ".join(f"({s})" for s in starts) + "\n" + "\n".join(rules) + "\n"
@@ -420,12 +451,12 @@ def sampling_fields(chat, tokenizer=None, *, response_format: Any = None,
   Raises:
     ValueError: naming the field and value (see the module docstring).
   """
-  found = grammar_for(chat, response_format=response_format, tools=tools,
+  tokenizer = chat.tokenizer if tokenizer is None else tokenizer
+  found = grammar_for(chat, tokenizer, response_format=response_format, tools=tools,
                       tool_choice=tool_choice, tool_name=tool_name,
                       parallel_tool_calls=parallel_tool_calls, prompt_prefix=prompt_prefix,
                       template_kwargs=template_kwargs, whitespace_flexible=whitespace_flexible)
   if found is None:
     return {}
   grammar, what = found
-  tokenizer = chat.tokenizer if tokenizer is None else tokenizer
   return {"constraint": compile_grammar(grammar, tokenizer, chat.stop_token_ids, what)}
