@@ -4,12 +4,12 @@ the server's envs.chat format (a mixin of `trainer.serving.server.PolicyServer`)
 from __future__ import annotations
 
 import asyncio
-import inspect
 from typing import Optional
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from trainer.serving.render import ChatRequest, render_prompt
 from trainer.serving.text import (_ChatReader, _TextDeltas, _call_id, _call_json, _finish_reason,
                                   _fragments, _usage)
 from trainer.serving.validate import (HTTPError, _field, _integer, _tool_choice, _tools,
@@ -21,9 +21,6 @@ class ChatEndpoint:
 
   async def _chat(self, request: Request) -> Response:
     body = await self._body(request)
-    if self.chat is None:
-      raise HTTPError(400, "no tokenizer/chat format loaded: use /generate, or start the server "
-                           "with a checkpoint that has tokenizer files (or --tokenizer)")
     self._check_model(body)
     messages = normalize_messages(body.get("messages"))
     tools = _tools(body)
@@ -35,37 +32,14 @@ class ChatEndpoint:
                      f" (at most {self._top_limit()} on this server: its --top_logprobs)")
     if top_n and not want_logprobs:
       raise HTTPError(400, f"top_logprobs={top_n}: needs logprobs=true", "top_logprobs")
-    template_kwargs = _field(body, "chat_template_kwargs", dict, None)
-    kwargs = {}
-    if template_kwargs:
-      if "template_kwargs" not in inspect.signature(self.chat.render).parameters:
-        raise HTTPError(400, f"chat_template_kwargs={template_kwargs!r:.100}: this chat format "
-                             f"({self.chat.name}) takes no template kwargs",
-                        "chat_template_kwargs")
-      kwargs["template_kwargs"] = template_kwargs
-    # The forced opening is written as after this prompt (e.g. with thinking off).
-    opening_kwargs = kwargs if "template_kwargs" in inspect.signature(
-        self.chat.tool_call_prefix_ids).parameters else {}
-    try:
-      rendered = self.chat.render(messages, None if mode == "none" else tools,
-                                  add_generation_prompt=True, **kwargs).ids
-    except (ValueError, KeyError, TypeError) as e:
-      param = "chat_template_kwargs" if kwargs and "template kwargs" in str(e) else "messages"
-      raise HTTPError(400, f"{param}: {e}", param) from None
-    try:
-      opening = [] if mode == "none" else self.chat.tool_call_prefix_ids(None, **opening_kwargs)
-    except ValueError as e:  # a template that writes no tool calls cannot be forced into one
-      if mode in ("required", "named"):
-        raise HTTPError(400, f"tool_choice: {e}", "tool_choice") from None
-      opening = []
-    prefix = opening if mode == "required" else []  # the forced opening, part of the prompt
-    if mode == "named":
-      prefix = self.chat.tool_call_prefix_ids(name, **opening_kwargs)
-    input_ids = rendered + prefix
+    prompt = render_prompt(self.chat, ChatRequest(
+        messages, tools, mode, name, parallel, _field(body, "chat_template_kwargs", dict, None),
+        {"template_kwargs": "chat_template_kwargs"}))
+    input_ids = prompt.input_ids
     n, params, stream, include_usage = self._common(body, [len(input_ids)], 1,
                                                     self.chat.stop_token_ids)
     self._reserve(session, [len(input_ids)], n, params)
-    reader = _ChatReader(self.chat, tools, mode, parallel, prefix, params.stop, opening)
+    reader = prompt.reader(self.chat, params.stop)
     samples, queue = self._samples([input_ids], n, params, stream)
     logged = {"n": n, "tool_choice": body.get("tool_choice", mode)}
     logprobs = top_n if want_logprobs else None
@@ -100,9 +74,13 @@ class ChatEndpoint:
 
   def _chat_logprobs(self, ids, lps, top, top_n: int, start: int = 0) -> list[dict]:
     dec = self.tokenizer.decode
-    return [{"token": dec([ids[k]]), "logprob": lps[k],
-             "top_logprobs": [{"token": dec([j]), "logprob": v}
-                              for j, v in (top[k][:top_n] if top_n else [])]}
+
+    def entry(token_id, logprob):
+      token = dec([token_id])
+      return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return [{**entry(ids[k], lps[k]),
+             "top_logprobs": [entry(j, v) for j, v in (top[k][:top_n] if top_n else [])]}
             for k in range(start, len(ids))]
 
   async def _chat_stream(self, samples, queue, reader: _ChatReader, session, logged,

@@ -1,7 +1,8 @@
 """The policy server: the generation engine behind Starlette under uvicorn, with the shared
 front door (`envs.untrusted.door`), the token-in/token-out endpoint (/generate), the model and
-session endpoints, and what the OpenAI endpoints share (`trainer.serving.chat`,
-`trainer.serving.completions`)."""
+session endpoints, and what the protocol endpoints share (`trainer.serving.chat`,
+`trainer.serving.completions`, `trainer.serving.responses`, `trainer.serving.messages`): auth,
+bodies, errors in each protocol's shape, sampling, the session log and event streams."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from envs.net import check_bind, serve_in_thread
@@ -27,11 +28,14 @@ from envs.untrusted.decode import TooDeep, loads
 from envs.untrusted.door import ConnectionLimits, Door, RequestError
 from trainer.serving.chat import ChatEndpoint
 from trainer.serving.completions import CompletionsEndpoint
+from trainer.serving.messages import MessagesEndpoint
+from trainer.serving.render import Prompt
+from trainer.serving.responses import ResponsesEndpoint
 from trainer.serving.sessions import SessionLog
 from trainer.serving.text import _post, _sse
 from trainer.serving.validate import (GENERATE_FIELDS, HTTPError, _field, _integer, _param_of,
-                                      _refuse_unsupported, check_token_ids, error_response,
-                                      sampling_params)
+                                      _refuse_unsupported, anthropic_error, check_token_ids,
+                                      error_response, sampling_params)
 
 logger = logging.getLogger("trainer.serve")
 
@@ -41,7 +45,8 @@ class ServerConfig:
   """Address, auth and limits of a PolicyServer (each field's meaning beside it)."""
   host: str = "127.0.0.1"            # bind address; non-loopback needs `token`
   port: int = 8000                   # 0 = any free port
-  token: Optional[str] = None        # bearer token required on every endpoint but /health
+  token: Optional[str] = None        # token required on every endpoint but /health (as a
+                                     # bearer token, or Anthropic clients' X-Api-Key)
   served_name: str = "arbor"         # the model's id in /v1/models and replies
   top_logprobs: int = 20             # most top_logprobs (chat) / logprobs (completions) per
                                      # token; `build`/`run` give the engine this many (an engine
@@ -89,7 +94,7 @@ class _Sample:
   future: Any = None              # the engine's concurrent Future
 
 
-class PolicyServer(ChatEndpoint, CompletionsEndpoint):
+class PolicyServer(ChatEndpoint, CompletionsEndpoint, ResponsesEndpoint, MessagesEndpoint):
   """HTTP front of an `models.engine.Engine` (the API: `trainer.serve`'s docstring).
 
   Args:
@@ -97,7 +102,7 @@ class PolicyServer(ChatEndpoint, CompletionsEndpoint):
       `stop`).
     config: address, token and limits.
     tokenizer: decodes tokens for the OpenAI endpoints (None: /generate only).
-    chat: the envs.chat format of /v1/chat/completions (None: that endpoint answers 400).
+    chat: the envs.chat format of the chat protocols (None: they answer 400).
 
   Raises:
     ValueError: a non-loopback host without a token (envs.net.check_bind), a connection
@@ -121,6 +126,9 @@ class PolicyServer(ChatEndpoint, CompletionsEndpoint):
         Route("/generate", self._generate, methods=["POST"]),
         Route("/v1/chat/completions", self._chat, methods=["POST"]),
         Route("/v1/completions", self._completions, methods=["POST"]),
+        Route("/v1/responses", self._responses, methods=["POST"]),
+        Route("/v1/messages", self._messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", self._count_tokens, methods=["POST"]),
         Route("/v1/models", self._models, methods=["GET"]),
         Route("/v1/models/{model:path}", self._model, methods=["GET"]),
         Route("/v1/sessions/{session}", self._session, methods=["GET", "DELETE"]),
@@ -185,8 +193,17 @@ class PolicyServer(ChatEndpoint, CompletionsEndpoint):
     self.engine.stop()
 
   # --- errors and shared checks
+  @staticmethod
+  def _error(request: Request, status: int, message: str, param: Optional[str] = None,
+             code: Optional[str] = None) -> Response:
+    """An error in the shape of the request's protocol: Anthropic's on /v1/messages routes (the
+    field named in the message), OpenAI's elsewhere."""
+    if request.url.path.startswith("/v1/messages"):
+      return anthropic_error(status, message)
+    return error_response(status, message, param, code)
+
   async def _on_error(self, request: Request, e: HTTPError) -> Response:
-    response = error_response(e.status, str(e), e.param, e.code)
+    response = self._error(request, e.status, str(e), e.param, e.code)
     if e.status in (401, 408, 413):  # a body left unread, or a client not to keep
       response.headers["Connection"] = "close"
     return response
@@ -194,24 +211,26 @@ class PolicyServer(ChatEndpoint, CompletionsEndpoint):
   async def _on_http_exception(self, request: Request, e: HTTPException) -> Response:
     where = f"{request.method} {request.url.path}"
     if e.status_code == 404:
-      return error_response(404, f"no endpoint {where}")
+      return self._error(request, 404, f"no endpoint {where}")
     if e.status_code == 405:
-      return error_response(405, f"{where}: use {(e.headers or {}).get('Allow', '')}")
-    return error_response(e.status_code, f"{where}: {e.detail}")
+      return self._error(request, 405, f"{where}: use {(e.headers or {}).get('Allow', '')}")
+    return self._error(request, e.status_code, f"{where}: {e.detail}")
 
   async def _on_crash(self, request: Request, e: Exception) -> Response:
     logger.error("request %s %s failed: %r", request.method, request.url.path, e)
-    return error_response(500, f"{type(e).__name__}: {e}")
+    return self._error(request, 500, f"{type(e).__name__}: {e}")
 
   def _authorize(self, request: Request) -> None:
-    """Checks the bearer token (if the server has one); its connection is then one of a real
-    client's, closed last when connections run out."""
+    """Checks the token (if the server has one): a bearer token, or the X-Api-Key header that
+    Anthropic clients send; its connection is then one of a real client's, closed last when
+    connections run out."""
     if self.cfg.token:
       given = request.headers.get("authorization", "")
-      if not given.startswith("Bearer ") or not hmac.compare_digest(
-          given[len("Bearer "):].encode(), self.cfg.token.encode()):
-        raise HTTPError(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
-                        code="invalid_api_key")
+      tokens = [given[len("Bearer "):]] if given.startswith("Bearer ") else []
+      tokens += [request.headers["x-api-key"]] if "x-api-key" in request.headers else []
+      if not any(hmac.compare_digest(t.encode(), self.cfg.token.encode()) for t in tokens):
+        raise HTTPError(401, "missing or wrong bearer token (Authorization: Bearer <token>, "
+                             "or X-Api-Key: <token>)", code="invalid_api_key")
     self.door.authenticated(request)
 
   async def _body(self, request: Request) -> dict:
@@ -390,23 +409,74 @@ class PolicyServer(ChatEndpoint, CompletionsEndpoint):
     if session is not None:
       self.sessions.reserve_check(session, sum(n * (k + params.max_tokens) for k in prompt_lens))
 
-  async def _sse_stream(self, what: str, samples, queue, opening, on_tokens, on_done, usage):
-    """The Server-Sent Events of a streamed reply: opening() chunks, the samples' chunks as they
-    progress (`_events`), the usage() chunk (None: none), then [DONE]; an error after the
-    status line is sent becomes an error event."""
+  async def _stream(self, what: str, samples, queue, opening, on_tokens, on_done, closing,
+                    on_error):
+    """The events of a streamed reply, as text: opening(), the samples' events as they progress
+    (`_events`: on_tokens / on_done), then closing(); each returns a list of formatted events.
+    An error after the status line is sent becomes on_error(message)'s event."""
     try:
-      for c in opening():
-        yield _sse(c)
-      async for chunks in self._events(samples, queue, on_tokens, on_done):
-        for c in chunks:
-          yield _sse(c)
-      if usage is not None:
-        yield _sse(usage())
-      yield "data: [DONE]\n\n"
+      for event in opening():
+        yield event
+      async for events in self._events(samples, queue, on_tokens, on_done):
+        for event in events:
+          yield event
+      for event in closing():
+        yield event
     except Exception as e:  # the status line is sent: report the error as an event
       logger.exception("%s stream failed", what)
-      yield _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error",
-                            "param": None, "code": None}})
+      yield on_error(f"{type(e).__name__}: {e}")
     finally:
       for s in samples:
         s.future.cancel()  # a client gone early frees the samples still queued
+
+  def _sse_stream(self, what: str, samples, queue, opening, on_tokens, on_done, usage):
+    """The Server-Sent Events of a streamed OpenAI (chat) completion: opening() chunks, the
+    samples' chunks as they progress, the usage() chunk (None: none), then [DONE]."""
+    def formatted(chunks):
+      return lambda *a: [_sse(c) for c in chunks(*a)]
+
+    def closing():
+      return ([] if usage is None else [_sse(usage())]) + ["data: [DONE]\n\n"]
+
+    def on_error(message):
+      return _sse({"error": {"message": message, "type": "server_error", "param": None,
+                             "code": None}})
+
+    return self._stream(what, samples, queue, formatted(opening), formatted(on_tokens),
+                        formatted(on_done), closing, on_error)
+
+  @staticmethod
+  def _streaming(events) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+  def _start_turn(self, prompt: Prompt, sampling: dict, session: Optional[str], stream: bool,
+                  names: Optional[dict] = None):
+    """Submits one sample of a rendered chat prompt (the Responses and Messages endpoints).
+
+    Args:
+      prompt: the rendered request.
+      sampling: the sampling fields by their internal names (those of `sampling_params`).
+      session: the session id, or None.
+      stream: report the sample's progress to the returned queue.
+      names: the request's own names of the sampling fields (e.g. {"max_tokens":
+        "max_output_tokens"}), for the errors.
+
+    Returns:
+      (the _Sample, its queue or None, its SamplingParams, its _ChatReader).
+
+    Raises:
+      HTTPError: 400 naming the request's field and value.
+    """
+    try:
+      room = self._room([len(prompt.input_ids)], None)
+      params = sampling_params(sampling, room=room, capacity=self.engine.capacity,
+                               vocab_size=self._vocab(), stop_token_ids=self.chat.stop_token_ids)
+    except HTTPError as e:
+      new = (names or {}).get(e.param)
+      if new is None:
+        raise
+      raise HTTPError(e.status, str(e).replace(e.param, new), new) from None
+    self._reserve(session, [len(prompt.input_ids)], 1, params)
+    samples, queue = self._samples([prompt.input_ids], 1, params, stream)
+    return samples[0], queue, params, prompt.reader(self.chat, params.stop)

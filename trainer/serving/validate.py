@@ -1,10 +1,14 @@
 """Request validation of the policy server: the request errors it answers with (OpenAI error
-objects) and the checks of every field a request carries.
+objects; Anthropic's on the Messages routes) and the checks of every field a request carries.
 
 Every number is checked before anything reaches the engine: token ids inside the vocabulary,
 max_tokens within the context, temperature a finite number in [0, MAX_TEMPERATURE], top_p in
-(0, 1], top_k in [0, MAX_TOP_K], seed an int64, n and log-prob counts in range. Anything else is
-a 400 whose message names the field and its value (`HTTPError`, with `param` the field).
+(0, 1], top_k in [0, MAX_TOP_K] (or -1, vLLM's "off", as 0), seed an int64, min_p in [0, 1],
+min_tokens in [0, max_tokens], n and log-prob counts in range. Anything else is a 400 whose
+message names the field and its value (`HTTPError`, with `param` the field). Fields the server
+does not implement (UNSUPPORTED: penalties, logit_bias, rendering without the generation prompt
+or continuing the last message, ...) are refused unless given the value that changes nothing,
+never silently ignored.
 """
 
 from __future__ import annotations
@@ -18,12 +22,16 @@ from starlette.responses import JSONResponse
 from envs.policy import SamplingParams
 
 GENERATE_FIELDS = ("input_ids", "max_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
-                   "stop", "seed")
+                   "stop", "seed", "min_p", "min_tokens", "ignore_eos")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}  # OpenAI role -> envs.chat role
-# Fields whose non-default values would change what is sampled; refused rather than ignored.
+# Fields whose non-default values would change what is sampled or rendered; refused rather than
+# ignored, each accepted only with the values that change nothing. vLLM's extensions are here
+# too: lifting one (once the sampler or the renderer implements it) is deleting its line.
 UNSUPPORTED = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-               "logit_bias": (None, {}), "suffix": (None, ""), "best_of": (None, 1)}
+               "logit_bias": (None, {}), "suffix": (None, ""), "best_of": (None, 1),
+               "repetition_penalty": (None, 1, 1.0), "add_generation_prompt": (None, True),
+               "continue_final_message": (None, False)}
 MAX_TEMPERATURE = 100.0        # hotter is uniform sampling for any model
 MAX_TOP_K = 2**31 - 1          # the engine's int32 (any k >= the vocabulary is "off")
 SEED_RANGE = (-2**63, 2**63 - 1)  # int64, as OpenAI's and vLLM's APIs take it
@@ -62,6 +70,28 @@ def error_response(status: int, message: str, param: Optional[str] = None,
   kind = "server_error" if status >= 500 else "invalid_request_error"
   return JSONResponse({"error": {"message": message, "type": kind, "param": param,
                                  "code": code}}, status_code=status)
+
+
+# Anthropic's error types by HTTP status (others: invalid_request_error, api_error from 500).
+ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 500: "api_error", 529: "overloaded_error"}
+
+
+def anthropic_error(status: int, message: str) -> JSONResponse:
+  """An Anthropic error: {"type": "error", "error": {"type", "message"}}.
+
+  Args:
+    status: the HTTP status (the official `anthropic` client raises BadRequestError for 400,
+      AuthenticationError for 401, NotFoundError for 404, ...).
+    message: what went wrong, naming the field and value (Anthropic's errors have no param).
+
+  Returns:
+    The JSON response.
+  """
+  kind = ANTHROPIC_ERRORS.get(status, "api_error" if status >= 500 else "invalid_request_error")
+  return JSONResponse({"type": "error", "error": {"type": kind, "message": message}},
+                      status_code=status)
 
 
 def _param_of(message: str) -> Optional[str]:
@@ -155,13 +185,21 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
   return tuple(stop)
 
 
+def _top_k(body: dict) -> int:
+  """top_k in [0, MAX_TOP_K]; 0 is off, and so is vLLM's -1."""
+  if body.get("top_k") == -1 and not isinstance(body["top_k"], bool):
+    return 0
+  return _integer(body, "top_k", 0, 0, MAX_TOP_K)
+
+
 def sampling_params(body: dict, *, room: int, capacity: int, vocab_size: int,
                     max_tokens: Optional[int] = None, stop_token_ids: Sequence[int] = ()):
   """Builds engine SamplingParams from a request body, every number checked.
 
   Args:
     body: the request's JSON object (fields of GENERATE_FIELDS; absent ones take defaults:
-      max_tokens `max_tokens`, temperature 1, top_p 1, top_k 0, no stop, no seed).
+      max_tokens `max_tokens`, temperature 1, top_p 1, top_k 0 (off; -1 too), no stop, no
+      seed, min_p 0, min_tokens 0, ignore_eos false).
     room: the most new tokens the context has room for (>= 1): the engine's capacity less
       the prompt.
     capacity: the engine's max_seq_len (for the message).
@@ -175,20 +213,25 @@ def sampling_params(body: dict, *, room: int, capacity: int, vocab_size: int,
   Raises:
     HTTPError: 400 naming the field and value: a field of the wrong type, max_tokens outside
       [1, room], temperature outside [0, MAX_TEMPERATURE] or not finite, top_p outside (0, 1],
-      top_k outside [0, MAX_TOP_K], a seed outside int64, a stop token id outside the
-      vocabulary, or a bad "stop".
+      top_k outside [0, MAX_TOP_K] (but -1), a seed outside int64, a stop token id outside the
+      vocabulary, a bad "stop", min_p outside [0, 1], min_tokens outside [0, max_tokens], a
+      non-bool ignore_eos.
   """
+  limit = _integer(body, "max_tokens", room if max_tokens is None else max_tokens, 1, room,
+                   f" (the prompt's {capacity - room} tokens + max_tokens fit the engine's "
+                   f"max_seq_len={capacity})")
   return SamplingParams(
-      max_tokens=_integer(body, "max_tokens", room if max_tokens is None else max_tokens, 1,
-                          room, f" (the prompt's {capacity - room} tokens + max_tokens fit "
-                          f"the engine's max_seq_len={capacity})"),
+      max_tokens=limit,
       temperature=_real(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
       top_p=_real(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
-      top_k=_integer(body, "top_k", 0, 0, MAX_TOP_K),
+      top_k=_top_k(body),
       stop_token_ids=tuple(dict.fromkeys(list(stop_token_ids) + check_token_ids(
           body.get("stop_token_ids", []) or [], "stop_token_ids", vocab_size))),
       stop=_stop_strings(body),
-      seed=_integer(body, "seed", None, *SEED_RANGE))
+      seed=_integer(body, "seed", None, *SEED_RANGE),
+      min_p=_real(body, "min_p", 0.0, 0.0, 1.0),
+      min_tokens=_integer(body, "min_tokens", 0, 0, limit, " (at most max_tokens)"),
+      ignore_eos=_field(body, "ignore_eos", bool, False))
 
 
 def normalize_messages(messages: Any) -> list[dict]:
@@ -297,10 +340,22 @@ def _tool_choice(body: dict, tools: Optional[list[dict]]) -> tuple[str, Optional
   return mode, name
 
 
+def _neutral(value, defaults: tuple) -> bool:
+  """Whether a value is one of a field's neutral ones (a bool is never a number: True is not 1,
+  and False is no penalty of 0)."""
+  return any(value is None if d is None else
+             (type(value) is type(d) or {type(value), type(d)} <= {int, float}) and value == d
+             for d in defaults)
+
+
 def _refuse_unsupported(body: dict) -> None:
+  """400 for a field of UNSUPPORTED given a value other than its neutral ones (and for a
+  response_format other than text)."""
   for name, defaults in UNSUPPORTED.items():
-    if body.get(name) not in defaults:
-      raise HTTPError(400, f"{name}={body[name]!r:.100}: not supported by this server", name)
+    if not _neutral(body.get(name), defaults):
+      neutral = " or ".join(repr(d) for d in defaults if d is not None)
+      raise HTTPError(400, f"{name}={body[name]!r:.100}: not supported by this server (only "
+                           f"{neutral}, which changes nothing)", name)
   fmt = body.get("response_format")
   if fmt is not None and fmt != {"type": "text"}:
     raise HTTPError(400, f"response_format={fmt!r:.100}: only {{\"type\": \"text\"}} is "
