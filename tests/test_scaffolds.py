@@ -234,11 +234,13 @@ def test_channel_from_docker_sandbox():
 
 
 def test_channel_limits_and_closing(tmp_path):
-  """Oversized and compressed bodies are refused; after close() the socket is gone."""
+  """Oversized and compressed bodies are refused, a chunked body's session is forced, requests
+  beyond max_connections get 503; after close() the socket is gone."""
   async def main():
     gateway = FakeGateway("t")
     try:
-      async with Channel(gateway.url, "ep", "t", max_request_bytes=1000) as ch:
+      async with Channel(gateway.url, "ep", "t", max_request_bytes=1000,
+                         max_connections=1) as ch:
         path = f"{ch.host_dir}/{ch.socket_name}"
 
         async def send(raw: bytes) -> bytes:
@@ -253,7 +255,14 @@ def test_channel_limits_and_closing(tmp_path):
                         b"Content-Length: 2\r\n\r\n{}")
         chunked = await send(b"POST /v1/responses HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
                              b"e\r\n{\"session_id\":\r\n9\r\n \"other\"}\r\n0\r\n\r\n")
+        _, held = await asyncio.open_unix_connection(path)
+        held.write(b"POST /v1/chat/completions HTTP/1.1\r\n")  # a head still arriving
+        await held.drain()
+        await asyncio.sleep(0.2)
+        busy = await send(b"GET /v1/models HTTP/1.1\r\n\r\n")
+        held.close()
       assert big.startswith(b"HTTP/1.1 413") and gz.startswith(b"HTTP/1.1 415")
+      assert busy.startswith(b"HTTP/1.1 503"), busy
       assert chunked.startswith(b"HTTP/1.0 200") or chunked.startswith(b"HTTP/1.1 200"), chunked
       assert gateway.calls[-1]["session"] == "ep"
       with pytest.raises(OSError):

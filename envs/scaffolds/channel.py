@@ -54,6 +54,8 @@ MAX_REQUEST_BYTES = 32 << 20
 MAX_CONNECTIONS = 16
 IDLE_TIMEOUT = 600.0
 CHUNK = 65536
+DISCARD_BYTES = 1 << 20   # input read and dropped after a refusal, so the client gets it
+DISCARD_SECONDS = 2.0
 _POST = re.compile(r"^(?:/v1)?/(?:chat/completions|completions|responses|messages"
                    r"(?:/count_tokens)?)$")
 _GET = re.compile(r"^(?:/v1)?/models(?:/[A-Za-z0-9._:@-]+)?$")
@@ -224,6 +226,7 @@ class Channel:
       if self._active >= self.max_connections:
         entry[2] = 503
         await self._answer(writer, 503, "too many requests in flight on this channel")
+        await self._discard(reader)
         return
       self._active += 1
       try:
@@ -233,6 +236,7 @@ class Channel:
     except ChannelError as e:
       entry[2] = e.status
       await self._answer(writer, e.status, e.message)
+      await self._discard(reader)
     except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError,
             asyncio.LimitOverrunError, OSError) as e:
       log.debug("channel %s: connection ended: %r", self.session_id, e)
@@ -249,7 +253,25 @@ class Channel:
       writer.write(f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
                    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
       await writer.drain()
+      if writer.can_write_eof():
+        writer.write_eof()  # the answer is complete: the client need not wait for the close
     except (ConnectionError, OSError):
+      pass
+
+  @staticmethod
+  async def _discard(reader: asyncio.StreamReader) -> None:
+    """Reads what the client still sends (at most DISCARD_BYTES, DISCARD_SECONDS) before the
+    connection closes: closing a socket with unread input resets it, and the client would
+    lose the answer."""
+    left, deadline = DISCARD_BYTES, asyncio.get_running_loop().time() + DISCARD_SECONDS
+    try:
+      while left > 0:
+        timeout = deadline - asyncio.get_running_loop().time()
+        data = await asyncio.wait_for(reader.read(min(left, CHUNK)), max(timeout, 0.001))
+        if not data:
+          return
+        left -= len(data)
+    except (asyncio.TimeoutError, ConnectionError, OSError):
       pass
 
   async def _read(self, coro):
