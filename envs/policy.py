@@ -182,7 +182,8 @@ class CompletionsPolicy:
   """A Policy over an OpenAI-compatible `POST {base_url}/completions` with a token-id prompt.
 
   Each `generate` sends {"model", "prompt": input_ids, "max_tokens", "temperature", "top_p",
-  "top_k" (when > 0), "stop", "stop_token_ids", "seed", "logprobs": 0,
+  "top_k" (when > 0), "stop", "stop_token_ids" (not with ignore_eos), "seed", "min_p",
+  "min_tokens", "ignore_eos" (when not neutral), "logprobs": 0,
   "return_tokens_as_token_ids": true, "return_token_ids": true, "session_id"} and reads the
   sampled ids and their log-probs back, without re-tokenizing text, from the first of:
     - choices[0]["token_ids"] (vLLM with return_token_ids) with logprobs.token_logprobs;
@@ -244,7 +245,7 @@ class CompletionsPolicy:
       body["top_k"] = params.top_k
     if params.stop:
       body["stop"] = list(params.stop)
-    if params.stop_token_ids:
+    if params.stop_token_ids and not params.ignore_eos:  # ignore_eos: they never stop
       body["stop_token_ids"] = list(params.stop_token_ids)
     if params.seed is not None:
       body["seed"] = params.seed

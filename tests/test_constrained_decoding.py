@@ -439,3 +439,22 @@ def test_refusals(chat):
   f1 = constrain.sampling_fields(chat, tools=TOOLS, tool_choice="required")
   f2 = constrain.sampling_fields(chat, tools=TOOLS, tool_choice="required")
   assert f1["constraint"]._matcher is f2["constraint"]._matcher
+
+
+def test_sampling_params_over_http():
+  """The new fields travel as JSON (the policy server's /generate, vLLM's /completions); a
+  constraint does not."""
+  from envs.policy import CompletionsPolicy
+
+  d = SamplingParams(min_p=0.1, min_tokens=2, ignore_eos=True, stop_token_ids=(5,)).to_dict()
+  assert (d["min_p"], d["min_tokens"], d["ignore_eos"]) == (0.1, 2, True)
+  assert "constraint" not in d and json.dumps(d)
+  client = CompletionsPolicy("http://127.0.0.1:1/v1", "m")
+  body = client.body([1, 2], SamplingParams(min_p=0.1, min_tokens=2, ignore_eos=True,
+                                            stop_token_ids=(5,)), "s")
+  assert (body["min_p"], body["min_tokens"], body["ignore_eos"]) == (0.1, 2, True)
+  assert "stop_token_ids" not in body  # ignore_eos: they never end the sample
+  plain = client.body([1, 2], SamplingParams(), "s")
+  assert not {"min_p", "min_tokens", "ignore_eos"} & set(plain)
+  with pytest.raises(ValueError, match="constraint"):
+    client.body([1], SamplingParams(constraint=EvenTokens(1)), "s")
