@@ -135,6 +135,20 @@ def test_with_scaffold_extends_the_environment_and_its_key():
     Environment.create(tools=["pip:x==1", "pip:x; rm -rf /"])
 
 
+def test_blackbox_episode_refuses_what_it_cannot_run():
+  shell = Task(instance_id="t", kind="shell", problem_statements=("p",), check_script="true",
+               environment=Environment.create())
+  exact = Task(instance_id="e", kind="exact", problem_statements=("p",), answers=("4",),
+               environment=Environment.create())
+  cases = [(shell, "react", {}, "runs host-side"), (exact, "codex", {}, r"kind='exact'"),
+           (shell, "codex", {"backend": "remote"}, r"backend='remote'"),
+           (Task(instance_id="n", kind="shell", problem_statements=("p",), check_script="true"),
+            "codex", {}, "environment=None")]
+  for task, name, kw, match in cases:
+    with pytest.raises(ValueError, match=match):
+      asyncio.run(run_blackbox_episode(task, name, "http://127.0.0.1:1", model="m", **kw))
+
+
 # ---------------------------------------------------------------------------------------------
 # The channel, from inside a sandbox
 
@@ -255,6 +269,7 @@ def test_channel_limits_and_closing(tmp_path):
                         b"Content-Length: 2\r\n\r\n{}")
         chunked = await send(b"POST /v1/responses HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
                              b"e\r\n{\"session_id\":\r\n9\r\n \"other\"}\r\n0\r\n\r\n")
+        smuggled = await send(b"GET /v1/models HTTP/1.1\r\nX-A: 1\nx-session-id: other\r\n\r\n")
         _, held = await asyncio.open_unix_connection(path)
         held.write(b"POST /v1/chat/completions HTTP/1.1\r\n")  # a head still arriving
         await held.drain()
@@ -263,6 +278,7 @@ def test_channel_limits_and_closing(tmp_path):
         held.close()
       assert big.startswith(b"HTTP/1.1 413") and gz.startswith(b"HTTP/1.1 415")
       assert busy.startswith(b"HTTP/1.1 503"), busy
+      assert smuggled.startswith(b"HTTP/1.1 400"), smuggled
       assert chunked.startswith(b"HTTP/1.0 200") or chunked.startswith(b"HTTP/1.1 200"), chunked
       assert gateway.calls[-1]["session"] == "ep"
       with pytest.raises(OSError):

@@ -65,6 +65,7 @@ _DROP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-author
                    "trailer", "transfer-encoding", "upgrade", "host", "content-length",
                    "authorization", "x-api-key", "x-session-id", "cookie", "expect"})
 _SESSION = re.compile(r"^[^/\x00-\x1f]{1,128}$")
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class ChannelError(ValueError):
@@ -284,7 +285,10 @@ class Channel:
       raise ChannelError(400, f"request head longer than {MAX_HEAD_BYTES} bytes") from None
     except asyncio.IncompleteReadError:
       return  # the client went away before a request
-    lines = head.decode("latin-1").split("\r\n")
+    text = head.decode("latin-1")
+    if _CONTROL.search(text[:-4].replace("\r\n", "")):  # a bare CR or LF could split a header
+      raise ChannelError(400, "control characters in the request head")
+    lines = text.split("\r\n")
     try:
       method, target, version = lines[0].split(" ")
     except ValueError:
