@@ -8,9 +8,10 @@ Every model call is answered with a final assistant reply, "Done.", in the proto
 (Chat Completions, Responses, Anthropic Messages; as server-sent events when the request asks
 to stream), so a CLI's run ends after one call. One exception: a Chat Completions request
 offering a tool named `bash` whose messages name mini-swe-agent's submit command (its only
-tool must be called every turn) is answered with a call of it running that command. Calls are filed like the
-policy server files them: under the body's `session_id`, else the `x-session-id` header; a
-request without the bearer token gets 401. Standard library only; loopback only.
+tool must be called every turn) is answered with a call of it running that command. Calls are
+filed like the policy server files them: under the body's `session_id`, else the
+`x-session-id` header; a request without the bearer token gets 401. Standard library only;
+loopback only.
 """
 
 from __future__ import annotations
