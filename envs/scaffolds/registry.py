@@ -17,7 +17,9 @@ Arbor's own react loop (`envs.scaffold`) is the entry "react": it runs host-side
 calls go through `envs.policy` as token ids), installs nothing and has no `launch`.
 
 The CLI flags below are those of the pinned versions' `--help` (and their documented
-variables); `python -m envs.scaffolds check` installs each recipe and runs it.
+variables and settings); `python -m envs.scaffolds check` installs each recipe and runs its
+version command in a sandbox, `python -m envs.scaffolds probe` runs each launch through a
+channel against a scripted gateway (`envs.scaffolds.stub`).
 """
 
 from __future__ import annotations
@@ -142,7 +144,8 @@ def with_scaffold(env: Environment, scaffold: "str | Scaffold") -> Environment:
 
 
 def _claude_code(r: LaunchRequest) -> Launch:
-  # `claude -p` is the non-interactive mode; --max-turns bounds the agent's turns in it.
+  # `claude -p` is the non-interactive mode; --max-turns bounds the agent's turns in it (an
+  # option of print mode that `--help` does not list).
   argv = ("claude", "-p", r.prompt, "--model", r.model, "--max-turns", str(r.max_turns),
           "--dangerously-skip-permissions", "--output-format", "json",
           "--no-session-persistence")
@@ -157,7 +160,7 @@ def _claude_code(r: LaunchRequest) -> Launch:
 
 def _codex(r: LaunchRequest) -> Launch:
   # `codex exec` is the non-interactive mode; Codex has no turn limit (the episode's wall
-  # clock bounds it). Chat Completions ("wire_api = chat") is no longer supported by Codex.
+  # clock bounds it). Chat Completions (`wire_api = "chat"`) is no longer supported by Codex.
   config = "\n".join([
       f"model = {json.dumps(r.model)}", 'model_provider = "arbor"',
       "check_for_update_on_startup = false", "", "[analytics]", "enabled = false", "",
@@ -180,6 +183,7 @@ def _qwen_code(r: LaunchRequest) -> Launch:
 
 
 def _opencode(r: LaunchRequest) -> Launch:
+  # `opencode run` is the non-interactive mode; an agent's `steps` bounds its iterations.
   config = {
       "$schema": "https://opencode.ai/config.json", "autoupdate": False, "share": "disabled",
       "model": f"arbor/{r.model}",
