@@ -14,12 +14,15 @@ block pairs the forward computed.
 
 Block tests (the Pallas kernels' rule, docs in tree_attention_tpu.py): for query block [q0, q1)
 and key block [k0, k1) the pair is skipped iff k0 >= q1 or max(end[k0:k1]) <= q0. The forward
-and dQ loops of a query block run over key blocks [0, (q1 - 1) // block_k] and skip with `cond`;
-the dK/dV loop of a key block runs over the contiguous range of query blocks that can see it,
+loop of a query block runs over key blocks [0, (q1 - 1) // block_k] and skips with `cond`; the
+backward's loop of a key block runs over the contiguous range of query blocks that can see it,
 [k0 // block_q, (max(end[k0:k1]) - 1) // block_q], so it needs no skip test at all.
 
 Standard flash backward with recomputed probabilities: D = rowsum(dO · O), P = exp(S - lse),
-dV = Pᵀ dO, dS = P (dO Vᵀ - D), dQ = scale dS K, dK = scale dSᵀ Q. Softmax statistics and
+dV = Pᵀ dO, dS = P (dO Vᵀ - D), dQ = scale dS K, dK = scale dSᵀ Q. P and dS of a block pair are
+computed once and feed dV, dK and dQ (5 block matmuls, not 7 as with separate dQ and dK/dV
+loops); dQ lives in one fp32 buffer that the key blocks add to in ascending order, the order a
+per-query-block loop adds them in, so the result is the same to the bit. Softmax statistics and
 accumulators are fp32; matmul operands stay in the input dtype.
 """
 
@@ -164,7 +167,7 @@ def _flash_bwd(cfg, residuals, cotangents):
   d_out = cotangents[0]  # max_logits is stop-gradient, the bitmap is not differentiable
   b, padded, kvh, _ = k.shape
   g, bq, bk = cfg.groups, cfg.bq, cfg.bk
-  nq, nk = padded // bq, padded // bk
+  nk = padded // bk
   qg, dog = _grouped(cfg, q), _grouped(cfg, d_out)
   # D_i = rowsum(dO · O): [b, kv_heads, groups, L]
   delta = jnp.einsum("blkgd,blkgd->bkgl", dog.astype(jnp.float32),
@@ -180,33 +183,15 @@ def _flash_bwd(cfg, residuals, cotangents):
     ds = p * (dp - jax.lax.dynamic_slice_in_dim(delta[bi], q0, bq, axis=2)[..., None])
     return p, ds
 
-  def dq_block(idx):
-    bi, qi = idx // nq, idx % nq
-    q0 = qi * bq
-    qb = jax.lax.dynamic_slice_in_dim(qg[bi], q0, bq)
-    dob = jax.lax.dynamic_slice_in_dim(dog[bi], q0, bq)
-
-    def body(kj, dq):
-      def compute(dq):
-        k0 = kj * bk
-        kb = jax.lax.dynamic_slice_in_dim(k[bi], k0, bk)
-        _, ds = probs(bi, q0, k0, qb, kb, dob, jax.lax.dynamic_slice_in_dim(v[bi], k0, bk))
-        return dq + jnp.einsum("kgqs,skd->qkgd", ds.astype(k.dtype), kb,
-                               preferred_element_type=jnp.float32)
-
-      return jax.lax.cond(kmax[bi, kj] <= q0, lambda x: x, compute, dq)
-
-    dq = jnp.zeros(qb.shape, jnp.float32)
-    return jax.lax.fori_loop(0, (q0 + bq - 1) // bk + 1, body, dq) * cfg.scale
-
-  def dkv_block(idx):
+  def dkv_block(dq, idx):
+    """dK, dV of key block idx, and its share of dQ added to `dq` (P and dS computed once)."""
     bi, kj = idx // nk, idx % nk
     k0 = kj * bk
     kb = jax.lax.dynamic_slice_in_dim(k[bi], k0, bk)
     vb = jax.lax.dynamic_slice_in_dim(v[bi], k0, bk)
 
     def body(qi, carry):
-      dk, dv = carry
+      dk, dv, dq = carry
       q0 = qi * bq
       qb = jax.lax.dynamic_slice_in_dim(qg[bi], q0, bq)
       dob = jax.lax.dynamic_slice_in_dim(dog[bi], q0, bq)
@@ -215,14 +200,19 @@ def _flash_bwd(cfg, residuals, cotangents):
                            preferred_element_type=jnp.float32)
       dk = dk + jnp.einsum("kgqs,qkgd->skd", ds.astype(q.dtype), qb,
                            preferred_element_type=jnp.float32)
-      return dk, dv
+      dqb = jax.lax.dynamic_slice(dq, (bi, q0, 0, 0, 0), (1, bq) + dq.shape[2:])[0]
+      dqb = dqb + jnp.einsum("kgqs,skd->qkgd", ds.astype(k.dtype), kb,
+                             preferred_element_type=jnp.float32)
+      return dk, dv, jax.lax.dynamic_update_slice(dq, dqb[None], (bi, q0, 0, 0, 0))
 
-    init = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32))
-    dk, dv = jax.lax.fori_loop(k0 // bq, (kmax[bi, kj] - 1) // bq + 1, body, init)
-    return dk * cfg.scale, dv
+    init = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32), dq)
+    dk, dv, dq = jax.lax.fori_loop(k0 // bq, (kmax[bi, kj] - 1) // bq + 1, body, init)
+    return dq, (dk * cfg.scale, dv)
 
-  dq = jax.lax.map(dq_block, jnp.arange(b * nq)).reshape(q.shape)
-  dk, dv = jax.lax.map(dkv_block, jnp.arange(b * nk))
+  # One pass over the computed block pairs, key blocks in order: each query block's dQ gets its
+  # key blocks' terms in ascending order, as a per-query-block loop would add them.
+  dq, (dk, dv) = jax.lax.scan(dkv_block, jnp.zeros(qg.shape, jnp.float32), jnp.arange(b * nk))
+  dq = (dq * cfg.scale).reshape(q.shape)
   return (dq.astype(q.dtype), dk.reshape(k.shape).astype(k.dtype),
           dv.reshape(v.shape).astype(v.dtype), None)
 
