@@ -4,38 +4,61 @@
     python -m trainer.serve --preset tiny-dense          # random weights (tests, demos)
 
 DIR is a checkpoint written by `python -m models.hf import` (its `hf_extra/` tokenizer files
-enable the OpenAI endpoints, and its chat template renders them, as transformers and vLLM do,
-unless --chat_format names a built-in format). Endpoints:
+enable the OpenAI and Anthropic endpoints, and its chat template renders them, as transformers
+and vLLM do, unless --chat_format names a built-in format). Endpoints:
 
   POST /generate              {"input_ids", "max_tokens", "temperature", "top_p", "top_k",
-                               "stop_token_ids", "stop", "seed"} -> {"output_ids", "logprobs",
-                               "entropies" (per output token, nats), "finish_reason",
-                               "policy_version", "token_versions", ...}
-                              (the protocol of envs.policy.HTTPPolicy)
+                               "stop_token_ids", "stop", "seed", "min_p", "min_tokens",
+                               "ignore_eos"} -> {"output_ids", "logprobs", "entropies" (per
+                               output token, nats), "finish_reason", "policy_version",
+                               "token_versions", ...} (the protocol of envs.policy.HTTPPolicy)
   POST /v1/chat/completions   OpenAI chat completions: messages (content as text or text parts,
                               the developer role as system) and tools rendered with envs.chat,
                               tool calls parsed; tool_choice (none | auto | required | a named
                               function), parallel_tool_calls, n, stop, seed, logprobs and
-                              top_logprobs, chat_template_kwargs, stream (Server-Sent Events,
-                              stream_options.include_usage)
+                              top_logprobs (entries with the token's UTF-8 bytes),
+                              chat_template_kwargs, min_p, min_tokens, ignore_eos, stream
+                              (Server-Sent Events, stream_options.include_usage)
   POST /v1/completions        OpenAI completions: prompt as text, texts, token ids or lists of
                               them; echo, logprobs (int), n, stop, max_tokens, stream
+  POST /v1/responses          OpenAI Responses: input as text or items (messages, function_call,
+                              function_call_output, reasoning), instructions, function tools,
+                              tool_choice, max_output_tokens, stream (the Responses events);
+                              output items reasoning / message / function_call, status
+                              "incomplete" on the token limit; nothing stored
+                              (previous_response_id refused)
+  POST /v1/messages           Anthropic Messages: system, text / tool_use / tool_result /
+                              thinking blocks, tools, tool_choice (auto | any | tool | none),
+                              max_tokens, stop_sequences, thinking (a thinking template's
+                              reasoning), stream (Anthropic's events); content blocks thinking /
+                              text / tool_use, stop_reason, usage; Anthropic error objects
+  POST /v1/messages/count_tokens  the length of the prompt a Messages request renders to
   GET  /v1/models[/{id}]      the served model
   GET  /v1/sessions/{id}      the session log; DELETE frees it
   GET  /health                status, policy version, engine counters
 
-Sessions: a chat or completions request with "session_id" (body field or X-Session-Id header)
-logs every sample's exact ids (the prompt as the engine saw it, a forced tool-call opening
-included; the sampled ids) with their log-probs, policy versions and sampling parameters, for
-training on what was served. Text is never re-tokenized: replies are decoded from those ids, and
-stop strings are cut from the text only (the log keeps every sampled id).
+The three chat protocols render through one path (`trainer.serving.render`): each converts its
+request to OpenAI-style messages, tools and a tool_choice mode, rendered with the chat format,
+and reads its reply from the sampled ids with the same parser; the same conversation sent as
+chat completions, Responses items or Anthropic blocks reaches the engine as the same ids.
+Sampling fields the server does not implement (penalties, logit_bias, rendering without the
+generation prompt or continuing the last message, ...) are refused with a 400 naming them unless
+given their neutral value; top_k -1 is off, as in vLLM.
+
+Sessions: a request to any of the generating endpoints but /generate with "session_id" (body
+field or X-Session-Id header) logs every sample's exact ids (the prompt as the engine saw it, a
+forced tool-call opening included; the sampled ids) with their log-probs, policy versions and
+sampling parameters, for training on what was served; calls from different protocols share a
+session. Text is never re-tokenized: replies are decoded from those ids, and stop strings are cut
+from the text only (the log keeps every sampled id).
 
 Requests from all clients go to one engine queue and are decoded together; streamed replies
 leave as the engine produces tokens (its `on_tokens` hook). The server binds to loopback by
-default; any other address needs a bearer token (--token or ARBOR_SERVE_TOKEN), which every
-endpoint but /health then requires. Bodies, connections and session logs are bounded; errors
-are OpenAI error objects ({"error": {"message", "type", "param", "code"}}) and the server keeps
-serving. Nothing is unpickled.
+default; any other address needs a token (--token or ARBOR_SERVE_TOKEN), which every endpoint
+but /health then requires, as a bearer token or (Anthropic clients) an X-Api-Key header. Bodies,
+connections and session logs are bounded; errors are OpenAI error objects ({"error": {"message",
+"type", "param", "code"}}), on the /v1/messages routes Anthropic's ({"type": "error", "error":
+{"type", "message"}}), and the server keeps serving. Nothing is unpickled.
 
 Against hostile clients (the front door of `envs.untrusted.door`, shared with the sandbox
 server): a request's headers must be complete --header_timeout s after its connection opened (or
@@ -48,9 +71,9 @@ ids inside the vocabulary, max_tokens within the context, temperature a finite n
 [0, 100], top_p in (0, 1], top_k, n, seed, logprobs integers in range; anything else is a 400
 naming the field and value, before the engine sees it (`trainer.serving.validate`).
 
-The server itself is the package `trainer.serving` (server and front door, the chat and
-completions endpoints, request validation, reply text, the session log); this module is its
-command line and `EnginePolicy`, and re-exports what other code imports from it.
+The server itself is the package `trainer.serving` (server and front door, one module per
+protocol, the shared rendering path, request validation, reply text, the session log); this
+module is its command line and `EnginePolicy`, and re-exports what other code imports from it.
 """
 
 from __future__ import annotations
@@ -217,7 +240,8 @@ def run(config, workdir: str) -> dict:
                                              body_timeout_s=config.serve.body_timeout_s),
                         tokenizer=tokenizer, chat=chat)
   print(f"serve: {config.model.init} on http://{config.serve.host}:{config.serve.port} "
-        "(/generate, /v1/chat/completions, /v1/completions, /v1/models, /health)", flush=True)
+        "(/generate, /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, "
+        "/v1/models, /health)", flush=True)
   try:
     asyncio.run(server.serve_forever())
   except KeyboardInterrupt:

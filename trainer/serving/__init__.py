@@ -3,11 +3,20 @@ HTTP API; `trainer.serve` re-exports what other code imports).
 
   server       PolicyServer and ServerConfig: the engine behind Starlette under uvicorn, the
                shared front door (`envs.untrusted.door`: header/body/handshake deadlines, the
-               connection cap), auth, bodies, /generate (token ids in, token ids out), /health,
-               /v1/models, /v1/sessions, and what the OpenAI endpoints share
-  chat         POST /v1/chat/completions (a PolicyServer mixin)
-  completions  POST /v1/completions (a PolicyServer mixin)
-  validate     request errors (OpenAI error objects) and the checks of every request field
-  text         replies read back from sampled ids: stop strings, settled text, tool calls, SSE
+               connection cap), auth (bearer token or X-Api-Key), bodies, errors in each
+               protocol's shape, /generate (token ids in, token ids out), /health, /v1/models,
+               /v1/sessions, and what the protocol endpoints share (sampling, event streams)
+  render       the one rendering path of the chat protocols: a request in internal form
+               (ChatRequest: OpenAI-style messages, function schemas, a tool_choice mode) to
+               the prompt's ids, forced tool-call opening and reply reader
+  chat         POST /v1/chat/completions, OpenAI Chat Completions (a PolicyServer mixin)
+  completions  POST /v1/completions, OpenAI Completions (a PolicyServer mixin)
+  responses    POST /v1/responses, OpenAI Responses (a PolicyServer mixin)
+  messages     POST /v1/messages and /v1/messages/count_tokens, Anthropic Messages (a
+               PolicyServer mixin)
+  validate     request errors (OpenAI error objects, Anthropic's) and the checks of every
+               request field
+  text         replies read back from sampled ids: stop strings, settled text, reasoning,
+               content and tool calls, the blocks a reply streams as, SSE
   sessions     the bounded session log of exact ids and log-probs
 """

@@ -388,7 +388,7 @@ class PolicyServer(ChatEndpoint, CompletionsEndpoint, ResponsesEndpoint, Message
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     params = sampling_params({**body, "max_tokens": limit}, room=room,
                              capacity=self.engine.capacity, vocab_size=self._vocab(),
-                             stop_token_ids=stop_token_ids)
+                             stop_token_ids=stop_token_ids, vllm=True)
     return n, params, stream, include_usage
 
   def _vocab(self, decoded: bool = False) -> int:
@@ -471,7 +471,8 @@ class PolicyServer(ChatEndpoint, CompletionsEndpoint, ResponsesEndpoint, Message
     try:
       room = self._room([len(prompt.input_ids)], None)
       params = sampling_params(sampling, room=room, capacity=self.engine.capacity,
-                               vocab_size=self._vocab(), stop_token_ids=self.chat.stop_token_ids)
+                               vocab_size=self._vocab(), stop_token_ids=self.chat.stop_token_ids,
+                               vllm=True)
     except HTTPError as e:
       new = (names or {}).get(e.param)
       if new is None:

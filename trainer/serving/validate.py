@@ -3,7 +3,8 @@ objects; Anthropic's on the Messages routes) and the checks of every field a req
 
 Every number is checked before anything reaches the engine: token ids inside the vocabulary,
 max_tokens within the context, temperature a finite number in [0, MAX_TEMPERATURE], top_p in
-(0, 1], top_k in [0, MAX_TOP_K] (or -1, vLLM's "off", as 0), seed an int64, min_p in [0, 1],
+(0, 1], top_k in [0, MAX_TOP_K] (and -1, vLLM's "off", as 0 on the OpenAI and Anthropic
+endpoints), seed an int64, min_p in [0, 1],
 min_tokens in [0, max_tokens], n and log-prob counts in range. Anything else is a 400 whose
 message names the field and its value (`HTTPError`, with `param` the field). Fields the server
 does not implement (UNSUPPORTED: penalties, logit_bias, rendering without the generation prompt
@@ -185,27 +186,29 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
   return tuple(stop)
 
 
-def _top_k(body: dict) -> int:
-  """top_k in [0, MAX_TOP_K]; 0 is off, and so is vLLM's -1."""
-  if body.get("top_k") == -1 and not isinstance(body["top_k"], bool):
+def _top_k(body: dict, minus_one_off: bool) -> int:
+  """top_k in [0, MAX_TOP_K]; 0 is off, and so is vLLM's -1 with `minus_one_off`."""
+  if minus_one_off and body.get("top_k") == -1 and not isinstance(body["top_k"], bool):
     return 0
   return _integer(body, "top_k", 0, 0, MAX_TOP_K)
 
 
 def sampling_params(body: dict, *, room: int, capacity: int, vocab_size: int,
-                    max_tokens: Optional[int] = None, stop_token_ids: Sequence[int] = ()):
+                    max_tokens: Optional[int] = None, stop_token_ids: Sequence[int] = (),
+                    vllm: bool = False):
   """Builds engine SamplingParams from a request body, every number checked.
 
   Args:
     body: the request's JSON object (fields of GENERATE_FIELDS; absent ones take defaults:
-      max_tokens `max_tokens`, temperature 1, top_p 1, top_k 0 (off; -1 too), no stop, no
-      seed, min_p 0, min_tokens 0, ignore_eos false).
+      max_tokens `max_tokens`, temperature 1, top_p 1, top_k 0 (off), no stop, no seed,
+      min_p 0, min_tokens 0, ignore_eos false).
     room: the most new tokens the context has room for (>= 1): the engine's capacity less
       the prompt.
     capacity: the engine's max_seq_len (for the message).
     vocab_size: stop_token_ids must be below this.
     max_tokens: the default when the body has none (None: `room`).
     stop_token_ids: stop tokens added to the body's (e.g. the chat format's end of turn).
+    vllm: take top_k -1 as off, as vLLM's OpenAI-compatible endpoints do (/generate does not).
 
   Returns:
     The SamplingParams.
@@ -213,7 +216,7 @@ def sampling_params(body: dict, *, room: int, capacity: int, vocab_size: int,
   Raises:
     HTTPError: 400 naming the field and value: a field of the wrong type, max_tokens outside
       [1, room], temperature outside [0, MAX_TEMPERATURE] or not finite, top_p outside (0, 1],
-      top_k outside [0, MAX_TOP_K] (but -1), a seed outside int64, a stop token id outside the
+      top_k outside [0, MAX_TOP_K] (but -1 with `vllm`), a seed outside int64, a stop token id outside the
       vocabulary, a bad "stop", min_p outside [0, 1], min_tokens outside [0, max_tokens], a
       non-bool ignore_eos.
   """
@@ -224,7 +227,7 @@ def sampling_params(body: dict, *, room: int, capacity: int, vocab_size: int,
       max_tokens=limit,
       temperature=_real(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
       top_p=_real(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
-      top_k=_top_k(body),
+      top_k=_top_k(body, vllm),
       stop_token_ids=tuple(dict.fromkeys(list(stop_token_ids) + check_token_ids(
           body.get("stop_token_ids", []) or [], "stop_token_ids", vocab_size))),
       stop=_stop_strings(body),
