@@ -183,7 +183,9 @@ def _qwen_code(r: LaunchRequest) -> Launch:
 
 
 def _opencode(r: LaunchRequest) -> Launch:
-  # `opencode run` is the non-interactive mode; an agent's `steps` bounds its iterations.
+  # `opencode run` is the non-interactive mode. After an agent's `steps` iterations OpenCode
+  # asks the model for a text-only reply but still offers and runs tools: a model that keeps
+  # calling them is bounded by the episode's wall clock only.
   config = {
       "$schema": "https://opencode.ai/config.json", "autoupdate": False, "share": "disabled",
       "model": f"arbor/{r.model}",
