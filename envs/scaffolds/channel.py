@@ -35,6 +35,7 @@ episode) stops the server, cuts open connections and removes the directory.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
@@ -53,6 +54,7 @@ MAX_HEAD_BYTES = 64 * 1024
 MAX_REQUEST_BYTES = 32 << 20
 MAX_CONNECTIONS = 16
 IDLE_TIMEOUT = 600.0
+MAX_LOGGED = 10000        # entries of `Channel.requests` kept
 CHUNK = 65536
 DISCARD_BYTES = 1 << 20   # input read and dropped after a refusal, so the client gets it
 DISCARD_SECONDS = 2.0
@@ -95,7 +97,7 @@ class Channel:
   Attributes:
     host_dir: the host directory bound at SANDBOX_DIR (after `start`).
     socket_name: the socket's name in it (random: the directory cannot be listed).
-    requests: (method, path, status) of every request answered, in order (status 0: the
+    requests: (method, path, status) of the last MAX_LOGGED requests, in order (status 0: the
       connection ended before a reply).
 
   Raises:
@@ -128,7 +130,7 @@ class Channel:
     self._root_dir = root_dir
     self.host_dir: Optional[str] = None
     self.socket_name = f"gateway-{secrets.token_hex(8)}.sock"
-    self.requests: list[tuple[str, str, int]] = []
+    self.requests: collections.deque = collections.deque(maxlen=MAX_LOGGED)
     self._server: Optional[asyncio.base_events.Server] = None
     self._active = 0
     self._tasks: set[asyncio.Task] = set()
