@@ -297,7 +297,7 @@ def _decode_loop(graphdef, k, top_n, experts, state, cache, page_table, tokens, 
   if experts:
     out["expert_ids"] = jnp.zeros((k, mc.num_moe_layers, s, mc.experts_per_token), jnp.int32)
   base_keys = jax.vmap(jax.random.key)(seeds)
-  allowed = None if mask is None else allowed_tokens(mask, mc.vocab_size)
+  allowed = None if mask is None else allowed_tokens(mask, lm_head.shape[-1])
 
   def cond(carry):
     step, _, _, _, act, _, finished, _ = carry

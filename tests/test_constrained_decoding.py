@@ -424,6 +424,16 @@ def test_refusals(chat):
     constrain.sampling_fields(ds, tools=TOOLS, tool_choice="required")
   assert constrain.sampling_fields(ds, response_format={"type": "json_object"})
   assert constrain.sampling_fields(chat, tools=TOOLS, tool_choice="auto") == {}
+  # "auto" with a response_format: the JSON reply or tool calls
+  grammar, _ = constrain.grammar_for(chat, response_format={"type": "json_object"}, tools=TOOLS,
+                                     tool_choice="auto")
+  assert grammar.startswith("start: (response) | (") and "call_rest" in grammar
+  state = constrain.sampling_fields(chat, response_format={"type": "json_object"}, tools=TOOLS,
+                                    tool_choice="auto")["constraint"].start()
+  first = constraints.pack(state.allowed(), 128)
+  for text in ("{", "<"):
+    t = chat.tokenizer.encode(text)[0]
+    assert first[t // 32] >> (t % 32) & 1, text
   assert constrain.sampling_fields(chat, response_format={"type": "text"}) == {}
   with pytest.raises(ValueError, match="response_format="):
     constrain.sampling_fields(chat, response_format={"type": "yaml"})

@@ -375,8 +375,9 @@ def tool_grammar_rules(tools: Sequence[Any], name: Optional[str], first: str, la
   return head + more, rules
 
 
-def grammar_for(chat, tokenizer=None, *, response_format: Any = None, tools: Optional[Sequence[Any]] = None,
-                tool_choice: Optional[str] = None, tool_name: Optional[str] = None,
+def grammar_for(chat, tokenizer=None, *, response_format: Any = None,
+                tools: Optional[Sequence[Any]] = None, tool_choice: Optional[str] = None,
+                tool_name: Optional[str] = None,
                 parallel_tool_calls: bool = True, prompt_prefix: Sequence[int] = (),
                 template_kwargs: Optional[dict] = None,
                 whitespace_flexible: bool = False) -> Optional[tuple[str, str]]:
@@ -392,7 +393,7 @@ def grammar_for(chat, tokenizer=None, *, response_format: Any = None, tools: Opt
                      "\"required\" or \"named\"")
   if tool_choice == "named" and tool_name is None:
     raise ValueError("tool_name=None: tool_choice \"named\" needs the function's name")
-  calls = tool_choice in ("required", "named") or (tool_choice == "auto" and tools)
+  calls = tool_choice in ("required", "named") or (tool_choice == "auto" and bool(tools))
   if calls and not tools:
     raise ValueError(f"tool_choice={tool_choice!r}: needs tools")
   response = None if tool_choice in ("required", "named") else _response_schema(response_format)
