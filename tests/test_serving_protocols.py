@@ -9,6 +9,9 @@
   thinking blocks, stop sequences, streamed == non-streamed (`get_final_message`),
   count_tokens equal to the prompt the engine is given, X-Api-Key auth, Anthropic error objects
   the client raises as its typed errors.
+- Forced tool calls (Responses' named function, Anthropic's "tool" / "any") append the format's
+  opening as chat completions does; a stream that fails midway ends with the protocol's error
+  event.
 - One session id gathers the exact ids of calls from all three chat protocols.
 - Chat completions and completions: vLLM's fields the server does not implement are refused
   unless neutral, min_p / min_tokens / ignore_eos reach the engine, top_k=-1 is off, and
@@ -483,3 +486,55 @@ def test_sampler_fields_reach_the_engine(scripted):
     with pytest.raises(openai.BadRequestError) as e:
       oa.chat.completions.create(model="arbor", messages=USER, max_tokens=9, extra_body=extra)
     assert e.value.param == param
+
+
+def test_forced_tool_choice_in_both_protocols(scripted, tok):
+  """Responses' named function and Anthropic's "tool" / "any" force a call as chat completions
+  does (the format's opening appended to the prompt, read back with it); count_tokens counts
+  the opening too."""
+  srv, url, oa, an = scripted
+  chat = srv.chat
+  srv.engine.replies = [tok.encode('{"command": "ls"}}\n</tool_call>') + [chat.end_id]]
+  reply = oa.responses.create(model="arbor", instructions="Fix the bug.", tools=FLAT_TOOLS,
+                              input=USER[1]["content"],
+                              tool_choice={"type": "function", "name": "bash"})
+  prompt = chat.render(USER, TOOLS).ids + chat.tool_call_prefix_ids("bash")
+  assert srv.engine.submitted[-1][0] == prompt
+  assert [(o.type, o.name, json.loads(o.arguments)) for o in reply.output] == [
+      ("function_call", "bash", {"command": "ls"})]
+  kw = dict(model="arbor", max_tokens=20, system="Fix the bug.", tools=ANTHROPIC_TOOLS,
+            messages=[{"role": "user", "content": USER[1]["content"]}],
+            tool_choice={"type": "tool", "name": "bash"})
+  message = an.messages.create(**kw)
+  assert srv.engine.submitted[-1][0] == prompt
+  assert [(b.type, b.name, b.input) for b in message.content] == [
+      ("tool_use", "bash", {"command": "ls"})] and message.stop_reason == "tool_use"
+  count = an.messages.count_tokens(**{k: v for k, v in kw.items() if k != "max_tokens"})
+  assert count.input_tokens == len(prompt)
+  srv.engine.replies = [tok.encode('read_file", "arguments": {"path": "a.py"}}\n</tool_call>')
+                        + [chat.end_id]]
+  message = an.messages.create(**{**kw, "tool_choice": {"type": "any"}})
+  assert srv.engine.submitted[-1][0] == chat.render(USER, TOOLS).ids + \
+      chat.tool_call_prefix_ids(None)
+  assert [(b.name, b.input) for b in message.content] == [("read_file", {"path": "a.py"})]
+
+
+def test_stream_errors_are_protocol_events(scripted, tok, monkeypatch):
+  """A stream that fails after its status line was sent ends with the protocol's error event
+  (here: the engine reports text that its final sample does not extend)."""
+  srv, url, oa, an = scripted
+  srv.engine.replies = [srv.chat.assistant_ids("Hello world, this is a test.")]
+  submit = srv.engine.submit
+
+  def diverging(input_ids, params, on_tokens=None):
+    def report(ids, lps, top):  # progress that the final sample contradicts
+      on_tokens(tok.encode("Something else entirely"), lps, top)
+    return submit(input_ids, params, report if on_tokens else None)
+
+  monkeypatch.setattr(srv.engine, "submit", diverging)
+  events = list(oa.responses.create(model="arbor", input="Hi", stream=True))
+  assert events[-1].type == "error" and "changed" in events[-1].message
+  assert "response.completed" not in [e.type for e in events]
+  with pytest.raises(anthropic.APIStatusError, match="changed"):
+    list(an.messages.create(model="arbor", max_tokens=20, stream=True,
+                            messages=[{"role": "user", "content": "Hi"}]))
