@@ -418,7 +418,8 @@ class Engine:
     Args:
       input_ids: the prompt's token ids (non-empty, inside the vocabulary).
       params: how to sample: any object with the fields of `envs.policy.SamplingParams`
-        (max_tokens, temperature, top_p, top_k, stop_token_ids, stop, seed).
+        (max_tokens, temperature, top_p, top_k, stop_token_ids, stop, seed; min_p,
+        min_tokens, ignore_eos and constraint where present).
       on_tokens: progress hook for streaming, called on the engine thread after each decode
         call that added tokens, before the Future resolves, as `on_tokens(output_ids,
         logprobs, top_logprobs)` (the request's tokens so far, copies; top_logprobs None

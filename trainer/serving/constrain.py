@@ -127,7 +127,9 @@ class GrammarConstraint:
 
   def start(self) -> _State:
     """A fresh state for one sample."""
-    return _State(self._matcher.deep_copy(), -(-self.vocab_size // 32), self.stop_ids)
+    with _LOCK:  # the compiled matcher is shared by every request of this grammar
+      matcher = self._matcher.deep_copy()
+    return _State(matcher, -(-self.vocab_size // 32), self.stop_ids)
 
   def __repr__(self) -> str:
     return f"GrammarConstraint({self.grammar[:80]!r}...)"
