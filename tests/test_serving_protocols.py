@@ -245,7 +245,7 @@ def test_responses_reasoning_items(thinking):
 
 
 @pytest.mark.parametrize("kw, param, match", [
-    (dict(input="Hi", previous_response_id="resp_1"), "previous_response_id", "stores no"),
+    (dict(input="Hi", previous_response_id="resp_1"), "previous_response_id", "stores nothing"),
     (dict(input="Hi", tools=[{"type": "web_search"}]), "tools[0]", "only function tools"),
     (dict(input=[{"type": "item_reference", "id": "x"}]), "input[0].type", "item_reference"),
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),

@@ -288,7 +288,8 @@ class MessagesEndpoint:
     self._log(session, sample, out, logged)
     reasoning, content, calls, _ = reader.read(out.output_ids)
     blocks.update(reasoning, content, calls, final=True)
-    reply = {**head, "content": [_block(b) for b in blocks.blocks], **self._stop(out, calls, params.stop),
+    reply = {**head, "content": [_block(b) for b in blocks.blocks],
+             **self._stop(out, calls, params.stop),
              "usage": {**head["usage"], "output_tokens": len(out.output_ids)}}
     if session is not None:
       reply["session_id"] = session

@@ -182,10 +182,13 @@ def responses_tool_choice(body: dict, tools: Optional[list[dict]]) -> tuple[str,
 
 def _refuse_responses_fields(body: dict) -> None:
   """400 for the fields this server does not implement (module docstring)."""
-  for name in ("previous_response_id", "conversation", "prompt", "max_tool_calls"):
+  for name in ("previous_response_id", "conversation", "prompt"):
     if body.get(name) is not None:
       raise HTTPError(400, f"{name}={body[name]!r:.100}: not supported by this server (it "
-                           "stores no responses: send the whole conversation as input)", name)
+                           "stores nothing: send the whole conversation as input)", name)
+  if body.get("max_tool_calls") is not None:
+    raise HTTPError(400, f"max_tool_calls={body['max_tool_calls']!r:.50}: not supported by this "
+                         "server (parallel_tool_calls=false allows one call)", "max_tool_calls")
   if _field(body, "background", bool, False):
     raise HTTPError(400, "background=True: not supported by this server", "background")
   _field(body, "store", bool, False)

@@ -216,9 +216,9 @@ def sampling_params(body: dict, *, room: int, capacity: int, vocab_size: int,
   Raises:
     HTTPError: 400 naming the field and value: a field of the wrong type, max_tokens outside
       [1, room], temperature outside [0, MAX_TEMPERATURE] or not finite, top_p outside (0, 1],
-      top_k outside [0, MAX_TOP_K] (but -1 with `vllm`), a seed outside int64, a stop token id outside the
-      vocabulary, a bad "stop", min_p outside [0, 1], min_tokens outside [0, max_tokens], a
-      non-bool ignore_eos.
+      top_k outside [0, MAX_TOP_K] (but -1 with `vllm`), a seed outside int64, a stop token
+      id outside the vocabulary, a bad "stop", min_p outside [0, 1], min_tokens outside
+      [0, max_tokens], a non-bool ignore_eos.
   """
   limit = _integer(body, "max_tokens", room if max_tokens is None else max_tokens, 1, room,
                    f" (the prompt's {capacity - room} tokens + max_tokens fit the engine's "
