@@ -1,5 +1,6 @@
-"""POST /v1/chat/completions: OpenAI chat completions over the engine, rendered and parsed with
-the server's envs.chat format (a mixin of `trainer.serving.server.PolicyServer`)."""
+"""POST /v1/chat/completions: OpenAI chat completions over the engine, rendered through the
+shared path of the chat protocols (`trainer.serving.render`: the server's envs.chat format) and
+read back from the sampled ids (a mixin of `trainer.serving.server.PolicyServer`)."""
 
 from __future__ import annotations
 

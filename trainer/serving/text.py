@@ -1,6 +1,7 @@
 """Replies of the policy server read back from sampled ids: stop strings cut, the part of a
 growing text that more tokens cannot change, chat reasoning / content / tool calls, streamed
-deltas and Server-Sent Events."""
+deltas, the blocks (reasoning, text, tool calls) the Responses and Messages replies stream as,
+and Server-Sent Events."""
 
 from __future__ import annotations
 
