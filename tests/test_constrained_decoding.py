@@ -10,6 +10,7 @@ constrain.py) and the sampler's min_p / min_tokens / ignore_eos, on a random-wei
   the unconstrained one samples what it samples alone.
 - min_p / min_tokens / ignore_eos against NumPy references; neutral values (all-allowed mask,
   min_p 0, min_tokens 0) give bit-identical tokens and log-probs to the unmasked program.
+- A constraint survives preemption (paged) and starts again on a "restart" weight update.
 - The vocabulary mapping reads real token bytes (sentencepiece byte fallback too); refusals.
 """
 
@@ -255,7 +256,7 @@ class EvenTokens:
     self.n, self.empty = n, empty
 
   def start(self):
-    return self
+    return EvenTokens(self.n, self.empty)
 
   def allowed(self):
     a = np.arange(128) % 2 == 0
@@ -291,6 +292,37 @@ def test_protocol_constraint_and_a_constraint_with_no_token(dense_model):
       eng.submit([1], SamplingParams(max_tokens=8, **{field: value}))
   with pytest.raises(ValueError, match="constraint"):
     SamplingParams(constraint=EvenTokens(1)).to_dict()
+
+
+def test_restart_on_update_starts_the_constraint_again(dense_model):
+  """on_update="restart" drops a request's tokens: its constraint starts from scratch."""
+  eng = Engine(dense_model, dataclasses.replace(CONFIG, on_update="restart"))
+  fut = eng.submit([1, 2, 3], SamplingParams(max_tokens=20, seed=1, constraint=EvenTokens(6)))
+  for _ in range(3):
+    eng.step()
+  assert 0 < len(eng._slots[0].output) < 6
+  eng.update_params(dense_model, version=1)
+  while eng.pending():
+    eng.step()
+  out = fut.result()
+  assert len(out.output_ids) == 6 and out.token_versions == [1] * 6
+  assert all(t % 2 == 0 for t in out.output_ids) and out.finish_reason == "stop"
+
+
+def test_preempted_requests_keep_their_constraint_state(dense_model):
+  """A paged engine short of pages preempts running requests; their constraint states go on
+  from the tokens they keep."""
+  eng = Engine(dense_model, dataclasses.replace(CONFIG, cache="paged", page_size=4,
+                                                num_pages=24, max_seq_len=64))
+  futs = [eng.submit(list(range(1, 9)), SamplingParams(max_tokens=40, seed=s,
+                                                       constraint=EvenTokens(30)))
+          for s in range(4)]
+  while eng.pending():
+    eng.step()
+  assert eng.counters["preempted"] > 0
+  for f in futs:
+    out = f.result()
+    assert len(out.output_ids) == 30 and all(t % 2 == 0 for t in out.output_ids)
 
 
 def test_min_p_against_numpy():
