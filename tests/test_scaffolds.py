@@ -324,7 +324,7 @@ def test_mini_swe_agent_end_to_end_in_bwrap():
         session_id="episode-mini", max_turns=5, sandbox_kw={"uids": TEST_UIDS}))
   finally:
     gateway.close()
-  assert result.termination == "submitted", (result.stdout[-3000:], result.stderr[-3000:])
+  assert result.termination == "exited", (result.stdout[-3000:], result.stderr[-3000:])
   assert result.reward == 1.0, result.details
   posted = [c for c in gateway.calls if c["method"] == "POST"]
   assert len(posted) == 2 and all(c["path"] == "/v1/chat/completions" for c in posted)

@@ -52,7 +52,8 @@ class BlackboxResult:
     session_id: the gateway session holding every model call of the episode.
     reward: the verifier's reward in [0, 1] (0 on "sandbox_error").
     details: the verifier's details.
-    termination: "submitted" (the CLI exited 0), "exit_error" (it exited non-zero),
+    termination: "exited" (the CLI exited 0: it finished, or stopped at its own turn limit,
+      which some CLIs report with status 0 too), "exit_error" (it exited non-zero),
       "timeout" (killed at `timeout`) or "sandbox_error".
     exit_code: the CLI's exit status (-1 on timeout or sandbox error).
     stdout: the CLI's output (capped by the sandbox's `output_bytes`).
@@ -159,7 +160,7 @@ async def run_blackbox_episode(task: Task, scaffold: "str | Scaffold", gateway_u
                                timeout=timeout, env=dict(launch.env))
       exit_code, stdout, stderr = res.exit_code, res.stdout, res.stderr
       termination = ("timeout" if res.timed_out else
-                     "submitted" if res.exit_code == 0 else "exit_error")
+                     "exited" if res.exit_code == 0 else "exit_error")
       submission = await workspace_files(sandbox) if task.kind == "swe" else sandbox
       verdict = await verify(task, submission, make_sandbox=verifier_sandboxes)
       reward, details = float(verdict.reward), verdict.details
