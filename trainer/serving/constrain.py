@@ -34,9 +34,10 @@ stop tokens, which ends the sample):
 - response_format json_object: one JSON object; json_schema: one JSON value valid under the
   schema. With tool_choice "auto" and tools, the reply may instead be tool calls; with
   "required" or a named function response_format is not used (the reply has no content).
-- tool_choice "required": one call (or, with parallel_tool_calls, several separated by "\\n")
-  of any of the tools, each `<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>`
-  with ARGS valid under that tool's parameters schema; "named": calls of that tool only.
+- tool_choice "required": one call (or, with parallel_tool_calls, several) of any of the
+  tools, in the format's syntax, with ARGS valid under that tool's parameters schema (Hermes:
+  `<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>`); "named": calls of that
+  tool only.
   When the prompt already ends with the format's forced opening (`prompt_prefix`), the grammar
   starts after it.
 - JSON is written compactly with ", " and ": " separators (as the chat templates' json.dumps
@@ -45,11 +46,13 @@ stop tokens, which ends the sample):
 - json_schema "strict": true refuses a schema with a keyword llguidance does not implement;
   otherwise such keywords are ignored (the output then satisfies the rest of the schema).
 
-Formats: those that write Hermes/Qwen calls (`<tool_call>` JSON, read by
+Formats (`call_syntax`): those that write Hermes/Qwen calls (`<tool_call>` JSON, read by
 `envs.chat.toolcalls.parse_hermes`): chatml, qwen2.5, plain, and checkpoint templates of that
 family (a thinking template's opening, e.g. an empty `<think></think>`, comes first as
-`tool_call_prefix_ids` writes it). DeepSeek-V3 and Kimi K2 write calls with their own tokens
-and are refused for tool_choice (response_format works with every format).
+`tool_call_prefix_ids` writes it); and DeepSeek-V3's tool-call tokens (deepseek_v3 and
+templates of that family): `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
+\\n```json\\nARGS\\n```<｜tool▁call▁end｜>` (joined by "\\n") `<｜tool▁calls▁end｜>`. Kimi K2's
+call syntax is refused for tool_choice (response_format works with every format).
 
 Tokenizers: a Hugging Face `tokenizer.json` (envs.chat.tokenizer.HFTokenizer: llguidance reads
 its byte-level / byte-fallback vocabulary itself) or a sentencepiece model
@@ -63,12 +66,14 @@ Library: llguidance (Rust, no Python dependencies; JSON schema and Lark grammars
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import threading
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from envs.chat.formats import DeepSeekV3
 from envs.chat.toolcalls import tool_schemas
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
@@ -258,12 +263,14 @@ def _lit(text: str) -> str:
 
 
 def _text_expr(text: str, tokenizer, llt) -> str:
-  """A Lark expression of fixed text. Marker tokens in it that the vocabulary holds as added
-  tokens (Qwen's `<tool_call>`, `<think>`: llguidance reads every added token as a special
-  token, which text cannot spell) are written as that token (`<[id]>`), the rest as string
-  literals: the text the model writes is then exactly what the tokenizer encodes."""
+  """A Lark expression of fixed text. Control-token strings in it (DeepSeek's tool-call tokens)
+  and markers the vocabulary holds as added tokens (Qwen's `<tool_call>`, `<think>`:
+  llguidance reads every added token as a special token, which text cannot spell) are written
+  as that token (`<[id]>`), the rest as string literals: the model writes exactly the ids the
+  chat format renders."""
   parts, run = [], []
-  for t in tokenizer.encode(text):
+  encode = getattr(tokenizer, "encode_special", tokenizer.encode)
+  for t in encode(text):
     if llt.is_special_token(t):
       if run:
         parts.append(_lit(tokenizer.decode(run)))
@@ -303,28 +310,54 @@ def _response_schema(response_format: Any) -> Optional[tuple[Any, bool]]:
   return spec.get("schema", {}), strict
 
 
-def _call_opening(chat, template_kwargs: Optional[dict]) -> tuple[str, str]:
-  """(the text that opens a turn's first call up to the name, the opening of a later call) in
-  the chat format's Hermes syntax.
+@dataclasses.dataclass(frozen=True)
+class CallSyntax:
+  """How a chat format writes a turn of tool calls, as text (control tokens as their strings):
+  `first` NAME `args` ARGUMENTS `close` (`later` NAME `args` ARGUMENTS `close`)* `end`."""
+
+  first: str   # opens the turn's first call, up to the name (a thinking template's lead too)
+  later: str   # opens a later call, up to the name
+  args: str    # between the name and the arguments (a JSON object)
+  close: str   # after the arguments
+  end: str     # after the last call
+
+
+def call_syntax(chat, template_kwargs: Optional[dict] = None) -> CallSyntax:
+  """The tool-call syntax of a chat format: Hermes/Qwen `<tool_call>` JSON (chatml, qwen2.5,
+  plain, templates of that family) or DeepSeek-V3's tool-call tokens (deepseek_v3, templates of
+  that family). The opening of the first call is the format's own `tool_call_prefix_ids`.
 
   Raises:
-    ValueError: the format does not write Hermes `<tool_call>` JSON calls.
+    ValueError: another syntax (e.g. Kimi K2's), or an opening that is not the family's.
   """
-  family = getattr(chat, "family", "hermes")
+  family = getattr(chat, "family", None) or (
+      "deepseek_v3" if type(chat).__name__ == "DeepSeekV3" else "hermes")
   name = getattr(chat, "name", type(chat).__name__)
-  if type(chat).__name__ == "DeepSeekV3" or family != "hermes":
-    raise ValueError(f"tool_choice: chat format {name!r} writes tool calls with its own tokens "
-                     "(not <tool_call> JSON); constrained tool calls support the Hermes/Qwen "
-                     "formats (chatml, qwen2.5, plain, templates of that family)")
+  if family not in ("hermes", "deepseek_v3"):
+    raise ValueError(f"tool_choice: chat format {name!r} writes tool calls in the {family!r} "
+                     "syntax, which constrained decoding does not express (supported: Hermes/"
+                     "Qwen <tool_call> JSON and DeepSeek-V3's tool-call tokens)")
   kwargs = {"template_kwargs": template_kwargs} if template_kwargs else {}
-  first = chat.tokenizer.decode(chat.tool_call_prefix_ids(None, **kwargs))
-  if not first.endswith(_NAME_OPEN) or _OPEN not in first:
+  try:
+    first = chat.tokenizer.decode(chat.tool_call_prefix_ids(None, **kwargs))
+  except ValueError as e:  # e.g. a template that writes no tool calls
+    raise ValueError(f"tool_choice: {e}") from e
+  if family == "hermes":
+    if not first.endswith(_NAME_OPEN) or _OPEN not in first:
+      raise ValueError(f"tool_choice: chat format {name!r} opens a tool call as {first!r}, "
+                       f"not as {_OPEN}...{_NAME_OPEN}: cannot constrain its calls")
+    return CallSyntax(first, "\n" + first[first.rindex(_OPEN):], _ARGS_OPEN,
+                      "}\n" + _CLOSE, "")
+  t = DeepSeekV3.TOKENS
+  opening = t["call_begin"] + "function" + t["sep"]
+  if not first.endswith(opening):
     raise ValueError(f"tool_choice: chat format {name!r} opens a tool call as {first!r}, not "
-                     f"as {_OPEN}...{_NAME_OPEN}: cannot constrain its calls")
-  return first, first[first.rindex(_OPEN):]
+                     f"as ...{opening}: cannot constrain its calls")
+  return CallSyntax(first, "\n" + opening, "\n```json\n", "\n```" + t["call_end"],
+                    t["calls_end"])
 
 
-def tool_grammar_rules(tools: Sequence[Any], name: Optional[str], first: str, later: str,
+def tool_grammar_rules(tools: Sequence[Any], name: Optional[str], syntax: CallSyntax,
                        parallel: bool, strict: bool, whitespace_flexible: bool,
                        skip: str = "", lit=_lit) -> tuple[str, list[str]]:
   """The Lark rules of a turn of tool calls.
@@ -332,13 +365,12 @@ def tool_grammar_rules(tools: Sequence[Any], name: Optional[str], first: str, la
   Args:
     tools: the request's tools (schemas or Tool objects).
     name: the only function allowed, or None (any of the tools).
-    first: the opening of the first call, up to its name.
-    later: the opening of a later call, up to its name.
+    syntax: how the format writes calls.
     parallel: allow more than one call.
     strict: refuse parameter schemas with keywords llguidance does not implement (a function
       with "strict": true is strict anyway).
     whitespace_flexible: allow any JSON whitespace.
-    skip: text the prompt already holds of the first call (it starts the grammar's text).
+    skip: text the prompt already holds of the first call (the grammar starts after it).
     lit: fixed text -> its Lark expression.
 
   Returns:
@@ -358,23 +390,23 @@ def tool_grammar_rules(tools: Sequence[Any], name: Optional[str], first: str, la
     rules.append(f"args_{i}: " + _json_rule(params, strict or fn.get("strict") is True,
                                            whitespace_flexible,
                                            f"tools[{fn['name']!r}].parameters"))
-    alts.append(f"{lit(fn['name'] + _ARGS_OPEN)} args_{i}")
-  close = lit("}\n" + _CLOSE)
+    alts.append(f"{lit(fn['name'] + syntax.args)} args_{i}")
+  close = lit(syntax.close)
   rules.append("call_rest: (" + " | ".join(alts) + ") " + close)
-  full = first
+  full = syntax.first
   if not (full.startswith(skip) or skip.startswith(full)):
-    raise ValueError(f"prompt_prefix: {skip!r} does not open a tool call ({first!r})")
+    raise ValueError(f"prompt_prefix: {skip!r} does not open a tool call ({full!r})")
   if len(skip) <= len(full):
     head = lit(full[len(skip):]) + " call_rest" if full[len(skip):] else "call_rest"
   else:  # the prefix names the function: the arguments come next
     after = skip[len(full):]
-    match = [i for i, fn in enumerate(fns) if after == fn["name"] + _ARGS_OPEN]
+    match = [i for i, fn in enumerate(fns) if after == fn["name"] + syntax.args]
     if not match:
       raise ValueError(f"prompt_prefix: {skip!r} does not open a call of "
                        f"{[f['name'] for f in fns]}")
     head = f"args_{match[0]} {close}"
-  more = f" ({lit(chr(10) + later)} call_rest)*" if parallel else ""
-  return head + more, rules
+  more = f" ({lit(syntax.later)} call_rest)*" if parallel else ""
+  return head + more + (" " + lit(syntax.end) if syntax.end else ""), rules
 
 
 def grammar_for(chat, tokenizer=None, *, response_format: Any = None,
@@ -411,14 +443,13 @@ def grammar_for(chat, tokenizer=None, *, response_format: Any = None,
                                            "response_format"))
     starts.append("response")
   if calls:
-    first, later = _call_opening(chat, template_kwargs)
+    syntax = call_syntax(chat, template_kwargs)
     tok = chat.tokenizer if tokenizer is None else tokenizer
     skip = tok.decode(list(prompt_prefix)) if prompt_prefix else ""
     llt = _ll_tokenizer(tok, chat.stop_token_ids)
     head, tool_rules = tool_grammar_rules(
-        tools, tool_name if tool_choice == "named" else None, first, later,
-        parallel_tool_calls, False, whitespace_flexible, skip,
-        lambda text: _text_expr(text, tok, llt))
+        tools, tool_name if tool_choice == "named" else None, syntax, parallel_tool_calls,
+        False, whitespace_flexible, skip, lambda text: _text_expr(text, tok, llt))
     rules += tool_rules
     starts.append(head)
   grammar = "start: " + " | ".join(f"({s})" for s in starts) + "\n" + "\n".join(rules) + "\n"
