@@ -163,11 +163,13 @@ def _codex(r: LaunchRequest) -> Launch:
   # clock bounds it). Chat Completions (`wire_api = "chat"`) is no longer supported by Codex.
   config = "\n".join([
       f"model = {json.dumps(r.model)}", 'model_provider = "arbor"',
-      "check_for_update_on_startup = false", "", "[analytics]", "enabled = false", "",
+      "check_for_update_on_startup = false", 'web_search = "disabled"', "",
+      "[analytics]", "enabled = false", "",
       "[model_providers.arbor]", 'name = "Arbor"', f"base_url = {json.dumps(r.base_url + '/v1')}",
       'env_key = "ARBOR_API_KEY"', 'wire_api = "responses"', ""])
   argv = ("codex", "exec", "--dangerously-bypass-approvals-and-sandbox", "--skip-git-repo-check",
-          "--ephemeral", "--color", "never", "--json", "-m", r.model, "-C", r.workspace, r.prompt)
+          "--ephemeral", "--color", "never", "--json", "--disable", "multi_agent", "-m", r.model,
+          "-C", r.workspace, r.prompt)
   env = {"CODEX_HOME": "/tmp/.codex", "ARBOR_API_KEY": r.api_key}
   return Launch(argv, env, {".codex/config.toml": config})
 
