@@ -168,6 +168,6 @@ async def run_blackbox_episode(task: Task, scaffold: "str | Scaffold", gateway_u
       termination, stderr, reward, details = "sandbox_error", f"{stderr}\n{e}".strip(), 0.0, {}
     finally:
       await sandbox.close()
-    requests = list(channel.requests)
+  requests = list(channel.requests)  # after close: requests cut at the episode's end included
   return BlackboxResult(session_id, reward, details, termination, exit_code, stdout, stderr,
                         requests, round(time.monotonic() - start, 2), sc.name)
