@@ -110,16 +110,17 @@ def batch_shardings(model_cfg: ModelConfig, mesh, mb: MicroBatches) -> MicroBatc
 
 
 def _forward(graphdef, model_cfg: ModelConfig, params, model_state, mb: MicroBatches,
-             dropout_key: Optional[jax.Array] = None):
-  """One micro-batch: (log-probs [S, T], entropy [S, T], aux) of the sampled tokens; with a
-  `dropout_key`, LoRA dropout on (`ModelConfig.lora_dropout`: training only)."""
+             dropout_key: Optional[jax.Array] = None, entropy: bool = True):
+  """One micro-batch: (log-probs [S, T], entropy [S, T] or None without `entropy`, aux) of the
+  sampled tokens; with a `dropout_key`, LoRA dropout on (`ModelConfig.lora_dropout`: training
+  only)."""
   model = nnx.merge(graphdef, params, model_state)
   if dropout_key is not None:
     lora.set_dropout_streams(model, dropout_key)
   hidden, aux, _ = model.hidden(mb.tokens, mb.positions, mb.end, token_weights=mb.token_weights,
                                 expert_ids=mb.expert_ids)
   lp, ent = sequence_logprobs(hidden, model.lm_head_weight(), mb.seq_pred, mb.seq_tokens,
-                              model_cfg.logits_chunk, model_cfg)
+                              model_cfg.logits_chunk, model_cfg, entropy)
   return lp, ent, aux
 
 
@@ -185,9 +186,9 @@ def make_score_fn(model_cfg: ModelConfig, *, mesh=None, entropy: bool = False) -
   graphdef = state_lib.graphdef(model_cfg)
 
   def one(params, model_state, mb):
-    lp, ent, _ = _forward(graphdef, model_cfg, params, model_state, mb)
+    lp, ent, _ = _forward(graphdef, model_cfg, params, model_state, mb, entropy=entropy)
     valid = jnp.asarray(mb.seq_valid)
-    return jnp.where(valid, lp, 0.0), jnp.where(valid, ent, 0.0)
+    return jnp.where(valid, lp, 0.0), None if ent is None else jnp.where(valid, ent, 0.0)
 
   @jax.jit
   def score_all(params, model_state, mb):
@@ -316,11 +317,12 @@ class TrainStep:
                   row_scale: jax.Array, dropout_key: Optional[jax.Array]):
     """Loss of one micro-batch (a masked sum normalised by the global counts) and its aux."""
     cfg, loss_cfg = self.model_cfg, self.loss_cfg
-    lp, ent, aux = _forward(self.graphdef, cfg, params, model_state, mb, dropout_key)
     # the entropy bonus and AEPO's entropy-aware advantage read the policy's token entropy
     use_entropy = (self.entropy or loss_cfg.entropy_coef > 0
                    or (loss_cfg.get("entropy_adv_coef") or 0) > 0)
-    seq = from_tree_batch(mb, lp, ent if use_entropy else None, counts=counts)
+    lp, ent, aux = _forward(self.graphdef, cfg, params, model_state, mb, dropout_key,
+                            entropy=use_entropy)
+    seq = from_tree_batch(mb, lp, ent, counts=counts)
     metrics = {}
     if seq.sampler_logprobs is not None:
       if self.correction_cfg is not None and self.correction_cfg.kind != "none":
@@ -366,7 +368,8 @@ class TrainStep:
     def one(mb_i, i):
       key_i = None if key is None else jax.random.fold_in(key, i)
       if ref is not None:  # the reference routes itself: the sampler was the policy
-        ref_lp, _, _ = _forward(self.graphdef, self.model_cfg, *ref, mb_i.replace(expert_ids=None))
+        ref_lp, _, _ = _forward(self.graphdef, self.model_cfg, *ref, mb_i.replace(expert_ids=None),
+                                entropy=False)
         ref_lp = jnp.where(jnp.asarray(mb_i.seq_valid), jax.lax.stop_gradient(ref_lp), 0.0)
         mb_i = mb_i.replace(fields={**mb_i.fields, "ref_logprobs": ref_lp})
       (loss, (metrics, aux)), grads = grad_fn(params, model_state, mb_i, counts, row_scale,
