@@ -57,6 +57,7 @@ setup(
         "pyarrow>=26.0.1,<27",  # Parquet SFT data
         "jinja2>=3.1.6,<4",  # envs.chat: checkpoints' own chat templates
         "starlette>=1.10.0,<2",  # trainer.serve: the OpenAI-compatible policy server
+        "llguidance>=1.9.1,<2",  # trainer.serving.constrain: grammar-constrained sampling
         "uvicorn>=0.54.0,<0.55",
         "pyyaml>=6.0.3,<7",  # envs.terminal_bench: task.yaml
     ],
@@ -68,9 +69,11 @@ setup(
             "hypothesis>=6.170,<7",
             "torch==2.13.0",
             "transformers>=5.23,<6",
-            # The policy server is driven by the official OpenAI client; SWE-bench rows are
-            # graded against the swebench package's own log parsers and grading.
+            # The policy server is driven by the official OpenAI and Anthropic clients;
+            # SWE-bench rows are graded against the swebench package's own log parsers and
+            # grading.
             "openai>=3.57.0,<4",
+            "anthropic>=2.17.0,<3",
             "swebench>=5.0.2,<6",
             # The quickstart notebook runs under a real Jupyter kernel, as on Colab.
             "nbclient>=0.11,<0.12",
