@@ -14,7 +14,12 @@ from typing import Any, Optional
 import msgpack
 import numpy as np
 
-TERMINATIONS = ("submitted", "max_turns", "token_budget", "timeout", "sandbox_error")
+# Why an episode ended. Arbor's react loop: "submitted", "max_turns", "token_budget"; any
+# episode: "timeout", "sandbox_error"; a black-box scaffold's CLI (envs.scaffolds): "exited"
+# (it exited 0: finished, or stopped at its own turn limit) or "scaffold_error" (it exited
+# non-zero).
+TERMINATIONS = ("submitted", "max_turns", "token_budget", "timeout", "sandbox_error", "exited",
+                "scaffold_error")
 
 
 @dataclasses.dataclass
