@@ -3,6 +3,7 @@
     python -m envs.scaffolds list
     python -m envs.scaffolds check [NAME ...] [--suite bookworm] [--backend bwrap|docker]
     python -m envs.scaffolds probe [NAME ...] [--suite bookworm] [--backend bwrap|docker]
+    python -m envs.scaffolds build NAME ... [--suite bookworm] [--backend bwrap|docker]
 
 `check` extends a bare environment of the suite with each sandboxed scaffold
 (`with_scaffold`), builds it (cached by its key: the first build downloads from npm / PyPI),
@@ -15,6 +16,11 @@ against a scripted gateway (`envs.scaffolds.stub`: one final reply per call, in 
 protocol) through the episode's channel, and reports the CLI's exit, the calls the gateway saw
 (path, session, whether streamed) and the output's tail: "ok" when the CLI exited 0 and every
 call landed in the episode's session.
+
+`build` builds ONE environment with every named scaffold installed together
+(`registry.scaffolds_environment`: the same names give the same cached build, whatever their
+order), ahead of the tests and runs that use it, and prints {"names", "tools", "key", "path",
+"seconds"}.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import time
 from envs.environments import build
 from envs.environments.spec import Environment
 from envs.sandbox import Limits, create_sandbox
-from envs.scaffolds.registry import REGISTRY, get, with_scaffold
+from envs.scaffolds.registry import REGISTRY, get, scaffolds_environment, with_scaffold
 from envs.scaffolds.runner import run_blackbox_episode
 from envs.scaffolds.stub import StubGateway
 from envs.tasks import Task
@@ -77,10 +83,18 @@ async def _probe(name: str, suite: str, backend: str) -> dict:
   return out
 
 
+def _build(names, suite: str, backend: str) -> dict:
+  start = time.monotonic()
+  env = scaffolds_environment(names, suite)
+  made = (build.rootfs if backend == "bwrap" else build.docker_image)(env, None, None, None)
+  return {"names": list(names), "tools": list(env.tools), "key": env.key, "path": made,
+          "seconds": round(time.monotonic() - start, 1)}
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m envs.scaffolds", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("command", choices=("list", "check", "probe"))
+  p.add_argument("command", choices=("list", "check", "probe", "build"))
   p.add_argument("names", nargs="*", help="scaffolds to check (default: every sandboxed one)")
   p.add_argument("--suite", default="bookworm", help="the Debian suite of the environment")
   p.add_argument("--backend", default="bwrap", choices=("bwrap", "docker"))
@@ -98,6 +112,9 @@ def main(argv=None) -> int:
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  if a.command == "build":
+    print(json.dumps(_build(names, a.suite, a.backend)), flush=True)
+    return 0
   failed = False
   for n in names:
     r = asyncio.run((_check if a.command == "check" else _probe)(n, a.suite, a.backend))

@@ -140,6 +140,23 @@ def with_scaffold(env: Environment, scaffold: "str | Scaffold") -> Environment:
   return dataclasses.replace(env, tools=tools)
 
 
+def scaffolds_environment(names, suite: str = "bookworm") -> Environment:
+  """A bare environment of `suite` with every named scaffold installed, in registry order (so
+  the same set of names always gives the same key: one cached build).
+
+  Raises:
+    ValueError: an unknown or host-side scaffold, or no names.
+  """
+  chosen = {get(n).name for n in names}
+  if not chosen:
+    raise ValueError("scaffolds_environment: name at least one scaffold")
+  env = Environment.create(suite=suite)
+  for name in REGISTRY:
+    if name in chosen:
+      env = with_scaffold(env, name)
+  return env
+
+
 # ----------------------------------------------------------------------------- entries
 
 
