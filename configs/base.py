@@ -327,6 +327,11 @@ def _rl() -> ml_collections.ConfigDict:
   s.task_seed = 1  # generated tasks: taskgen seed (disjoint from the SFT demo's)
   # a group: "independent" (G episodes) | "branching" (one entropy-guided tree of G leaves)
   s.rollout = "independent"
+  # the agent loop of each task's episodes (envs.scaffolds.REGISTRY): "react" (Arbor's loop) or
+  # a black-box CLI ("mini-swe-agent", "claude-code", ...; bwrap/docker sandboxes, in-process
+  # rollouts), or a weighted mix "react:0.5,mini-swe-agent:0.5" drawn per task from its id and
+  # the seed; a task row's own "scaffold" field wins
+  s.scaffold = "react"
   s.branch = _branch()  # tree rollouts (rl.rollout = "branching"): envs.branching.BranchConfig
   return s
 
@@ -364,6 +369,7 @@ def _eval() -> ml_collections.ConfigDict:
   s.samples = 1  # samples per task (n >= k)
   s.selection = "none"  # test-time: "none" | "best_of_n" | "majority_vote" | "self_play"
   s.temperature = 0.0  # eval sampling temperature (0 = greedy)
+  s.scaffold = "react"  # the eval's scaffold or weighted mix, as rl.scaffold (pass@k per scaffold)
   s.checkpoints = ()  # checkpoints to evaluate ("ckpt:<dir>"); () = this run's latest
   return s
 

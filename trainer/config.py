@@ -57,7 +57,7 @@ from models.presets import PRESETS, get_preset
 from models import sharding
 from models.sharding import MESH_AXES, MeshConfig
 from rl import advantages, corrections, losses
-from trainer import demo_data, optim, selection
+from trainer import blackbox, demo_data, optim, selection
 from trainer.data import SFTDataConfig
 
 MODES = ("smoke", "sft", "rl", "distill", "eval", "serve", "demo")
@@ -783,10 +783,24 @@ def _validate_rl(config) -> None:
   if config.rl.rollout == "branching" and config.rl.rollout_workers == "queue":
     _fail("rl.rollout", "branching", "'independent' with rl.rollout_workers='queue' (start "
           "the remote workers with --rollout branching and --branch_* flags instead)")
+  _validate_scaffold(config, "rl.scaffold")
   try:
     branching.BranchConfig(**config.rl.branch.to_dict())
   except (ValueError, TypeError) as e:
     raise ConfigError(str(e).replace("BranchConfig.", "config.rl.branch.")) from e
+
+
+def _validate_scaffold(config, field: str) -> None:
+  """A scaffold mix (trainer.blackbox.check_scaffold_mix) and the settings black-box ones need."""
+  rl = field.startswith("rl.")  # eval episodes: in-process, independent, selected
+  try:
+    blackbox.check_scaffold_mix(
+        _str(config, field), field, sandbox=config.rl.sandbox,
+        rollout=config.rl.rollout if rl else "independent",
+        rollout_workers=config.rl.rollout_workers if rl else "inprocess",
+        selection="none" if rl else config.eval.selection)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
 
 
 def _validate_distill(config) -> None:
@@ -825,6 +839,7 @@ def _validate_eval(config) -> None:
     _fail("eval.samples", samples, f"an integer >= eval.k={k}")
   _choice(config, "eval.selection", selection.SELECTIONS)
   _number(config, "eval.temperature", 0.0)
+  _validate_scaffold(config, "eval.scaffold")
   for c in _paths(config, "eval.checkpoints"):
     if not (c.startswith("ckpt:") and len(c) > 5):
       _fail("eval.checkpoints", c, "entries 'ckpt:<dir>'")

@@ -29,6 +29,11 @@ unbiased per-task estimate, with a 95% interval (`format_report`): with n = 1 sa
 the Wilson score interval of (solved tasks, tasks); with n > 1, the percentile bootstrap over
 the group's tasks (10,000 resamples of its per-task pass@k, seeded by the eval's seed).
 
+Per-scaffold report ("scaffolds", likewise): with `scaffolds` (`eval.scaffold`: "react", a
+black-box CLI of `envs.scaffolds`, or a weighted mix drawn per task, `trainer.blackbox`), each
+task's episodes run its drawn scaffold, and each scaffold present (and "all") gets its pass@k
+with the same interval; black-box episodes' trajectories are their gateway sessions.
+
 Statistics for reports: `paired_bootstrap` (one seed) and `paired_bootstrap_seeds` (several
 seeds): percentile intervals of the difference of mean per-task scores between two checkpoints
 on the same tasks.
@@ -320,7 +325,8 @@ def evaluate(model, model_cfg, chat, tasks: Sequence, *, scaffold: ScaffoldConfi
              seed: int = 0, engine_cfg: Optional[EngineConfig] = None, sandbox: str = "bwrap",
              concurrency: int = 8, engine: Optional[Engine] = None, progress: bool = True,
              name: str = "", keep_trajectories: bool = False, sandbox_url: str = "",
-             sandbox_token_file: str = "") -> dict:
+             sandbox_token_file: str = "", scaffolds: str = "react",
+             served_name: str = "arbor") -> dict:
   """pass@k of `model` on `tasks` (see the module docstring).
 
   Args:
@@ -345,12 +351,15 @@ def evaluate(model, model_cfg, chat, tasks: Sequence, *, scaffold: ScaffoldConfi
     keep_trajectories: also return the episodes.
     sandbox_url: the sandbox server's http(s)://host:port (sandbox "remote").
     sandbox_token_file: the file holding that server's token.
+    scaffolds: the episodes' scaffold or weighted mix (`trainer.blackbox.parse_scaffold_mix`;
+      each task draws one with `seed`).
+    served_name: the model name black-box scaffolds are told.
 
   Returns:
     {"pass@k" (also under f"pass@{k}"), "k", "samples", "pass@1" (mean c/n), "per_task" [T]
     pass@k, "per_task_rewards" [T][n], "task_ids", "terminations" {reason: count}, "errors",
     "episodes", "time_s", "selection", "formats" (`format_report`: per-format pass@k with a
-    95% interval)} and, when selection != "none", "selected" {"index" [T],
+    95% interval), "scaffolds" (the same per scaffold), "task_scaffolds" [T]} and, when selection != "none", "selected" {"index" [T],
     "reward" [T], ...} and "pass@1/selected"; with keep_trajectories, "trajectories" [T][n]
     (Trajectory or the exception; not JSON; with metadata["submission"] when the selection
     records submissions).
@@ -372,7 +381,9 @@ def evaluate(model, model_cfg, chat, tasks: Sequence, *, scaffold: ScaffoldConfi
   episodes = rollouts_lib.Rollouts(
       engine, chat, scaffold, sandbox=sandbox, concurrency=concurrency, sandbox_url=sandbox_url,
       sandbox_token_file=sandbox_token_file,
-      record_submissions=selection in ("majority_vote", "self_play"))
+      record_submissions=selection in ("majority_vote", "self_play"), scaffolds=scaffolds,
+      scaffold_seed=seed, served_name=served_name)
+  task_scaffolds = [episodes.scaffold_of(t) for t in tasks]
   try:
     results = _run_episodes(episodes, tasks, samples, seed, f"{name}: " if name else "",
                             progress, start)
@@ -401,7 +412,9 @@ def evaluate(model, model_cfg, chat, tasks: Sequence, *, scaffold: ScaffoldConfi
       "terminations": dict(terminations), "errors": errors, "episodes": rewards.size,
       "selection": selection, "temperature": float(temperature), "seed": seed,
       "formats": format_report([task_format(t) for t in tasks], correct, samples, k,
-                               seed=seed)}
+                               seed=seed),
+      "scaffolds": format_report(task_scaffolds, correct, samples, k, seed=seed),
+      "task_scaffolds": task_scaffolds}
 
   if selection != "none":
     out["selected"] = selection_lib.select(tasks, results, rewards, selection, sandbox,
@@ -516,20 +529,26 @@ def run(config, workdir: str, mesh=None) -> dict:
                       engine_cfg=rollouts_lib.engine_config(config), scaffold=scaffold,
                       sandbox=rl_cfg.sandbox, concurrency=rl_cfg.concurrency, name=ckpt,
                       sandbox_url=rl_cfg.sandbox_url,
-                      sandbox_token_file=rl_cfg.sandbox_token_file)
+                      sandbox_token_file=rl_cfg.sandbox_token_file,
+                      scaffolds=ev.get("scaffold", "react"),
+                      served_name=config.serve.served_name)
     out["checkpoints"][ckpt] = result
     line = {"pass@k": result["pass@k"], "pass@1": result["pass@1"]}
     if "pass@1/selected" in result:
       line["pass@1/selected"] = result["pass@1/selected"]
-    if "formats" in result:
-      line["formats"] = {f: {key: r[key] for key in ("tasks", "pass@k", "low", "high")}
-                         for f, r in result["formats"].items()}
+    for section in ("formats", "scaffolds"):
+      if section in result:
+        line[section] = {f: {key: r[key] for key in ("tasks", "pass@k", "low", "high")}
+                         for f, r in result[section].items()}
     summary[ckpt] = line
     metrics.say("eval", f"{ckpt}: pass@{ev.k} {result['pass@k']:.3f}, pass@1 {result['pass@1']:.3f}"
          + (f", {ev.selection} {result['pass@1/selected']:.3f}" if "pass@1/selected" in result
             else "") + f" ({len(tasks)} tasks, {result['errors']} errors, "
          f"{result['time_s']:.0f}s)")
-    for f, r in result.get("formats", {}).items():
+    scaffolds = result.get("scaffolds", {})
+    for f, r in [*result.get("formats", {}).items(),
+                 *(((f"scaffold {n}", r) for n, r in scaffolds.items() if n != "all")
+                   if len(scaffolds) > 2 else ())]:
       metrics.say("eval", f"  {f:<15} pass@{ev.k} {r['pass@k']:.3f} [{r['low']:.3f}, "
                   f"{r['high']:.3f}] ({r['tasks']} tasks, 95% {r['interval']})")
     path.write_text(json.dumps(out, indent=1))  # after each checkpoint: partial results stay

@@ -3,7 +3,9 @@
     summary = run(config, workdir, mesh)       # trainer.main mode "rl" / "distill"
 
 One step:
-  1. rollout   `rl.prompts_per_step` tasks x `rl.group_size` react episodes in sandboxes
+  1. rollout   `rl.prompts_per_step` tasks x `rl.group_size` episodes in sandboxes of the
+               scaffold `rl.scaffold` draws per task (react, or a black-box CLI through a
+               loopback gateway: trainer.blackbox; metrics "pass_rate/<scaffold>")
                (trainer.rollout_sources: in-process engine + asyncio, or remote rollout
                workers through the queue), rewards from the tasks' verifiers; with
                `rl.rollout = "branching"` each task's group is one entropy-guided tree of
@@ -52,6 +54,7 @@ from flax import nnx
 from models.engine import Engine
 from rl import corrections
 from trainer import batches as batches_lib
+from trainer import blackbox
 from trainer import config as config_lib
 from trainer import groups as groups_lib
 from trainer import harness, rollouts
@@ -255,6 +258,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
       line.update(dropped)
       line["groups_trained"] = len(kept)
       line["trajectory_ids"] = [t.trajectory_id for g in kept for t in g]
+      line.update(blackbox.scaffold_stats(groups, kept))  # pass_rate/<scaffold>, ...
       if kept:
         # 3-5. pack, score, train
         with run.timer.phase("pack"):

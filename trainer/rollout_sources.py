@@ -8,7 +8,9 @@
 
 `rl.rollout_workers`:
   "inprocess"  `InProcessSource`: episodes sampled here (trainer.rollouts, the engine in this
-               process), `lookahead` steps ahead in the async loop;
+               process), `lookahead` steps ahead in the async loop; each task runs the
+               scaffold `rl.scaffold` draws for it (react, or a black-box CLI whose calls go
+               through a loopback gateway over the same engine: trainer.blackbox);
   "queue"      `QueueSource`: this engine behind a policy server (trainer.serve) for rollout
                workers (`python -m envs.rollout_worker`, launch/fleet.py), whose groups arrive
                through the rollout queue (envs.queue). A delivery is acknowledged only after
@@ -201,7 +203,10 @@ def make_source(config, engine, chat, scaffold, tasks: TaskSource, consumed: set
     return InProcessSource(Rollouts(engine, chat, scaffold, sandbox=rl.sandbox,
                                     concurrency=rl.concurrency, sandbox_url=rl.sandbox_url,
                                     sandbox_token_file=rl.sandbox_token_file,
-                                    branch=branch_config(config)),
+                                    branch=branch_config(config),
+                                    scaffolds=rl.get("scaffold", "react"),
+                                    scaffold_seed=config.seed,
+                                    served_name=config.serve.served_name),
                            tasks, rl.group_size, config.seed, lookahead, config.train.steps)
   queue = make_queue(rl.queue_url, password_file=rl.queue_password_file or None)
   queue.ack(restored_extra.get("unacked_entry_ids", ()))  # trained and checkpointed, not acked

@@ -18,6 +18,13 @@ RL loop can train on one step's rollouts while the next step's are sampled (asyn
 Sampling is reproducible: episode i of (task, draw) samples with `episode_seed(seed, draw, i)`
 (its prompt phrasing and every call's sampling seed follow from it).
 
+Scaffolds (`scaffolds`, a mix as `rl.scaffold` / `eval.scaffold` write it, `trainer.blackbox`):
+each task's episodes run the scaffold drawn for it (`trainer.blackbox.draw_scaffold`): the
+react loop above, or a black-box CLI in a sandbox whose model calls go through a loopback
+gateway over the same engine (`trainer.blackbox.blackbox_episode`, the gateway started on the
+first such episode); every trajectory records its scaffold in metadata["scaffold"]. Branching
+groups are react episodes only.
+
 `scaffold_config` and `engine_config` are the one place where a run's config becomes episode
 limits and an engine: the RL loop, mode "eval" and the demo's evals all take them from here.
 """
@@ -39,7 +46,9 @@ from envs.scaffold import ScaffoldConfig
 from envs.tasks import Task, load_repo_files
 from envs.trajectory import Trajectory
 from envs.verifiers import workspace_files
+from envs.scaffolds import registry as scaffold_registry
 from models.engine import EngineConfig
+from trainer import blackbox
 from trainer.serve import EnginePolicy
 
 log = logging.getLogger(__name__)
@@ -118,25 +127,41 @@ class Rollouts:
       (`recording_episode`; test-time selection needs it).
     branch: sample each group as one entropy-guided tree (`envs.branching`); None: G
       independent episodes.
+    scaffolds: the scaffold mix of the episodes ("react", or weighted registry names
+      "react:0.5,mini-swe-agent:0.5"; `trainer.blackbox.parse_scaffold_mix`).
+    scaffold_seed: the seed of each task's scaffold draw (the run's seed).
+    served_name: the model name black-box scaffolds are told.
 
   Raises:
-    ValueError: `concurrency` < 1.
+    ValueError: `concurrency` < 1, or a bad scaffold mix.
   """
 
   def __init__(self, engine, chat, scaffold: ScaffoldConfig, *, sandbox: str = "bwrap",
                concurrency: int = 8, limits=None, sandbox_url: str = "",
                sandbox_token_file: str = "", record_submissions: bool = False,
-               branch: Optional[BranchConfig] = None):
+               branch: Optional[BranchConfig] = None, scaffolds: str = blackbox.DEFAULT,
+               scaffold_seed: int = 0, served_name: str = "arbor"):
     if concurrency < 1:
       raise ValueError(f"concurrency={concurrency!r}: expected an integer >= 1")
     self.engine = engine
     self.scaffold = scaffold
+    self.mix = blackbox.parse_scaffold_mix(scaffolds, "scaffolds")
+    self.scaffold_seed = scaffold_seed
     make_sandbox = make_sandbox_factory(sandbox, limits=limits, allow_unsafe=sandbox == "local",
                                         url=sandbox_url or None,
                                         token_file=sandbox_token_file or None)
     self.policy = EnginePolicy(engine)  # starts the engine's thread
     make_episode = recording_episode if record_submissions else make_react_episode
-    self._episode = make_episode(self.policy, chat, make_sandbox, scaffold)
+    react = make_episode(self.policy, chat, make_sandbox, scaffold)
+    self.gateway = blackbox.Gateway(engine, chat, served_name=served_name,
+                                    max_new_tokens=scaffold.max_new_tokens,
+                                    temperature=scaffold.temperature)
+
+    def episode_of(name: str) -> EpisodeFn:  # per registry entry: host-side react or a CLI
+      if scaffold_registry.get(name).host_side:
+        return react
+      return blackbox.blackbox_episode(self.gateway, name, scaffold, backend=sandbox)
+    self._episode = blackbox.mixed_episode(self.mix, scaffold_seed, episode_of)
     self._group = (independent_groups(self._episode) if branch is None else
                    make_branching_group(self.policy, chat, make_sandbox, scaffold, branch))
     self._loop = asyncio.new_event_loop()
@@ -190,8 +215,13 @@ class Rollouts:
       return await asyncio.gather(*(one(t, s) for t, s in runs), return_exceptions=True)
     return self._call(run())
 
+  def scaffold_of(self, task: Task) -> str:
+    """The scaffold `task`'s episodes run (`trainer.blackbox.draw_scaffold`)."""
+    return blackbox.draw_scaffold(self.mix, task, self.scaffold_seed)
+
   def close(self) -> None:
-    """Cancels running episodes (their sandboxes are closed), stops the loop and the engine."""
+    """Cancels running episodes (their sandboxes are closed), stops the loop, the black-box
+    gateway (if started) and the engine."""
     if self._thread.is_alive():
       async def cancel_all():
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -206,6 +236,7 @@ class Rollouts:
       self._thread.join(timeout=10)
       if not self._thread.is_alive():
         self._loop.close()
+    self.gateway.close()
     self.engine.stop()
 
 
