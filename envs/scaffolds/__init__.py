@@ -12,14 +12,21 @@ This package owns
 - `relay`: the in-sandbox end of the channel (stdlib; TCP 127.0.0.1:PORT to the socket);
 - `runner`: `run_blackbox_episode`: environment with the scaffold → sandbox with the task's
   files and the channel → the CLI → the task's verifier; returns the reward and the session id;
-- `__main__`: `python -m envs.scaffolds list | check [NAME ...]`: installs each recipe into an
-  environment and runs its version command in a sandbox.
+- `sessions`: a gateway session's records as a `Trajectory` (`trajectory_from_session`: exact
+  ids, the sampler's log-probs, versions, expert ids; the CLI's ending mapped onto
+  `envs.trajectory.TERMINATIONS`) and the token trie its calls form (`session_tree`);
+- `__main__`: `python -m envs.scaffolds list | check | probe | build [NAME ...] | show
+  SESSION`: installs each recipe into an environment and runs its version command in a
+  sandbox, runs each scaffold against a scripted gateway, builds one environment with several
+  scaffolds, or prints a session's calls and trie.
 """
 
 from envs.scaffolds.channel import Channel
 from envs.scaffolds.registry import (PROTOCOLS, REGISTRY, Launch, LaunchRequest, Scaffold, get,
                                      register, with_scaffold)
 from envs.scaffolds.runner import BlackboxResult, run_blackbox_episode
+from envs.scaffolds.sessions import map_termination, session_tree, trajectory_from_session
 
 __all__ = ["BlackboxResult", "Channel", "Launch", "LaunchRequest", "PROTOCOLS", "REGISTRY",
-           "Scaffold", "get", "register", "run_blackbox_episode", "with_scaffold"]
+           "Scaffold", "get", "map_termination", "register", "run_blackbox_episode",
+           "session_tree", "trajectory_from_session", "with_scaffold"]
