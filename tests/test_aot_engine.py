@@ -2,8 +2,9 @@
 
 The engine's prefill and decode calls for the tiny MoE + MLA model compile in bf16 for a v5p
 slice with the real XLA TPU compiler, over the latent cache pool, with the engine's own
-graphdef and static arguments; the dense GQA model compiles with its key/value heads split over
-`tensor`. Nothing is allocated on the slice.
+graphdef and static arguments and the token-mask inputs it passes to every decode call; the
+dense GQA model compiles with its key/value heads split over `tensor`. Nothing is allocated
+on the slice.
 """
 
 import dataclasses
@@ -13,7 +14,7 @@ import pytest
 from flax import nnx
 
 from configs import sft_demo
-from models import presets, sharding, transformer
+from models import constraint, presets, sharding, transformer
 from models.kernels import attention
 from trainer import aot, aot_engine, rollouts
 from trainer import config as config_lib
@@ -90,6 +91,11 @@ def test_moe_mla_engine_compiles_for_v5p_and_fits(mla):
   assert out["tokens"].shape == (engine_cfg.steps_per_call, SLOTS)
   assert set(out) == {"tokens", "logprobs", "entropy"}  # top_logprobs 0, no expert ids
   assert tokens.shape == (SLOTS,) and steps.shape == ()
+  # the masking inputs the engine passes to every decode call (models.constraint.Controls)
+  real = constraint.controls([None] * SLOTS, model_cfg.vocab_size).kwargs()
+  assert {k: (v.shape, v.dtype) for k, v in decode.args_info[1].items()} == {
+      k: (v.shape, v.dtype) for k, v in real.items()}
+  assert real["mask"].shape == (SLOTS, -(-model_cfg.vocab_size // 32))
 
 
 def test_min_bytes_are_weights_plus_cache(mla):

@@ -530,3 +530,188 @@ def test_sampling_params_over_http():
   assert not {"min_p", "min_tokens", "ignore_eos"} & set(plain)
   with pytest.raises(ValueError, match="constraint"):
     client.body([1], SamplingParams(constraint=EvenTokens(1)), "s")
+
+
+# ------------------------------------------------------------------ over the policy server
+
+TOKEN = "secret-token"
+FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # Responses' shape
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+                   for t in TOOLS]
+USER = [{"role": "user", "content": "go"}]
+JSON_SCHEMA = {"name": "r", "schema": SCHEMA, "strict": True}
+STRICT_UNSUPPORTED = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}
+
+
+@pytest.fixture(scope="module")
+def served(moe_mla_model):
+  """The policy server over a random-weight MoE engine that records experts (chatml), with the
+  official openai and anthropic clients."""
+  import anthropic
+  import openai
+
+  from trainer.serve import PolicyServer, ServerConfig
+
+  chat = make_chat("chatml", make_tokenizer())
+  # a character-level tokenizer: a prompt with the tools' schemas is ~900 tokens
+  engine = Engine(moe_mla_model, dataclasses.replace(CONFIG, max_seq_len=1280,
+                                                     prefill_chunk=256, return_expert_ids=True),
+                  detokenize=chat.tokenizer.decode)
+  srv = PolicyServer(engine, ServerConfig(port=0, token=TOKEN), tokenizer=chat.tokenizer,
+                     chat=chat)
+  url = srv.start_in_thread()
+  yield (srv, url, openai.OpenAI(base_url=url + "/v1", api_key=TOKEN, max_retries=0, timeout=120),
+         anthropic.Anthropic(base_url=url, api_key=TOKEN, max_retries=0, timeout=120))
+  srv.stop()
+
+
+def valid_call(name: str, arguments, only: str = None) -> None:
+  """A call of one of TOOLS (of `only` when given) whose arguments validate."""
+  assert name == only if only else name in {t["function"]["name"] for t in TOOLS}
+  args = json.loads(arguments) if isinstance(arguments, str) else arguments
+  jsonschema.validate(args, next(t["function"]["parameters"] for t in TOOLS
+                                 if t["function"]["name"] == name))
+
+
+def test_chat_completions_response_format_and_forced_tools_over_http(served):
+  """Chat Completions through the official client at temperature 1, several seeds (n):
+  json_schema content validates (streamed too), tool_choice "required" and a named function
+  always give a parsed call with schema-valid arguments (one: parallel_tool_calls false, so
+  that a random model cannot write calls until max_tokens)."""
+  _, _, oa, _ = served
+  kw = dict(model="arbor", messages=USER, temperature=1.0, max_tokens=160, seed=3)
+  reply = oa.chat.completions.create(**kw, n=3, response_format={
+      "type": "json_schema", "json_schema": JSON_SCHEMA})
+  for choice in reply.choices:
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+  text = "".join(c.choices[0].delta.content or "" for c in oa.chat.completions.create(
+      **kw, stream=True, response_format={"type": "json_schema", "json_schema": JSON_SCHEMA}))
+  jsonschema.validate(json.loads(text), SCHEMA)
+  for choice_, only in (("required", None), ({"type": "function", "function": {"name": "get"}},
+                                             "get")):
+    reply = oa.chat.completions.create(**kw, n=3, tools=TOOLS, tool_choice=choice_,
+                                       parallel_tool_calls=False)
+    for choice in reply.choices:
+      assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+      call = choice.message.tool_calls[0]
+      valid_call(call.function.name, call.function.arguments, only)
+  chunks = list(oa.chat.completions.create(**kw, stream=True, tools=TOOLS,
+                                           tool_choice="required", parallel_tool_calls=False))
+  deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+  assert chunks[-1].choices[0].finish_reason == "tool_calls"
+  valid_call(deltas[0].function.name, "".join(d.function.arguments for d in deltas))
+
+
+def test_responses_text_format_and_forced_tools_over_http(served):
+  """Responses: text.format json_schema gives output_text that validates; tool_choice
+  "required" / a named function give function_call items with valid arguments, streamed or
+  not."""
+  _, _, oa, _ = served
+  kw = dict(model="arbor", input="go", temperature=1.0, max_output_tokens=160)
+  fmt = {"format": {"type": "json_schema", **JSON_SCHEMA}}
+  for seed in (1, 2):
+    reply = oa.responses.create(**kw, text=fmt, extra_body={"seed": seed})
+    assert reply.status == "completed"
+    jsonschema.validate(json.loads(reply.output_text), SCHEMA)
+  for seed, choice, only in ((1, "required", None), (2, "required", None),
+                             (3, {"type": "function", "name": "sum"}, "sum")):
+    reply = oa.responses.create(**kw, tools=FLAT_TOOLS, tool_choice=choice,
+                                parallel_tool_calls=False, extra_body={"seed": seed})
+    assert reply.status == "completed"
+    [call] = [o for o in reply.output if o.type == "function_call"]
+    valid_call(call.name, call.arguments, only)
+  with oa.responses.stream(**kw, tools=FLAT_TOOLS, tool_choice="required",
+                           parallel_tool_calls=False, extra_body={"seed": 4}) as stream:
+    final = stream.get_final_response()
+  [call] = [o for o in final.output if o.type == "function_call"]
+  valid_call(call.name, call.arguments)
+
+
+def test_messages_forced_tool_choice_over_http(served):
+  """Anthropic Messages: tool_choice any / tool with disable_parallel_tool_use give one
+  tool_use block with valid input, streamed or not."""
+  _, _, _, an = served
+  kw = dict(model="arbor", max_tokens=160, messages=USER, tools=ANTHROPIC_TOOLS)
+  one = {"disable_parallel_tool_use": True}
+  for seed, choice, only in ((1, {"type": "any", **one}, None), (2, {"type": "any", **one}, None),
+                             (3, {"type": "tool", "name": "get", **one}, "get")):
+    message = an.messages.create(**kw, tool_choice=choice, extra_body={"seed": seed, "temperature": 1.0})
+    [use] = [b for b in message.content if b.type == "tool_use"]
+    assert message.stop_reason == "tool_use"
+    valid_call(use.name, use.input, only)
+  with an.messages.stream(**kw, tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                          extra_body={"seed": 5, "temperature": 1.0}) as stream:
+    final = stream.get_final_message()
+  uses = [b for b in final.content if b.type == "tool_use"]
+  assert final.stop_reason == "tool_use" and len(uses) == 1
+  valid_call(uses[0].name, uses[0].input)
+
+
+def test_unsupported_strict_schemas_are_400s(served):
+  """A strict schema with a keyword the grammar does not implement: a 400 naming the field, in
+  each protocol's error shape."""
+  import anthropic
+  import openai
+
+  _, _, oa, an = served
+  with pytest.raises(openai.BadRequestError, match="response_format: cannot be compiled") as e:
+    oa.chat.completions.create(model="arbor", messages=USER, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": STRICT_UNSUPPORTED,
+                                               "strict": True}})
+  assert e.value.param == "response_format"
+  with pytest.raises(openai.BadRequestError, match="text.format: cannot be compiled") as e:
+    oa.responses.create(model="arbor", input="go", text={"format": {
+        "type": "json_schema", "name": "x", "schema": STRICT_UNSUPPORTED, "strict": True}})
+  assert e.value.param == "text.format"
+  strict_tool = [{"type": "function", "function": {
+      "name": "f", "strict": True, "parameters": STRICT_UNSUPPORTED}}]
+  with pytest.raises(openai.BadRequestError, match="cannot be compiled") as e:
+    oa.chat.completions.create(model="arbor", messages=USER, tools=strict_tool,
+                               tool_choice="required")
+  assert e.value.param == "tool_choice"
+  with pytest.raises(anthropic.BadRequestError, match="json_object") as e:  # no response_format
+    an.messages.create(model="arbor", max_tokens=8, messages=USER,
+                       extra_body={"response_format": {"type": "json_object"}})
+  assert e.value.body["type"] == "error"
+
+
+def test_session_records_protocol_and_expert_ids(served):
+  """Each protocol's call is logged with its protocol and, from an engine that records them,
+  the MoE expert ids of every position it fed ([positions, moe_layers, k], JSON-encoded);
+  constrained calls are marked."""
+  from envs.policy import decode_expert_ids
+
+  srv, url, oa, an = served
+  sid = {"session_id": "experts"}
+  oa.chat.completions.create(model="arbor", messages=USER, max_tokens=6, extra_body=sid,
+                             response_format={"type": "json_object"})
+  oa.completions.create(model="arbor", prompt="go", max_tokens=6, extra_body=sid)
+  oa.responses.create(model="arbor", input="go", max_output_tokens=6, extra_body=sid)
+  an.messages.create(model="arbor", max_tokens=6, messages=USER, extra_body=sid)
+  status, _ = _post(url, "/generate", {"input_ids": [1, 2, 3], "max_tokens": 6, **sid})
+  assert status == 200
+  calls = srv.sessions.get("experts")
+  assert [c["protocol"] for c in calls] == ["chat_completions", "completions", "responses",
+                                            "anthropic_messages", "generate"]
+  assert [c["constrained"] for c in calls] == [True, False, False, False, False]
+  mc = srv.engine.model_cfg
+  for c in calls:
+    json.dumps(c)  # GET /v1/sessions/<id> serves it as JSON
+    experts = decode_expert_ids(c["expert_ids"])
+    positions = len(c["input_ids"]) + len(c["output_ids"]) - 1
+    assert experts.shape == (positions, mc.num_moe_layers, mc.experts_per_token)
+    assert experts.min() >= 0 and experts.max() < mc.num_experts
+
+
+def _post(url, path, body):
+  import urllib.error
+  import urllib.request
+
+  req = urllib.request.Request(url + path, json.dumps(body).encode(), method="POST", headers={
+      "Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+  try:
+    with urllib.request.urlopen(req, timeout=60) as resp:
+      return resp.status, json.loads(resp.read())
+  except urllib.error.HTTPError as e:
+    return e.code, json.loads(e.read())

@@ -253,7 +253,8 @@ def test_responses_reasoning_items(thinking):
     (dict(input="Hi", max_output_tokens=10**6), "max_output_tokens", "max_output_tokens="),
     (dict(input="Hi", tool_choice={"type": "function", "name": "rm"}, tools=FLAT_TOOLS),
      "tool_choice", "'rm'"),
-    (dict(input="Hi", text={"format": {"type": "json_object"}}), "text.format", "json_object"),
+    (dict(input="Hi", text={"format": {"type": "json_schema", "name": "x"}}), "text.format",
+     "json_schema"),
     (dict(input="Hi", include=["message.output_text.logprobs"]), "include", "logprobs"),
 ])
 def test_responses_errors(scripted, kw, param, match):

@@ -27,7 +27,14 @@ Shapes (E = the EngineConfig):
   prefill  `E.prefill_rows or E.slots` rows of the longest chunk the engine issues
            (`prefill_len`);
   decode   the `E.slots` decode batch; per-slot arrays [slots] (and stop ids [slots,
-           max(E.max_stop_token_ids, 1)]) are sharded like the pool's rows.
+           max(E.max_stop_token_ids, 1)]) are sharded like the pool's rows, and so are the
+           token masks the engine passes to every call (`models.constraint.Controls`): `mask`
+           [slots, ceil(vocab_size / 32)] uint32, `min_p` [slots] float32, `min_tokens`
+           [slots] int32 (one program whether or not a request is constrained).
+
+An engine with `cache="paged"` (`rl.kv_cache`) runs `decode_paged` over a pool of pages
+instead; it is planned here as the contiguous pool (by default the paged pool holds the same
+memory, and the weights, masks and per-step work are the same).
 
 `min_bytes` is a floor on the HBM bytes one call must read per chip (`engine_programs`): each
 chip's shard of the weights once, in the compute dtype, plus the cache the call must touch.
@@ -49,7 +56,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models import sampler, sharding, transformer
+from models import constraint, sampler, sharding, transformer
 from models.config import ModelConfig
 from models.engine import EngineConfig
 from trainer import rollouts
@@ -255,14 +262,19 @@ def engine_programs(config, model_cfg: ModelConfig, mesh,
                  slot(f32), slot(i32), slot(f32), slot(jnp.uint32),
                  _struct((s, n_stop), i32, _per_row(model_cfg, mesh, (s, n_stop))),
                  _struct((), i32, replicated), _struct((), jnp.bool_, replicated))
+  # the masking inputs, keyword arguments (`models.constraint.Controls.kwargs`)
+  words = constraint.words(model_cfg.vocab_size)
+  decode_kwargs = {"mask": _struct((s, words), jnp.uint32,
+                                   _per_row(model_cfg, mesh, (s, words))),
+                   "min_p": slot(f32), "min_tokens": slot(i32)}
 
   floors = {"prefill": weights + cache_bytes_per_chip(pool, e.max_seq_len, b, p),
             "decode": weights + cache_bytes_per_chip(pool, e.max_seq_len, s, e.max_seq_len)}
   out = {}
   with jax.set_mesh(mesh):
-    for name, fn, args in (("prefill", sampler.prefill, prefill_args),
-                           ("decode", sampler.decode, decode_args)):
+    for name, fn, args, kwargs in (("prefill", sampler.prefill, prefill_args, {}),
+                                   ("decode", sampler.decode, decode_args, decode_kwargs)):
       t0 = time.perf_counter()
-      compiled = fn.lower(*args).compile()
+      compiled = fn.lower(*args, **kwargs).compile()
       out[name] = (compiled, time.perf_counter() - t0, floors[name])
   return out

@@ -1,10 +1,18 @@
 """POST /v1/chat/completions: OpenAI chat completions over the engine, rendered through the
 shared path of the chat protocols (`trainer.serving.render`: the server's envs.chat format) and
-read back from the sampled ids (a mixin of `trainer.serving.server.PolicyServer`)."""
+read back from the sampled ids (a mixin of `trainer.serving.server.PolicyServer`).
+
+`response_format` ({"type": "text"}, {"type": "json_object"}, {"type": "json_schema",
+"json_schema": {"name", "schema", "strict"}}) and a forced `tool_choice` ("required", or
+{"type": "function", "function": {"name"}}) are sampled under a grammar (`render`), streamed
+or not: the content is JSON valid under the schema, a forced reply is tool calls the format's
+parser reads, with schema-valid arguments (finish_reason "tool_calls").
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Optional
 
 from starlette.requests import Request
@@ -35,10 +43,11 @@ class ChatEndpoint:
       raise HTTPError(400, f"top_logprobs={top_n}: needs logprobs=true", "top_logprobs")
     prompt = render_prompt(self.chat, ChatRequest(
         messages, tools, mode, name, parallel, _field(body, "chat_template_kwargs", dict, None),
-        {"template_kwargs": "chat_template_kwargs"}))
+        {"template_kwargs": "chat_template_kwargs"}, body.get("response_format")))
     input_ids = prompt.input_ids
     n, params, stream, include_usage = self._common(body, [len(input_ids)], 1,
-                                                    self.chat.stop_token_ids)
+                                                    self.chat.stop_token_ids, formats=True)
+    params = dataclasses.replace(params, **prompt.constraint)
     self._reserve(session, [len(input_ids)], n, params)
     reader = prompt.reader(self.chat, params.stop)
     samples, queue = self._samples([input_ids], n, params, stream)
@@ -66,7 +75,7 @@ class ChatEndpoint:
       if errors:
         choice["tool_call_errors"] = errors
       choices.append(choice)
-      self._log(session, sample, out, logged)
+      self._log(session, sample, out, logged, "chat_completions")
     reply = {**self._head("chat.completion"), "choices": choices,
              "usage": _usage([len(input_ids)], outs)}
     if session is not None:
@@ -126,7 +135,7 @@ class ChatEndpoint:
 
     def on_done(k, out):
       outs.append(out)
-      self._log(session, samples[k], out, logged)
+      self._log(session, samples[k], out, logged, "chat_completions")
       reasoning, content, calls, _ = reader.read(out.output_ids)
       more, rest = thoughts[k].final(reasoning or ""), texts[k].final(content)
       if more is None or rest is None:

@@ -32,9 +32,15 @@ ids the engine would be given. Errors on these routes are Anthropic errors ({"ty
 "error": {"type", "message"}}, the field named in the message); clients authenticate with
 X-Api-Key or a bearer token.
 
+tool_choice {"type": "any"} or {"type": "tool", "name"} makes the reply tool_use blocks (one
+when disable_parallel_tool_use is set) whose input is valid under the tool's input_schema: the
+call is sampled under a grammar (`trainer.serving.render`), streamed or not, so it always
+parses (stop_reason tool_use unless max_tokens cuts it). A tool schema that cannot be compiled
+is a 400 naming tools or tool_choice.
+
 Refused rather than ignored: image and document blocks, redacted_thinking, a final assistant
 message (prefill: continuing it is not supported), non-custom (server) tools, mcp_servers,
-container, output_format and output_config.format (constrained output).
+container, output_format and output_config.format (structured output).
 """
 
 from __future__ import annotations
@@ -285,7 +291,7 @@ class MessagesEndpoint:
       return self._streaming(self._message_stream(sample, queue, reader, blocks, head, session,
                                                   logged, params.stop))
     out = await asyncio.wrap_future(sample.future)
-    self._log(session, sample, out, logged)
+    self._log(session, sample, out, logged, "anthropic_messages")
     reasoning, content, calls, _ = reader.read(out.output_ids)
     blocks.update(reasoning, content, calls, final=True)
     reply = {**head, "content": [_block(b) for b in blocks.blocks],
@@ -319,7 +325,7 @@ class MessagesEndpoint:
       return [e for c in blocks.update(reasoning, content, calls) for e in _events(event, c)]
 
     def on_done(k, out):
-      self._log(session, sample, out, logged)
+      self._log(session, sample, out, logged, "anthropic_messages")
       reasoning, content, calls, _ = reader.read(out.output_ids)
       changes = blocks.update(reasoning, content, calls, final=True)
       return [e for c in changes for e in _events(event, c)] + [

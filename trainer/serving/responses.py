@@ -21,9 +21,16 @@ events, content_part.done, output_item.done, and last response.completed carryin
 response as the non-streamed reply (also when incomplete: its status says so, and the official
 client's `get_final_response` needs that event).
 
+`text.format` {"type": "json_schema", "name", "schema", "strict"} or {"type": "json_object"}
+makes the message's output_text JSON (valid under the schema), and tool_choice "required" or
+{"type": "function", "name"} a reply of function_call items whose arguments are valid under
+the function's parameters: both are sampled under a grammar (`trainer.serving.render`), streamed
+or not; what cannot be compiled (with strict, a schema keyword the grammar does not implement)
+is a 400 naming text.format or tool_choice.
+
 Nothing is stored: `previous_response_id`, `conversation` and `background` are refused (send the
 whole conversation as input), `store` is accepted and answered with store false. Refused too,
-rather than ignored: non-function tools, a text format other than text, `include` other than
+rather than ignored: non-function tools, `include` other than
 "reasoning.encrypted_content" (reasoning comes back as plain text content; there is no encrypted
 form), top_logprobs, max_tool_calls, and input items other than the four above. `reasoning`
 (effort, summary) is accepted and changes nothing: whether the model reasons is its chat
@@ -192,10 +199,6 @@ def _refuse_responses_fields(body: dict) -> None:
   if _field(body, "background", bool, False):
     raise HTTPError(400, "background=True: not supported by this server", "background")
   _field(body, "store", bool, False)
-  text = _field(body, "text", dict, {})
-  if text.get("format") not in (None, {"type": "text"}):
-    raise HTTPError(400, f"text.format={text['format']!r:.100}: only {{\"type\": \"text\"}} is "
-                         "supported", "text.format")
   include = _field(body, "include", list, [])
   for value in include:
     if value not in INCLUDE_OK:
@@ -204,6 +207,28 @@ def _refuse_responses_fields(body: dict) -> None:
   _integer(body, "top_logprobs", 0, 0, 0, " (log-probs are not served on /v1/responses)")
   _field(body, "reasoning", dict, None)
   _refuse_unsupported(body)
+
+
+def text_format(body: dict) -> Optional[dict]:
+  """Responses' `text.format` as a Chat Completions response_format (None: plain text).
+
+  Raises:
+    HTTPError: 400 naming text.format and the value.
+  """
+  text = _field(body, "text", dict, {})
+  fmt = text.get("format")
+  if fmt is None or fmt == {"type": "text"}:
+    return None
+  kind = fmt.get("type") if isinstance(fmt, dict) else None
+  if kind == "json_object":
+    return {"type": "json_object"}
+  if kind == "json_schema" and isinstance(fmt.get("schema"), dict) and isinstance(
+      fmt.get("strict", False), (bool, type(None))):
+    spec = {"name": fmt.get("name"), "schema": fmt["schema"], "strict": bool(fmt.get("strict"))}
+    return {"type": "json_schema", "json_schema": spec}
+  raise HTTPError(400, f"text.format={fmt!r:.100}: expected {{\"type\": \"text\"}}, "
+                       '{"type": "json_object"} or {"type": "json_schema", "name": ..., '
+                       '"schema": {...}, "strict": true | false}', "text.format")
 
 
 class ResponsesEndpoint:
@@ -222,7 +247,8 @@ class ResponsesEndpoint:
     stream = _field(body, "stream", bool, False)
     prompt = render_prompt(self.chat, ChatRequest(
         messages, tools, mode, name, parallel, _field(body, "chat_template_kwargs", dict, None),
-        {"messages": "input", "template_kwargs": "chat_template_kwargs"}))
+        {"messages": "input", "template_kwargs": "chat_template_kwargs",
+         "response_format": "text.format"}, text_format(body)))
     sampling = {"max_tokens": body.get("max_output_tokens"), **{
         k: body.get(k) for k in ("temperature", "top_p", "top_k", "seed")}}
     sample, queue, params, reader = self._start_turn(
@@ -234,7 +260,7 @@ class ResponsesEndpoint:
       return self._streaming(self._response_stream(sample, queue, reader, blocks, head, session,
                                                    logged))
     out = await asyncio.wrap_future(sample.future)
-    self._log(session, sample, out, logged)
+    self._log(session, sample, out, logged, "responses")
     reasoning, content, calls, _ = reader.read(out.output_ids)
     blocks.update(reasoning, content, calls, final=True)
     return JSONResponse(self._response(head, blocks, sample, out, session))
@@ -247,7 +273,8 @@ class ResponsesEndpoint:
             "max_output_tokens": body.get("max_output_tokens"), "model": self.cfg.served_name,
             "output": [], "parallel_tool_calls": parallel, "previous_response_id": None,
             "reasoning": body.get("reasoning"), "store": False,
-            "temperature": params.temperature, "text": {"format": {"type": "text"}},
+            "temperature": params.temperature,
+            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
             "top_p": params.top_p, "truncation": body.get("truncation", "disabled"),
             "usage": None, "metadata": body.get("metadata") or {}}
@@ -299,7 +326,7 @@ class ResponsesEndpoint:
       return _stream_events(event, blocks.update(reasoning, content, calls), False, blocks)
 
     def on_done(k, out):
-      self._log(session, sample, out, logged)
+      self._log(session, sample, out, logged, "responses")
       reasoning, content, calls, _ = reader.read(out.output_ids)
       incomplete = out.finish_reason == "length"
       events = _stream_events(event, blocks.update(reasoning, content, calls, final=True),

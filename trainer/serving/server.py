@@ -294,18 +294,35 @@ class PolicyServer(ChatEndpoint, CompletionsEndpoint, ResponsesEndpoint, Message
         s.future.add_done_callback(lambda f, k=k: _post(loop, queue, (k, f)))
     return samples, queue
 
-  def _log(self, session: Optional[str], sample: _Sample, out, extra: dict) -> None:
+  def _log(self, session: Optional[str], sample: _Sample, out, extra: dict,
+           protocol: str = "completions") -> None:
+    """Appends a finished sample's record to its session (`trainer.serving.sessions`).
+
+    Args:
+      session: the session id (None: nothing is logged).
+      sample: the sample (its prompt ids and SamplingParams).
+      out: the engine's Completion.
+      extra: request fields logged with the sampling parameters (n, tool_choice).
+      protocol: the endpoint the call came in by: "chat_completions" | "completions" |
+        "responses" | "anthropic_messages" | "generate".
+    """
     if session is None:
       return
     p = sample.params
-    self.sessions.add(session, {
-        "input_ids": list(sample.input_ids), "output_ids": out.output_ids,
-        "logprobs": out.logprobs, "token_versions": out.token_versions,
-        "policy_version": out.policy_version, "finish_reason": out.finish_reason,
+    record = {
+        "protocol": protocol, "input_ids": list(sample.input_ids),
+        "output_ids": list(out.output_ids), "logprobs": out.logprobs,
+        "token_versions": out.token_versions, "policy_version": out.policy_version,
+        "finish_reason": out.finish_reason,
+        "constrained": getattr(p, "constraint", None) is not None,
         "params": {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
                    "max_tokens": p.max_tokens, "stop": list(p.stop),
                    "stop_token_ids": list(p.stop_token_ids), "seed": p.seed, **extra},
-        "time": time.time()})
+        "time": time.time()}
+    experts = getattr(out, "expert_ids", None)
+    if experts is not None:
+      record["expert_ids"] = encode_expert_ids(experts)
+    self.sessions.add(session, record)
 
   def _head(self, kind: str) -> dict:
     return {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}",
@@ -353,10 +370,10 @@ class PolicyServer(ChatEndpoint, CompletionsEndpoint, ResponsesEndpoint, Message
 
   async def _generate(self, request: Request) -> Response:
     body = await self._body(request)
-    unknown = sorted(set(body) - set(GENERATE_FIELDS))
+    fields = list(GENERATE_FIELDS) + ["session_id"]
+    unknown = sorted(set(body) - set(fields))
     if unknown:
-      raise HTTPError(400, f"unknown fields {unknown}; expected {list(GENERATE_FIELDS)}",
-                      unknown[0])
+      raise HTTPError(400, f"unknown fields {unknown}; expected {fields}", unknown[0])
     if "input_ids" not in body:
       raise HTTPError(400, "input_ids: required", "input_ids")
     input_ids = check_token_ids(body["input_ids"], "input_ids", self._vocab(), empty=False)
@@ -364,7 +381,11 @@ class PolicyServer(ChatEndpoint, CompletionsEndpoint, ResponsesEndpoint, Message
     # default: 256 new tokens, or what the cache row has room for
     params = sampling_params(body, room=room, capacity=self.engine.capacity,
                              vocab_size=self._vocab(), max_tokens=min(256, room))
+    session = self._session_id(body, request)
+    self._reserve(session, [len(input_ids)], 1, params)
+    sample = _Sample(0, input_ids, params)
     out = await asyncio.wrap_future(self._submit(input_ids, params))
+    self._log(session, sample, out, {"n": 1}, "generate")
     reply = {"output_ids": out.output_ids, "logprobs": out.logprobs, "entropies": out.entropies,
              "finish_reason": out.finish_reason, "policy_version": out.policy_version,
              "token_versions": out.token_versions, "cached_tokens": out.cached_tokens}
@@ -374,9 +395,12 @@ class PolicyServer(ChatEndpoint, CompletionsEndpoint, ResponsesEndpoint, Message
       reply["expert_ids"] = encode_expert_ids(out.expert_ids)
     return JSONResponse(reply)
 
-  def _common(self, body: dict, prompt_lens: list[int], n_prompts: int, stop_token_ids):
-    """Checks the fields chat and completions share; returns (n, params, stream, usage)."""
-    _refuse_unsupported(body)
+  def _common(self, body: dict, prompt_lens: list[int], n_prompts: int, stop_token_ids,
+              formats: bool = False):
+    """Checks the fields chat and completions share; returns (n, params, stream, usage).
+    `formats`: the endpoint constrains replies to a response_format (checked where it is
+    compiled), else only {"type": "text"} is accepted."""
+    _refuse_unsupported(body, formats)
     n = _integer(body, "n", 1, 1, max(1, self.cfg.max_n // n_prompts),
                  f" (n x {n_prompts} prompt(s) at most {self.cfg.max_n} samples)")
     stream = _field(body, "stream", bool, False)
@@ -478,6 +502,7 @@ class PolicyServer(ChatEndpoint, CompletionsEndpoint, ResponsesEndpoint, Message
       if new is None:
         raise
       raise HTTPError(e.status, str(e).replace(e.param, new), new) from None
+    params = dataclasses.replace(params, **prompt.constraint)
     self._reserve(session, [len(prompt.input_ids)], 1, params)
     samples, queue = self._samples([prompt.input_ids], 1, params, stream)
     return samples[0], queue, params, prompt.reader(self.chat, params.stop)

@@ -9,7 +9,9 @@ min_tokens in [0, max_tokens], n and log-prob counts in range. Anything else is 
 message names the field and its value (`HTTPError`, with `param` the field). Fields the server
 does not implement (UNSUPPORTED: penalties, logit_bias, rendering without the generation prompt
 or continuing the last message, ...) are refused unless given the value that changes nothing,
-never silently ignored.
+never silently ignored. Chat Completions' response_format and the other protocols' reply
+formats and forced tool choices are checked where they are compiled to a grammar
+(`trainer.serving.render`, `trainer.serving.constrain`).
 """
 
 from __future__ import annotations
@@ -351,15 +353,16 @@ def _neutral(value, defaults: tuple) -> bool:
              for d in defaults)
 
 
-def _refuse_unsupported(body: dict) -> None:
-  """400 for a field of UNSUPPORTED given a value other than its neutral ones (and for a
-  response_format other than text)."""
+def _refuse_unsupported(body: dict, formats: bool = False) -> None:
+  """400 for a field of UNSUPPORTED given a value other than its neutral ones, and, unless the
+  endpoint constrains replies to a format (`formats`: Chat Completions), for a response_format
+  other than text."""
   for name, defaults in UNSUPPORTED.items():
     if not _neutral(body.get(name), defaults):
       neutral = " or ".join(repr(d) for d in defaults if d is not None)
       raise HTTPError(400, f"{name}={body[name]!r:.100}: not supported by this server (only "
                            f"{neutral}, which changes nothing)", name)
   fmt = body.get("response_format")
-  if fmt is not None and fmt != {"type": "text"}:
+  if not formats and fmt is not None and fmt != {"type": "text"}:
     raise HTTPError(400, f"response_format={fmt!r:.100}: only {{\"type\": \"text\"}} is "
                          "supported", "response_format")
