@@ -12,6 +12,12 @@ constrain.py) and the sampler's min_p / min_tokens / ignore_eos, on a random-wei
   min_p 0, min_tokens 0) give bit-identical tokens and log-probs to the unmasked program.
 - A constraint survives preemption (paged) and starts again on a "restart" weight update.
 - The vocabulary mapping reads real token bytes (sentencepiece byte fallback too); refusals.
+- Over the policy server (a random-weight MoE engine that records experts), with the official
+  clients: Chat Completions response_format json_schema content validates and tool_choice
+  "required" / named give parsed calls with valid arguments; the same for Responses
+  (text.format, tool_choice) and Anthropic Messages (tool_choice any / tool), streamed and not;
+  a strict schema the grammar cannot express is a 400 naming the field; session records carry
+  the protocol, whether the reply was constrained, and the expert ids.
 """
 
 import dataclasses

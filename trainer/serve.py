@@ -9,29 +9,33 @@ and vLLM do, unless --chat_format names a built-in format). Endpoints:
 
   POST /generate              {"input_ids", "max_tokens", "temperature", "top_p", "top_k",
                                "stop_token_ids", "stop", "seed", "min_p", "min_tokens",
-                               "ignore_eos"} -> {"output_ids", "logprobs", "entropies" (per
-                               output token, nats), "finish_reason", "policy_version",
-                               "token_versions", ...} (the protocol of envs.policy.HTTPPolicy)
+                               "ignore_eos", "session_id"} -> {"output_ids", "logprobs",
+                               "entropies" (per output token, nats), "finish_reason",
+                               "policy_version", "token_versions", ...} (the protocol of
+                               envs.policy.HTTPPolicy)
   POST /v1/chat/completions   OpenAI chat completions: messages (content as text or text parts,
                               the developer role as system) and tools rendered with envs.chat,
                               tool calls parsed; tool_choice (none | auto | required | a named
-                              function), parallel_tool_calls, n, stop, seed, logprobs and
-                              top_logprobs (entries with the token's UTF-8 bytes),
-                              chat_template_kwargs, min_p, min_tokens, ignore_eos, stream
-                              (Server-Sent Events, stream_options.include_usage)
+                              function), parallel_tool_calls, response_format (text |
+                              json_object | json_schema {name, schema, strict}), n, stop, seed,
+                              logprobs and top_logprobs (entries with the token's UTF-8
+                              bytes), chat_template_kwargs, min_p, min_tokens, ignore_eos,
+                              stream (Server-Sent Events, stream_options.include_usage)
   POST /v1/completions        OpenAI completions: prompt as text, texts, token ids or lists of
                               them; echo, logprobs (int), n, stop, max_tokens, stream
   POST /v1/responses          OpenAI Responses: input as text or items (messages, function_call,
                               function_call_output, reasoning), instructions, function tools,
-                              tool_choice, max_output_tokens, stream (the Responses events);
+                              tool_choice, text.format (text | json_object | json_schema),
+                              max_output_tokens, stream (the Responses events);
                               output items reasoning / message / function_call, status
                               "incomplete" on the token limit; nothing stored
                               (previous_response_id refused)
   POST /v1/messages           Anthropic Messages: system, text / tool_use / tool_result /
-                              thinking blocks, tools, tool_choice (auto | any | tool | none),
-                              max_tokens, stop_sequences, thinking (a thinking template's
-                              reasoning), stream (Anthropic's events); content blocks thinking /
-                              text / tool_use, stop_reason, usage; Anthropic error objects
+                              thinking blocks, tools, tool_choice (auto | any | tool | none;
+                              disable_parallel_tool_use), max_tokens, stop_sequences,
+                              thinking (a thinking template's reasoning), stream (Anthropic's
+                              events); content blocks thinking / text / tool_use, stop_reason,
+                              usage; Anthropic error objects
   POST /v1/messages/count_tokens  the length of the prompt a Messages request renders to
   GET  /v1/models[/{id}]      the served model
   GET  /v1/sessions/{id}      the session log; DELETE frees it
@@ -45,10 +49,33 @@ Sampling fields the server does not implement (penalties, logit_bias, rendering 
 generation prompt or continuing the last message, ...) are refused with a 400 naming them unless
 given their neutral value; top_k -1 is off, as in vLLM.
 
-Sessions: a request to any of the generating endpoints but /generate with "session_id" (body
-field or X-Session-Id header) logs every sample's exact ids (the prompt as the engine saw it, a
-forced tool-call opening included; the sampled ids) with their log-probs, policy versions and
-sampling parameters, for training on what was served; calls from different protocols share a
+Constrained replies (`trainer.serving.constrain`, llguidance grammars compiled against the
+server's tokenizer; the engine samples each token under the grammar's mask, see
+`models.constraint`): a response format (chat completions' response_format, Responses'
+text.format) makes the reply's content one JSON object (json_object) or one JSON value valid
+under the schema (json_schema); a forced tool choice (chat completions' and Responses'
+"required" or named function, Anthropic's "any" / "tool") makes the reply tool calls in the chat
+format's own syntax (Hermes/Qwen `<tool_call>` JSON, DeepSeek-V3's tool-call tokens), of the
+named function where one is named, one call when parallel calls are off, with arguments valid
+under the tool's parameters schema; with tool_choice "auto", tools and a response format, the
+reply is either. So a forced call always parses, with finish reason tool_calls / stop_reason
+tool_use, whatever the model, streamed or not; only max_tokens can cut it (finish reason
+length). JSON is written compactly (", " and ": "). With "strict": true a schema keyword the
+grammar does not implement is a 400 naming the field (response_format, text.format,
+tool_choice); without strict it is ignored. A chat format whose call syntax cannot be expressed
+(Kimi K2's) refuses a forced tool choice with a 400. Log-probs of a constrained reply (in the
+reply and the session log) are those of the model's distribution renormalised over the tokens
+the grammar allowed at each step, at temperature 1 and without top-k / top-p / min-p
+truncation: the behaviour policy's log p(token); a teacher-forced pass gives the unmasked ones
+(equal where the mask allowed every token). /v1/completions takes no response_format.
+
+Sessions: a request to any of the generating endpoints with "session_id" (body field or
+X-Session-Id header) logs every sample's exact ids (the prompt as the engine saw it, a forced
+tool-call opening included; the sampled ids) with their log-probs, policy versions, sampling
+parameters, the protocol it came in by, whether it was constrained and, from an engine that
+records MoE routing (--return_expert_ids, EngineConfig.return_expert_ids), the expert ids of
+every position (`envs.policy.encode_expert_ids`), for training on what was served
+(`trainer.serving.sessions` lists a record's fields); calls from different protocols share a
 session. Text is never re-tokenized: replies are decoded from those ids, and stop strings are cut
 from the text only (the log keeps every sampled id).
 
@@ -190,7 +217,8 @@ def build(args) -> PolicyServer:
   engine = Engine(model, EngineConfig(
       slots=args.slots, max_seq_len=args.max_seq_len, prefix_cache_rows=args.prefix_cache_rows,
       steps_per_call=args.steps_per_call, prefill_chunk=args.prefill_chunk,
-      top_logprobs=args.top_logprobs, on_update=args.on_update),
+      top_logprobs=args.top_logprobs, on_update=args.on_update,
+      return_expert_ids=getattr(args, "return_expert_ids", False)),
       detokenize=None if tokenizer is None else tokenizer.decode)
   return PolicyServer(engine, ServerConfig(
       host=args.host, port=args.port, token=token, served_name=args.served_name,
@@ -271,6 +299,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
   p.add_argument("--top_logprobs", type=int, default=ServerConfig.top_logprobs,
                  help="most top log-probs a request may ask for per token")
   p.add_argument("--on_update", default="finish", help="finish | resubmit | restart")
+  p.add_argument("--return_expert_ids", action="store_true",
+                 help="MoE: record each position's experts (in /generate replies and session "
+                      "logs, for routing replay)")
   p.add_argument("--max_connections", type=int, default=ServerConfig.max_connections,
                  help="open connections; beyond, the oldest idle one is closed (tokenless first)")
   p.add_argument("--header_timeout", type=float, default=ServerConfig.header_timeout_s,

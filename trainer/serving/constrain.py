@@ -7,7 +7,9 @@ server's tokenizer; the engine samples each token under the grammar's mask
 (`models.constraint`), so the reply parses and validates by construction (unless it runs out of
 max_tokens first: then finish_reason is "length" and the text is cut).
 
-How an endpoint wires it, after `render_prompt` and `sampling_params` (one call):
+The policy server makes this call once for every chat protocol, in `trainer.serving.render`
+(`Prompt.constraint`; Responses' text.format and Anthropic's tool_choice converted to the
+arguments below). How a caller wires it, after `render_prompt` and `sampling_params` (one call):
 
     from trainer.serving import constrain
     fields = constrain.sampling_fields(

@@ -1,5 +1,27 @@
 """The policy server's session log: the exact ids and log-probs of each call, per session id,
-bounded in size."""
+bounded in size.
+
+A call's record (one per sample; JSON as GET /v1/sessions/<id> serves it):
+  protocol        the endpoint it came in by: "chat_completions" | "completions" | "responses"
+                  | "anthropic_messages" | "generate"
+  input_ids       the prompt as the engine saw it (a forced tool-call opening included)
+  output_ids      every sampled id (stop strings are cut from the reply's text only)
+  logprobs        per output id, the log-probability the sampler drew it with
+  token_versions  per output id, the policy version that sampled it
+  policy_version  the policy version at the end of the sample
+  finish_reason   "stop" | "length"
+  constrained     whether the reply was sampled under a grammar (response_format, a forced
+                  tool choice): its log-probs are then those of the model's distribution
+                  renormalised over the tokens the grammar allowed (temperature 1, no
+                  truncation; `models.constraint`), not the unmasked model's
+  params          temperature, top_p, top_k, max_tokens, stop, stop_token_ids, seed, and the
+                  request's n and tool_choice
+  expert_ids      only from an engine that records MoE routing (`return_expert_ids`): the
+                  experts of every position the model was fed (input_ids + output_ids[:-1]),
+                  [positions, moe_layers, experts_per_token] as `envs.policy.encode_expert_ids`
+                  writes it ({"shape", "int16": base64}; `decode_expert_ids` reads it back)
+  time            when the sample ended (Unix seconds)
+"""
 
 from __future__ import annotations
 
