@@ -10,8 +10,9 @@
   count_tokens equal to the prompt the engine is given, X-Api-Key auth, Anthropic error objects
   the client raises as its typed errors.
 - Forced tool calls (Responses' named function, Anthropic's "tool" / "any") append the format's
-  opening as chat completions does; a stream that fails midway ends with the protocol's error
-  event.
+  opening as chat completions does and reach the engine with a grammar constraint (sampled
+  replies: tests/test_constrained_decoding.py); a stream that fails midway ends with the
+  protocol's error event.
 - One session id gathers the exact ids of calls from all three chat protocols.
 - Chat completions and completions: vLLM's fields the server does not implement are refused
   unless neutral, min_p / min_tokens / ignore_eos reach the engine, top_k=-1 is off, and
@@ -501,6 +502,7 @@ def test_forced_tool_choice_in_both_protocols(scripted, tok):
                               tool_choice={"type": "function", "name": "bash"})
   prompt = chat.render(USER, TOOLS).ids + chat.tool_call_prefix_ids("bash")
   assert srv.engine.submitted[-1][0] == prompt
+  assert srv.engine.submitted[-1][1].constraint is not None  # the rest sampled under a grammar
   assert [(o.type, o.name, json.loads(o.arguments)) for o in reply.output] == [
       ("function_call", "bash", {"command": "ls"})]
   kw = dict(model="arbor", max_tokens=20, system="Fix the bug.", tools=ANTHROPIC_TOOLS,
@@ -517,6 +519,9 @@ def test_forced_tool_choice_in_both_protocols(scripted, tok):
   message = an.messages.create(**{**kw, "tool_choice": {"type": "any"}})
   assert srv.engine.submitted[-1][0] == chat.render(USER, TOOLS).ids + \
       chat.tool_call_prefix_ids(None)
+  assert srv.engine.submitted[-1][1].constraint is not None
+  an.messages.create(**{**kw, "tool_choice": {"type": "auto"}})  # not forced: unconstrained
+  assert srv.engine.submitted[-1][1].constraint is None
   assert [(b.name, b.input) for b in message.content] == [("read_file", {"path": "a.py"})]
 
 
