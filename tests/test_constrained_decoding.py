@@ -24,22 +24,27 @@ import dataclasses
 import io
 import json
 import os
+import urllib.error
+import urllib.request
 
+import anthropic
 import jax
 import jax.numpy as jnp
 import numpy as np
+import openai
 import pytest
 from flax import nnx
 
 from envs.chat.formats import DeepSeekV3, make_chat
 from envs.chat.jinja_format import KIMI_TOKENS, JinjaChat
 from envs.chat.tokenizer import HFTokenizer, SentencePieceTokenizer
-from envs.policy import SamplingParams
+from envs.policy import SamplingParams, decode_expert_ids
 from models import constraint as constraints
 from models import sampler, transformer
 from models.cache_pool import CachePool
 from models.engine import Engine, EngineConfig
 from tests.test_engine import teacher
+from trainer.serve import PolicyServer, ServerConfig
 from trainer.serving import constrain
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -553,11 +558,6 @@ STRICT_UNSUPPORTED = {"type": "object", "properties": {"a": {"not": {"type": "st
 def served(moe_mla_model):
   """The policy server over a random-weight MoE engine that records experts (chatml), with the
   official openai and anthropic clients."""
-  import anthropic
-  import openai
-
-  from trainer.serve import PolicyServer, ServerConfig
-
   chat = make_chat("chatml", make_tokenizer())
   # a character-level tokenizer: a prompt with the tools' schemas is ~900 tokens
   engine = Engine(moe_mla_model, dataclasses.replace(CONFIG, max_seq_len=1280,
@@ -642,7 +642,8 @@ def test_messages_forced_tool_choice_over_http(served):
   one = {"disable_parallel_tool_use": True}
   for seed, choice, only in ((1, {"type": "any", **one}, None), (2, {"type": "any", **one}, None),
                              (3, {"type": "tool", "name": "get", **one}, "get")):
-    message = an.messages.create(**kw, tool_choice=choice, extra_body={"seed": seed, "temperature": 1.0})
+    message = an.messages.create(**kw, tool_choice=choice,
+                                 extra_body={"seed": seed, "temperature": 1.0})
     [use] = [b for b in message.content if b.type == "tool_use"]
     assert message.stop_reason == "tool_use"
     valid_call(use.name, use.input, only)
@@ -657,9 +658,6 @@ def test_messages_forced_tool_choice_over_http(served):
 def test_unsupported_strict_schemas_are_400s(served):
   """A strict schema with a keyword the grammar does not implement: a 400 naming the field, in
   each protocol's error shape."""
-  import anthropic
-  import openai
-
   _, _, oa, an = served
   with pytest.raises(openai.BadRequestError, match="response_format: cannot be compiled") as e:
     oa.chat.completions.create(model="arbor", messages=USER, response_format={
@@ -682,12 +680,23 @@ def test_unsupported_strict_schemas_are_400s(served):
   assert e.value.body["type"] == "error"
 
 
+def _http(url, path, body=None):
+  """(status, JSON) of a POST of `body` (None: a GET) with the server's token."""
+  data = None if body is None else json.dumps(body).encode()
+  req = urllib.request.Request(url + path, data, method="GET" if body is None else "POST",
+                               headers={"Content-Type": "application/json",
+                                        "Authorization": f"Bearer {TOKEN}"})
+  try:
+    with urllib.request.urlopen(req, timeout=60) as resp:
+      return resp.status, json.loads(resp.read())
+  except urllib.error.HTTPError as e:
+    return e.code, json.loads(e.read())
+
+
 def test_session_records_protocol_and_expert_ids(served):
   """Each protocol's call is logged with its protocol and, from an engine that records them,
   the MoE expert ids of every position it fed ([positions, moe_layers, k], JSON-encoded);
   constrained calls are marked."""
-  from envs.policy import decode_expert_ids
-
   srv, url, oa, an = served
   sid = {"session_id": "experts"}
   oa.chat.completions.create(model="arbor", messages=USER, max_tokens=6, extra_body=sid,
@@ -695,29 +704,17 @@ def test_session_records_protocol_and_expert_ids(served):
   oa.completions.create(model="arbor", prompt="go", max_tokens=6, extra_body=sid)
   oa.responses.create(model="arbor", input="go", max_output_tokens=6, extra_body=sid)
   an.messages.create(model="arbor", max_tokens=6, messages=USER, extra_body=sid)
-  status, _ = _post(url, "/generate", {"input_ids": [1, 2, 3], "max_tokens": 6, **sid})
+  status, _ = _http(url, "/generate", {"input_ids": [1, 2, 3], "max_tokens": 6, **sid})
   assert status == 200
-  calls = srv.sessions.get("experts")
+  status, log = _http(url, "/v1/sessions/experts")  # the records as JSON
+  calls = log["calls"]
+  assert status == 200 and calls == srv.sessions.get("experts")
   assert [c["protocol"] for c in calls] == ["chat_completions", "completions", "responses",
                                             "anthropic_messages", "generate"]
   assert [c["constrained"] for c in calls] == [True, False, False, False, False]
   mc = srv.engine.model_cfg
   for c in calls:
-    json.dumps(c)  # GET /v1/sessions/<id> serves it as JSON
     experts = decode_expert_ids(c["expert_ids"])
     positions = len(c["input_ids"]) + len(c["output_ids"]) - 1
     assert experts.shape == (positions, mc.num_moe_layers, mc.experts_per_token)
     assert experts.min() >= 0 and experts.max() < mc.num_experts
-
-
-def _post(url, path, body):
-  import urllib.error
-  import urllib.request
-
-  req = urllib.request.Request(url + path, json.dumps(body).encode(), method="POST", headers={
-      "Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
-  try:
-    with urllib.request.urlopen(req, timeout=60) as resp:
-      return resp.status, json.loads(resp.read())
-  except urllib.error.HTTPError as e:
-    return e.code, json.loads(e.read())

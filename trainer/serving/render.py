@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from typing import Any, Optional, Sequence
 
 from trainer.serving import constrain
@@ -166,10 +167,10 @@ def _constraint(chat, request: ChatRequest, prefix: list[int],
         prompt_prefix=prefix, template_kwargs=template_kwargs)
   except ValueError as e:
     message = str(e)
-    head = message.split("=", 1)[0].split(":", 1)[0].split(".", 1)[0].split("[", 1)[0]
-    where = request.field(_CONSTRAIN_FIELDS.get(head, "response_format" if
-                                                request.mode not in ("required", "named")
-                                                else "tool_choice"))
-    if head == "response_format" and where != "response_format":
+    head = re.match(r"[a-z_]*", message).group()  # the field constrain names first
+    forced = request.mode in ("required", "named")
+    where = request.field(_CONSTRAIN_FIELDS.get(
+        head, "tool_choice" if forced else "response_format"))
+    if head == "response_format":  # as the request names it (Responses: text.format)
       message = where + message[len(head):]
     raise HTTPError(400, message, where) from None
