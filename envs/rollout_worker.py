@@ -21,6 +21,12 @@ nothing finished is released for immediate re-issue. Then exit 0.
 Tasks without an `environment` get one as the trainer gives them (`envs.task_environments`):
 `--env_from` for SWE rows, `--default_environment` for the others.
 
+Workers run Arbor's react scaffold. Black-box scaffolds (`envs.scaffolds`: mini-swe-agent,
+Claude Code, ...) run in the trainer's process for now, through its own gateway (`rl.scaffold`
+with `rl.rollout_workers="inprocess"`; a config combining a black-box `rl.scaffold` with
+"queue" is refused at start-up), and a task file whose rows name a black-box "scaffold" is
+refused here (exit status 2) rather than run with react.
+
 The in-process entry point (`RolloutWorker(...).run()`, e.g. from the trainer with an
 `InMemoryQueue` and an engine-backed `Policy`) is the same code as the command line.
 """
@@ -430,7 +436,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv: the arguments (default: sys.argv[1:]).
 
   Returns:
-    The exit status: 0, or 2 when the task file holds no valid task.
+    The exit status: 0, or 2 when the task file holds no valid task or a task names a
+    black-box scaffold.
   """
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   args = parse_args(argv)
@@ -451,6 +458,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     log.warning("%s: %d bad task line(s) skipped", args.tasks, bad)
   if not tasks:
     log.error("%s: no valid task", args.tasks)
+    return 2
+  boxed = [(t.instance_id, t.metadata.get("scaffold")) for t in tasks
+           if t.metadata.get("scaffold") not in (None, "", "react")]
+  if boxed:
+    log.error("%s: task %r has scaffold=%r: rollout workers run the react scaffold only; run "
+              "black-box scaffolds in the trainer (rl.scaffold, rl.rollout_workers="
+              "'inprocess')", args.tasks, *boxed[0])
     return 2
   tokenizer = load_tokenizer(args.tokenizer)
   if args.chat == "template":

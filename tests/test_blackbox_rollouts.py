@@ -309,3 +309,17 @@ def test_rl_step_trains_on_both_scaffolds(tmp_path, tasks, monkeypatch):
   assert len(line["trajectory_ids"]) == 4 and np.isfinite(line["loss"])
   # every sampled token of both scaffolds' episodes is in the loss (8 per episode at most)
   assert line["loss_tokens"] == line["episodes"] * line["response_tokens"] > 0
+
+
+def test_rollout_worker_refuses_tasks_naming_a_blackbox_scaffold(tmp_path, caplog):
+  from envs import rollout_worker
+
+  path = tmp_path / "tasks.jsonl"
+  rows = [{"id": "a", "kind": "exact", "prompt": "1 + 1?", "answer": "2"},
+          {"id": "b", "kind": "exact", "prompt": "2 + 2?", "answer": "4",
+           "scaffold": "mini-swe-agent"}]
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  assert rollout_worker.main(["--policy_url", "http://127.0.0.1:1", "--queue",
+                              "redis://127.0.0.1:1", "--tasks", str(path), "--tokenizer",
+                              "unused"]) == 2
+  assert "task 'b' has scaffold='mini-swe-agent'" in caplog.text
