@@ -2,7 +2,8 @@
 
 The engine's prefill and decode calls for the tiny MoE + MLA model compile in bf16 for a v5p
 slice with the real XLA TPU compiler, over the latent cache pool, with the engine's own
-graphdef and static arguments and the token-mask inputs it passes to every decode call; the
+graphdef and static arguments (recording experts, as the run's MoE policy replays its routing)
+and the token-mask inputs it passes to every decode call; the
 dense GQA model compiles with its key/value heads split over `tensor`. Nothing is allocated
 on the slice.
 """
@@ -40,7 +41,9 @@ def compile_engine(config, topology, mesh_cfg=None):
     mesh_cfg = sharding.MeshConfig(**{a: config.mesh[a] for a in sharding.MESH_AXES})
   mesh = sharding.make_mesh(mesh_cfg, devices)
   model_cfg = config_lib.model_config(config)
-  engine_cfg = dataclasses.replace(rollouts.engine_config(config), prefill_chunk=CHUNK)
+  # the run's own engine (an MoE policy records its experts: rl.routing_replay)
+  engine_cfg = dataclasses.replace(rollouts.engine_config(config, model_cfg),
+                                   prefill_chunk=CHUNK)
   # conftest sets "highest" for the CPU references; Mosaic takes no fp32 contraction of bf16
   with attention.compile_for("tpu"), jax.default_matmul_precision("default"):
     programs = aot_engine.engine_programs(config, model_cfg, mesh, engine_cfg)
@@ -81,16 +84,21 @@ def test_moe_mla_engine_compiles_for_v5p_and_fits(mla):
   # the pool is donated and comes back with the layout it came in (no resharding between calls)
   for name, (compiled, _, _) in programs.items():
     args, _ = compiled.input_shardings  # the non-static arguments: state, pool, ...
-    outs = compiled.output_shardings
-    outs = outs if name == "prefill" else outs[0]
+    outs = compiled.output_shardings[0]  # the pool (prefill: and the experts; decode: ...)
     for a, b in zip(jax.tree.leaves(args[1]), jax.tree.leaves(outs), strict=True):
       assert a.spec[0] == "fsdp" and a.is_equivalent_to(b, 3), name
     assert all(a.donated for a in jax.tree.leaves(compiled.args_info[0][1])), name
   # the engine's outputs for its static arguments: steps_per_call steps of the slots
   pool, steps, tokens, *_, out = decode.out_info
-  assert out["tokens"].shape == (engine_cfg.steps_per_call, SLOTS)
-  assert set(out) == {"tokens", "logprobs", "entropy"}  # top_logprobs 0, no expert ids
+  k, layers, per_token = engine_cfg.steps_per_call, model_cfg.num_moe_layers, \
+      model_cfg.experts_per_token
+  assert engine_cfg.return_expert_ids  # the run's MoE policy replays its routing
+  assert out["tokens"].shape == (k, SLOTS)
+  assert set(out) == {"tokens", "logprobs", "entropy", "expert_ids"}  # top_logprobs 0
+  assert out["expert_ids"].shape == (k, layers, SLOTS, per_token)
   assert tokens.shape == (SLOTS,) and steps.shape == ()
+  _, experts = programs["prefill"][0].out_info  # prefill records the prompt's experts too
+  assert experts.shape == (layers, SLOTS, CHUNK, per_token)
   # the masking inputs the engine passes to every decode call (models.constraint.Controls)
   real = constraint.controls([None] * SLOTS, model_cfg.vocab_size).kwargs()
   assert {k: (v.shape, v.dtype) for k, v in decode.args_info[1].items()} == {

@@ -11,7 +11,8 @@ The programs are the engine's own jitted calls, `models.sampler.prefill` and
 `models.sampler.decode`, with the static arguments the engine passes for the run's
 `EngineConfig` (`trainer.rollouts.engine_config`): the unstacked model's graphdef (the one the
 engine builds, so the compiled code is the code it would run), `steps_per_call`,
-`top_logprobs`, `return_expert_ids`. They are lowered on abstract inputs only
+`top_logprobs`, `return_expert_ids` (decode's, and prefill's `experts`: an MoE policy with
+`rl.routing_replay` records the experts of every position). They are lowered on abstract inputs only
 (`jax.ShapeDtypeStruct`s carrying `NamedSharding`s; nothing is allocated) and compiled under
 `jax.set_mesh(mesh)`, so the model's activation constraints apply.
 
@@ -272,7 +273,9 @@ def engine_programs(config, model_cfg: ModelConfig, mesh,
             "decode": weights + cache_bytes_per_chip(pool, e.max_seq_len, s, e.max_seq_len)}
   out = {}
   with jax.set_mesh(mesh):
-    for name, fn, args, kwargs in (("prefill", sampler.prefill, prefill_args, {}),
+    # prefill returns the prefilled positions' experts too when the engine records them
+    prefill_kwargs = {"experts": True} if e.return_expert_ids else {}
+    for name, fn, args, kwargs in (("prefill", sampler.prefill, prefill_args, prefill_kwargs),
                                    ("decode", sampler.decode, decode_args, decode_kwargs)):
       t0 = time.perf_counter()
       compiled = fn.lower(*args, **kwargs).compile()
