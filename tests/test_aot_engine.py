@@ -3,9 +3,8 @@
 The engine's prefill and decode calls for the tiny MoE + MLA model compile in bf16 for a v5p
 slice with the real XLA TPU compiler, over the latent cache pool, with the engine's own
 graphdef and static arguments (recording experts, as the run's MoE policy replays its routing)
-and the token-mask inputs it passes to every decode call; the
-dense GQA model compiles with its key/value heads split over `tensor`. Nothing is allocated
-on the slice.
+and the token-mask inputs it passes to every decode call; the dense GQA model compiles with
+its key/value heads split over `tensor`. Nothing is allocated on the slice.
 """
 
 import dataclasses
