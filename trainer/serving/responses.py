@@ -30,9 +30,9 @@ is a 400 naming text.format or tool_choice.
 
 Nothing is stored: `previous_response_id`, `conversation` and `background` are refused (send the
 whole conversation as input), `store` is accepted and answered with store false. Refused too,
-rather than ignored: non-function tools, `include` other than
-"reasoning.encrypted_content" (reasoning comes back as plain text content; there is no encrypted
-form), top_logprobs, max_tool_calls, and input items other than the four above. `reasoning`
+rather than ignored: non-function tools, `include` other than "reasoning.encrypted_content"
+(reasoning comes back as plain text content; there is no encrypted form), top_logprobs,
+max_tool_calls, and input items other than the four above. `reasoning`
 (effort, summary) is accepted and changes nothing: whether the model reasons is its chat
 template's business (`chat_template_kwargs`).
 """
