@@ -51,6 +51,8 @@ from envs.scaffolds.runner import run_blackbox_episode
 from envs.scaffolds.sessions import trajectory_from_session
 from envs.tasks import Task
 from envs.trajectory import Trajectory
+from trainer.serving.server import PolicyServer, ServerConfig
+from trainer.serving.validate import HTTPError
 
 DEFAULT = "react"
 BLACKBOX_BACKENDS = ("bwrap", "docker")  # sandboxes a black-box episode runs in
@@ -188,7 +190,6 @@ class Gateway:
     self._lock: Optional[asyncio.Lock] = None
 
   def _make_server(self):
-    from trainer.serve import PolicyServer, ServerConfig  # the HTTP stack, only when used
     cap, temperature = self.max_new_tokens, self.temperature
 
     class RunSampling(PolicyServer):
@@ -226,7 +227,6 @@ class Gateway:
 
   def take(self, session: str) -> list[dict]:
     """The session's call records, freed from the log ([] when it made no call)."""
-    from trainer.serving.validate import HTTPError
     try:
       records = self.server.sessions.get(session)
     except HTTPError:
