@@ -236,7 +236,7 @@ def test_eval_reports_pass_at_k_per_scaffold(chat, tasks):
   cfg = get_preset("tiny-moe-mla").replace(vocab_size=512)
   out = ev.evaluate(transformer.init(cfg, seed=0), cfg, chat, tasks,
                     engine_cfg=EngineConfig(slots=2, max_seq_len=CONTEXT, prefix_cache_rows=2,
-                                            prefill_chunk=512),
+                                            prefill_chunk=512, return_expert_ids=True),
                     scaffold=ScaffoldConfig(max_turns=1, max_new_tokens=8,
                                             max_context_tokens=CONTEXT),
                     concurrency=2, keep_trajectories=True, progress=False, scaffolds=MIX)
@@ -255,6 +255,9 @@ def test_eval_reports_pass_at_k_per_scaffold(chat, tasks):
   for c in mini.calls:  # the session's records: the gateway's protocol, the run's token cap
     assert c.meta["protocol"] == "chat_completions" and 1 <= len(c.output_ids) <= 8
     assert len(c.output_logprobs) == len(c.output_ids) and c.token_versions is not None
+    # routing replay: the gateway's encoded experts of every position the engine fed
+    assert c.expert_ids.shape == (len(c.input_ids) + len(c.output_ids) - 1,
+                                  cfg.num_layers - cfg.first_k_dense_replace, cfg.experts_per_token)
   assert "Create done.txt." in chat.tokenizer.decode(mini.calls[0].input_ids)
 
 
