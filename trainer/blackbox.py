@@ -25,7 +25,9 @@ the run's temperature; top_p, top_k and stops are the scaffold's. The CLI's turn
 run's `max_turns`, its wall clock the episode timeout (or the task's `agent_timeout`, when
 shorter). A black-box episode needs a task of kind "swe" or "shell" with an `environment`
 (e.g. `rl.default_environment`) and a bwrap or docker sandbox; the CLI's own sampling seed is
-not controlled, so black-box episodes are reproducible only at temperature 0.
+not controlled, so black-box episodes are reproducible only at temperature 0. A CLI without a
+turn limit of its own (Codex) can make more than `max_turns` calls: with
+`rl.fixed_batch_shape` such an episode fails its step with the batch shape's error.
 
 `mixed_episode` turns a mix into one `envs.episode.EpisodeFn`: per task, a registry lookup of
 the drawn scaffold's episode function (the react loop for the host-side entry, a black-box

@@ -5,6 +5,7 @@
     rollouts = Rollouts(engine, chat, scaffold, sandbox="bwrap", concurrency=8)
     groups = rollouts.groups([(task, draw), ...], group_size=8, seed=0).result()
     # tree rollouts: Rollouts(..., branch=BranchConfig()) samples each group as one tree
+    # scaffolds: Rollouts(..., scaffolds="react:0.5,mini-swe-agent:0.5", scaffold_seed=seed)
     trajectories = rollouts.episodes([(task, seed), ...]).result()      # one episode each
     rollouts.close()
 
