@@ -42,6 +42,7 @@ from envs.scaffolds.scripted import SUBMIT, BugFix, ScriptedPolicy
 from envs.scaffolds.sessions import trajectory_from_session
 from envs.tasks import Task
 from models import transformer
+from models.engine import Completion
 from models.logprobs import token_logprobs
 from rl import losses
 from rl.tree import from_trajectory
@@ -85,7 +86,7 @@ def gateway():
   """(server, url, policy): the policy server over the scripted policy, token auth."""
   tok = HFTokenizer(_tiny_bpe(), eos_token="<|im_end|>")
   chat = make_chat("qwen2.5", tok)
-  policy = ScriptedPolicy(chat, FIX)
+  policy = ScriptedPolicy(chat, FIX, completion=Completion)
   srv = PolicyServer(policy, ServerConfig(port=0, token=TOKEN, max_session_tokens=1 << 24),
                      tokenizer=tok, chat=chat)
   url = srv.start_in_thread()

@@ -1,8 +1,8 @@
 """A scripted policy for the real policy server: a bug fix played through whatever tools a
 scaffold's CLI offers.
 
-    policy = ScriptedPolicy(make_chat("qwen2.5", tokenizer), BugFix("calc.py", "a - b", "a + b",
-                                                                      "python3 -m unittest -v"))
+    fix = BugFix("calc.py", "a - b", "a + b", "python3 -m unittest -v")
+    policy = ScriptedPolicy(make_chat("qwen2.5", tokenizer), fix, completion=Completion)
     server = PolicyServer(policy, ServerConfig(port=0), tokenizer=tokenizer, chat=policy.chat)
 
 `ScriptedPolicy` has the generation engine's interface (`submit`, `pending`, `start`, `stop`,
@@ -22,6 +22,9 @@ tool calls (`ChatFormat.assistant_ids`), so the server's tool-call parsing reads
 A request without tools (a CLI's side call: a title, a summary) gets a short text reply.
 Log-probs are a fixed value; `max_tokens` cuts a reply (finish "length").
 
+The engine's result type (`models.engine.Completion`) is given by the caller: envs imports
+no model code.
+
 Every decision is kept in `calls` (the prompt's text, the tools seen, the step and the reply)
 for tests and for looking at what a CLI sends.
 """
@@ -34,7 +37,7 @@ import json
 import re
 import threading
 import types
-from typing import Any, Optional
+from typing import Any, Callable
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"  # mini-swe-agent's end of an episode
 _TOOLS = re.compile(r"\n<tools>\n(.*?)\n</tools>\n", re.S)
@@ -149,6 +152,9 @@ class ScriptedPolicy:
   Args:
     chat: the `envs.chat` format the server renders with (its tokenizer decodes prompts).
     fix: the bug fix to play.
+    completion: the engine's result type (`models.engine.Completion`), called with
+      (output_ids, logprobs, finish_reason, token_versions, policy_version, prompt_tokens,
+      cached_tokens).
     capacity: the longest sequence it accepts (the engine's max_seq_len).
     logprob: the log-prob reported for every sampled token.
     version: the policy version it reports.
@@ -157,9 +163,10 @@ class ScriptedPolicy:
     calls: per request, {"prompt", "tools", "step", "reply", "output_ids"}.
   """
 
-  def __init__(self, chat, fix: BugFix, capacity: int = 1 << 20, logprob: float = -0.25,
-               version: int = 0):
+  def __init__(self, chat, fix: BugFix, *, completion: Callable[..., Any],
+               capacity: int = 1 << 20, logprob: float = -0.25, version: int = 0):
     self.chat, self.fix, self.tokenizer = chat, fix, chat.tokenizer
+    self.completion = completion
     self.capacity, self.logprob, self.version = capacity, logprob, version
     self.cfg = types.SimpleNamespace(top_logprobs=0, max_seq_len=capacity)
     self.model_cfg = types.SimpleNamespace(vocab_size=self.tokenizer.vocab_size)
@@ -175,8 +182,7 @@ class ScriptedPolicy:
     return plan_step(self.fix, tools, step, prompt), tools, step
 
   def submit(self, input_ids, params, on_tokens=None) -> concurrent.futures.Future:
-    """Answers one request: a finished future of a `models.engine.Completion`."""
-    from models.engine import Completion  # the engine's result type
+    """Answers one request: a finished future of a `completion`."""
     prompt = self.tokenizer.decode(list(input_ids))
     message, tools, step = self.reply(prompt)
     ids = self.chat.assistant_ids(message)
@@ -192,7 +198,7 @@ class ScriptedPolicy:
     if on_tokens is not None:
       on_tokens(list(ids), list(lps), None)
     f = concurrent.futures.Future()
-    f.set_result(Completion(list(ids), lps, finish, [self.version] * len(ids), self.version,
+    f.set_result(self.completion(list(ids), lps, finish, [self.version] * len(ids), self.version,
                             len(input_ids), 0))
     return f
 
