@@ -172,7 +172,8 @@ def _claude_code(r: LaunchRequest) -> Launch:
   env = {"ANTHROPIC_BASE_URL": r.base_url, "ANTHROPIC_API_KEY": r.api_key,
          "ANTHROPIC_MODEL": r.model, "ANTHROPIC_SMALL_FAST_MODEL": r.model,
          "ANTHROPIC_DEFAULT_HAIKU_MODEL": r.model,
-         "CLAUDE_CODE_MODEL_CAPABILITIES": "-mid_conv_system,-mid_conv_tool_change,-per_turn_effort",
+         "CLAUDE_CODE_MODEL_CAPABILITIES":
+             "-mid_conv_system,-mid_conv_tool_change,-per_turn_effort",
          "CLAUDE_CODE_DISABLE_THINKING": "1",
          "CLAUDE_CONFIG_DIR": "/tmp/.claude",
          "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1",
