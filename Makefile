@@ -31,6 +31,10 @@ test: $(VENV)/.stamp
 	$(PY) -m envs.environments base --packages python3-pytest --backend $$docker && \
 	$(PY) -m envs.environments base --packages python3-pip,python-is-python3 --backend $$docker && \
 	$(PY) -m envs.environments base --backend bwrap
+	@# The agent CLIs the scaffold tests run, installed into the environments they use (npm and
+	@# PyPI downloads; cached by content: ~4 min on a fresh machine, then found at once).
+	$(PY) -m envs.scaffolds build mini-swe-agent && \
+	$(PY) -m envs.scaffolds build claude-code codex mini-swe-agent
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 $(TESTS) $(PYTEST_ARGS)
 
 venv: $(VENV)/.stamp
