@@ -74,7 +74,9 @@ def moe_mla_model():
 # file is unchanged). Longest first, from `--durations`.
 LONGEST_FIRST = ("test_rl.py", "test_sft.py", "test_notebook.py", "test_aot.py",
                  "test_vmap_grad.py", "test_expert_parallel.py", "test_cluster.py",
-                 "test_context_parallel.py", "test_tree_training.py", "test_sandbox_isolation.py",
+                 "test_context_parallel.py", "test_blackbox_rollouts.py",
+                 "test_constrained_decoding.py", "test_tree_training.py",
+                 "test_sandbox_isolation.py",
                  "test_aot_lora.py", "test_lora.py", "test_step.py", "test_environments.py",
                  "test_swe_history.py", "test_models.py", "test_hf_sharded.py",
                  "test_optimizers.py", "test_multihost.py", "test_routing_replay.py",
