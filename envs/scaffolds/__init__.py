@@ -15,6 +15,12 @@ This package owns
 - `sessions`: a gateway session's records as a `Trajectory` (`trajectory_from_session`: exact
   ids, the sampler's log-probs, versions, expert ids; the CLI's ending mapped onto
   `envs.trajectory.TERMINATIONS`) and the token trie its calls form (`session_tree`);
+- `scripted`: a scripted policy with the engine's interface (`ScriptedPolicy`): put behind the
+  policy server, it reads each rendered prompt (the tools a CLI offered, the tool results so
+  far) and answers a bug fix (read, edit, test, finish) as the chat format's exact tool-call
+  ids, so a real CLI's episode can be checked end to end without a trained model;
+- `stub`: a scripted stand-in for the gateway itself (one final reply per call, in each
+  protocol), for `probe`;
 - `__main__`: `python -m envs.scaffolds list | check | probe | build [NAME ...] | show
   SESSION`: installs each recipe into an environment and runs its version command in a
   sandbox, runs each scaffold against a scripted gateway, builds one environment with several
