@@ -326,3 +326,61 @@ def test_rollout_worker_refuses_tasks_naming_a_blackbox_scaffold(tmp_path, caplo
                               "redis://127.0.0.1:1", "--tasks", str(path), "--tokenizer",
                               "unused"]) == 2
   assert "task 'b' has scaffold='mini-swe-agent'" in caplog.text
+
+
+@needs_bwrap
+def test_teacher_rollouts_sample_a_scaffold_mix(chat, tasks, tmp_path, capsys):
+  from envs import aio
+  from envs.policy import CompletionsPolicy, SamplingParams
+  from envs.scaffold import ScaffoldConfig
+  from models import transformer
+  from models.engine import Engine, EngineConfig
+  from models.presets import get_preset
+  from trainer import rejection
+  from trainer.serve import EnginePolicy
+
+  scaffold = ScaffoldConfig(max_turns=1, max_new_tokens=8, max_context_tokens=CONTEXT)
+  with pytest.raises(ValueError, match="black-box scaffolds \\(mini-swe-agent\\).*no in-process"):
+    rejection.sample(CompletionsPolicy("http://127.0.0.1:1/v1", "m"), chat, tasks,
+                     scaffold=scaffold, scaffolds=MIX)
+  cfg = get_preset("tiny-moe-mla").replace(vocab_size=512)  # the eval test's model and engine
+  engine = Engine(transformer.init(cfg, seed=0),
+                  EngineConfig(slots=2, max_seq_len=CONTEXT, prefix_cache_rows=2,
+                               prefill_chunk=512, return_expert_ids=True),
+                  detokenize=chat.tokenizer.decode)
+  policy = EnginePolicy(engine)
+  try:
+    attempts = rejection.sample(policy, chat, tasks, scaffold=scaffold, attempts=1, seed=0,
+                                concurrency=2, progress=False, scaffolds=MIX)
+    # the gateway is closed, the teacher's engine still serves (e.g. a judge after sampling)
+    assert aio.run(policy.generate([1, 2, 3], SamplingParams(max_tokens=1))).output_ids
+  finally:
+    engine.stop()
+  assert [len(row) for row in attempts] == [1, 1, 1]
+  for task, (t,), want in zip(tasks, attempts, ["react", "mini-swe-agent", "react"]):
+    assert isinstance(t, Trajectory) and t.task_id == t.group_id == task.instance_id and t.calls
+    assert t.metadata["scaffold"] == want and t.metadata["attempt"] == 0
+    assert t.metadata["seed"] == rejection.attempt_seed(0, task.instance_id, 0)
+  (mini,) = attempts[1]
+  assert mini.metadata["session_id"] and mini.termination in ("exited", "scaffold_error")
+  assert all(c.meta["protocol"] == "chat_completions" and 1 <= len(c.output_ids) <= 8
+             for c in mini.calls)
+  kept, stats = rejection.select(tasks, attempts, rejection.FilterConfig(threshold=0.0))
+  assert stats["errors"] == 0 and stats["kept"] == 3 and stats["scaffolds"] == {
+      "react": {"attempts": 2, "verified": 2, "kept": 2},
+      "mini-swe-agent": {"attempts": 1, "verified": 1, "kept": 1}}
+  path = str(tmp_path / "teacher.jsonl")
+  assert rejection.write_sft(path, kept) == 3
+  records = {r["task_id"]: r for r in map(json.loads, open(path))}
+  assert [(c["input_ids"], c["output_ids"]) for c in records["bb-1"]["calls"]] == [
+      (list(c.input_ids), list(c.output_ids)) for c in mini.calls]  # the session's exact ids
+  assert rejection.sft_record(attempts[0][0], "chat")["group"] == "bb-0"
+  with pytest.raises(ValueError, match="black-box scaffold 'mini-swe-agent'.*trajectory"):
+    rejection.sft_record(mini, "chat")
+  common = ["--tasks", "unused.jsonl", "--out", str(tmp_path / "x.jsonl"), "--scaffold", MIX]
+  assert rejection.main(["--ckpt", "unused", "--format", "chat", *common]) == 2
+  assert "--format chat" in capsys.readouterr().err
+  assert rejection.main(["--url", "http://127.0.0.1:1/v1", "--model", "m", "--tokenizer", "t",
+                         *common]) == 2
+  err = capsys.readouterr().err
+  assert "--scaffold=" in err and "--url=" in err and "mini-swe-agent" in err

@@ -8,8 +8,11 @@ rejection-sampling fine-tuning (RFT) rounds.
     python -m trainer.rejection --url http://127.0.0.1:8000/v1 --model qwen \\
         --tokenizer /ckpt/Qwen2.5-Coder-7B-Instruct/hf_extra --chat_format qwen2.5 \\
         --tasks tasks.jsonl --attempts 8 --out /data/teacher.jsonl --format chat
+    python -m trainer.rejection --ckpt /runs/sft --generated 150 --attempts 4 \\
+        --scaffold react:0.5,mini-swe-agent:0.5 --sandbox bwrap --out /data/teacher.jsonl
 
-    attempts = sample(policy, chat, tasks, scaffold=ScaffoldConfig(...), attempts=4, seed=0)
+    attempts = sample(policy, chat, tasks, scaffold=ScaffoldConfig(...), attempts=4, seed=0,
+                      scaffolds="react:0.5,mini-swe-agent:0.5")   # an engine teacher's policy
     kept, stats = select(tasks, attempts, FilterConfig(threshold=1.0, max_per_task=2))
     write_sft("teacher.jsonl", kept)          # configs/sft.py: data.sources=("teacher.jsonl",)
 
@@ -20,6 +23,20 @@ task's verifier in another fresh sandbox gives the reward). Attempt j of a task 
 engine teacher then reproduces its episodes; a remote server does when it honours `seed`).
 The teacher is any `envs.policy.Policy`: an Arbor checkpoint through the in-process engine
 (`engine_teacher`), or an OpenAI-compatible server through `envs.policy.CompletionsPolicy`.
+
+Scaffolds (`scaffolds`, command line --scaffold MIX: "react", a black-box CLI of
+`envs.scaffolds`, or a weighted mix "react:0.5,mini-swe-agent:0.5"): each task's attempts run
+the scaffold drawn for it exactly as `trainer.rollouts.Rollouts` draws it
+(`trainer.blackbox.draw_scaffold` with the run's seed; a task row's own "scaffold" wins).
+React attempts are the episodes above; black-box attempts are
+`trainer.blackbox.blackbox_episode`s whose CLI calls the teacher through a loopback
+`trainer.blackbox.Gateway` over the teacher's engine (started on the first such attempt; the
+session's exact ids are the trajectory). Every attempt records metadata["scaffold"]. Black-box
+scaffolds need an engine teacher (--ckpt, or --rounds RFT): an external --url server is refused
+(its ids do not come back through our gateway); they need a bwrap or docker sandbox; and they
+write "trajectory" records only: a CLI's session is several calls that need not extend one
+another, not one renderable transcript, so --format chat is refused. Black-box attempts are
+reproducible only at temperature 0 (the CLI's own sampling seed is not controlled).
 
 Filtering (`select`, `FilterConfig`). An attempt is verified when its reward >= `threshold`
 (and, with an LLM judge, when the judge's rubric score >= `judge_threshold`, `judge`).
@@ -39,7 +56,7 @@ max_new_tokens) comes back as other tokens: on the demo teacher at temperature 1
 episodes rendered back to exactly their sampled ids. Files: .jsonl, or .parquet (calls /
 messages as JSON-string columns); `configs/sft.py`'s `data.sources` reads both. Stats
 (`select`): tasks, attempts, errors, verified share, per-task pass rate, kept before and after
-deduplication, kept tokens.
+deduplication, kept tokens, and per scaffold ("scaffolds") its attempts, verified and kept.
 
 RFT (`rft`): rounds of sample (the current checkpoint as teacher, fresh tasks each round) ->
 select -> SFT (`trainer.sft.run` on the round's kept data, data.num_epochs passes: one by
@@ -73,11 +90,13 @@ from envs.episode import (episode_metadata, load_task_file, make_sandbox_factory
                           start_sandbox)
 from envs.policy import CompletionsPolicy, Policy
 from envs.scaffold import ScaffoldConfig, run_episode
+from envs.scaffolds import registry as scaffold_registry
 from envs.tasks import Task
 from envs.tools import default_tools
 from envs.trajectory import Trajectory
 from envs.verifiers.judge import verify_judge
 from models.engine import Engine, EngineConfig
+from trainer import blackbox
 from trainer import config as config_lib
 from trainer import harness, metrics, sft
 from trainer.data import make_sft_dataset
@@ -148,9 +167,33 @@ def teacher_episode(policy: Policy, chat: ChatFormat, make_sandbox, scaffold: Sc
   return episode
 
 
+def blackbox_scaffolds(scaffolds: str, tasks: Sequence[Task] = (), seed: int = 0,
+                       field: str = "scaffolds") -> list[str]:
+  """The black-box scaffolds a run's tasks draw (the mix's, or only the drawn ones with tasks).
+
+  Args:
+    scaffolds: the mix (`trainer.blackbox.parse_scaffold_mix`).
+    tasks: the tasks (empty: every black-box scaffold the mix names).
+    seed: the run's seed (the draw's).
+    field: the option, for error messages.
+
+  Returns:
+    The black-box registry names, in order, each once.
+
+  Raises:
+    ValueError: a bad mix, or a task row naming an unknown scaffold.
+  """
+  mix = blackbox.parse_scaffold_mix(scaffolds, field)
+  names = ([blackbox.draw_scaffold(mix, t, seed) for t in tasks] if tasks else
+           [n for n, _ in mix])
+  return list(dict.fromkeys(scaffold_registry.get(n).name for n in names
+                            if not scaffold_registry.get(n).host_side))
+
+
 def sample(policy: Policy, chat: ChatFormat, tasks: Sequence[Task], *,
            scaffold: ScaffoldConfig, attempts: int = 4, seed: int = 0, sandbox: str = "bwrap",
-           concurrency: int = 8, limits=None, progress: bool = True) -> list[list[Any]]:
+           concurrency: int = 8, limits=None, progress: bool = True, scaffolds: str = "react",
+           engine=None, served_name: str = "arbor") -> list[list[Any]]:
   """Runs `attempts` verified episodes of the teacher on each task (see the module docstring).
 
   Args:
@@ -164,12 +207,18 @@ def sample(policy: Policy, chat: ChatFormat, tasks: Sequence[Task], *,
     concurrency: episodes at once (>= 1).
     limits: the sandboxes' resource limits (None: the backend's defaults).
     progress: a log line per tenth of the episodes.
+    scaffolds: the scaffold mix, drawn per task with `seed` (see the module docstring).
+    engine: the teacher's generation engine, behind the black-box scaffolds' gateway (None:
+      `policy.engine` when the policy has one, e.g. `engine_teacher`'s); left running.
+    served_name: the model name black-box scaffolds are told.
 
   Returns:
-    [T][attempts]: each attempt's Trajectory, or the exception its episode raised.
+    [T][attempts]: each attempt's Trajectory (metadata["scaffold"] set), or the exception its
+    episode raised.
 
   Raises:
-    ValueError: attempts or concurrency < 1, or no tasks.
+    ValueError: attempts or concurrency < 1, no tasks, a bad mix, or a task drawing a black-box
+      scaffold without an engine or with a sandbox other than bwrap / docker.
   """
   if attempts < 1:
     raise ValueError(f"attempts={attempts!r}: expected an integer >= 1")
@@ -177,8 +226,34 @@ def sample(policy: Policy, chat: ChatFormat, tasks: Sequence[Task], *,
     raise ValueError(f"concurrency={concurrency!r}: expected an integer >= 1")
   if not tasks:
     raise ValueError("tasks: no task to sample")
+  boxed = blackbox_scaffolds(scaffolds, tasks, seed)
+  engine = engine if engine is not None else getattr(policy, "engine", None)
+  if boxed and engine is None:
+    raise ValueError(f"scaffolds={scaffolds!r}: tasks draw black-box scaffolds "
+                     f"({', '.join(boxed)}) but the teacher has no in-process engine: their "
+                     "calls go through Arbor's gateway over it (an external server, --url, "
+                     "runs react only)")
+  if boxed and sandbox not in blackbox.BLACKBOX_BACKENDS:
+    raise ValueError(f"scaffolds={scaffolds!r}: tasks draw black-box scaffolds "
+                     f"({', '.join(boxed)}) but sandbox={sandbox!r}: they run in one of "
+                     f"{blackbox.BLACKBOX_BACKENDS}")
   make_sandbox = make_sandbox_factory(sandbox, limits=limits, allow_unsafe=sandbox == "local")
-  episode = teacher_episode(policy, chat, make_sandbox, scaffold)
+  teacher = teacher_episode(policy, chat, make_sandbox, scaffold)
+  gateway = (blackbox.Gateway(engine, chat, served_name=served_name,
+                              max_new_tokens=scaffold.max_new_tokens,
+                              temperature=scaffold.temperature) if boxed else None)
+
+  async def react(task: Task, index: int, seed_: int, *, group_id: str = "",
+                  metadata=None) -> Trajectory:
+    del group_id, metadata  # the teacher's episode: group_id = task id, its own metadata
+    return await teacher(task, seed_, index)
+
+  def episode_of(name: str):  # per registry entry, as trainer.rollouts.Rollouts
+    if scaffold_registry.get(name).host_side:
+      return react
+    return blackbox.blackbox_episode(gateway, name, scaffold, backend=sandbox)
+  episode = blackbox.mixed_episode(blackbox.parse_scaffold_mix(scaffolds, "scaffolds"), seed,
+                                   episode_of)
   total, start = len(tasks) * attempts, time.monotonic()
 
   async def run_all():
@@ -188,7 +263,9 @@ def sample(policy: Policy, chat: ChatFormat, tasks: Sequence[Task], *,
     async def one(task: Task, j: int):
       async with limiter:
         try:
-          return await episode(task, attempt_seed(seed, task.instance_id, j), j)
+          s = attempt_seed(seed, task.instance_id, j)
+          return await episode(task, j, s, group_id=task.instance_id,
+                               metadata={"attempt": j, "seed": s})
         except Exception as e:  # a failed episode is counted, not fatal
           log.warning("attempt %d of %s failed: %r", j, task.instance_id, e)
           return e
@@ -198,7 +275,12 @@ def sample(policy: Policy, chat: ChatFormat, tasks: Sequence[Task], *,
             log.info("sampled %d/%d episodes (%.0fs)", done[0], total, time.monotonic() - start)
     flat = await asyncio.gather(*(one(t, j) for t in tasks for j in range(attempts)))
     return [list(flat[i * attempts:(i + 1) * attempts]) for i in range(len(tasks))]
-  return aio.run(run_all())
+  try:
+    return aio.run(run_all())
+  finally:
+    if gateway is not None and gateway.server is not None:
+      gateway.close()  # stops the server and the engine: the caller's engine runs on
+      engine.start()
 
 
 def engine_teacher(model, chat: ChatFormat, *, concurrency: int = 8, max_context_tokens: int = 4096,
@@ -350,7 +432,8 @@ def select(tasks: Sequence[Task], attempts: Sequence[Sequence[Any]], cfg: Filter
     "attempts", "errors", "verified", "verified_share", "tasks_with_verified",
     "pass_rate_per_task" {task_id: share}, "kept_before_dedup", "kept_after_dedup", "kept",
     "kept_tokens" (sampled), "kept_context_tokens" (each kept episode's final context),
-    "mean_reward"}).
+    "mean_reward", "scaffolds" {scaffold: {"attempts", "verified", "kept"}} over the
+    trajectories recording metadata["scaffold"]}).
 
   Raises:
     ValueError: tasks and attempts differ in length.
@@ -379,6 +462,18 @@ def select(tasks: Sequence[Task], attempts: Sequence[Sequence[Any]], cfg: Filter
         distinct.append(t)
     unique += len(distinct)
     kept += distinct[:cfg.max_per_task]
+  by_scaffold: dict[str, dict[str, int]] = {}
+  for row in attempts:
+    for t in row:
+      name = blackbox.scaffold_of(t)
+      if name is not None:
+        counts = by_scaffold.setdefault(name, {"attempts": 0, "verified": 0, "kept": 0})
+        counts["attempts"] += 1
+        counts["verified"] += int(t.reward >= cfg.threshold)
+  for t in kept:
+    name = blackbox.scaffold_of(t)
+    if name is not None:
+      by_scaffold[name]["kept"] += 1
   stats = {"tasks": len(tasks), "attempts": n, "errors": errors, "verified": passed,
            "verified_share": passed / max(n, 1),
            "tasks_with_verified": sum(v > 0 for v in per_task.values()),
@@ -387,7 +482,8 @@ def select(tasks: Sequence[Task], attempts: Sequence[Sequence[Any]], cfg: Filter
            "kept_tokens": sum(sampled_tokens(t) for t in kept),
            "kept_context_tokens": sum(len(t.calls[-1].input_ids) + len(t.calls[-1].output_ids)
                                       for t in kept),
-           "mean_reward": float(np.mean(rewards)) if rewards else 0.0}
+           "mean_reward": float(np.mean(rewards)) if rewards else 0.0,
+           "scaffolds": by_scaffold}
   return kept, stats
 
 
@@ -403,18 +499,25 @@ def sft_record(t: Trajectory, fmt: str = "trajectory") -> dict:
 
   Returns:
     The record; a trajectory record drops the transcript from its metadata (the ids are the
-    record) and keeps task_id as group_id; a chat record has "group" = the task id.
+    record) and the calls' expert ids (routing replay is RL's; SFT routes afresh), and keeps
+    task_id as group_id; a chat record has "group" = the task id.
 
   Raises:
-    ValueError: an unknown format, or a chat record of an attempt without a transcript or
-      with context-management calls (their turns do not map one to one onto messages).
+    ValueError: an unknown format, or a chat record of an attempt without a transcript, with
+      context-management calls (their turns do not map one to one onto messages) or of a
+      black-box scaffold (its session is not one transcript).
   """
   if fmt == "trajectory":
     d = as_dict(t)
     d["metadata"] = {k: v for k, v in d["metadata"].items() if k not in ("messages", "tools")}
+    d["calls"] = [{**c, "expert_ids": None} for c in d["calls"]]
     return d
   if fmt != "chat":
     raise ValueError(f"format={fmt!r}: expected one of {FORMATS}")
+  name = blackbox.scaffold_of(t)
+  if name is not None and not scaffold_registry.get(name).host_side:
+    raise ValueError(f"attempt of {t.task_id} ran the black-box scaffold {name!r}: its session "
+                     "is not one renderable transcript; write format='trajectory' records")
   if "messages" not in t.metadata or any(c.meta.get("summary") for c in t.calls):
     raise ValueError(f"attempt of {t.task_id}: a chat record needs the episode's transcript "
                      "and no summary calls")
@@ -497,7 +600,8 @@ def load_checkpoint(ckpt_dir: str):
 def run_checkpoint(ckpt_dir: str, tasks: Sequence[Task], *, scaffold: ScaffoldConfig,
                    attempts: int, seed: int, filter_cfg: FilterConfig, out: str,
                    fmt: str = "trajectory", sandbox: str = "bwrap", concurrency: int = 8,
-                   judge_rubric: Optional[Sequence[dict]] = None) -> dict:
+                   judge_rubric: Optional[Sequence[dict]] = None, scaffolds: str = "react"
+                   ) -> dict:
   """Rejection sampling with an Arbor checkpoint as the teacher, written to `out`.
 
   Args:
@@ -512,10 +616,13 @@ def run_checkpoint(ckpt_dir: str, tasks: Sequence[Task], *, scaffold: ScaffoldCo
     sandbox: the sandbox backend.
     concurrency: episodes at once.
     judge_rubric: with filter_cfg.judge_threshold, the judge's rubric (the teacher judges).
+    scaffolds: the scaffold mix (black-box scaffolds through a gateway over the teacher's
+      engine; format "trajectory" only).
 
   Returns:
-    The stats (`select`) with "time_s", "teacher" and "out".
+    The stats (`select`) with "time_s", "teacher", "out" and "scaffold_mix".
   """
+  _check_format(scaffolds, tasks, seed, fmt)
   model, _, chat, _ = load_checkpoint(ckpt_dir)
   policy = engine_teacher(model, chat, concurrency=concurrency,
                           max_context_tokens=scaffold.max_context_tokens, seed=seed)
@@ -523,16 +630,27 @@ def run_checkpoint(ckpt_dir: str, tasks: Sequence[Task], *, scaffold: ScaffoldCo
     return _sample_select_write(policy, chat, tasks, scaffold=scaffold, attempts=attempts,
                                 seed=seed, filter_cfg=filter_cfg, out=out, fmt=fmt,
                                 sandbox=sandbox, concurrency=concurrency,
-                                judge_rubric=judge_rubric, teacher=f"ckpt:{ckpt_dir}")
+                                judge_rubric=judge_rubric, teacher=f"ckpt:{ckpt_dir}",
+                                scaffolds=scaffolds)
   finally:
     policy.engine.stop()
 
 
+def _check_format(scaffolds: str, tasks: Sequence[Task], seed: int, fmt: str) -> None:
+  """ValueError when chat records are asked of tasks that draw black-box scaffolds."""
+  boxed = blackbox_scaffolds(scaffolds, tasks, seed)
+  if fmt == "chat" and boxed:
+    raise ValueError(f"format='chat' (--format chat) with scaffolds={scaffolds!r}: tasks draw "
+                     f"black-box scaffolds ({', '.join(boxed)}), whose sessions are not one "
+                     "renderable transcript; use --format trajectory")
+
+
 def _sample_select_write(policy, chat, tasks, *, scaffold, attempts, seed, filter_cfg, out, fmt,
-                         sandbox, concurrency, judge_rubric, teacher) -> dict:
+                         sandbox, concurrency, judge_rubric, teacher, scaffolds="react") -> dict:
+  _check_format(scaffolds, tasks, seed, fmt)
   t0 = time.monotonic()
   results = sample(policy, chat, tasks, scaffold=scaffold, attempts=attempts, seed=seed,
-                   sandbox=sandbox, concurrency=concurrency)
+                   sandbox=sandbox, concurrency=concurrency, scaffolds=scaffolds)
   if filter_cfg.judge_threshold is not None:
     judge(tasks, results, policy, chat, judge_rubric or DEFAULT_RUBRIC,
           min_reward=filter_cfg.threshold)
@@ -540,7 +658,7 @@ def _sample_select_write(policy, chat, tasks, *, scaffold, attempts, seed, filte
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   write_sft(out, kept, fmt)
   stats.update(time_s=time.monotonic() - t0, teacher=teacher, out=out, format=fmt,
-               temperature=scaffold.temperature, seed=seed)
+               temperature=scaffold.temperature, seed=seed, scaffold_mix=scaffolds)
   with open(out + ".stats.json", "w") as f:
     json.dump(stats, f, indent=1)
   return stats
@@ -606,8 +724,8 @@ def round_sft_config(config: ml_collections.ConfigDict, init_dir: str, source: s
 def rft(config: ml_collections.ConfigDict, workdir: str, *, init_dir: str, rounds: int,
         tasks_per_round: int, attempts: int = 4, scaffold: ScaffoldConfig,
         filter_cfg: FilterConfig = FilterConfig(), task_level: int = 0, task_seed: int = 1,
-        task_start: int = 0, seed: int = 0, sandbox: str = "bwrap", concurrency: int = 8
-        ) -> list[dict]:
+        task_start: int = 0, seed: int = 0, sandbox: str = "bwrap", concurrency: int = 8,
+        scaffolds: str = "react") -> list[dict]:
   """Rejection-sampling fine-tuning: `rounds` rounds of sample -> select -> SFT.
 
   Round r (1-based) samples `attempts` episodes on each of `tasks_per_round` fresh generated
@@ -634,6 +752,8 @@ def rft(config: ml_collections.ConfigDict, workdir: str, *, init_dir: str, round
     seed: the run's seed (each round samples with seed + r).
     sandbox: the sandbox backend.
     concurrency: episodes at once.
+    scaffolds: the scaffold mix of every round's sampling (drawn per task with the round's
+      seed; see the module docstring).
 
   Returns:
     One dict per round: the stats, "teacher" (the sampled run dir), "teacher_step" (its
@@ -660,7 +780,7 @@ def rft(config: ml_collections.ConfigDict, workdir: str, *, init_dir: str, round
       data = os.path.join(rdir, "data.jsonl")
       info = run_checkpoint(teacher, tasks, scaffold=scaffold, attempts=attempts, seed=seed + r,
                             filter_cfg=filter_cfg, out=data, sandbox=sandbox,
-                            concurrency=concurrency)
+                            concurrency=concurrency, scaffolds=scaffolds)
       info.update(round=r, teacher=teacher, teacher_step=latest_step(teacher),
                   sft_dir=None, steps=0, trajectory_ids=[])
       metrics.say("rft", f"round {r}: teacher {teacher} (step {info['teacher_step']}): "
@@ -721,6 +841,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   p.add_argument("--format", default="trajectory", choices=FORMATS,
                  help="trajectory (same tokenizer as the student) or chat records")
   p.add_argument("--sandbox", default="bwrap", help="sandbox backend")
+  p.add_argument("--scaffold", default=blackbox.DEFAULT,
+                 help="the scaffold mix drawn per task: react, a black-box CLI (e.g. "
+                 "mini-swe-agent) or react:0.5,mini-swe-agent:0.5 (black-box: --ckpt only, "
+                 "bwrap / docker, --format trajectory)")
   p.add_argument("--concurrency", type=int, default=8, help="episodes at once")
   p.add_argument("--out", required=True, help="the SFT file (.jsonl or .parquet); with "
                  "--rounds: the RFT run's directory")
@@ -742,6 +866,32 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
   return module.get_config(arg) if sep else module.get_config()
 
 
+def check_scaffold_args(args: argparse.Namespace) -> None:
+  """ValueError naming --scaffold when its mix conflicts with the other options.
+
+  Black-box scaffolds need the in-process engine of a --ckpt teacher (an external --url server's
+  exact ids do not come back through Arbor's gateway), a bwrap or docker --sandbox, and
+  --format trajectory (a session is not one renderable transcript).
+  """
+  try:
+    boxed = blackbox_scaffolds(args.scaffold, field="scaffold")
+  except ValueError as e:
+    raise ValueError(f"--scaffold={args.scaffold!r}: {str(e).partition(': ')[2]}") from None
+  if not boxed:
+    return
+  head = f"--scaffold={args.scaffold!r} runs black-box scaffolds ({', '.join(boxed)})"
+  if args.url:
+    raise ValueError(f"{head} but the teacher is --url={args.url!r}: black-box CLIs call the "
+                     "teacher through Arbor's gateway over the in-process engine (exact token "
+                     "ids); an external server runs --scaffold react only; use --ckpt")
+  if args.format == "chat":
+    raise ValueError(f"{head} with --format chat: a session is not one renderable transcript; "
+                     "use --format trajectory")
+  if args.sandbox not in blackbox.BLACKBOX_BACKENDS:
+    raise ValueError(f"{head} with --sandbox={args.sandbox!r}: they run in one of "
+                     f"{blackbox.BLACKBOX_BACKENDS}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """Runs rejection sampling from the command line; prints the stats as JSON."""
   logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -756,6 +906,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        "teacher) and --generated (fresh tasks per round)")
     if not args.rounds and not (args.out.endswith(".jsonl") or args.out.endswith(".parquet")):
       raise ValueError(f"--out={args.out!r}: expected a .jsonl or .parquet file")
+    check_scaffold_args(args)
     sft_config = load_config_file(args.sft_config) if args.rounds else None
   except ValueError as e:
     print(f"trainer.rejection: {e}", file=sys.stderr)
@@ -768,7 +919,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                tasks_per_round=args.generated, attempts=args.attempts, scaffold=scaffold,
                filter_cfg=filter_cfg, task_level=args.task_level, task_seed=args.task_seed,
                task_start=args.task_start, seed=args.seed, sandbox=args.sandbox,
-               concurrency=args.concurrency)
+               concurrency=args.concurrency, scaffolds=args.scaffold)
     print(json.dumps([{k: v for k, v in i.items() if k not in ("pass_rate_per_task",
                                                                 "trajectory_ids")}
                       for i in info], indent=1))
@@ -778,9 +929,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   else:
       tasks = taskgen.write_tasks(args.out + ".tasks", args.generated, args.task_level,
                                 args.task_seed, args.task_start, split="train")
+  try:  # tasks whose rows name a black-box scaffold of their own
+    boxed = blackbox_scaffolds(args.scaffold, tasks, args.seed)
+    if boxed and args.url:
+      raise ValueError(f"tasks name black-box scaffolds ({', '.join(boxed)}) but the teacher is "
+                       f"--url={args.url!r}: only --scaffold react runs with an external server")
+    _check_format(args.scaffold, tasks, args.seed, args.format)
+  except ValueError as e:
+    print(f"trainer.rejection: {e}", file=sys.stderr)
+    return 2
   common = dict(scaffold=scaffold, attempts=args.attempts, seed=args.seed,
                 filter_cfg=filter_cfg, out=args.out, fmt=args.format, sandbox=args.sandbox,
-                concurrency=args.concurrency)
+                concurrency=args.concurrency, scaffolds=args.scaffold)
   if args.ckpt:
     stats = run_checkpoint(args.ckpt, tasks, **common)
   else:
