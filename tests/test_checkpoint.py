@@ -162,7 +162,8 @@ class Worker:
           cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
 
   def lines(self):
-    return self.out.read_text().splitlines()
+    """The complete lines so far (the worker may be half-way through writing the last one)."""
+    return self.out.read_text().split("\n")[:-1]
 
   def steps(self, word):
     return [int(line.split()[1]) for line in self.lines() if line.startswith(word + " ")]

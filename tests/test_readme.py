@@ -56,6 +56,8 @@ COMMANDS = {
                                  "test_pypi_tasks.py synthesizes from a bundled package",
     "python -m trainer.rejection": "tests/test_rejection.py: the command line with a completions "
                                    "teacher; RFT rounds",
+    "python -m envs.scaffolds": "tests/test_scaffolds.py runs list and check; tests/"
+                                "test_blackbox_rollouts.py::test_show_prints_a_session_file",
     "python -m envs.decontam": "tests/test_decontam.py::test_command_line_writes_the_clean_records",
     "python -m benchmarks.sizing": "run (below)",
     "python -m benchmarks.": "minutes each: docs/benchmarks.md records their runs",

@@ -403,3 +403,23 @@ def test_scripted_policy_plays_the_fix_with_each_clis_tools():
     assert names == want[cli], (cli, names)
   # a side call without tools gets a text reply
   assert plan_step(fix, {}, 0) == {"role": "assistant", "content": fix.final}
+
+
+def test_command_line_lists_and_checks_a_scaffold():
+  """`python -m envs.scaffolds list` prints every entry; `check` builds mini-swe-agent's
+  environment (found in the cache after `make test`'s set-up) and runs its version command in a
+  sandbox of it, without network."""
+  import subprocess
+  import sys
+
+  root = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+  out = subprocess.run([sys.executable, "-m", "envs.scaffolds", "list"], cwd=root,
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert [json.loads(line)["name"] for line in out.stdout.splitlines()] == list(REGISTRY)
+  out = subprocess.run([sys.executable, "-m", "envs.scaffolds", "check", "mini-swe-agent"],
+                       cwd=root, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  (line,) = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+  assert line["name"] == "mini-swe-agent" and line["ok"] and line["exit_code"] == 0
+  assert "--exit-immediately" in line["output"]
