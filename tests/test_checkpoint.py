@@ -170,11 +170,15 @@ class Worker:
 
   def wait_for(self, word, count=1, timeout=120):
     deadline = time.monotonic() + timeout
-    while len(self.steps(word)) < count:
-      if self.proc.poll() is not None or time.monotonic() > deadline:
-        self.proc.kill()
-        raise AssertionError(f"no {count} x {word!r} from the worker:\n" + self.out.read_text())
-      time.sleep(0.02)
+    try:
+      while len(self.steps(word)) < count:
+        if self.proc.poll() is not None or time.monotonic() > deadline:
+          raise AssertionError(f"no {count} x {word!r} from the worker:\n" +
+                               self.out.read_text())
+        time.sleep(0.02)
+    except BaseException:  # a failing test must not leave its worker looping
+      self.proc.kill()
+      raise
 
   def finish(self, timeout=120):
     try:
