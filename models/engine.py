@@ -1,5 +1,9 @@
 """Generation engine: continuous batching over a bounded pool of KV-cache rows.
 
+Size: the scheduler, both cache pools' bookkeeping and the constraint wiring are one class
+for now; the engine's own package (one KV-cache interface, the loop, the sampler's programs)
+is where it splits.
+
     from envs.policy import SamplingParams
     engine = Engine(model, EngineConfig(slots=8, max_seq_len=1024))
     outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=16, temperature=0))

@@ -1,5 +1,7 @@
 """Grammar-constrained decoding (models/constraint.py, models/sampler.py, trainer/serving/
 constrain.py) and the sampler's min_p / min_tokens / ignore_eos, on a random-weight tiny model.
+One file so the engines and the server are built once (module fixtures); the HTTP tests are
+the part to move beside tests/test_serving_protocols.py.
 
 - At temperature 1 over several seeds, json_schema replies parse and validate, json_object
   replies parse, tool_choice "required" / named replies parse (with the chat format's own

@@ -1,5 +1,7 @@
 """Reading an experiment config: its validation, and the typed configs the code takes from it.
 
+Size: one validator per config section; the RL and serving sections are the ones to move out.
+
     validate(config, workdir)          # trainer.main, before any device is touched
     model_cfg = model_config(config)   # models.config.ModelConfig (preset / checkpoint + overrides)
     loss_cfg = loss_config(config)     # rl.losses.LossConfig

@@ -1,6 +1,9 @@
 """Teacher rollouts and rejection sampling: a teacher's verified agent episodes as SFT data, and
 rejection-sampling fine-tuning (RFT) rounds.
 
+Size: sampling, selection, SFT records, RFT rounds and the command line share this module;
+they are the four modules of its split.
+
     python -m trainer.rejection --ckpt /runs/sft --generated 150 --attempts 4 \\
         --temperature 1.0 --out /data/teacher.jsonl
     python -m trainer.rejection --ckpt /runs/sft --generated 64 --rounds 2 \\

@@ -1,5 +1,8 @@
 """`docker` backend (docker-py): one container per sandbox.
 
+Size: the container's life and its file API over `docker exec` live here together; the
+file API (~150 lines) is the part to move out when this module grows.
+
 The container runs `sleep infinity` from `image` with no network (`network_mode="none"`: no
 sandbox is ever given one, and the engine Arbor starts has no bridge to give), a read-only
 root file system, tmpfs /workspace and /tmp of `limits.disk_mb` with an inode quota (exec
