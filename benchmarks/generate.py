@@ -1,5 +1,5 @@
-"""Generation throughput of models/engine.py against transformers and google/tunix, and prefill
-sharing. (The sampler/trainer log-prob mismatch is benchmarks/mismatch.py's.)
+"""Generation throughput of the engine (models/engine/) against transformers and google/tunix,
+and prefill sharing. (The sampler/trainer log-prob mismatch is benchmarks/mismatch.py's.)
 
     python -m benchmarks.generate [--repeats=5 --update_docs --out=x.json]
 

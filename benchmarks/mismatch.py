@@ -3,7 +3,7 @@ full forward pass of the same weights, per model family, dtype pair and routing 
 
     python -m benchmarks.mismatch [--update_docs] [--bisect] [--out=x.json]
 
-The engine (models/engine.py) prefills each prompt but its last token, then decodes one token
+The engine (models/engine/) prefills each prompt but its last token, then decodes one token
 at a time against its KV cache, sampling at temperature 1 and recording log p of each token.
 The trainer side is `Transformer.__call__` on the finished sequences (no cache; MLA without
 the absorbed projections). With d = log p_trainer - log p_sampler per sampled token,

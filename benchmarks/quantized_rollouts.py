@@ -2,7 +2,7 @@
 
     python -m benchmarks.quantized_rollouts [--repeats=3] [--update_docs] [--out=x.json]
 
-The engine (models/engine.py) samples with the policy's own weights (fp32, or fp32 weights with
+The engine (models/engine/) samples with the policy's own weights (fp32, or fp32 weights with
 bf16 compute) or with a weight-only qwix-quantized copy (`EngineConfig.weight_qtype`: int8,
 float8_e4m3fn), or fp8 weights and activations (`EngineConfig.act_qtype`); the trainer stays
 fp32. Model: the demo's SFT checkpoint (`--ckpt`, an Arbor

@@ -37,8 +37,8 @@ class SamplingParams:
                                         # tokens (0 = off)
   ignore_eos: bool = False              # True: stop_token_ids never end the sample
   # Grammar-constrained decoding (in-process engines only): an object whose `start()` gives
-  # each sample a fresh `models.constraint.TokenConstraint` (token masks; the sample stops
-  # when its grammar ends), e.g. from trainer.serving.constrain. None: unconstrained.
+  # each sample a fresh `models.engine.constraint.TokenConstraint` (token masks; the sample
+  # stops when its grammar ends), e.g. from trainer.serving.constrain. None: unconstrained.
   constraint: Optional[Any] = dataclasses.field(default=None, compare=False)
 
   def to_dict(self) -> dict:

@@ -1,6 +1,10 @@
 """A simple batched decode loop over the Transformer's caches: the reference that tests check
-the model's decode path with. Serving and rollouts use models/engine.py (continuous batching,
-prefix reuse, per-request sampling, weight updates).
+the model's decode path with. Serving and rollouts use the engine, models/engine/ (continuous
+batching, prefix reuse, per-request sampling, weight updates).
+
+This module stays beside the model rather than in the engine's package: it is the model's own
+plain decoder (one batch, one cache, no scheduling), and a reference shares no code with the
+engine it is compared against.
 
     tokens, logprobs = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=8)
 

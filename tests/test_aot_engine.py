@@ -14,7 +14,8 @@ import pytest
 from flax import nnx
 
 from configs import sft_demo
-from models import constraint, presets, sharding, transformer
+from models import presets, sharding, transformer
+from models.engine import constraint
 from models.kernels import attention
 from trainer import aot, aot_engine, rollouts
 from trainer import config as config_lib
@@ -98,7 +99,7 @@ def test_moe_mla_engine_compiles_for_v5p_and_fits(mla):
   assert tokens.shape == (SLOTS,) and steps.shape == ()
   _, experts = programs["prefill"][0].out_info  # prefill records the prompt's experts too
   assert experts.shape == (layers, SLOTS, CHUNK, per_token)
-  # the masking inputs the engine passes to every decode call (models.constraint.Controls)
+  # the masking inputs the engine passes to every decode call (models.engine.constraint.Controls)
   real = constraint.controls([None] * SLOTS, model_cfg.vocab_size).kwargs()
   assert {k: (v.shape, v.dtype) for k, v in decode.args_info[1].items()} == {
       k: (v.shape, v.dtype) for k, v in real.items()}

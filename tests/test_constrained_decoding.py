@@ -1,7 +1,7 @@
-"""Grammar-constrained decoding (models/constraint.py, models/sampler.py, trainer/serving/
-constrain.py) and the sampler's min_p / min_tokens / ignore_eos, on a random-weight tiny model.
-One file so the engines and the server are built once (module fixtures); the HTTP tests are
-the part to move beside tests/test_serving_protocols.py.
+"""Grammar-constrained decoding (models/engine/constraint.py, models/engine/sampling.py,
+trainer/serving/constrain.py) and the sampler's min_p / min_tokens / ignore_eos, on a
+random-weight tiny model. One file so the engines and the server are built once (module
+fixtures); the HTTP tests are the part to move beside tests/test_serving_protocols.py.
 
 - At temperature 1 over several seeds, json_schema replies parse and validate, json_object
   replies parse, tool_choice "required" / named replies parse (with the chat format's own
@@ -41,10 +41,9 @@ from envs.chat.formats import DeepSeekV3, make_chat
 from envs.chat.jinja_format import KIMI_TOKENS, JinjaChat
 from envs.chat.tokenizer import HFTokenizer, SentencePieceTokenizer
 from envs.policy import SamplingParams, decode_expert_ids
-from models import constraint as constraints
-from models import sampler, transformer
-from models.cache_pool import CachePool
-from models.engine import Engine, EngineConfig
+from models import transformer
+from models.engine import CachePool, Engine, EngineConfig, programs, sampling
+from models.engine import constraint as constraints
 from tests.test_engine import teacher
 from trainer.serve import PolicyServer, ServerConfig
 from trainer.serving import constrain
@@ -275,7 +274,7 @@ def test_one_compiled_step_for_mixed_batches(engines, chat, kind):
   ids = chat.tokenizer.encode("go")
   plain = SamplingParams(max_tokens=12, temperature=1.0, seed=3)
   alone = eng.generate([ids], plain)[0]  # warm-up, and the reference
-  traces = sampler.TRACES[name]
+  traces = programs.TRACES[name]
   fields = constrain.sampling_fields(chat, response_format={
       "type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}})
   both = [eng.submit(ids, dataclasses.replace(plain, seed=4, max_tokens=160,
@@ -283,7 +282,7 @@ def test_one_compiled_step_for_mixed_batches(engines, chat, kind):
           eng.submit(ids, plain)]
   while eng.pending():
     eng.step()
-  assert sampler.TRACES[name] == traces
+  assert programs.TRACES[name] == traces
   assert both[1].result().output_ids == alone.output_ids
   assert both[1].result().logprobs == alone.logprobs
   json.loads(chat.tokenizer.decode(both[0].result().output_ids[:-1]))
@@ -373,7 +372,7 @@ def test_min_p_against_numpy():
   zeros = np.zeros(4, np.int32)
   ones = np.ones(4, np.float32)
   keys = jax.random.split(jax.random.key(1), (300, 4))
-  draw = jax.jit(jax.vmap(lambda k, m: sampler.sample(jnp.asarray(logits), temperature, zeros,
+  draw = jax.jit(jax.vmap(lambda k, m: sampling.sample(jnp.asarray(logits), temperature, zeros,
                                                       ones, k, m), in_axes=(0, None)))
   got = np.asarray(draw(keys, min_p))
   gumbel = np.asarray(jax.vmap(jax.vmap(lambda k: jax.random.gumbel(k, (40,), jnp.float32)))(
@@ -386,7 +385,7 @@ def test_min_p_against_numpy():
   assert len(set(got[:, 2])) > 3  # the draws vary
   # min_p 0 is bit-identical to no min_p
   np.testing.assert_array_equal(np.asarray(draw(keys, np.zeros(4, np.float32))), np.asarray(
-      jax.jit(jax.vmap(lambda k: sampler.sample(jnp.asarray(logits), temperature, zeros, ones,
+      jax.jit(jax.vmap(lambda k: sampling.sample(jnp.asarray(logits), temperature, zeros, ones,
                                                 k)))(keys)))
 
 
@@ -437,7 +436,7 @@ def test_neutral_controls_are_bit_identical(dense_model):
   pool = CachePool(model, 4, 64, lambda **_: None)
   s, vocab = 4, dense_model.cfg.vocab_size
   prompts = np.array([[3, 5, 7, 9], [2, 4, 6, 8], [1, 1, 2, 3], [9, 8, 7, 6]], np.int32)
-  caches = sampler.prefill(graphdef, state, pool.caches, np.arange(s, dtype=np.int32),
+  caches = programs.prefill(graphdef, state, pool.caches, np.arange(s, dtype=np.int32),
                            prompts[:, :-1], np.zeros(s, np.int32))
   args = (prompts[:, -1], np.full(s, 3, np.int32), np.ones(s, bool), np.zeros(s, np.int32),
           np.full(s, 12, np.int32), np.array([0, 1, 0.7, 1.2], np.float32),
@@ -448,7 +447,7 @@ def test_neutral_controls_are_bit_identical(dense_model):
   for kwargs in ({}, {"mask": np.full((s, constraints.words(vocab)), constraints.ALL_ALLOWED),
                       "min_p": np.zeros(s, np.float32), "min_tokens": np.zeros(s, np.int32)}):
     copy = jax.tree.map(jnp.copy, caches)
-    out = sampler.decode(graphdef, 12, 2, False, state, copy, np.arange(s, dtype=np.int32),
+    out = programs.decode(graphdef, 12, 2, False, state, copy, np.arange(s, dtype=np.int32),
                          *args, **kwargs)[-1]
     outs.append(jax.device_get(out))
   for key in ("tokens", "logprobs", "entropy", "top_ids", "top_logprobs"):

@@ -1,4 +1,5 @@
-"""models/engine.py (and its device side, models/sampler.py) against independent references.
+"""The engine (models/engine/: the loop, its programs and sampling) against independent
+references.
 
 - Log-probs returned for sampled tokens equal teacher-forced log-probs of the finished sequences
   (a full forward pass of the stacked model, no cache) for a dense and a MoE + MLA model, with
@@ -20,8 +21,8 @@ import pytest
 from flax import nnx
 
 from envs.policy import SamplingParams
-from models import hf, sampler, transformer
-from models.engine import Engine, EngineConfig
+from models import hf, transformer
+from models.engine import Engine, EngineConfig, programs, sampling
 from tests.conftest import TINY_DENSE
 
 MAX_LEN = 96
@@ -105,7 +106,7 @@ def test_logprobs_equal_teacher_forcing(which, models):
                 [1.0, 0.0, 1.0, 0.7, 1.0, 1.3, 1.0, 1.0, 1.0, 0.0, 1.0],
                 [0, 0, 5, 0, 0, 3, 0, 0, 0, 0, 0],
                 [1.0, 1.0, 1.0, 0.8, 1.0, 1.0, 0.9, 0.9, 0.9, 1.0, 1.0]))]
-  traces = sampler.TRACES["decode"]
+  traces = programs.TRACES["decode"]
   outs = eng.generate(prompts, params)
   counters = eng.counters
   print(counters)
@@ -128,7 +129,7 @@ def test_logprobs_equal_teacher_forcing(which, models):
       fed = len(x) + len(o.output_ids) - 1
       np.testing.assert_array_equal(o.expert_ids, np.moveaxis(experts[:, :fed], 1, 0))
   # engines of one config share compiled code: at most one decode compile per model config
-  assert sampler.TRACES["decode"] - traces <= 1
+  assert programs.TRACES["decode"] - traces <= 1
 
 
 def test_entropies_equal_teacher_forcing(models):
@@ -208,7 +209,7 @@ def test_weight_update_tags_versions(models):
   prompts = random_prompts(rng, (11, 6, 14), old.cfg.vocab_size)
   params = SamplingParams(max_tokens=20, temperature=1.0)
   eng.generate(prompts[:1], SamplingParams(max_tokens=2))  # compile before counting traces
-  traces = dict(sampler.TRACES)
+  traces = dict(programs.TRACES)
 
   first = [eng.submit(p, params) for p in prompts[:2]]
   eng.step()  # admit + one decode call (8 of 20 tokens)
@@ -239,7 +240,7 @@ def test_weight_update_tags_versions(models):
                     logp_old[pred, o.output_ids])
     np.testing.assert_allclose(o.logprobs, want, atol=ATOL)
   assert eng.counters["updates"] == 2 and eng.counters["resubmitted"] == 2
-  assert {k: v for k, v in sampler.TRACES.items() if k != "prefill"} == \
+  assert {k: v for k, v in programs.TRACES.items() if k != "prefill"} == \
       {k: v for k, v in traces.items() if k != "prefill"}
 
 
@@ -331,7 +332,7 @@ def test_sampler_distribution():
   temperature, top_k, top_p = (np.array(v) for v in zip(*settings))
   n = 4000
   keys = jax.random.split(jax.random.key(0), n)
-  draw = jax.jit(jax.vmap(lambda k: sampler.sample(
+  draw = jax.jit(jax.vmap(lambda k: sampling.sample(
       jnp.asarray(logits), jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
       jnp.asarray(top_p, jnp.float32), jax.random.split(k, 5))))
   samples = np.asarray(draw(keys))  # [n, rows]

@@ -169,7 +169,8 @@ def test_the_checker_reports_each_kind_of_violation(tmp_path):
       "envs/policy.py": "import dataclasses\n",
       "envs/worker.py": "import os\nimport jax\n",
       "models/__init__.py": "",
-      "models/engine.py": "import numpy\nfrom envs.policy import SamplingParams\n",
+      "models/engine/__init__.py": "",
+      "models/engine/loop.py": "import numpy\nfrom envs.policy import SamplingParams\n",
       "models/a.py": "import models.b\n",
       "models/b.py": "def f():\n  from models import a\n",
       "trainer/__init__.py": "",
@@ -184,7 +185,7 @@ def test_the_checker_reports_each_kind_of_violation(tmp_path):
   found = violations(str(tmp_path))
   expected = [
       "envs/worker.py:2: envs must not import jax",
-      "models/engine.py:2: models may not import envs.policy",
+      "models/engine/loop.py:2: models may not import envs.policy",
       "configs/rl.py:1: configs may not import trainer.config",
       "launch/tpu.py:1: launch may not import models.engine",
       "trainer/rl.py:2: trainer.config imported inside a function",

@@ -14,7 +14,8 @@ import pytest
 from flax import nnx
 
 from models import attention as layers
-from models import sampler, transformer
+from models import transformer
+from models.engine import programs
 from models.kernels import attention as kernels
 from models.kernels import paged_attention as ref
 from models.kernels import paged_attention_tpu as tpu
@@ -161,7 +162,7 @@ def kernel_calls(compiled) -> int:
 
 @pytest.mark.parametrize("cfg", [TINY_DENSE, TINY_MOE_MLA], ids=["gqa", "moe_mla"])
 def test_engine_paged_decode_compiles_for_tpu(cfg):
-  """The engine's paged decode call (`sampler.decode_paged`, bf16 tiny model) traced for TPU
+  """The engine's paged decode call (`programs.decode_paged`, bf16 tiny model) traced for TPU
   takes the Pallas kernel in every layer and compiles; its prefill call compiles too."""
   _, devices = aot.topology_devices("v5p:2x2x1")
   sharding = jax.sharding.SingleDeviceSharding(devices[0])
@@ -179,10 +180,10 @@ def test_engine_paged_decode_compiles_for_tpu(cfg):
           spec((slots,), jnp.uint32), i32(slots, 4), i32(), spec((), jnp.bool_))
   # conftest sets "highest" for the CPU references; Mosaic takes no fp32 contraction of bf16
   with kernels.compile_for("tpu"), jax.default_matmul_precision("default"):
-    compiled = sampler.decode_paged.lower(graphdef, 8, 0, False, *args).compile()
+    compiled = programs.decode_paged.lower(graphdef, 8, 0, False, *args).compile()
   assert kernel_calls(compiled) == cfg.num_layers
   # prefill chunks take the XLA reference (their query rows would not fit the kernel's blocks)
   with kernels.compile_for("tpu"), jax.default_matmul_precision("default"):
-    compiled = sampler.prefill_paged.lower(graphdef, state, pages, i32(2, n), i32(2, 64),
+    compiled = programs.prefill_paged.lower(graphdef, state, pages, i32(2, n), i32(2, 64),
                                            i32(2)).compile()
   assert kernel_calls(compiled) == 0

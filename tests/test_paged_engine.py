@@ -1,4 +1,4 @@
-"""The engine with a paged KV cache (models/paged_cache.py) against the contiguous engine.
+"""The engine with a paged KV cache (models/engine/paged.py) against the contiguous engine.
 
 - Same tokens, log-probs, top log-probs, entropies, stop-string cuts and MoE expert ids as the
   contiguous engine (and log-probs equal to a teacher-forced forward pass) for a dense GQA and
@@ -28,8 +28,7 @@ from flax import nnx
 
 from envs.policy import SamplingParams
 from models import transformer
-from models.engine import Engine, EngineConfig
-from models.paged_cache import PageAllocator, PagedPool
+from models.engine import Engine, EngineConfig, PageAllocator, PagedPool
 from tests.test_engine import check_logprobs, random_prompts
 
 MAX_LEN = 96
@@ -232,7 +231,7 @@ def test_pool_sharing_copy_on_write_and_eviction(dense_model):
   a = pool.claim("a", None, 0, version=0)
   assert pool.reserve(a, 10) and len(pool.seqs[a].pages) == 3
   pool.record(a, np.append(tokens, 0))  # holds tokens[:10]
-  src, m = pool.best_row(np.concatenate([tokens[:6], [99, 98]]), 0, min_prefix=4)
+  src, m = pool.longest_prefix(np.concatenate([tokens[:6], [99, 98]]), 0, min_prefix=4)
   assert (src, m) == (a, 6)
   b = pool.claim("b", src, m, version=0)
   assert pool.seqs[b].pages == pool.seqs[a].pages[:2]
@@ -261,7 +260,7 @@ def test_pool_sharing_copy_on_write_and_eviction(dense_model):
     others = [p for p in range(8) if p != dst_page]
     np.testing.assert_array_equal(np.asarray(new)[..., others, :, :], old[..., others, :, :])
   assert not pool._copies
-  assert pool.best_row(tokens, 1, min_prefix=4) == (None, 0)  # another weights version
+  assert pool.longest_prefix(tokens, 1, min_prefix=4) == (None, 0)  # another weights version
   pool.release(a)
   pool.release(b)  # retain=1: a (least recently used) is evicted
   assert list(pool.seqs) == [b] and counts["evictions"] == 1

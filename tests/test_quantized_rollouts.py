@@ -1,4 +1,5 @@
-"""Quantized rollouts and LoRA weight sync in models/engine.py, against independent references.
+"""Quantized rollouts and LoRA weight sync in the engine (models/engine/weights.py), against
+independent references.
 
 - An engine with `weight_qtype` ("int8", "float8_e4m3fn") samples from the qwix-quantized
   model: its log-probs equal a teacher-forced forward pass of `lora.quantize`'s copy, and differ

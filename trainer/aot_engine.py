@@ -7,8 +7,8 @@
       programs = aot_engine.engine_programs(config, model_cfg, mesh)
     compiled, seconds, min_bytes = programs["decode"]
 
-The programs are the engine's own jitted calls, `models.sampler.prefill` and
-`models.sampler.decode`, with the static arguments the engine passes for the run's
+The programs are the engine's own jitted calls, `models.engine.programs.prefill` and
+`models.engine.programs.decode`, with the static arguments the engine passes for the run's
 `EngineConfig` (`trainer.rollouts.engine_config`): the unstacked model's graphdef (the one the
 engine builds, so the compiled code is the code it would run), `steps_per_call`,
 `top_logprobs`, `return_expert_ids` (decode's, and prefill's `experts`: an MoE policy with
@@ -29,13 +29,14 @@ Shapes (E = the EngineConfig):
            (`prefill_len`);
   decode   the `E.slots` decode batch; per-slot arrays [slots] (and stop ids [slots,
            max(E.max_stop_token_ids, 1)]) are sharded like the pool's rows, and so are the
-           token masks the engine passes to every call (`models.constraint.Controls`): `mask`
-           [slots, ceil(vocab_size / 32)] uint32, `min_p` [slots] float32, `min_tokens`
-           [slots] int32 (one program whether or not a request is constrained).
+           token masks the engine passes to every call
+           (`models.engine.constraint.Controls`): `mask` [slots, ceil(vocab_size / 32)]
+           uint32, `min_p` [slots] float32, `min_tokens` [slots] int32 (one program whether
+           or not a request is constrained).
 
 An engine with `cache="paged"` (`rl.kv_cache`) runs `decode_paged` over a pool of pages
-instead; it is planned here as the contiguous pool (by default the paged pool holds the same
-memory, and the weights, masks and per-step work are the same).
+instead (models/engine/paged.py); it is planned here as the contiguous pool (by default the
+paged pool holds the same memory, and the weights, masks and per-step work are the same).
 
 `min_bytes` is a floor on the HBM bytes one call must read per chip (`engine_programs`): each
 chip's shard of the weights once, in the compute dtype, plus the cache the call must touch.
@@ -57,9 +58,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models import constraint, sampler, sharding, transformer
+from models import sharding, transformer
 from models.config import ModelConfig
-from models.engine import EngineConfig
+from models.engine import EngineConfig, constraint, programs
 from trainer import rollouts
 
 # Logical axes of the decode cache leaves (`init_cache` of models/attention.py), by leaf name.
@@ -165,7 +166,7 @@ def prefill_len(engine_cfg: EngineConfig) -> int:
   """The longest prefill the engine issues: `prefill_chunk`, or less when a row holds less.
 
   A chunk is at most capacity - 1 tokens (a row holds seq[:-1]), padded to a multiple of
-  `prefill_bucket` and capped at `prefill_chunk` (models/cache_pool.py).
+  `prefill_bucket` and capped at `prefill_chunk` (`Engine._prefill`, models/engine/loop.py).
   """
   c = engine_cfg
   return min(c.prefill_chunk, -(-(c.max_seq_len - 1) // c.prefill_bucket) * c.prefill_bucket)
@@ -263,7 +264,7 @@ def engine_programs(config, model_cfg: ModelConfig, mesh,
                  slot(f32), slot(i32), slot(f32), slot(jnp.uint32),
                  _struct((s, n_stop), i32, _per_row(model_cfg, mesh, (s, n_stop))),
                  _struct((), i32, replicated), _struct((), jnp.bool_, replicated))
-  # the masking inputs, keyword arguments (`models.constraint.Controls.kwargs`)
+  # the masking inputs, keyword arguments (`models.engine.constraint.Controls.kwargs`)
   words = constraint.words(model_cfg.vocab_size)
   decode_kwargs = {"mask": _struct((s, words), jnp.uint32,
                                    _per_row(model_cfg, mesh, (s, words))),
@@ -275,8 +276,8 @@ def engine_programs(config, model_cfg: ModelConfig, mesh,
   with jax.set_mesh(mesh):
     # prefill returns the prefilled positions' experts too when the engine records them
     prefill_kwargs = {"experts": True} if e.return_expert_ids else {}
-    for name, fn, args, kwargs in (("prefill", sampler.prefill, prefill_args, prefill_kwargs),
-                                   ("decode", sampler.decode, decode_args, decode_kwargs)):
+    for name, fn, args, kwargs in (("prefill", programs.prefill, prefill_args, prefill_kwargs),
+                                   ("decode", programs.decode, decode_args, decode_kwargs)):
       t0 = time.perf_counter()
       compiled = fn.lower(*args, **kwargs).compile()
       out[name] = (compiled, time.perf_counter() - t0, floors[name])

@@ -51,7 +51,7 @@ given their neutral value; top_k -1 is off, as in vLLM.
 
 Constrained replies (`trainer.serving.constrain`, llguidance grammars compiled against the
 server's tokenizer; the engine samples each token under the grammar's mask, see
-`models.constraint`): a response format (chat completions' response_format, Responses'
+`models.engine.constraint`): a response format (chat completions' response_format, Responses'
 text.format) makes the reply's content one JSON object (json_object) or one JSON value valid
 under the schema (json_schema); a forced tool choice (chat completions' and Responses'
 "required" or named function, Anthropic's "any" / "tool") makes the reply tool calls in the chat

@@ -4,8 +4,8 @@ An OpenAI request's `response_format` ({"type": "json_object"} or {"type": "json
 "json_schema": {"name", "schema", "strict"}}) and `tool_choice` ("required" or a named
 function) become a grammar over the reply's text, compiled with llguidance against the
 server's tokenizer; the engine samples each token under the grammar's mask
-(`models.constraint`), so the reply parses and validates by construction (unless it runs out of
-max_tokens first: then finish_reason is "length" and the text is cut).
+(`models.engine.constraint`), so the reply parses and validates by construction (unless it
+runs out of max_tokens first: then finish_reason is "length" and the text is cut).
 
 The policy server makes this call once for every chat protocol, in `trainer.serving.render`
 (`Prompt.constraint`; Responses' text.format and Anthropic's tool_choice converted to the
@@ -88,7 +88,7 @@ _MATCHERS: collections.OrderedDict = collections.OrderedDict()  # (grammar, key)
 
 
 class _State:
-  """One sample's grammar state (a `models.constraint.TokenConstraint`).
+  """One sample's grammar state (a `models.engine.constraint.TokenConstraint`).
 
   The grammar's text complete, the matcher allows only the stop tokens; the sample is done
   once it took one (so a reply ends with the chat format's end-of-turn token, as unconstrained
@@ -119,7 +119,8 @@ class _State:
 
 
 class GrammarConstraint:
-  """A compiled grammar: what `SamplingParams.constraint` holds (`models.constraint.Constraint`).
+  """A compiled grammar: what `SamplingParams.constraint` holds
+  (`models.engine.constraint.Constraint`).
 
   Args:
     matcher: the compiled llguidance matcher in its start state (never advanced itself).

@@ -13,7 +13,7 @@ A call's record (one per sample; JSON as GET /v1/sessions/<id> serves it):
   constrained     whether the reply was sampled under a grammar (response_format, a forced
                   tool choice): its log-probs are then those of the model's distribution
                   renormalised over the tokens the grammar allowed (temperature 1, no
-                  truncation; `models.constraint`), not the unmasked model's
+                  truncation; `models.engine.constraint`), not the unmasked model's
   params          temperature, top_p, top_k, max_tokens, stop, stop_token_ids, seed, and the
                   request's n and tool_choice
   expert_ids      only from an engine that records MoE routing (`return_expert_ids`): the

@@ -1,4 +1,4 @@
-"""The generation engine's paged decode cache: fixed-size pages shared copy-on-write.
+"""The paged KV-cache pool: fixed-size pages shared copy-on-write.
 
 Every layer's cache is one pool of `num_pages` pages of `page_size` positions
 (`Transformer.init_paged_cache`); a sequence is a list of pages (its page table) plus, on the
@@ -9,35 +9,32 @@ host, the token ids its positions hold. Pages are reference-counted:
   samples of a prompt hold its pages once, and the next turn of an episode holds the previous
   turn's pages.
 - Copy-on-write: before a sequence writes a position, the page holding it must be its own; a
-  shared page (the partial last page of a common prefix) is copied to a fresh page first.
+  shared page (the partial last page of a common prefix) is copied to a fresh page first. The
+  copies wait on the host and run as one device call (`programs.copy_pages`) before the next
+  prefill or decode.
 - Memory follows use: pages are allocated as positions are written (`reserve`), not for the
-  longest possible sequence, so the engine admits requests while free pages last.
+  longest possible sequence, so the engine admits requests while free pages last, and
+  `reserve` refuses when they run out (the loop then preempts the newest running request).
 - Sequences nobody runs keep their pages for prefix reuse until the pages are needed (least
   recently used first), or beyond `retain` such sequences.
 
-`PagedPool` has the interface of `models.cache_pool.CachePool` (sequence ids stand for rows),
-plus `reserve`, `table` and `pages_free`.
+Prefill and decode address the pages through page tables [rows, pages_per_seq]
+(`programs.prefill_paged`, `programs.decode_paged`); decode attention reads them with
+`models.kernels.paged_attention`.
 """
+
 
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from models import sampler
-
-
-def _round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
-
-
-def _common(a: np.ndarray, b: np.ndarray) -> int:
-  """Length of the common prefix of two token arrays."""
-  n = min(len(a), len(b))
-  diff = np.flatnonzero(a[:n] != b[:n])
-  return int(diff[0]) if len(diff) else n
+from models.engine import programs
+from models.engine.cache import KVCache, common_prefix
+from models.engine.config import EngineConfig
 
 
 class PageAllocator:
@@ -97,16 +94,17 @@ class _Seq:
     self.experts = None if experts_shape is None else np.zeros(experts_shape, np.int16)
 
 
-class PagedPool:
-  """Sequences in a paged decode cache and what each holds.
+class PagedPool(KVCache):
+  """Sequences in a paged decode cache and what each holds (the `KVCache` interface).
 
   Args:
-    model: the (unstacked) Transformer whose `init_paged_cache` makes the pages.
+    model: the (unstacked) Transformer whose `init_paged_cache` lays the pages out (no weight
+      is kept).
     num_pages: pages in the pool.
     page_size: positions per page.
     capacity: most positions of one sequence (the engine's max_seq_len).
-    count: called with counter increments (prefill_calls, prefill_tokens,
-      prefill_padded_tokens, evictions, pages_allocated, pages_shared, page_copies).
+    count: called with counter increments (evictions, pages_allocated, pages_shared,
+      page_copies).
     experts: keep the MoE routing of every cached position (routing replay).
     retain: most sequences kept for prefix reuse once nobody runs them.
 
@@ -122,12 +120,13 @@ class PagedPool:
     self.num_pages, self.page_size, self.capacity = num_pages, page_size, capacity
     self.pages_per_seq = -(-capacity // page_size)
     self.retain = retain
-    self._init_cache = lambda: model.init_paged_cache(num_pages, page_size)
+    self._layout = jax.eval_shape(lambda: model.init_paged_cache(num_pages, page_size))
     self._count = count
     self._experts_shape = ((capacity, model.cfg.num_moe_layers, model.cfg.experts_per_token)
                            if experts else None)
-    self.caches = self._init_cache()
+    self.caches = self._zeros()
     self.alloc = PageAllocator(num_pages)
+    self.pages_peak = 0  # most pages held at once, seen at decode calls
     self.seqs: dict[int, _Seq] = {}
     self._next_id = 0
     self._tick = 0
@@ -135,6 +134,19 @@ class PagedPool:
     # prefill and decode calls, which run the copies first, so a pending copy reads the
     # source as it is now.
     self._copies: dict[int, int] = {}
+
+  @classmethod
+  def create(cls, model, config: EngineConfig, count: Callable[..., None]) -> "PagedPool":
+    """`num_pages` pages of `page_size` positions; by default (num_pages 0) the contiguous
+    pool's memory, (slots + prefix_cache_rows) * ceil(max_seq_len / page_size) pages. At most
+    `prefix_cache_rows` idle sequences are kept."""
+    rows = config.slots + config.prefix_cache_rows
+    num_pages = config.num_pages or rows * -(-config.max_seq_len // config.page_size)
+    return cls(model, num_pages, config.page_size, config.max_seq_len, count,
+               experts=config.return_expert_ids, retain=config.prefix_cache_rows)
+
+  def _zeros(self) -> Any:
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._layout)
 
   # ---------------------------------------------------------------- bookkeeping
 
@@ -148,12 +160,11 @@ class PagedPool:
     """Pages some sequence holds."""
     return self.num_pages - self.alloc.free
 
-  def reset(self) -> None:
-    """Zeroes the pages and forgets every sequence.
+  def gauges(self) -> dict[str, int]:
+    return {"pages_used": self.pages_used, "pages_peak": self.pages_peak}
 
-    Called after a failed call that may have consumed the donated caches.
-    """
-    self.caches = self._init_cache()
+  def reset(self) -> None:
+    self.caches = self._zeros()
     self.alloc = PageAllocator(self.num_pages)
     self.seqs.clear()
     self._copies.clear()
@@ -182,31 +193,15 @@ class PagedPool:
     self._count(evictions=1)
     return True
 
-  def expert_row(self, sid: int) -> np.ndarray:
-    """[capacity, moe_layers, k] int16 the experts of each of the sequence's positions."""
-    return self.seqs[sid].experts
-
   # ---------------------------------------------------------------- prefix reuse
 
-  def best_row(self, target: np.ndarray, version: int, min_prefix: int
-               ) -> tuple[Optional[int], int]:
-    """The sequence sharing the longest prefix with `target`, among those of `version`.
-
-    Args:
-      target: the token ids a request needs in its cache.
-      version: the current weights version.
-      min_prefix: the shortest prefix worth reusing.
-
-    Returns:
-      (sequence id, prefix length), or (None, 0) when none shares `min_prefix` tokens. Among
-      equally good sequences an idle one that `target` just extends is preferred (its pages
-      pass to the request whole).
-    """
+  def longest_prefix(self, target: np.ndarray, version: int, min_prefix: int
+                     ) -> tuple[Optional[int], int]:
     best, best_m, best_exact = None, 0, False
     for sid, s in self.seqs.items():
       if s.version != version:
         continue
-      m = _common(s.tokens[:s.length], target)
+      m = common_prefix(s.tokens[:s.length], target)
       exact = s.owner is None and s.length == m
       if m > best_m or (m == best_m and exact and not best_exact):
         best, best_m, best_exact = sid, m, exact
@@ -215,21 +210,9 @@ class PagedPool:
     return best, best_m
 
   def claim(self, owner: Any, src: Optional[int], m: int, version: int) -> int:
-    """A new sequence for `owner` holding the first m positions of sequence `src`.
-
-    The pages of those positions are shared, not copied (a shared partial page is copied when
-    the new sequence first writes into it, see `reserve`). An idle `src` that holds exactly m
-    positions passes to the new sequence.
-
-    Args:
-      owner: the request that will run the sequence.
-      src: a sequence from `best_row`, or None.
-      m: positions of `src` to take (0 without a source).
-      version: the current weights version.
-
-    Returns:
-      The new sequence's id.
-    """
+    """A new sequence sharing the pages of `src`'s first m positions, not copying them (a
+    shared partial page is copied when the new sequence first writes into it, see
+    `reserve`). An idle `src` that holds exactly m positions passes to the new sequence."""
     seq = _Seq(self.capacity, version, owner, self._experts_shape)
     if src is not None and m > 0:
       source = self.seqs[src]
@@ -251,8 +234,8 @@ class PagedPool:
     return sid
 
   def release(self, sid: int) -> None:
-    """The sequence's request is done: keep its pages for prefix reuse (evictable); an empty
-    sequence is forgotten."""
+    """Keeps the sequence's pages for prefix reuse (evictable; at most `retain` idle
+    sequences); an empty sequence is forgotten."""
     seq = self.seqs[sid]
     if seq.length == 0:
       self._drop(sid)
@@ -278,19 +261,10 @@ class PagedPool:
     return need
 
   def reserve(self, sid: int, upto: int) -> bool:
-    """Makes positions seq.length..upto-1 of a sequence writable: pages of its own.
-
-    Allocates the pages those positions need, and copies a page the sequence shares (the
-    copy runs on device before the next prefill or decode). Idle sequences are evicted, least
-    recently used first, while pages are short; running ones are never touched.
-
-    Args:
-      sid: the sequence.
-      upto: one past the last position the sequence will write (at most `capacity`).
-
-    Returns:
-      Whether the pages were found (nothing changes when not).
-    """
+    """Gives positions length..upto-1 of a sequence pages of its own: allocates the pages
+    they need and copies a page the sequence shares (the copy runs on device before the next
+    prefill or decode). Idle sequences are evicted, least recently used first, while pages
+    are short."""
     seq = self.seqs[sid]
     upto = min(upto, self.capacity)
     while self._needed(seq, upto) > self.alloc.free:
@@ -326,63 +300,45 @@ class PagedPool:
     src = np.zeros(n, np.int32)
     dst = np.full(n, self.num_pages, np.int32)  # padding: dropped
     dst[:len(self._copies)], src[:len(self._copies)] = zip(*self._copies.items())
-    self.caches = sampler.copy_pages(self.caches, src, dst)
+    self.caches = programs.copy_pages(self.caches, src, dst)
     self._copies.clear()
 
   # ---------------------------------------------------------------- device calls
 
-  def prefill(self, graphdef, state, items: list[tuple[int, np.ndarray, int]], max_rows: int,
-              chunk: int, bucket: int) -> None:
-    """Prefill target[start:] into each (sequence, target, start), in chunks, many per call.
-
-    The sequences' pages must cover their targets (`reserve`).
-
-    Args:
-      graphdef: the (unstacked) model's graphdef.
-      state: the model's weights.
-      items: (sequence id, target token ids, tokens of target the sequence already holds).
-      max_rows: most sequences per call (padded to a power of two up to it).
-      chunk: most tokens per sequence per call.
-      bucket: lengths are padded to a multiple of this (at most `chunk`).
-    """
+  def prefill(self, graphdef, state, sids: list[int], tokens: np.ndarray, starts: np.ndarray,
+              lengths: list[int]) -> None:
     self.flush()
-    todo = [[sid, target, start] for sid, target, start in items if start < len(target)]
-    while todo:
-      batch = todo[:max_rows]
-      chunks = [min(len(t) - s, chunk) for _, t, s in batch]
-      length = min(_round_up(max(chunks), bucket), chunk)
-      b = min(1 << (len(batch) - 1).bit_length(), max_rows)
-      table = self.table([sid for sid, _, _ in batch], b)
-      tokens = np.zeros((b, length), np.int32)
-      starts = np.zeros(b, np.int32)
-      for i, ((sid, target, start), n) in enumerate(zip(batch, chunks)):
-        starts[i] = start
-        tokens[i, :n] = target[start:start + n]
-      if self._experts_shape is None:
-        self.caches = sampler.prefill_paged(graphdef, state, self.caches, table, tokens, starts)
-      else:
-        self.caches, ids = sampler.prefill_paged(graphdef, state, self.caches, table, tokens,
-                                                 starts, experts=True)
-        ids = np.asarray(jax.device_get(ids)).transpose(1, 2, 0, 3)  # [b, p, moe_layers, k]
-      for i, (item, n) in enumerate(zip(batch, chunks)):
-        sid, target, start = item
-        seq = self.seqs[sid]
-        if seq.experts is not None:
-          seq.experts[start:start + n] = ids[i, :n]
-        seq.tokens[start:start + n] = target[start:start + n]
-        seq.length = start + n
-        item[2] = start + n
-      self._count(prefill_calls=1, prefill_tokens=sum(chunks), prefill_padded_tokens=b * length)
-      todo = [item for item in todo if item[2] < len(item[1])]
+    table = self.table(sids, len(starts))
+    if self._experts_shape is None:
+      self.caches = programs.prefill_paged(graphdef, state, self.caches, table, tokens, starts)
+    else:
+      self.caches, ids = programs.prefill_paged(graphdef, state, self.caches, table, tokens,
+                                                starts, experts=True)
+      ids = np.asarray(jax.device_get(ids)).transpose(1, 2, 0, 3)  # [b, p, moe_layers, k]
+    for i, (sid, n) in enumerate(zip(sids, lengths)):
+      seq, start = self.seqs[sid], int(starts[i])
+      if seq.experts is not None:
+        seq.experts[start:start + n] = ids[i, :n]
+      seq.tokens[start:start + n] = tokens[i, :n]
+      seq.length = start + n
 
-  def record(self, sid: int, seq_tokens: np.ndarray) -> None:
-    """Notes that the sequence now holds seq_tokens[:-1] (after a decode call wrote them).
+  def decode(self, graphdef, k: int, top_n: int, experts: bool, state,
+             sids: list[Optional[int]], *inputs, **masks) -> tuple:
+    self.flush()
+    table = self.table(sids, len(sids))
+    self.caches, *out = programs.decode_paged(graphdef, k, top_n, experts, state, self.caches,
+                                              table, *inputs, **masks)
+    self.pages_peak = max(self.pages_peak, self.pages_used)
+    return tuple(out)
 
-    Args:
-      sid: the sequence.
-      seq_tokens: [n] int32 its whole token sequence; the last token is not yet cached.
-    """
+  def record(self, sid: int, seq: np.ndarray, experts: Optional[np.ndarray] = None) -> None:
+    cached = self.seqs[sid]
+    start = cached.length
+    if experts is not None:
+      cached.experts[start:start + len(experts)] = experts
+    cached.tokens[start:len(seq) - 1] = seq[start:-1]
+    cached.length = len(seq) - 1
+
+  def expert_ids(self, sid: int) -> np.ndarray:
     seq = self.seqs[sid]
-    start = seq.length
-    seq.tokens[start:len(seq_tokens) - 1] = seq_tokens[start:-1]
-    seq.length = len(seq_tokens) - 1
+    return seq.experts[:seq.length].copy()

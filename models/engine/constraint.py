@@ -13,7 +13,7 @@ or not any slot is constrained (one program, no retrace). After the call it feed
 token to `advance`; a constraint whose `is_done()` turns true finishes its request ("stop").
 
 Masks reach the device as a packed bitmask [slots, ceil(vocab / 32)] uint32: bit t % 32 of
-word t // 32 is set when token t is allowed (`models.sampler.allowed_tokens` unpacks it).
+word t // 32 is set when token t is allowed (`sampling.allowed_tokens` unpacks it).
 
 Log-probs of a masked request: the sampler draws from the model's distribution with the
 disallowed tokens removed, and the engine reports log-probs, entropies and top log-probs of
@@ -115,7 +115,7 @@ def check(params: Any) -> None:
   constraint = getattr(params, "constraint", None)
   if constraint is not None and not callable(getattr(constraint, "start", None)):
     raise ValueError(f"constraint={constraint!r}: expected an object with start() giving a "
-                     "models.constraint.TokenConstraint")
+                     "models.engine.constraint.TokenConstraint")
 
 
 def start(params: Any) -> Optional[TokenConstraint]:
@@ -135,7 +135,7 @@ class Controls:
   failed: list[tuple[int, Exception]]  # (slot, error): constraints that allow no token
 
   def kwargs(self) -> dict:
-    """Keyword arguments of `models.sampler.decode` / `decode_paged`."""
+    """Keyword arguments of the decode program (`KVCache.decode`, `programs.decode`)."""
     return {"mask": self.mask, "min_p": self.min_p, "min_tokens": self.min_tokens}
 
 

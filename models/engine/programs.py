@@ -1,9 +1,11 @@
-"""The generation engine's device side: token sampling and the jitted calls that prefill, copy
-and decode rows of a pool of decode caches, or sequences of a paged cache (`prefill_paged`,
-`copy_pages`, `decode_paged`); models/engine.py schedules them.
+"""The engine's jitted programs: prefill, prefix copies and decode, over the rows of a
+contiguous pool (`prefill`, `copy_row`, `decode`) or the pages of a paged one (`prefill_paged`,
+`copy_pages`, `decode_paged`). The pools (contiguous.py, paged.py) call them; the loop never
+does. Decode samples with sampling.py's functions.
 
-The jitted functions are module-level with the model's graphdef and sizes as static arguments,
-so engines of one model config share compiled code. `TRACES` counts traces per function: a
+The programs are module-level with the model's graphdef and sizes as static arguments, so
+engines of one model config share compiled code. Every cache argument is donated: a call
+consumes the pool's arrays and returns their successors. `TRACES` counts traces per program: a
 retrace is a recompile.
 """
 
@@ -11,103 +13,14 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.engine import sampling
+
 TRACES: collections.Counter = collections.Counter()
-
-
-def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-           keys: jax.Array, min_p: Optional[jax.Array] = None) -> jax.Array:
-  """Sample one token per row with per-row settings (Gumbel-max).
-
-  The logits are divided by the temperature; min-p then keeps the tokens whose probability
-  (at that temperature) is at least min_p times the most likely one's; top-k is applied next,
-  then top-p keeps the smallest prefix of the renormalised top-k distribution whose mass
-  reaches top_p. Tokens masked out beforehand (logit -inf) are never drawn.
-
-  Args:
-    logits: [batch, vocab] fp32.
-    temperature: [batch]; 0 = greedy (argmax).
-    top_k: [batch] int; 0 = off.
-    top_p: [batch]; 1 = off.
-    keys: [batch] one PRNG key per row.
-    min_p: [batch] in [0, 1]; 0 = off (None: off for every row).
-
-  Returns:
-    [batch] int32 token ids.
-
-  References:
-    Holtzman et al., "The Curious Case of Neural Text Degeneration" (top-p), arXiv:1904.09751.
-  """
-  greedy = jnp.argmax(logits, -1).astype(jnp.int32)
-
-  def draw(_):
-    x = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    if min_p is not None:
-      x = jax.lax.cond(jnp.any(min_p > 0), _min_p, lambda x, _: x, x, min_p)
-    x = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), _truncate, lambda x, *_: x,
-                     x, top_k, top_p)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, x.shape[-1:], jnp.float32))(keys)
-    return jnp.argmax(x + gumbel, -1).astype(jnp.int32)
-
-  drawn = jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)
-  return jnp.where(temperature > 0, drawn, greedy)
-
-
-def entropy(logp: jax.Array) -> jax.Array:
-  """Entropy in nats, -sum_v p_v log p_v, of each row of log-probs [batch, vocab] (fp32).
-
-  Tokens with p = 0 (log p = -inf, or exp underflowing to 0) add 0, not 0 * -inf = nan. One
-  elementwise pass and one sum over `logp`, which XLA fuses with the log-softmax: in `decode`
-  it adds no [batch, vocab] buffer to peak memory.
-  """
-  p = jnp.exp(logp)
-  return -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
-
-
-def _min_p(x: jax.Array, min_p: jax.Array) -> jax.Array:
-  """Set logits [batch, vocab] of tokens with p < min_p * p_max to -inf: in logit space,
-  x < max(x) + log(min_p) (min_p = 0 keeps every token)."""
-  threshold = jnp.max(x, axis=-1, keepdims=True) + jnp.log(min_p)[:, None]
-  return jnp.where(x >= threshold, x, -jnp.inf)
-
-
-def allowed_tokens(mask: jax.Array, vocab: int) -> jax.Array:
-  """Unpacks a token bitmask [batch, ceil(vocab / 32)] uint32 (bit t % 32 of word t // 32 set:
-  token t allowed) to bool [batch, vocab]."""
-  ids = jnp.arange(vocab, dtype=jnp.uint32)
-  words = jnp.take(mask, (ids // 32).astype(jnp.int32), axis=1)
-  return ((words >> (ids % 32)[None]) & 1).astype(bool)
-
-
-def _restrict(logits, allowed, count, min_tokens, stop_ids):
-  """Logits [batch, vocab] with the disallowed tokens at -inf: those off in `allowed` [batch,
-  vocab] bool, and a row's stop ids [batch, n_stop] while it has fewer than `min_tokens`
-  tokens (`count`), unless that would leave the row no token at all (the grammar's end: the
-  stop token is then its only way on)."""
-  rows = jnp.arange(logits.shape[0])[:, None]
-  hold = (count < min_tokens)[:, None] & (stop_ids >= 0)
-  held = allowed.at[rows, jnp.where(hold, stop_ids, logits.shape[-1])].set(False, mode="drop")
-  allowed = jnp.where(jnp.any(held, axis=-1, keepdims=True), held, allowed)
-  return jnp.where(allowed, logits, -jnp.inf)
-
-
-def _truncate(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-  """Set logits outside each row's top-k / top-p set to -inf."""
-  v = x.shape[-1]
-  sorted_x = jnp.sort(x, axis=-1)[:, ::-1]
-  k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-  ranks = jnp.arange(v)[None]
-  in_k = ranks < k[:, None]
-  p = jax.nn.softmax(jnp.where(in_k, sorted_x, -jnp.inf), axis=-1)
-  mass_before = jnp.cumsum(p, axis=-1) - p
-  n_keep = jnp.maximum(jnp.sum(in_k & (mass_before < top_p[:, None]), -1), 1)
-  threshold = jnp.take_along_axis(sorted_x, (n_keep - 1)[:, None], axis=-1)
-  return jnp.where(x >= threshold, x, -jnp.inf)
 
 
 def _gather_rows(pool: dict, rows: jax.Array) -> dict:
@@ -216,8 +129,8 @@ def decode(graphdef, k: int, top_n: int, experts: bool, state, pool, rows, token
            exit_on_finish, *, mask=None, min_p=None, min_tokens=None):
   """Up to `max_steps` (<= k) decode steps of the slots batch, in one `lax.while_loop`.
 
-  Arrays are [slots] unless noted. Each step samples with `sample` (keys: `seeds` folded with
-  the tokens generated so far) and stops a slot at a stop token or its limit.
+  Arrays are [slots] unless noted. Each step samples with `sampling.sample` (keys: `seeds`
+  folded with the tokens generated so far) and stops a slot at a stop token or its limit.
 
   Token masks: with `mask`, the tokens a row may sample are those its bitmask allows, less its
   stop ids while it holds fewer than `min_tokens` tokens; the others get logit -inf before
@@ -240,22 +153,22 @@ def decode(graphdef, k: int, top_n: int, experts: bool, state, pool, rows, token
     active: whether the slot decodes.
     counts: tokens generated so far.
     limits: tokens to generate at most.
-    temperature: sampling temperature; 0 = greedy (see `sample`).
+    temperature: sampling temperature; 0 = greedy (see `sampling.sample`).
     top_k: keep the k most likely tokens; 0 = off.
     top_p: nucleus mass kept; 1 = off.
     seeds: uint32 per-request seeds.
     stop_ids: [slots, max_stop_token_ids] stop token ids (-1 = none).
     max_steps: steps to run at most (<= k).
     exit_on_finish: stop after the step in which any slot finishes.
-    mask: [slots, ceil(vocab / 32)] uint32 token bitmask (`allowed_tokens`); None: no masks
-      (nor min_p / min_tokens: the three come together).
-    min_p: [slots] float32 min-p of `sample`; 0 = off.
+    mask: [slots, ceil(vocab / 32)] uint32 token bitmask (`sampling.allowed_tokens`); None:
+      no masks (nor min_p / min_tokens: the three come together).
+    min_p: [slots] float32 min-p of `sampling.sample`; 0 = off.
     min_tokens: [slots] int32; a row's stop ids are masked while `counts` < this.
 
   Returns:
     (pool, steps run, final tokens, lengths, active, counts, per-step outputs {name: [k, ...]}:
-    tokens, logprobs, entropy (of the distribution the log-probs come from, see `entropy`),
-    and top_ids/top_logprobs [k, slots, top_n] and expert_ids
+    tokens, logprobs, entropy (of the distribution the log-probs come from, see
+    `sampling.entropy`), and top_ids/top_logprobs [k, slots, top_n] and expert_ids
     [k, moe_layers, slots, experts_per_token] when asked for).
   """
   TRACES["decode"] += 1
@@ -297,7 +210,7 @@ def _decode_loop(graphdef, k, top_n, experts, state, cache, page_table, tokens, 
   if experts:
     out["expert_ids"] = jnp.zeros((k, mc.num_moe_layers, s, mc.experts_per_token), jnp.int32)
   base_keys = jax.vmap(jax.random.key)(seeds)
-  allowed = None if mask is None else allowed_tokens(mask, lm_head.shape[-1])
+  allowed = None if mask is None else sampling.allowed_tokens(mask, lm_head.shape[-1])
 
   def cond(carry):
     step, _, _, _, act, _, finished, _ = carry
@@ -309,15 +222,15 @@ def _decode_loop(graphdef, k, top_n, experts, state, cache, page_table, tokens, 
                            page_table)
     logits = jnp.dot(h[:, 0].astype(jnp.float32), lm_head)
     if allowed is not None:
-      logits = _restrict(logits, allowed, count, min_tokens, stop_ids)
+      logits = sampling.restrict(logits, allowed, count, min_tokens, stop_ids)
     logp = jax.nn.log_softmax(logits, axis=-1)
     keys = jax.vmap(jax.random.fold_in)(base_keys, count)
-    nxt = sample(logits, temperature, top_k, top_p, keys, min_p)
+    nxt = sampling.sample(logits, temperature, top_k, top_p, keys, min_p)
     out = dict(out)
     out["tokens"] = out["tokens"].at[step].set(nxt)
     out["logprobs"] = out["logprobs"].at[step].set(
         jnp.take_along_axis(logp, nxt[:, None], axis=-1)[:, 0])
-    out["entropy"] = out["entropy"].at[step].set(entropy(logp))
+    out["entropy"] = out["entropy"].at[step].set(sampling.entropy(logp))
     if top_n:
       vals, ids = jax.lax.top_k(logp, top_n)
       out["top_ids"] = out["top_ids"].at[step].set(ids)
