@@ -3,7 +3,9 @@
 The tiny MoE + MLA model's train step (accumulation and update) and scoring pass compile in
 bf16 for a v5p slice and, from the command line, the train step for a v6e slice, with the
 Pallas TPU tree-attention kernel: the programs fit, the kernel is a Mosaic call per shard (not
-the interpreter), and the report's numbers are consistent with what the compiler says.
+the interpreter), and the report's numbers are consistent with what the compiler says. The
+layout search compiles one other layout of the tiny step (tests/test_aot_search.py covers the
+search without compiling).
 """
 
 import json
@@ -15,6 +17,7 @@ import pytest
 
 from configs import sft_demo
 from trainer import aot
+from trainer import aot_search
 from trainer.config import ConfigError
 
 
@@ -130,45 +133,31 @@ def test_command_line_compiles_the_train_step_for_v6e(tmp_path):
       [sys.executable, "-m", "trainer.aot", "--config=configs/sft_demo.py",
        "--config.data.rows_per_batch=4", "--config.model.overrides.attention_impl=pallas_tpu",
        "--config.model.overrides.dtype=bfloat16",
-       "--config.data.row_len=1024", "--topology=v6e:2x2", "--programs=train", f"--out={out}"],
+       "--config.data.row_len=1024", "--topology=v6e:2x2", "--programs=train", "--search",
+       f"--out={out}"],
       capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "train/gradients: HBM" in proc.stdout and "does NOT fit" not in proc.stdout
+  assert "search: the train step fits" in proc.stdout  # nothing to search
   r = json.loads(out.read_text())
   assert r["chips"] == 4 and set(r["programs"]) == {"train/gradients", "train/update"}
+  assert r["search"] == {}
   p = r["programs"]["train/gradients"]
   assert p["hbm_gb"]["capacity"] == 32.0 and p["hbm_gb"]["fits"]
   assert {"tree_attention_fwd", "tree_attention_dq", "tree_attention_dkv"} <= set(
       p["mosaic_kernels"])
 
 
-def test_search_tries_stronger_settings_until_one_fits(monkeypatch):
-  c = tiny_config(microbatches=1, rows_per_batch=8)
-  c.model.overrides.remat = "save_dots"
-  c.mesh.fsdp, c.mesh.tensor = 4, 1
-  changes = [change for change, _ in aot.alternatives(c, {"data": 1, "fsdp": 4, "tensor": 1,
-                                                          "expert": 1})]
-  assert changes[0] == "remat=full" and changes[1] == "mesh fsdp=2 tensor=2"
-  assert changes[2].startswith("rows_per_batch=") and changes[3].startswith("logits_chunk=")
-  # with tensor parallelism, the residual stream split over it comes before a bigger tensor axis
-  split = aot.alternatives(c, {"data": 1, "fsdp": 2, "tensor": 2, "expert": 1})
-  assert split[1][0] == "sharding_rules.act_embed=tensor"
-  assert split[1][1].model.overrides.sharding_rules.act_embed == "tensor"
-  # each alternative keeps the earlier ones; the first that fits ends the search
-  seen = []
-
-  def fake_compile_run(config, topology, programs):
-    seen.append((config.model.overrides.remat, config.mesh.tensor))
-    fits = len(seen) == 2
-    return {"mesh": dict(config.mesh), "programs": {"train/gradients": {
-        "hbm_gb": {"total": 90.0 if fits else 120.0, "fits": fits}, "compile_s": 1.0}}}
-  monkeypatch.setattr(aot, "compile_run", fake_compile_run)
-  refused = {"mesh": {"data": 1, "fsdp": 4, "tensor": 1, "expert": 1}, "programs": {
-      "train/gradients": {"hbm_gb": {"temporaries": 130.0, "fits": False}}}}
-  tried = aot.search(c, "v5p:2x2x1", refused)
-  assert seen == [("full", 1), ("full", 2)]
-  assert [(t["change"], t["fits"], t["hbm_gb"]) for t in tried] == [
-      ("remat=full", False, 120.0), ("mesh fsdp=2 tensor=2", True, 90.0)]
-  fits = {"mesh": refused["mesh"], "programs": {"train/gradients": {"hbm_gb": {"fits": True}},
-                                                 "decode": {"hbm_gb": {"fits": False}}}}
-  assert aot.search(c, "v5p:2x2x1", fits) == []
+def test_search_compiles_another_layout_of_the_tiny_step(v5p_report):
+  # the config's train step fits; explored anyway, the search compiles the most promising
+  # other layout for real (one compile) and names the better of the two
+  with jax.default_matmul_precision("default"):
+    result = aot_search.search(tiny_config(), "v5p:2x2x1", v5p_report, budget=1, explore=True,
+                               log=lambda line: None)
+  own, other = result["tried"]
+  assert own["why"] == [] and own["fits"]
+  assert own["hbm_gb"] == pytest.approx(v5p_report["train_peak_gb"]["total"], abs=0.01)
+  assert other["fits"] and other["why"] and other["verdict"].startswith("fits: ")
+  assert other["compile_s"] > 0 and other["step_s"] > 0 and other["collective_gb"] >= 0
+  assert result["best"] in (own["layout"], other["layout"])
+  assert [e["best"] for e in result["tried"]].count(True) == 1

@@ -37,6 +37,11 @@ utilisation it implies. Prefill and decode add `min_bytes`, the HBM bytes a call
 least per chip (`aot_engine.engine_programs`: the weights once, the cache it touches), and
 `bytes_ratio`, the compiled bytes accessed over it (for decode, one step's: XLA counts the
 decode loop's body once).
+
+With `--search`, when the train step does not fit (or always, with `--search_all`),
+`trainer.aot_search` ranks the config's other valid layouts (mesh, rows per micro-batch, remat,
+residual split, chunks) by arithmetic, compiles the most promising (`--search_budget`, until
+`--search_fits` fit) and names the best plan that fits.
 """
 
 from __future__ import annotations
@@ -48,11 +53,10 @@ import os
 import re
 import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from absl import app, flags
 from jax.experimental import topologies
 from ml_collections import config_flags
@@ -62,6 +66,7 @@ from models.hardware import CHIPS, GB, Chip
 from models.kernels import attention
 from rl import corrections
 from trainer import aot_engine
+from trainer import aot_search
 from trainer import config as config_lib
 from trainer import optim
 from trainer import state as state_lib
@@ -389,95 +394,6 @@ def _compile_run(config, topology: str, programs: Sequence[str]) -> dict:
   return report
 
 
-def _fits(report: dict) -> bool:
-  """Whether the report's train step fits (its peak, with the resident optimizer state)."""
-  if "train_peak_gb" in report:
-    return report["train_peak_gb"]["fits"]
-  return all(p["hbm_gb"]["fits"] for name, p in report["programs"].items()
-             if name.startswith("train/"))
-
-
-def alternatives(config, mesh: dict) -> list[tuple[str, Any]]:
-  """The settings `search` tries, each a step further from the config's: stronger remat, then
-  the residual stream split over `tensor` (when it is > 1: the saved layer inputs shrink by
-  its size), then a factor 2 of the FSDP axis moved to tensor parallelism (the same rows per
-  device), then half
-  the rows per micro-batch (twice the micro-batches: the same tokens per step), then half the
-  log-prob chunk. Each keeps the earlier changes.
-
-  Args:
-    config: the run's config.
-    mesh: its resolved mesh sizes {axis: size} (a report's "mesh").
-
-  Returns:
-    [(what changed, the config with it)], those that apply to this config only.
-  """
-  out, c = [], config.copy_and_resolve_references()
-  c.mesh.update(mesh)
-  model_cfg = config_lib.model_config(c)
-  order = ("none", "save_dots", "full")
-  if model_cfg.remat in order and model_cfg.remat != "full":
-    c = c.copy_and_resolve_references()
-    c.model.overrides.remat = "full"
-    out.append(("remat=full", c))
-  if c.mesh.tensor > 1 and not dict(model_cfg.sharding_rules).get("act_embed") \
-      and model_cfg.hidden_size % c.mesh.tensor == 0:
-    c = c.copy_and_resolve_references()
-    if "sharding_rules" not in c.model.overrides:
-      c.model.overrides.sharding_rules = ml_collections.ConfigDict()
-    c.model.overrides.sharding_rules.act_embed = "tensor"
-    out.append(("sharding_rules.act_embed=tensor", c))
-  heads = model_cfg.num_kv_heads if model_cfg.attention == "gqa" else model_cfg.num_heads
-  if c.mesh.fsdp % 2 == 0 and heads % (2 * c.mesh.tensor) == 0:
-    c = c.copy_and_resolve_references()
-    c.mesh.fsdp, c.mesh.tensor = c.mesh.fsdp // 2, c.mesh.tensor * 2
-    if c.data.rows_per_batch % 2 == 0:  # the same rows per device, twice the micro-batches
-      c.data.rows_per_batch //= 2
-      c.data.microbatches = max(1, c.data.microbatches) * 2
-    out.append((f"mesh fsdp={c.mesh.fsdp} tensor={c.mesh.tensor}", c))
-  batch_shards = c.mesh.data * c.mesh.fsdp * c.mesh.expert
-  if c.data.rows_per_batch // 2 >= batch_shards and (c.data.rows_per_batch // 2) % batch_shards == 0:
-    c = c.copy_and_resolve_references()
-    c.data.rows_per_batch //= 2
-    c.data.microbatches = max(1, c.data.microbatches) * 2
-    out.append((f"rows_per_batch={c.data.rows_per_batch} microbatches={c.data.microbatches}", c))
-  if model_cfg.logits_chunk > 128:
-    c = c.copy_and_resolve_references()
-    c.model.overrides.logits_chunk = model_cfg.logits_chunk // 2
-    out.append((f"logits_chunk={model_cfg.logits_chunk // 2}", c))
-  return out
-
-
-def search(config, topology: str, report: dict, max_tries: int = 4) -> list[dict]:
-  """When the train step does not fit: compiles `alternatives` until one does.
-
-  Args:
-    config: the run's config.
-    topology: the slice.
-    report: `compile_run`'s report for the config (its resolved mesh is the starting point).
-    max_tries: compiles at most.
-
-  Returns:
-    One entry per setting tried, in order: {"change", "fits", "hbm_gb" (the train step's
-    largest total, or the temporaries the compiler asked for), "mesh", "compile_s"}; empty when
-    the config's train step fits already.
-  """
-  if "train/gradients" not in report["programs"] or _fits(report):
-    return []
-  tried = []
-  for change, candidate in alternatives(config, report["mesh"])[:max_tries]:
-    print(f"search: trying {change}", flush=True)
-    r = compile_run(candidate, topology, ("train",))
-    hbm = max(p["hbm_gb"].get("total", p["hbm_gb"].get("temporaries", 0.0))
-              for p in r["programs"].values())
-    hbm = r.get("train_peak_gb", {}).get("total", hbm)
-    tried.append({"change": change, "fits": _fits(r), "hbm_gb": hbm, "mesh": r["mesh"],
-                  "compile_s": round(sum(p["compile_s"] for p in r["programs"].values()), 1)})
-    if tried[-1]["fits"]:
-      break
-  return tried
-
-
 def storage_bits(dtype) -> int:
   """Bits one element takes in HBM: 4 for int4 (TPUs pack two per byte; numpy says 1 byte)."""
   dtype = jnp.dtype(dtype)
@@ -580,8 +496,16 @@ def _define_flags() -> dict:
       "programs": flags.DEFINE_list("programs", list(PROGRAMS), f"Which of {PROGRAMS}."),
       "out": flags.DEFINE_string("out", None, "Also write the report as JSON to this file."),
       "search": flags.DEFINE_bool("search", False, "When the train step does not fit, compile "
-                                  "stronger remat / more tensor parallelism / smaller "
-                                  "micro-batches until one fits (`search`)."),
+                                  "the most promising other layouts (mesh, micro-batches, "
+                                  "remat, chunks) and name the best that fits "
+                                  "(trainer.aot_search)."),
+      "search_all": flags.DEFINE_bool("search_all", False, "With --search: search even when "
+                                      "the config's train step fits."),
+      "search_budget": flags.DEFINE_integer("search_budget", aot_search.BUDGET,
+                                            "With --search: compiles at most."),
+      "search_fits": flags.DEFINE_integer("search_fits", aot_search.ENOUGH, "With --search: "
+                                          "stop once this many layouts fit (the config's "
+                                          "own included)."),
   }
 
 
@@ -603,10 +527,12 @@ def main(argv, cli: dict) -> None:
     sys.exit(2)
   print("\n".join(summary_lines(report)), flush=True)
   if cli["search"].value:
-    report["search"] = search(config, topology, report)
-    for t in report["search"]:
-      print(f"  search: {t['change']}: {'fits' if t['fits'] else 'does NOT fit'} "
-            f"({t['hbm_gb']:.1f} GB per chip)", flush=True)
+    report["search"] = aot_search.search(
+        config, topology, report, budget=cli["search_budget"].value,
+        enough=cli["search_fits"].value, explore=cli["search_all"].value)
+    print("\n".join(aot_search.summary_lines(report["search"])
+                    or ["search: the train step fits (--search_all searches anyway)"]),
+          flush=True)
   if cli["out"].value:
     with open(cli["out"].value, "w") as f:
       json.dump(report, f, indent=1)
