@@ -19,7 +19,8 @@ residual stream split over `tensor` (`sharding_rules.act_embed`), the log-prob c
               step-time proxy (model and attention FLOPs at peak plus the collectives' bytes
               at ICI bandwidth, without overlap: FSDP gathers and gradient reduce-scatters,
               tensor all-reduces, expert all-to-alls or the global dispatch's token gathers,
-              the sequence axis's K/V ring).
+              the sequence axis's K/V ring). On the compiled plans of docs/aot (dense, MoE,
+              64K-128K rows) the HBM estimate is within 0.7x-1.4x of the compiled peak.
   rank        estimated to fit in `FIT_FRACTION` of HBM first, then the faster estimated step,
               then fewer changes from the config, then less estimated HBM.
   search      compiles the train step (`aot.compile_run`) in rank order, `budget` compiles at
@@ -66,6 +67,7 @@ BUDGET = 6  # compiles at most (the config's own, compiled before, not counted)
 ENOUGH = 2  # stop once this many layouts fit (the config's own included)
 DISPATCH_CHUNK = 1024  # the smaller MoE dispatch round proposed (tokens per device)
 MIN_LOGITS_CHUNK = 128  # the smallest log-prob chunk proposed
+SKIPPED_SHOWN = 10  # layouts decided without compiling that the summary lists
 
 
 @dataclasses.dataclass(frozen=True)
@@ -547,7 +549,10 @@ def summary_lines(result: dict) -> list[str]:
     lines.append(f"  {'*' if e['best'] else '-'} {e['layout']}: {e['verdict']} (estimated "
                  f"{e['estimate_gb']:.1f} GB){step}{compiled}")
     lines += [f"      why: {why}" for why in e["why"]]
-  lines += [f"  - {s['layout']}: {s['verdict']}" for s in result["skipped"]]
+  lines += [f"  - {s['layout']}: {s['verdict']}" for s in result["skipped"][:SKIPPED_SHOWN]]
+  if len(result["skipped"]) > SKIPPED_SHOWN:
+    lines.append(f"  ... {len(result['skipped']) - SKIPPED_SHOWN} more not compiled (the JSON "
+                 "report lists them)")
   lines.append(f"search: best plan: {result['best']}" if result["best"] else
                "search: no layout tried fits (raise --search_budget, or a larger slice)")
   return lines
