@@ -23,6 +23,8 @@ weights it samples with (weight updates, quantized copies). Modules, one concern
 - paged.py: `PagedPool` and its `PageAllocator`: pages shared by common prefixes,
   copy-on-write, memory that follows the tokens cached.
 - programs.py: the jitted programs (prefill, prefix copies, the decode loop) the pools call.
+- layout.py: `Layout`, the decode layout on a device mesh (`Engine(..., mesh=mesh)`): where
+  the weights, caches and slots live.
 - sampling.py: the decode program's sampling math: temperature, min-p, top-k, top-p,
   entropy, token masks.
 - constraint.py: token constraints (grammars, min_tokens, ignore_eos, min_p) and their masks

@@ -34,14 +34,15 @@ donates and replaces (`Transformer.init_cache` rows or `init_paged_cache` pages,
 and its host mirror: per sequence the token ids, length, weights version, owner, last use and
 expert ids. Nothing else holds device cache arrays, so a pool is free to shard them.
 
-Sharding (a pool over a mesh): the interface passes sequence ids and host arrays only; every
-device array is created and addressed inside the pool (`caches`, the rows or page tables fed
-to the programs, the prefix copies). A sharded pool would create `caches` with a
-NamedSharding per leaf (key/value heads over `tensor`, rows or pages over the data axes) and
-pass matching shardings to the programs it calls; the loop needs no change for the heads. To
-split rows or pages over a data axis, a sequence must live on the shard of the slot that
-decodes it: `claim` would then need the slot (it is picked after `claim` today), or `decode`
-would move rows between shards.
+Sharding (a pool over a mesh, layout.py): the interface passes sequence ids and host arrays
+only; every device array is created and addressed inside the pool (`caches`, the rows or page
+tables fed to the programs, the prefix copies). A pool given a `Layout` creates `caches` with a
+NamedSharding per leaf (key/value heads over `tensor`; rows or pages replicated over the batch
+shards) and passes the matching specs to the programs it calls, so each call replaces the
+donated caches in place. To split rows or pages over the batch shards instead, a sequence must
+live on the shard of the slot that decodes it: `claim` would then need the slot (it is picked
+after `claim` today), and the programs' gathers, scatters and paged attention would address
+shard-local rows or pages (a `jax.shard_map` over the batch axes).
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ class KVCache(abc.ABC):
 
   @classmethod
   @abc.abstractmethod
-  def create(cls, model, config: EngineConfig, count: Callable[..., None]) -> "KVCache":
+  def create(cls, model, config: EngineConfig, count: Callable[..., None],
+             layout=None) -> "KVCache":
     """The pool an engine of `config` uses.
 
     Args:
@@ -83,6 +85,7 @@ class KVCache(abc.ABC):
         no weight is kept).
       config: the engine's `EngineConfig`.
       count: called with counter increments (e.g. `count(evictions=1)`).
+      layout: the engine's decode layout on a mesh (`layout.Layout`), or None (one device).
     """
 
   @abc.abstractmethod

@@ -10,6 +10,9 @@ holds `capacity` positions, so `reserve` always succeeds and nothing is ever pre
 
 Prefill and decode gather the rows they address from the pool and scatter them back
 (`programs.prefill`, `programs.decode`); rows out of range are padding.
+
+On a mesh (layout.py) the rows are replicated over the batch shards and their key/value heads
+split over `tensor`; the rows a call gathers are split over the batch shards like the slots.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 from models.engine import programs
 from models.engine.cache import KVCache
 from models.engine.config import EngineConfig
+from models.engine.layout import Layout, specs_of
 
 
 def _lcp(rows: np.ndarray, lengths: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -44,12 +48,20 @@ class CachePool(KVCache):
     capacity: positions per row.
     count: called with counter increments (evictions, row_copies).
     experts: keep the MoE routing of every cached position (routing replay).
+    layout: the engine's decode layout on a mesh (places the rows), or None (one device).
   """
 
   def __init__(self, model, num_rows: int, capacity: int, count: Callable[..., None],
-               experts: bool = False):
+               experts: bool = False, layout: Optional[Layout] = None):
     self.num_rows, self.capacity = num_rows, capacity
-    self._layout = jax.eval_shape(lambda: model.init_cache(num_rows, capacity))
+    self._shapes = jax.eval_shape(lambda: model.init_cache(num_rows, capacity))
+    self._mesh = layout
+    self._shardings = self._specs = None  # one device: unconstrained
+    if layout is not None:
+      heads = 1 if model.cfg.attention == "gqa" else None  # k/v [rows, kv_heads, ...]
+      self._shardings = layout.cache_shardings(self._shapes, heads)
+      self._specs = (specs_of(self._shardings),
+                     specs_of(layout.cache_shardings(self._shapes, heads, rows_dim=0)))
     self._count = count
     self.caches = self._zeros()
     self.tokens = np.zeros((num_rows, capacity), np.int32)  # each row's token ids
@@ -64,13 +76,16 @@ class CachePool(KVCache):
     self._tick = 0
 
   @classmethod
-  def create(cls, model, config: EngineConfig, count: Callable[..., None]) -> "CachePool":
+  def create(cls, model, config: EngineConfig, count: Callable[..., None],
+             layout: Optional[Layout] = None) -> "CachePool":
     """`slots + prefix_cache_rows` rows of `max_seq_len` positions."""
     return cls(model, config.slots + config.prefix_cache_rows, config.max_seq_len, count,
-               experts=config.return_expert_ids)
+               experts=config.return_expert_ids, layout=layout)
 
   def _zeros(self) -> Any:
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._layout)
+    if self._mesh is not None:
+      return self._mesh.zeros(self._shapes, self._shardings)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._shapes)
 
   def reset(self) -> None:
     self.caches = self._zeros()
@@ -103,7 +118,8 @@ class CachePool(KVCache):
       if dst != src and self.length[dst] > 0:
         self._count(evictions=1)
       if src is not None and dst != src:
-        self.caches = programs.copy_row(self.caches, np.int32(src), np.int32(dst))
+        self.caches = programs.copy_row(self.caches, np.int32(src), np.int32(dst),
+                                        specs=self._specs and self._specs[0])
         self.tokens[dst, :m] = self.tokens[src, :m]
         if self.experts is not None:
           self.experts[dst, :m] = self.experts[src, :m]
@@ -133,12 +149,15 @@ class CachePool(KVCache):
 
   def prefill(self, graphdef, state, sids: list[int], tokens: np.ndarray, starts: np.ndarray,
               lengths: list[int]) -> None:
+    if self._mesh is not None:
+      tokens, starts = self._mesh.pad_rows(tokens, starts)
     rows = self._rows(sids, len(starts))
     if self.experts is None:
-      self.caches = programs.prefill(graphdef, state, self.caches, rows, tokens, starts)
+      self.caches = programs.prefill(graphdef, state, self.caches, rows, tokens, starts,
+                                     specs=self._specs)
     else:
       self.caches, ids = programs.prefill(graphdef, state, self.caches, rows, tokens, starts,
-                                          experts=True)
+                                          experts=True, specs=self._specs)
       ids = np.asarray(ids).transpose(1, 2, 0, 3)  # [b, p, moe_layers, k]
     for i, (row, n) in enumerate(zip(sids, lengths)):
       start = int(starts[i])
@@ -150,7 +169,8 @@ class CachePool(KVCache):
   def decode(self, graphdef, k: int, top_n: int, experts: bool, state,
              sids: list[Optional[int]], *inputs, **masks) -> tuple:
     self.caches, *out = programs.decode(graphdef, k, top_n, experts, state, self.caches,
-                                        self._rows(sids, len(sids)), *inputs, **masks)
+                                        self._rows(sids, len(sids)), *inputs, **masks,
+                                        specs=self._specs)
     return tuple(out)
 
   def record(self, sid: int, seq: np.ndarray, experts: Optional[np.ndarray] = None) -> None:

@@ -32,6 +32,7 @@ How it works (all shapes static, so nothing recompiles after warm-up):
   early when a slot finishes while requests are waiting.
 - Weights are a jit argument: `update_params` swaps them between calls without recompiling
   (weights.py: quantized copies, LoRA adapters).
+- On a device mesh (`mesh=`) the same programs run SPMD in the decode layout (layout.py).
 
 Sampling parameters are read structurally: any object with the fields of
 `envs.policy.SamplingParams` (max_tokens, temperature, top_p, top_k, stop_token_ids, stop,
@@ -59,7 +60,7 @@ import numpy as np
 from flax import nnx
 
 from models.engine import constraint as constraints
-from models.engine import request, weights
+from models.engine import layout, request, weights
 from models.engine.cache import KVCache, common_prefix
 from models.engine.config import ACT_QTYPES, ON_UPDATE, WEIGHT_QTYPES, Completion, EngineConfig
 from models.engine.contiguous import CachePool
@@ -88,24 +89,34 @@ class Engine:
     detokenize: token ids -> text, needed only for requests with stop strings.
     version: policy version of the model's weights, tagged on the tokens they sample (a
       resumed RL run's engine starts at its checkpoint's version).
+    mesh: None (one device), or a mesh (axes `models.sharding.MESH_AXES`) to decode on in the
+      decode layout (layout.py); the model's weights may be anywhere.
 
   Raises:
-    ValueError: an EngineConfig field is out of range for the model.
+    ValueError: an EngineConfig field is out of range for the model (or the mesh).
   """
 
   def __init__(self, model, config: EngineConfig = EngineConfig(),
-               detokenize: Optional[Callable[[Sequence[int]], str]] = None, version: int = 0):
+               detokenize: Optional[Callable[[Sequence[int]], str]] = None, version: int = 0,
+               mesh=None):
     self.cfg = config
     self.model_cfg = model.cfg
     self.detokenize = detokenize
     self._check_config()
     c = config
+    self.layout = None if mesh is None else layout.Layout(mesh, model.cfg)
+    if self.layout is not None:
+      self.layout.check(c)
     self.capacity = c.max_seq_len
     self.prefill_rows = c.prefill_rows or c.slots
     model, self._weights = weights.prepare(model, c.weight_qtype, c.act_qtype)
+    if self.layout is not None:
+      model = self.layout.decode_model(model)
     self._graphdef, self._state = nnx.split(model)
+    if self.layout is not None:
+      self._state = self.layout.place(self._state)
     self.version = version
-    self._pool = POOLS[c.cache].create(model, c, self._count)
+    self._pool = POOLS[c.cache].create(model, c, self._count, self.layout)
     self._admissions = 0  # admission order of running requests (preemption takes the newest)
     # Decode batch: the request in each slot.
     self._slots: list[Optional[Request]] = [None] * c.slots
@@ -221,6 +232,9 @@ class Engine:
     state of its adapters alone, `nnx.state(model, nnx.LoRAParam)` of the trained model
     (stacked or unstacked): they replace the engine's adapters and the frozen base stays.
 
+    Arrays may be anywhere (e.g. the trainer's FSDP-sharded state, on the engine's mesh or
+    other devices): a mesh engine places them in its decode layout by `jax.device_put`.
+
     Args:
       params: a Transformer (stacked or not) or the full nnx.State of one, with the shapes and
         dtypes of the model the engine was built from (full precision with `weight_qtype`).
@@ -240,6 +254,8 @@ class Engine:
     with self._lock:  # on top of an update still waiting to be applied
       current = self._pending_update[0] if self._pending_update else self._state
     state = self._weights.convert(params, current)
+    if self.layout is not None:
+      state = self.layout.place(state)
     with self._lock:
       self._pending_update = (state, int(version), on_update)
     self._wakeup.set()
@@ -341,10 +357,11 @@ class Engine:
       self._queue.extend(self._incoming)
       self._incoming.clear()
     updating = self._maybe_update()
-    admitted = False if updating else self._admit()
-    if not any(r is not None for r in self._slots):
-      return admitted or updating
-    self._decode_call()
+    with layout.context(self.layout):  # every program call runs under the engine's mesh
+      admitted = False if updating else self._admit()
+      if not any(r is not None for r in self._slots):
+        return admitted or updating
+      self._decode_call()
     return True
 
   def _maybe_update(self) -> bool:

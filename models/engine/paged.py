@@ -21,6 +21,9 @@ host, the token ids its positions hold. Pages are reference-counted:
 Prefill and decode address the pages through page tables [rows, pages_per_seq]
 (`programs.prefill_paged`, `programs.decode_paged`); decode attention reads them with
 `models.kernels.paged_attention`.
+
+On a mesh (layout.py) the pages are replicated over the batch shards and their key/value heads
+split over `tensor` (MLA's single latent head: replicated).
 """
 
 
@@ -35,6 +38,7 @@ import numpy as np
 from models.engine import programs
 from models.engine.cache import KVCache, common_prefix
 from models.engine.config import EngineConfig
+from models.engine.layout import Layout, specs_of
 
 
 class PageAllocator:
@@ -107,20 +111,27 @@ class PagedPool(KVCache):
       page_copies).
     experts: keep the MoE routing of every cached position (routing replay).
     retain: most sequences kept for prefix reuse once nobody runs them.
+    layout: the engine's decode layout on a mesh (places the pages), or None (one device).
 
   Raises:
     ValueError: a sequence of `capacity` positions does not fit in `num_pages` pages.
   """
 
   def __init__(self, model, num_pages: int, page_size: int, capacity: int,
-               count: Callable[..., None], experts: bool = False, retain: int = 8):
+               count: Callable[..., None], experts: bool = False, retain: int = 8,
+               layout: Optional[Layout] = None):
     if num_pages * page_size < capacity:
       raise ValueError(f"num_pages={num_pages} x page_size={page_size} cannot hold one "
                        f"sequence of {capacity} positions")
     self.num_pages, self.page_size, self.capacity = num_pages, page_size, capacity
     self.pages_per_seq = -(-capacity // page_size)
     self.retain = retain
-    self._layout = jax.eval_shape(lambda: model.init_paged_cache(num_pages, page_size))
+    self._shapes = jax.eval_shape(lambda: model.init_paged_cache(num_pages, page_size))
+    self._mesh = layout
+    self._shardings = self._specs = None  # one device: unconstrained
+    if layout is not None:  # pages [kv_heads, num_pages, page_size, dim]
+      self._shardings = layout.cache_shardings(self._shapes, heads_dim=0)
+      self._specs = specs_of(self._shardings)
     self._count = count
     self._experts_shape = ((capacity, model.cfg.num_moe_layers, model.cfg.experts_per_token)
                            if experts else None)
@@ -136,17 +147,21 @@ class PagedPool(KVCache):
     self._copies: dict[int, int] = {}
 
   @classmethod
-  def create(cls, model, config: EngineConfig, count: Callable[..., None]) -> "PagedPool":
+  def create(cls, model, config: EngineConfig, count: Callable[..., None],
+             layout: Optional[Layout] = None) -> "PagedPool":
     """`num_pages` pages of `page_size` positions; by default (num_pages 0) the contiguous
     pool's memory, (slots + prefix_cache_rows) * ceil(max_seq_len / page_size) pages. At most
     `prefix_cache_rows` idle sequences are kept."""
     rows = config.slots + config.prefix_cache_rows
     num_pages = config.num_pages or rows * -(-config.max_seq_len // config.page_size)
     return cls(model, num_pages, config.page_size, config.max_seq_len, count,
-               experts=config.return_expert_ids, retain=config.prefix_cache_rows)
+               experts=config.return_expert_ids, retain=config.prefix_cache_rows,
+               layout=layout)
 
   def _zeros(self) -> Any:
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._layout)
+    if self._mesh is not None:
+      return self._mesh.zeros(self._shapes, self._shardings)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._shapes)
 
   # ---------------------------------------------------------------- bookkeeping
 
@@ -300,7 +315,7 @@ class PagedPool(KVCache):
     src = np.zeros(n, np.int32)
     dst = np.full(n, self.num_pages, np.int32)  # padding: dropped
     dst[:len(self._copies)], src[:len(self._copies)] = zip(*self._copies.items())
-    self.caches = programs.copy_pages(self.caches, src, dst)
+    self.caches = programs.copy_pages(self.caches, src, dst, specs=self._specs)
     self._copies.clear()
 
   # ---------------------------------------------------------------- device calls
@@ -308,12 +323,15 @@ class PagedPool(KVCache):
   def prefill(self, graphdef, state, sids: list[int], tokens: np.ndarray, starts: np.ndarray,
               lengths: list[int]) -> None:
     self.flush()
+    if self._mesh is not None:
+      tokens, starts = self._mesh.pad_rows(tokens, starts)
     table = self.table(sids, len(starts))
     if self._experts_shape is None:
-      self.caches = programs.prefill_paged(graphdef, state, self.caches, table, tokens, starts)
+      self.caches = programs.prefill_paged(graphdef, state, self.caches, table, tokens, starts,
+                                           specs=self._specs)
     else:
       self.caches, ids = programs.prefill_paged(graphdef, state, self.caches, table, tokens,
-                                                starts, experts=True)
+                                                starts, experts=True, specs=self._specs)
       ids = np.asarray(jax.device_get(ids)).transpose(1, 2, 0, 3)  # [b, p, moe_layers, k]
     for i, (sid, n) in enumerate(zip(sids, lengths)):
       seq, start = self.seqs[sid], int(starts[i])
@@ -327,7 +345,7 @@ class PagedPool(KVCache):
     self.flush()
     table = self.table(sids, len(sids))
     self.caches, *out = programs.decode_paged(graphdef, k, top_n, experts, state, self.caches,
-                                              table, *inputs, **masks)
+                                              table, *inputs, **masks, specs=self._specs)
     self.pages_peak = max(self.pages_peak, self.pages_used)
     return tuple(out)
 

@@ -4,7 +4,9 @@ contiguous pool (`prefill`, `copy_row`, `decode`) or the pages of a paged one (`
 does. Decode samples with sampling.py's functions.
 
 The programs are module-level with the model's graphdef and sizes as static arguments, so
-engines of one model config share compiled code. Every cache argument is donated: a call
+engines of one model config share compiled code. On a mesh (layout.py) the static `specs`
+(flat PartitionSpecs of the cache leaves) keep every cache in the pool's own sharding, so a
+donated pool is replaced in place; None (one device) constrains nothing. Every cache argument is donated: a call
 consumes the pool's arrays and returns their successors. `TRACES` counts traces per program: a
 retrace is a recompile.
 """
@@ -19,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.engine import sampling
+from models.engine.layout import constrain
 
 TRACES: collections.Counter = collections.Counter()
 
@@ -40,10 +43,10 @@ def _forward(graphdef, state, tokens, positions, cache, index, page_table=None):
   return model.hidden(tokens, positions, None, cache=cache, index=index, page_table=page_table)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("experts",),
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("experts", "specs"),
                    donate_argnums=(2,))
 def prefill(graphdef, state, pool: dict, rows: jax.Array, tokens: jax.Array,
-            starts: jax.Array, *, experts: bool = False):
+            starts: jax.Array, *, experts: bool = False, specs=None):
   """Write the cache of tokens into pool rows.
 
   Args:
@@ -54,22 +57,24 @@ def prefill(graphdef, state, pool: dict, rows: jax.Array, tokens: jax.Array,
     tokens: [b, p] int32 tokens to prefill.
     starts: [b] cache slot of each row's first token.
     experts: also return the MoE expert choices of every prefilled token (static).
+    specs: None, or (the pool's specs, the gathered rows' specs) on a mesh (static).
 
   Returns:
     The updated pool; with `experts`, (pool, expert_ids [moe_layers, b, p, k] int32).
   """
   TRACES["prefill"] += 1
-  sub = _gather_rows(pool, rows)
+  pool_specs, sub_specs = specs or (None, None)
+  sub = constrain(_gather_rows(pool, rows), sub_specs)
   positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
   _, aux, sub = _forward(graphdef, state, tokens, positions, sub, starts)
-  pool = _scatter_rows(pool, rows, sub)
+  pool = constrain(_scatter_rows(pool, rows, constrain(sub, sub_specs)), pool_specs)
   return (pool, aux["expert_ids"]) if experts else pool
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("experts",),
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("experts", "specs"),
                    donate_argnums=(2,))
 def prefill_paged(graphdef, state, pages: dict, page_table: jax.Array, tokens: jax.Array,
-                  starts: jax.Array, *, experts: bool = False):
+                  starts: jax.Array, *, experts: bool = False, specs=None):
   """Write the cache of tokens into a paged cache (`prefill` for `Transformer.init_paged_cache`).
 
   Args:
@@ -81,6 +86,7 @@ def prefill_paged(graphdef, state, pages: dict, page_table: jax.Array, tokens: j
     tokens: [b, p] int32 tokens to prefill.
     starts: [b] position of each row's first token.
     experts: also return the MoE expert choices of every prefilled token (static).
+    specs: None, or the pages' specs on a mesh (static).
 
   Returns:
     The updated pages; with `experts`, (pages, expert_ids [moe_layers, b, p, k] int32).
@@ -88,45 +94,50 @@ def prefill_paged(graphdef, state, pages: dict, page_table: jax.Array, tokens: j
   TRACES["prefill_paged"] += 1
   positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
   _, aux, pages = _forward(graphdef, state, tokens, positions, pages, starts, page_table)
+  pages = constrain(pages, specs)
   return (pages, aux["expert_ids"]) if experts else pages
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def copy_pages(pages: dict, src: jax.Array, dst: jax.Array) -> dict:
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("specs",))
+def copy_pages(pages: dict, src: jax.Array, dst: jax.Array, *, specs=None) -> dict:
   """Copies pages src[i] to dst[i] in every layer (copy-on-write); all reads come first.
 
   Args:
     pages: paged decode caches, leaves [..., num_pages, page_size, dim] (donated).
     src: [n] int32 pages read.
     dst: [n] int32 pages overwritten; ids >= num_pages are padding (dropped).
+    specs: None, or the pages' specs on a mesh (static).
 
   Returns:
     The new pages.
   """
   TRACES["copy_pages"] += 1
-  return jax.tree.map(lambda a: a.at[..., dst, :, :].set(a[..., src, :, :], mode="drop"), pages)
+  return constrain(jax.tree.map(
+      lambda a: a.at[..., dst, :, :].set(a[..., src, :, :], mode="drop"), pages), specs)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def copy_row(pool: dict, src: jax.Array, dst: jax.Array) -> dict:
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("specs",))
+def copy_row(pool: dict, src: jax.Array, dst: jax.Array, *, specs=None) -> dict:
   """Copies cache row `src` to row `dst` (prefix reuse) in the donated pool.
 
   Args:
     pool: decode caches [pool_rows, ...] (donated).
     src: int32 [] the row copied.
     dst: int32 [] the row overwritten.
+    specs: None, or the pool's specs on a mesh (static).
 
   Returns:
     The new pool.
   """
   TRACES["copy"] += 1
-  return jax.tree.map(lambda a: a.at[dst].set(a[src]), pool)
+  return constrain(jax.tree.map(lambda a: a.at[dst].set(a[src]), pool), specs)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("specs",),
+                   donate_argnums=(5,))
 def decode(graphdef, k: int, top_n: int, experts: bool, state, pool, rows, tokens, lengths,
            active, counts, limits, temperature, top_k, top_p, seeds, stop_ids, max_steps,
-           exit_on_finish, *, mask=None, min_p=None, min_tokens=None):
+           exit_on_finish, *, mask=None, min_p=None, min_tokens=None, specs=None):
   """Up to `max_steps` (<= k) decode steps of the slots batch, in one `lax.while_loop`.
 
   Arrays are [slots] unless noted. Each step samples with `sampling.sample` (keys: `seeds`
@@ -164,6 +175,7 @@ def decode(graphdef, k: int, top_n: int, experts: bool, state, pool, rows, token
       no masks (nor min_p / min_tokens: the three come together).
     min_p: [slots] float32 min-p of `sampling.sample`; 0 = off.
     min_tokens: [slots] int32; a row's stop ids are masked while `counts` < this.
+    specs: None, or (the pool's specs, the slots' rows' specs) on a mesh (static).
 
   Returns:
     (pool, steps run, final tokens, lengths, active, counts, per-step outputs {name: [k, ...]}:
@@ -172,32 +184,36 @@ def decode(graphdef, k: int, top_n: int, experts: bool, state, pool, rows, token
     [k, moe_layers, slots, experts_per_token] when asked for).
   """
   TRACES["decode"] += 1
-  sub = _gather_rows(pool, rows)
+  pool_specs, sub_specs = specs or (None, None)
+  sub = constrain(_gather_rows(pool, rows), sub_specs)
   sub, *rest = _decode_loop(graphdef, k, top_n, experts, state, sub, None, tokens, lengths,
                             active, counts, limits, temperature, top_k, top_p, seeds, stop_ids,
-                            max_steps, exit_on_finish, mask, min_p, min_tokens)
-  return (_scatter_rows(pool, rows, sub), *rest)
+                            max_steps, exit_on_finish, mask, min_p, min_tokens, sub_specs)
+  return (constrain(_scatter_rows(pool, rows, sub), pool_specs), *rest)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("specs",),
+                   donate_argnums=(5,))
 def decode_paged(graphdef, k: int, top_n: int, experts: bool, state, pages, page_table, tokens,
                  lengths, active, counts, limits, temperature, top_k, top_p, seeds, stop_ids,
-                 max_steps, exit_on_finish, *, mask=None, min_p=None, min_tokens=None):
+                 max_steps, exit_on_finish, *, mask=None, min_p=None, min_tokens=None,
+                 specs=None):
   """`decode` over a paged cache: `pages` (donated) replaces the pool and `page_table`
   [slots, pages_per_seq] int32 (each slot's pages; an empty slot names no page, ids >=
-  num_pages) the rows. Every position a slot writes in the call must lie in its own pages.
-  Returns what `decode` returns, with the updated pages first."""
+  num_pages) the rows. Every position a slot writes in the call must lie in its own pages;
+  `specs` (static): None, or the pages' specs on a mesh. Returns what `decode` returns, with
+  the updated pages first."""
   TRACES["decode_paged"] += 1
   return _decode_loop(graphdef, k, top_n, experts, state, pages, page_table, tokens, lengths,
                       active, counts, limits, temperature, top_k, top_p, seeds, stop_ids,
-                      max_steps, exit_on_finish, mask, min_p, min_tokens)
+                      max_steps, exit_on_finish, mask, min_p, min_tokens, specs)
 
 
 def _decode_loop(graphdef, k, top_n, experts, state, cache, page_table, tokens, lengths, active,
                  counts, limits, temperature, top_k, top_p, seeds, stop_ids, max_steps,
-                 exit_on_finish, mask=None, min_p=None, min_tokens=None):
+                 exit_on_finish, mask=None, min_p=None, min_tokens=None, specs=None):
   """The while loop of `decode` over the slots' caches (rows gathered from the pool, or the
-  pages with `page_table`)."""
+  pages with `page_table`), each step's caches constrained to `specs`."""
   model = nnx.merge(graphdef, state)
   mc = model.cfg
   lm_head = model.lm_head_weight()
@@ -220,6 +236,7 @@ def _decode_loop(graphdef, k, top_n, experts, state, cache, page_table, tokens, 
     step, sub, tok, length, act, count, finished, out = carry
     h, aux, sub = _forward(graphdef, state, tok[:, None], length[:, None], sub, length,
                            page_table)
+    sub = constrain(sub, specs)
     logits = jnp.dot(h[:, 0].astype(jnp.float32), lm_head)
     if allowed is not None:
       logits = sampling.restrict(logits, allowed, count, min_tokens, stop_ids)

@@ -65,6 +65,11 @@ def _unstack_values(values: dict) -> dict:
   return out
 
 
+# the same, as one jitted call: layer slices of device arrays stay on their devices, without a
+# host-to-device index per layer
+_unstack = jax.jit(_unstack_values)
+
+
 def _abstract(state: nnx.State) -> nnx.State:
   """The state with ShapeDtypeStruct values: its structure, shapes and dtypes, no arrays."""
   return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
@@ -79,7 +84,7 @@ def _rebuild(reference: nnx.State, params: nnx.State) -> nnx.State:
 
   Args:
     reference: the state (or abstract state) whose structure the result has.
-    params: a state with the same variables.
+    params: a state with the same variables, or its pure dict (`nnx.to_pure_dict`).
 
   Returns:
     A state of `reference`'s structure holding `params`' arrays.
@@ -87,7 +92,8 @@ def _rebuild(reference: nnx.State, params: nnx.State) -> nnx.State:
   Raises:
     ValueError: other variables, or a variable of another shape or dtype.
   """
-  new_values, old_values = nnx.to_pure_dict(params), nnx.to_pure_dict(reference)
+  new_values = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+  old_values = nnx.to_pure_dict(reference)
   if jax.tree.structure(new_values) != jax.tree.structure(old_values):
     raise ValueError("update_params: the new weights do not have the engine model's "
                      "structure (other layers or parameters)")
@@ -230,11 +236,8 @@ class Weights:
                        "unstacked model; pass a Transformer")
     if self.weight_qtype is not None:
       return self._quantized(params, stacked)
-    if isinstance(params, nnx.State) and stacked:
-      params = nnx.merge(self._stacked_graphdef, params)
-    if not isinstance(params, nnx.State):
-      params = nnx.state(params if _is_unstacked(params) else transformer.unstack(params))
-    return _rebuild(self._reference, params)
+    values = nnx.to_pure_dict(params if isinstance(params, nnx.State) else nnx.state(params))
+    return _rebuild(self._reference, _unstack(values) if stacked else values)
 
   def _quantized(self, params, stacked: bool) -> nnx.State:
     """The engine's quantized state of new full-precision weights (`weight_qtype`)."""
@@ -268,7 +271,7 @@ class Weights:
     """
     values = nnx.to_pure_dict(params)
     if _is_stacked_state(params):
-      values = _unstack_values(values)
+      values = _unstack(values)
     new = nnx.traversals.flatten_mapping(values)
     old = nnx.traversals.flatten_mapping(nnx.to_pure_dict(current))
     missing = sorted("/".join(map(str, p)) for p in self._adapter_paths - set(new))
