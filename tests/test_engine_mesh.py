@@ -33,6 +33,23 @@ def test_mesh_engine_matches_one_device_engine():
   assert results["errors"] == 4, results
 
 
+def test_rl_engine_mesh_field():
+  import ml_collections
+  import pytest
+
+  from trainer import rollouts
+
+  def config(kind):
+    return ml_collections.ConfigDict({"rl": {"engine_mesh": kind}})
+  assert rollouts.engine_mesh(ml_collections.ConfigDict({"rl": {}}), mesh="m") is None
+  assert rollouts.engine_mesh(config("none"), mesh="m") is None
+  assert rollouts.engine_mesh(config("colocated"), mesh="m") == "m"
+  with pytest.raises(ValueError, match="rl.engine_mesh='colocated': the run has no"):
+    rollouts.engine_mesh(config("colocated"))
+  with pytest.raises(ValueError, match="rl.engine_mesh='remote'"):
+    rollouts.engine_mesh(config("remote"), mesh="m")
+
+
 # ---------------------------------------------------------------------------- the subprocess
 
 def _main() -> None:

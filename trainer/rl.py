@@ -224,7 +224,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
   # --- the engine (the policy's weights, updated in memory) and where the groups come from
   version = int(state.policy_version)
   engine = Engine(state.model(model_cfg), rollouts.engine_config(config, model_cfg),
-                  detokenize=chat.tokenizer.decode, version=version)
+                  detokenize=chat.tokenizer.decode, version=version,
+                  mesh=rollouts.engine_mesh(config, mesh))
   source = make_source(config, engine, chat, rollouts.scaffold_config(config),
                        TaskSource(config, workdir), consumed, restored_extra, run.checkpointer)
   train_step = step_lib.make_train_step(

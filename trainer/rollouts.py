@@ -301,6 +301,32 @@ def engine_config(config: ml_collections.ConfigDict, model_cfg=None) -> EngineCo
                       act_qtype=rl.get("rollout_act_qtype"))
 
 
+ENGINE_MESHES = ("none", "colocated")
+
+
+def engine_mesh(config: ml_collections.ConfigDict, mesh=None):
+  """The mesh a run's engine decodes on (`Engine(mesh=...)`), from `rl.engine_mesh`: "none"
+  (absent: one device) or "colocated" (the trainer's mesh, in the engine's decode layout:
+  weights tensor/expert-parallel, slots over the data axes; weight syncs reshard on device).
+
+  Args:
+    config: the run's config.
+    mesh: the trainer's mesh, or None.
+
+  Returns:
+    The mesh, or None.
+
+  Raises:
+    ValueError: an unknown `rl.engine_mesh`, or "colocated" without a trainer mesh.
+  """
+  kind = config.rl.get("engine_mesh", "none")
+  if kind not in ENGINE_MESHES:
+    raise ValueError(f"rl.engine_mesh={kind!r}: expected one of {ENGINE_MESHES}")
+  if kind == "colocated" and mesh is None:
+    raise ValueError("rl.engine_mesh='colocated': the run has no device mesh")
+  return mesh if kind == "colocated" else None
+
+
 def branch_config(config: ml_collections.ConfigDict) -> Optional[BranchConfig]:
   """The tree rollouts of a run: `rl.branch` when `rl.rollout` is "branching", else None."""
   if config.rl.rollout != "branching":
