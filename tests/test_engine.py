@@ -240,8 +240,10 @@ def test_weight_update_tags_versions(models):
                     logp_old[pred, o.output_ids])
     np.testing.assert_allclose(o.logprobs, want, atol=ATOL)
   assert eng.counters["updates"] == 2 and eng.counters["resubmitted"] == 2
-  assert {k: v for k, v in programs.TRACES.items() if k != "prefill"} == \
-      {k: v for k, v in traces.items() if k != "prefill"}
+  # no program compiled before the updates traced again (prefill lengths vary; a prefix copy
+  # may compile here for the first time)
+  again = {k for k, n in traces.items() if k != "prefill" and programs.TRACES[k] != n}
+  assert not again, again
 
 
 def test_update_params_rejects_other_shapes(models):
