@@ -301,6 +301,9 @@ def _rl() -> ml_collections.ConfigDict:
   s.kv_cache = "contiguous"
   s.kv_page_size = 16  # rl.kv_cache="paged": positions per page
   s.kv_pages = 0  # rl.kv_cache="paged": pages per layer (0 = the contiguous cache's memory)
+  # where the engine decodes: "none" (one device) | "colocated" (the trainer's mesh, in the
+  # engine's decode layout: weights tensor/expert-parallel, slots over the data axes)
+  s.engine_mesh = "none"
   # the engine samples from a weight-only quantized copy of the policy (qwix: "int8" |
   # "float8_e4m3fn" | ...), re-quantized at every weight sync; None = the training weights.
   # The sampler's log-probs are the quantized policy's: pair with rl.recompute_old and

@@ -49,6 +49,13 @@ def test_rl_engine_mesh_field():
   with pytest.raises(ValueError, match="rl.engine_mesh='remote'"):
     rollouts.engine_mesh(config("remote"), mesh="m")
 
+  from configs.base import base_config
+  from trainer import config as config_lib
+  c = base_config()
+  c.mode, c.loss.name, c.rl.engine_mesh = "rl", "grpo", "remote"
+  with pytest.raises(config_lib.ConfigError, match=r"config\.rl\.engine_mesh='remote'"):
+    config_lib.validate(c, files=False)
+
 
 # ---------------------------------------------------------------------------- the subprocess
 

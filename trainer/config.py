@@ -449,9 +449,7 @@ def _validate_rl_mode(config, files: bool) -> None:
     _fail("rl.max_new_tokens", rl.max_new_tokens, f"fewer than rl.max_context_tokens="
           f"{rl.max_context_tokens}")
   _choice(config, "rl.kv_cache", ("contiguous", "paged"))
-  if rl.get("engine_mesh", "none") not in ("none", "colocated"):
-    _fail("rl.engine_mesh", rl.engine_mesh, "'none' (one device) or 'colocated' (the "
-          "trainer's mesh, in the engine's decode layout)")
+  _choice(config, "rl.engine_mesh", ("none", "colocated"))
   _int(config, "rl.kv_page_size", 1)
   _int(config, "rl.kv_pages", 0)
 
