@@ -164,6 +164,21 @@ def test_search_compiles_in_rank_order_prunes_decided_layouts_and_picks_the_best
   assert any("why: expert 2" in line for line in lines)
 
 
+def test_the_best_plan_fits_in_90_percent_of_hbm_then_is_fastest_then_moves_fewest_bytes():
+  def entry(hbm, step, collective_gb):
+    return {"fits": True, "planned": hbm <= 0.9 * 95, "hbm_gb": hbm, "step_s": step,
+            "collective_gb": collective_gb}
+  crowded = entry(88.0, 1.0, 100.0)  # fits, above the 90% line: chosen only when alone
+  slower, fastest, slowest = entry(60.0, 1.04, 300.0), entry(70.0, 1.03, 200.0), entry(
+      50.0, 1.5, 10.0)
+  assert aot_search.best([crowded, slower, fastest, slowest]) is fastest
+  # within TIE of the fastest step, the fewest collective bytes win
+  lighter = entry(65.0, 1.05, 150.0)
+  assert aot_search.best([crowded, slower, fastest, lighter]) is lighter
+  assert aot_search.best([crowded]) is crowded
+  assert aot_search.best([dict(crowded, fits=False, planned=False)]) is None
+
+
 def test_search_stops_at_the_budget_and_only_when_asked_past_a_fit():
   c = tiny()
   calls = []

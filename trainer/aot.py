@@ -504,8 +504,8 @@ def _define_flags() -> dict:
       "search_budget": flags.DEFINE_integer("search_budget", aot_search.BUDGET,
                                             "With --search: compiles at most."),
       "search_fits": flags.DEFINE_integer("search_fits", aot_search.ENOUGH, "With --search: "
-                                          "stop once this many layouts fit (the config's "
-                                          "own included)."),
+                                          "stop once this many layouts fit in 90% of HBM "
+                                          "(the config's own included)."),
   }
 
 

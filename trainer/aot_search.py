@@ -24,15 +24,17 @@ residual stream split over `tensor` (`sharding_rules.act_embed`), the log-prob c
   rank        estimated to fit in `FIT_FRACTION` of HBM first, then the faster estimated step,
               then fewer changes from the config, then less estimated HBM.
   search      compiles the train step (`aot.compile_run`) in rank order, `budget` compiles at
-              most, until `enough` layouts fit. A layout a compile has already decided is not
-              compiled: one that saves at least as much memory as a layout that fits (the same
-              mesh; rows, remat, residual split and chunks as light or lighter) fits too but is
-              no faster; one that saves no more than a layout that does not fit does not fit.
+              most, until `enough` layouts fit in `FIT_FRACTION` of HBM (the planning line of
+              docs/scaling.md: the rest is XLA scratch and fragmentation). A layout a compile
+              has already decided is not compiled: one that saves at least as much memory as a
+              layout that fits under the line (the same mesh; rows, remat, residual split and
+              chunks as light or lighter) fits too but is no faster; one that saves no more
+              than a layout that does not fit does not fit.
 
-The best plan is, among the compiled layouts that fit, the one with the fastest compiled
-roofline step (the accumulation's plus the update's, `aot.program_report`); layouts within
-`TIE` of the fastest count as equally fast, and of those the one with the fewest collective
-bytes per step wins, then the one with the most headroom.
+The best plan is, among the compiled layouts that fit under the line (all that fit when none
+does), the one with the fastest compiled roofline step (the accumulation's plus the update's,
+`aot.program_report`); layouts within `TIE` of the fastest count as equally fast, and of those
+the one with the fewest collective bytes per step wins, then the one with the most headroom.
 """
 
 from __future__ import annotations
@@ -61,10 +63,10 @@ from trainer import optim
 from trainer import state as state_lib
 
 REMAT_ORDER = ("none", "save_dots", "full")  # weakest to strongest (least memory)
-FIT_FRACTION = 0.9  # the share of HBM a layout's estimate may fill to rank as fitting
+FIT_FRACTION = 0.9  # the share of HBM a plan may fill (estimated to rank, compiled to choose)
 TIE = 0.05  # compiled steps within this fraction of the fastest count as equally fast
 BUDGET = 6  # compiles at most (the config's own, compiled before, not counted)
-ENOUGH = 2  # stop once this many layouts fit (the config's own included)
+ENOUGH = 2  # stop once this many layouts fit in FIT_FRACTION of HBM (the config's own included)
 DISPATCH_CHUNK = 1024  # the smaller MoE dispatch round proposed (tokens per device)
 MIN_LOGITS_CHUNK = 128  # the smallest log-prob chunk proposed
 SKIPPED_SHOWN = 10  # layouts decided without compiling that the summary lists
@@ -434,10 +436,13 @@ def _outcome(report: dict, capacity: float) -> dict:
   step = None if refused else round(sum(p["roofline_s"]["step"] for p in programs.values()), 3)
   coll = None if refused else round(sum(c["bytes"] for p in programs.values()
                                         for c in p["collectives"].values()) / GB, 1)
-  verdict = (f"fits: {hbm:.1f} GB, {capacity - hbm:.1f} GB headroom" if fits else
+  planned = fits and hbm <= FIT_FRACTION * capacity
+  verdict = (f"fits: {hbm:.1f} GB, {capacity - hbm:.1f} GB headroom" + (
+                 "" if planned else f", above {FIT_FRACTION:.0%} of HBM") if fits else
              f"refused by the compiler: needs more than {hbm:.1f} GB" if refused else
              f"does not fit: {hbm:.1f} GB of {capacity:.0f} GB")
-  return {"fits": fits, "hbm_gb": round(hbm, 2), "step_s": step, "collective_gb": coll,
+  return {"fits": fits, "planned": planned, "hbm_gb": round(hbm, 2), "step_s": step,
+          "collective_gb": coll,
           "compile_s": round(sum(p["compile_s"] for p in programs.values()), 1),
           "verdict": verdict}
 
@@ -447,17 +452,20 @@ def _decided_by(layout: Layout, tried: list[tuple[Layout, dict]]) -> Optional[st
   for other, entry in tried:
     if entry.get("failed"):
       continue
-    if entry["fits"] and layout.lighter_or_equal(other):
-      return f"not compiled: as light as {other.describe()}, which fits (and no faster)"
+    if entry["planned"] and layout.lighter_or_equal(other):
+      return (f"not compiled: as light as {other.describe()}, which fits in "
+              f"{FIT_FRACTION:.0%} of HBM (and no faster)")
     if not entry["fits"] and other.lighter_or_equal(layout):
       return f"not compiled: as heavy as {other.describe()}, which does not fit"
   return None
 
 
 def best(entries: list[dict]) -> Optional[dict]:
-  """The best of the compiled layouts that fit: the fastest roofline step; of those within
-  `TIE` of it, the fewest collective bytes, then the most headroom (lowest HBM)."""
+  """The best of the compiled layouts that fit: of those within `FIT_FRACTION` of HBM (all
+  that fit when none is), the fastest roofline step; of those within `TIE` of it, the fewest
+  collective bytes, then the most headroom (lowest HBM)."""
   fit = [e for e in entries if e.get("fits") and e.get("step_s") is not None]
+  fit = [e for e in fit if e["planned"]] or fit
   if not fit:
     return None
   fastest = min(e["step_s"] for e in fit)
@@ -475,7 +483,8 @@ def search(config, topology: str, report: dict, budget: int = BUDGET, enough: in
     topology: the slice ("v5p:2x2x4").
     report: `aot.compile_run`'s report of the config (its train step).
     budget: compiles at most, the config's own (in `report`) not counted.
-    enough: stop once this many layouts fit, the config's own included.
+    enough: stop once this many layouts fit in `FIT_FRACTION` of HBM, the config's own
+      included.
     explore: search even when the config's train step fits.
     compile_fn: compiles a config's train step (default `aot.compile_run`).
     log: where progress lines go.
@@ -484,7 +493,8 @@ def search(config, topology: str, report: dict, budget: int = BUDGET, enough: in
     {} when the report has no train step, or it fits and `explore` is off; else
     {"candidates": how many valid layouts were ranked, "tried": one entry per compiled layout
     in order, the config's own first ({"layout", "why" (the reasons for its changes),
-    "estimate_gb", "estimate_step_s", "fits", "hbm_gb", "step_s" (compiled roofline),
+    "estimate_gb", "estimate_step_s", "fits", "planned" (fits in `FIT_FRACTION` of HBM),
+    "hbm_gb", "step_s" (compiled roofline),
     "collective_gb", "compile_s", "verdict", "best"}; a compile that failed otherwise
     has "failed" and its error as "verdict"), "skipped": [{"layout", "verdict"}] for the
     layouts passed over on the way, "not_compiled": the ranked layouts left when the search
@@ -511,7 +521,7 @@ def search(config, topology: str, report: dict, budget: int = BUDGET, enough: in
   for i, (layout, est) in enumerate(ranked):
     if layout == base:
       continue
-    if len(tried) > budget or sum(e["fits"] for _, e in tried) >= enough:
+    if len(tried) > budget or sum(e["planned"] for _, e in tried) >= enough:
       left = len(ranked) - i
       break
     why_not = _decided_by(layout, tried)
@@ -522,7 +532,7 @@ def search(config, topology: str, report: dict, budget: int = BUDGET, enough: in
     try:
       outcome = _outcome(compile_fn(apply(config, layout), topology, ("train",)), capacity)
     except Exception as e:  # a layout the compiler cannot build: reported, the search goes on
-      outcome = {"fits": False, "failed": True, "hbm_gb": None, "step_s": None,
+      outcome = {"fits": False, "planned": False, "failed": True, "hbm_gb": None, "step_s": None,
                  "collective_gb": None, "compile_s": None,
                  "verdict": f"failed: {str(e).strip().splitlines()[0][:300]}"}
     tried.append((layout, entry(layout, est, outcome)))
