@@ -367,7 +367,8 @@ def estimate(config, layout: Layout, chip: Chip) -> Estimate:
   saved = layers * t * act * (residual if layout.remat in ("full", "offload")
                               else attn_v + mlp_v + residual)
   working = 2 * act * t * (attn_v + (0.0 if cfg.is_moe else mlp_v))  # values and gradients
-  working += 8 * 4 * t * h  # whole-width fp32 arrays: the residual, norms, their gradients
+  # whole-width fp32 arrays (the residual, norms, their gradients): 8 matches the compiled plans
+  working += 8 * 4 * t * h
   if cfg.is_moe:
     m, k = cfg.moe_intermediate_size, cfg.experts_per_token
     if all_to_all:  # a round's receive buffer: room for every chip's copies
@@ -406,7 +407,7 @@ def rank(config, layouts: list[Layout], chip: Chip) -> list[tuple[Layout, Estima
   """Layouts with their estimates, most promising first: estimated to fit in `FIT_FRACTION`
   of HBM, then the faster estimated step, fewer changes from the config, less HBM."""
   cfg = config_lib.model_config(config)
-  base = config_layout(config, math.prod(layouts[0].mesh)) if layouts else None
+  base = config_layout(config, math.prod(layouts[0].mesh)) if layouts else None  # same chips
   usable = FIT_FRACTION * chip.hbm_bytes / GB
   scored = [(layout, estimate(config, layout, chip)) for layout in layouts]
   changes = lambda layout: len(reasons(layout, base, cfg, config.data.row_len))
@@ -494,11 +495,11 @@ def search(config, topology: str, report: dict, budget: int = BUDGET, enough: in
     {"candidates": how many valid layouts were ranked, "tried": one entry per compiled layout
     in order, the config's own first ({"layout", "why" (the reasons for its changes),
     "estimate_gb", "estimate_step_s", "fits", "planned" (fits in `FIT_FRACTION` of HBM),
-    "hbm_gb", "step_s" (compiled roofline),
-    "collective_gb", "compile_s", "verdict", "best"}; a compile that failed otherwise
-    has "failed" and its error as "verdict"), "skipped": [{"layout", "verdict"}] for the
-    layouts passed over on the way, "not_compiled": the ranked layouts left when the search
-    stopped, "best": the best entry's layout or None}.
+    "hbm_gb", "step_s" (compiled roofline), "collective_gb", "compile_s", "verdict",
+    "best"}; a compile that failed otherwise has "failed" and its error as "verdict"),
+    "skipped": [{"layout", "verdict"}] for the layouts passed over on the way,
+    "not_compiled": the ranked layouts left when the search stopped, "best": the best
+    entry's layout or None}.
   """
   if "train/gradients" not in report["programs"] or (_fits(report) and not explore):
     return {}
@@ -513,8 +514,7 @@ def search(config, topology: str, report: dict, budget: int = BUDGET, enough: in
   def entry(layout: Layout, est: Estimate, outcome: dict) -> dict:
     return {"layout": layout.describe(), "why": reasons(layout, base, cfg, config.data.row_len),
             "estimate_gb": round(est.hbm_gb, 2), "estimate_step_s": round(est.step_s, 4),
-            **outcome,
-            "best": False}
+            **outcome, "best": False}
 
   tried = [(base, entry(base, estimate(config, base, chip), _outcome(report, capacity)))]
   skipped, left = [], 0
@@ -554,7 +554,7 @@ def summary_lines(result: dict) -> list[str]:
            f"(the config's own first), {len(result['skipped'])} decided without compiling, "
            f"{result['not_compiled']} not compiled"]
   for e in result["tried"]:
-    step = f", roofline step {e['step_s']:.1f} s" if e.get("step_s") is not None else ""
+    step = f", roofline step {e['step_s']:.3g} s" if e.get("step_s") is not None else ""
     compiled = f", compiled in {e['compile_s']:.0f} s" if e.get("compile_s") is not None else ""
     lines.append(f"  {'*' if e['best'] else '-'} {e['layout']}: {e['verdict']} (estimated "
                  f"{e['estimate_gb']:.1f} GB){step}{compiled}")
