@@ -39,6 +39,7 @@ from benchmarks import common, sizing
 from configs import rl as rl_config
 from models.presets import get_preset
 from trainer import aot
+from trainer import aot_search
 
 PROGRAMS = ("train", "score", "decode")  # prefill: `--programs` (the unrolled engine model)
 LONG_PROGRAMS = ("train",)  # long-context plans: the train step (compiles take minutes each)
@@ -227,7 +228,8 @@ def run(name: str, programs=PROGRAMS, search: bool = False) -> dict:
     report["preset"] = ALL_PLANS[name].preset
     report["compiled"] = {"date": common.today(), "machine": common.machine()}
   if search:
-    report["search"] = aot.search(config, ALL_PLANS[name].topology, report)
+    report["search"] = aot_search.search(config, ALL_PLANS[name].topology, report,
+                                         compile_fn=aot.compile_run)
   report["wall_s"] = round(time.perf_counter() - t0, 1)
   return report
 
@@ -276,8 +278,7 @@ def markdown(reports: list[dict]) -> str:
   if searched:
     lines += ["", "Plans that do not fit, and what `--search` compiled instead:", ""]
     for r in searched:
-      tried = "; ".join(f"{t['change']}: {t['hbm_gb']:.1f} GB, "
-                        f"{'fits' if t['fits'] else 'no'}" for t in r["search"])
+      tried = "; ".join(f"{t['layout']}: {t['verdict']}" for t in r["search"].get("tried", []))
       lines.append(f"- {r['plan']}: {tried}")
   return "\n".join(lines)
 

@@ -10,6 +10,9 @@ chip 1640 GBps; ICI bandwidth 3584 Gbps"), checked 2026-11. Used by the sizing a
 from __future__ import annotations
 
 import dataclasses
+import math
+
+import jax.numpy as jnp
 
 GB = 1e9  # TPU documentation states HBM in GB (1e9 bytes)
 
@@ -39,3 +42,20 @@ CHIPS = {
     "v5p": Chip("v5p", 459e12, 95 * GB, 2765 * GB, 4800e9 / 8, 2),
     "v6e": Chip("v6e", 918e12, 32 * GB, 1640 * GB, 3584e9 / 8, 1),
 }
+
+
+def slice_chips(topology: str) -> tuple[Chip, int]:
+  """(the generation's Chip, chips in the slice) of a topology "GEN:AxB[xC]" (e.g. "v5p:2x2x4":
+  v5p, 16), without libtpu; KeyError for an unknown generation."""
+  gen, _, shape = topology.partition(":")
+  return CHIPS[gen], math.prod(int(n) for n in shape.split("x"))
+
+
+def storage_bits(dtype) -> int:
+  """Bits one element takes in HBM: 4 for int4 (TPUs pack two per byte; numpy says 1 byte)."""
+  dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.integer):
+    return jnp.iinfo(dtype).bits
+  if jnp.issubdtype(dtype, jnp.floating):
+    return jnp.finfo(dtype).bits
+  return 8 * dtype.itemsize

@@ -153,7 +153,7 @@ def test_search_compiles_another_layout_of_the_tiny_step(v5p_report):
   # other layout for real (one compile) and names the better of the two
   with jax.default_matmul_precision("default"):
     result = aot_search.search(tiny_config(), "v5p:2x2x1", v5p_report, budget=1, explore=True,
-                               log=lambda line: None)
+                               compile_fn=aot.compile_run, log=lambda line: None)
   own, other = result["tried"]
   assert own["why"] == [] and own["fits"]
   assert own["hbm_gb"] == pytest.approx(v5p_report["train_peak_gb"]["total"], abs=0.01)

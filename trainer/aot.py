@@ -62,7 +62,7 @@ from jax.experimental import topologies
 from ml_collections import config_flags
 
 from models import presets, sharding
-from models.hardware import CHIPS, GB, Chip
+from models.hardware import CHIPS, GB, Chip, storage_bits
 from models.kernels import attention
 from rl import corrections
 from trainer import aot_engine
@@ -394,16 +394,6 @@ def _compile_run(config, topology: str, programs: Sequence[str]) -> dict:
   return report
 
 
-def storage_bits(dtype) -> int:
-  """Bits one element takes in HBM: 4 for int4 (TPUs pack two per byte; numpy says 1 byte)."""
-  dtype = jnp.dtype(dtype)
-  if jnp.issubdtype(dtype, jnp.integer):
-    return jnp.iinfo(dtype).bits
-  if jnp.issubdtype(dtype, jnp.floating):
-    return jnp.finfo(dtype).bits
-  return 8 * dtype.itemsize
-
-
 def per_chip_bytes(tree) -> float:
   """The bytes one chip holds of a tree of sharded arrays or ShapeDtypeStructs (int4 at half
   a byte)."""
@@ -528,7 +518,7 @@ def main(argv, cli: dict) -> None:
   print("\n".join(summary_lines(report)), flush=True)
   if cli["search"].value:
     report["search"] = aot_search.search(
-        config, topology, report, budget=cli["search_budget"].value,
+        config, topology, report, compile_fn=compile_run, budget=cli["search_budget"].value,
         enough=cli["search_fits"].value, explore=cli["search_all"].value)
     print("\n".join(aot_search.summary_lines(report["search"])
                     or ["search: the train step fits (--search_all searches anyway)"]),

@@ -55,9 +55,8 @@ from flax import nnx
 
 from models import lora, presets, transformer
 from models.config import ModelConfig
-from models.hardware import GB, Chip
+from models.hardware import GB, Chip, slice_chips, storage_bits
 from models.sharding import MESH_AXES, param_spec
-from trainer import aot
 from trainer import config as config_lib
 from trainer import optim
 from trainer import state as state_lib
@@ -294,7 +293,7 @@ def _model_state(cfg: ModelConfig, optimizer: str) -> tuple[tuple[_Leaf, ...], f
       axes = var.get_metadata().get("axes")
       stack = str(path[0]) if axes and axes[0] == "layers" else ""
       for x in jax.tree.leaves(var.get_value()):  # a quantized kernel: values and scales
-        leaves.append(_Leaf(tuple(x.shape), axes, aot.storage_bits(x.dtype) / 8, train, stack))
+        leaves.append(_Leaf(tuple(x.shape), axes, storage_bits(x.dtype) / 8, train, stack))
   shapes = state_lib.abstract(cfg, optim.build(ml_collections.ConfigDict(json.loads(optimizer)),
                                                cfg))
   opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes.opt_state))
@@ -474,8 +473,8 @@ def best(entries: list[dict]) -> Optional[dict]:
   return min(near, key=lambda e: (e["collective_gb"], e["hbm_gb"]))
 
 
-def search(config, topology: str, report: dict, budget: int = BUDGET, enough: int = ENOUGH,
-           explore: bool = False, compile_fn: Optional[Callable] = None,
+def search(config, topology: str, report: dict, *, compile_fn: Callable,
+           budget: int = BUDGET, enough: int = ENOUGH, explore: bool = False,
            log: Callable[[str], None] = lambda line: print(line, flush=True)) -> dict:
   """Compiles the most promising layouts of a config's train step on a slice.
 
@@ -487,7 +486,8 @@ def search(config, topology: str, report: dict, budget: int = BUDGET, enough: in
     enough: stop once this many layouts fit in `FIT_FRACTION` of HBM, the config's own
       included.
     explore: search even when the config's train step fits.
-    compile_fn: compiles a config's train step (default `aot.compile_run`).
+    compile_fn: compiles a config's train step: `aot.compile_run` (config, topology,
+      programs) -> its report.
     log: where progress lines go.
 
   Returns:
@@ -503,12 +503,11 @@ def search(config, topology: str, report: dict, budget: int = BUDGET, enough: in
   """
   if "train/gradients" not in report["programs"] or (_fits(report) and not explore):
     return {}
-  compile_fn = compile_fn or aot.compile_run
-  chip, devices = aot.topology_devices(topology)
+  chip, num_devices = slice_chips(topology)
   capacity = chip.hbm_bytes / GB
   cfg = config_lib.model_config(config)
-  base = config_layout(config, len(devices))
-  ranked = rank(config, candidates(config, len(devices)), chip)
+  base = config_layout(config, num_devices)
+  ranked = rank(config, candidates(config, num_devices), chip)
   log(f"search: {len(ranked)} valid layouts; compiling at most {budget}, most promising first")
 
   def entry(layout: Layout, est: Estimate, outcome: dict) -> dict:
