@@ -1,13 +1,16 @@
 """Ahead-of-time compilation of the generation engine's programs (trainer/aot_engine.py).
 
 The engine's prefill and decode calls for the tiny MoE + MLA model compile in bf16 for a v5p
-slice with the real XLA TPU compiler, over the latent cache pool, with the engine's own
-graphdef and static arguments (recording experts, as the run's MoE policy replays its routing)
-and the token-mask inputs it passes to every decode call; the dense GQA model compiles with
-its key/value heads split over `tensor`. Nothing is allocated on the slice.
+slice with the real XLA TPU compiler, in the mesh engine's decode layout, over the latent
+cache pool, with the engine's own graphdef and static arguments (recording experts, as the
+run's MoE policy replays its routing, and the pool's specs) and the token-mask inputs it passes
+to every decode call; the dense GQA model compiles with its key/value heads split over
+`tensor`. The decode program gathers no weight (the same program with the weights in the
+training layout does). Nothing is allocated on the slice.
 """
 
 import dataclasses
+import re
 
 import jax
 import pytest
@@ -15,7 +18,7 @@ from flax import nnx
 
 from configs import sft_demo
 from models import presets, sharding, transformer
-from models.engine import constraint
+from models.engine import Engine, EngineConfig, constraint, programs as engine_programs
 from models.kernels import attention
 from trainer import aot, aot_engine, rollouts
 from trainer import config as config_lib
@@ -81,12 +84,13 @@ def test_moe_mla_engine_compiles_for_v5p_and_fits(mla):
   decode, _, decode_floor = programs["decode"]
   assert bytes_accessed(decode) >= 0.5 * decode_floor
   assert bytes_accessed(programs["prefill"][0]) > 0
-  # the pool is donated and comes back with the layout it came in (no resharding between calls)
+  # the pool is donated and comes back with the layout it came in (no resharding between
+  # calls): rows replicated over the batch shards, as the engine's pool places them
   for name, (compiled, _, _) in programs.items():
     args, _ = compiled.input_shardings  # the non-static arguments: state, pool, ...
     outs = compiled.output_shardings[0]  # the pool (prefill: and the experts; decode: ...)
     for a, b in zip(jax.tree.leaves(args[1]), jax.tree.leaves(outs), strict=True):
-      assert a.spec[0] == "fsdp" and a.is_equivalent_to(b, 3), name
+      assert a.is_fully_replicated and a.is_equivalent_to(b, 3), name
     assert all(a.donated for a in jax.tree.leaves(compiled.args_info[0][1])), name
   # the engine's outputs for its static arguments: steps_per_call steps of the slots
   pool, steps, tokens, *_, out = decode.out_info
@@ -106,21 +110,77 @@ def test_moe_mla_engine_compiles_for_v5p_and_fits(mla):
   assert real["mask"].shape == (SLOTS, -(-model_cfg.vocab_size // 32))
 
 
+def weight_shaped_collectives(compiled, state) -> list[str]:
+  """The all-gathers and all-reduces of a compiled program whose result has the shape of a
+  (2-d or larger) variable of `state`: weights gathered (on a torus an all-gather may be
+  compiled as an all-reduce; a decode program reduces no weight)."""
+  weights = {tuple(x.shape) for x in jax.tree.leaves(state) if x.ndim >= 2}
+  found = []
+  for line in compiled.as_text().splitlines():
+    m = re.search(r"=\s*(.*?)\s(all-gather|all-reduce)(-start)?\(", line)
+    if m and any(tuple(int(d) for d in dims.split(",")) in weights
+                 for dims in re.findall(r"\w+\[([\d,]+)\]", m.group(1))):
+      found.append(line.strip())
+  return found
+
+
+def training_layout_decode(model_cfg, engine_cfg, mesh):
+  """The engine's decode program with the state in the training layout (the model's own rules:
+  parameters over fsdp), the pool and every other input as in `aot_engine.engine_programs`."""
+  model = nnx.eval_shape(lambda: transformer.with_adapters(
+      transformer.Transformer(model_cfg, stacked=False)))
+  graphdef, state = nnx.split(model)
+  state = jax.tree.map(lambda v, sh: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh),
+                       state, sharding.state_shardings(state, model_cfg, mesh))
+  pool, _ = aot_engine.abstract_pool(model_cfg, engine_cfg, mesh)
+  s, i32, f32 = engine_cfg.slots, jax.numpy.int32, jax.numpy.float32
+  arr = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+  slot = lambda dtype: arr((s,), dtype)  # noqa: E731
+  words = constraint.words(model_cfg.vocab_size)
+  with attention.compile_for("tpu"), jax.default_matmul_precision("default"), \
+       jax.set_mesh(mesh):
+    return state, engine_programs.decode.lower(
+        graphdef, engine_cfg.steps_per_call, engine_cfg.top_logprobs,
+        engine_cfg.return_expert_ids, state, pool, slot(i32), slot(i32), slot(i32),
+        slot(jax.numpy.bool_), slot(i32), slot(i32), slot(f32), slot(i32), slot(f32),
+        slot(jax.numpy.uint32), arr((s, max(engine_cfg.max_stop_token_ids, 1)), i32),
+        arr((), i32), arr((), jax.numpy.bool_), mask=arr((s, words), jax.numpy.uint32),
+        min_p=slot(f32), min_tokens=slot(i32)).compile()
+
+
+def test_decode_gathers_no_weight(mla):
+  model_cfg, engine_cfg, mesh, programs = mla
+  decode = programs["decode"][0]
+  _, state = aot_engine.abstract_model(model_cfg, mesh)
+  assert weight_shaped_collectives(decode, state) == []
+  # the same program with the weights over fsdp gathers them (what the check would see). At
+  # this size its bytes accessed are not more: the decode layout reads every chip's whole
+  # (replicated, fp32) weights, the training layout a quarter of them plus the bf16 gathers.
+  train_state, trained = training_layout_decode(model_cfg, engine_cfg, mesh)
+  assert weight_shaped_collectives(trained, train_state)
+  # every collective of the decode layout's call: the slots' rows gathered for the pool's
+  # scatter (4 slots x CONTEXT entries of the latent and the rope key, per layer), no weight
+  gathers = aot.collectives(decode.as_text())["all-gather"]
+  per_token = (model_cfg.kv_lora_rank + model_cfg.qk_rope_head_dim) * 2
+  assert gathers["bytes"] <= SLOTS * CONTEXT * model_cfg.num_layers * per_token
+
+
 def test_min_bytes_are_weights_plus_cache(mla):
   model_cfg, engine_cfg, _, programs = mla
   chips, layers = 4, model_cfg.num_layers
   per_token = (model_cfg.kv_lora_rank + model_cfg.qk_rope_head_dim) * 2  # bf16 latent + rope key
+  # the slots' rows split over the 4 batch shards (fsdp)
   decode_cache = SLOTS * CONTEXT * layers * per_token / chips
   prefill_cache = SLOTS * CHUNK * layers * per_token / chips
   weights = programs["decode"][2] - decode_cache
   assert programs["prefill"][2] - prefill_cache == pytest.approx(weights)
   params = presets.count_params(model_cfg)
-  assert 2 * params / chips <= weights <= 2 * params  # bf16 shards; small vectors replicated
+  assert weights == pytest.approx(2 * params, rel=0.05)  # bf16, whole: no tensor or expert axis
 
 
 def test_mla_pool_is_the_latent_cache(mla):
   model_cfg, engine_cfg, mesh, _ = mla
-  pool = aot_engine.abstract_pool(model_cfg, engine_cfg, mesh)
+  pool, _ = aot_engine.abstract_pool(model_cfg, engine_cfg, mesh)
   rows = engine_cfg.slots + engine_cfg.prefix_cache_rows
   layers = pool["dense"] + pool["moe"]
   assert len(layers) == model_cfg.num_layers
@@ -130,45 +190,40 @@ def test_mla_pool_is_the_latent_cache(mla):
     assert layer["k_rope"].shape == (rows, CONTEXT, model_cfg.qk_rope_head_dim)
     for leaf in layer.values():
       assert leaf.dtype == jax.numpy.bfloat16
-      assert leaf.sharding.spec == jax.sharding.PartitionSpec("fsdp", None, None)
+      assert leaf.sharding.is_fully_replicated  # no head axis; rows over no batch shard
 
 
 def test_programs_are_the_engines():
   model_cfg = config_lib.model_config(tiny_config())
-  graphdef, state = aot_engine.abstract_model(model_cfg, sharding.make_mesh(
-      sharding.MeshConfig(fsdp=1), jax.devices()[:1]))
-  # the graphdef Engine splits off its unstacked model: the jit cache key of its calls
-  engine_graphdef, engine_state = nnx.split(transformer.unstack(transformer.init(model_cfg)))
-  assert graphdef == engine_graphdef
-  shapes = lambda s: [(x.shape, x.dtype) for x in jax.tree.leaves(s)]
-  assert shapes(state) == shapes(engine_state)
+  mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
+  engine_cfg = EngineConfig(slots=2, max_seq_len=32)
+  graphdef, state = aot_engine.abstract_model(model_cfg, mesh)
+  pool, specs = aot_engine.abstract_pool(model_cfg, engine_cfg, mesh)
+  # what a mesh engine holds: the graphdef of its decode model (the jit cache key of its
+  # calls), its placed state, and its pool's caches and specs
+  engine = Engine(transformer.init(model_cfg), engine_cfg, mesh=mesh)
+  assert graphdef == engine._graphdef
+  placed = lambda t: [(x.shape, x.dtype, x.sharding.spec) for x in jax.tree.leaves(t)]
+  assert placed(state) == placed(engine._state)
+  assert placed(pool) == placed(engine._pool.caches)
+  assert specs == engine._pool._specs
 
 
 def test_dense_gqa_engine_compiles_with_heads_over_tensor():
   model_cfg, engine_cfg, mesh, programs = compile_engine(
       tiny_config("tiny-dense"), "v5p:2x2x1", sharding.MeshConfig(fsdp=2, tensor=2))
   assert model_cfg.attention == "gqa" and model_cfg.num_kv_heads == 2
-  pool = aot_engine.abstract_pool(model_cfg, engine_cfg, mesh)
+  pool, _ = aot_engine.abstract_pool(model_cfg, engine_cfg, mesh)
   for layer in pool["dense"]:
     rows = engine_cfg.slots + engine_cfg.prefix_cache_rows
     assert layer["k"].shape == (rows, 2, CONTEXT, model_cfg.head_dim)
     assert layer["v"].shape == (rows, 2, model_cfg.head_dim, CONTEXT)
-    for leaf in layer.values():
-      assert leaf.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None, None)
+    for leaf in layer.values():  # rows replicated over the batch shards
+      assert tuple(leaf.sharding.spec)[:2] == (None, "tensor")
   for name, (compiled, _, min_bytes) in programs.items():
     assert 0 < hbm_total(compiled) < 95e9 and min_bytes > 0, name
   # the same weights; the cache read by a decode step less the prefill chunk's entries: k and v
-  # of kv_heads * head_dim bf16 per token and layer, rows over fsdp and heads over tensor
+  # of kv_heads * head_dim bf16 per token and layer, slots over fsdp and heads over tensor
   per_token = model_cfg.num_layers * 2 * model_cfg.num_kv_heads * model_cfg.head_dim * 2
   assert programs["decode"][2] - programs["prefill"][2] == pytest.approx(
       SLOTS * (CONTEXT - CHUNK) * per_token / 4)
-
-
-def test_cache_sharding_rows_where_divisible_and_unknown_layouts(mla):
-  _, _, mesh, _ = mla
-  model_cfg = config_lib.model_config(tiny_config("tiny-dense"))
-  P = jax.sharding.PartitionSpec
-  assert aot_engine.cache_sharding("other", (8, 3), model_cfg, mesh).spec == P("fsdp", None)
-  assert aot_engine.cache_sharding("other", (6, 3), model_cfg, mesh).spec == P(None, None)
-  with pytest.raises(ValueError, match="num_kv_heads=2"):  # a layout CACHE_AXES does not describe
-    aot_engine.cache_sharding("k", (8, 256, 2, 16), model_cfg, mesh)
