@@ -55,7 +55,7 @@ class CachePool(KVCache):
                experts: bool = False, layout: Optional[Layout] = None):
     self.num_rows, self.capacity = num_rows, capacity
     self._shapes = jax.eval_shape(lambda: model.init_cache(num_rows, capacity))
-    self._mesh = layout
+    self._layout = layout
     self._shardings = self._specs = None  # one device: unconstrained
     if layout is not None:
       heads = 1 if model.cfg.attention == "gqa" else None  # k/v [rows, kv_heads, ...]
@@ -83,8 +83,8 @@ class CachePool(KVCache):
                experts=config.return_expert_ids, layout=layout)
 
   def _zeros(self) -> Any:
-    if self._mesh is not None:
-      return self._mesh.zeros(self._shapes, self._shardings)
+    if self._layout is not None:
+      return self._layout.zeros(self._shapes, self._shardings)
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._shapes)
 
   def reset(self) -> None:
@@ -149,8 +149,8 @@ class CachePool(KVCache):
 
   def prefill(self, graphdef, state, sids: list[int], tokens: np.ndarray, starts: np.ndarray,
               lengths: list[int]) -> None:
-    if self._mesh is not None:
-      tokens, starts = self._mesh.pad_rows(tokens, starts)
+    if self._layout is not None:
+      tokens, starts = self._layout.pad_rows(tokens, starts)
     rows = self._rows(sids, len(starts))
     if self.experts is None:
       self.caches = programs.prefill(graphdef, state, self.caches, rows, tokens, starts,

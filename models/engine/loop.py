@@ -39,6 +39,10 @@ Sampling parameters are read structurally: any object with the fields of
 seed; min_p, min_tokens, ignore_eos and constraint where present), which the trainer passes
 through; the engine never builds one.
 
+Size (~600 lines): the scheduler's steps share the slots, the queue and the pool, and read best
+in one place; what is not scheduling lives in the wing's other modules (request checks,
+weights, layout, pools, programs).
+
 Log-probs are those of the model itself (temperature 1, no top-k/top-p/min-p truncation):
 exactly what a teacher-forced forward pass of the finished sequence gives the trainer. The
 entropy of that same distribution is reported per token too (one reduction per decode step).

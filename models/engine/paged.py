@@ -127,7 +127,7 @@ class PagedPool(KVCache):
     self.pages_per_seq = -(-capacity // page_size)
     self.retain = retain
     self._shapes = jax.eval_shape(lambda: model.init_paged_cache(num_pages, page_size))
-    self._mesh = layout
+    self._layout = layout
     self._shardings = self._specs = None  # one device: unconstrained
     if layout is not None:  # pages [kv_heads, num_pages, page_size, dim]
       self._shardings = layout.cache_shardings(self._shapes, heads_dim=0)
@@ -159,8 +159,8 @@ class PagedPool(KVCache):
                layout=layout)
 
   def _zeros(self) -> Any:
-    if self._mesh is not None:
-      return self._mesh.zeros(self._shapes, self._shardings)
+    if self._layout is not None:
+      return self._layout.zeros(self._shapes, self._shardings)
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._shapes)
 
   # ---------------------------------------------------------------- bookkeeping
@@ -323,8 +323,8 @@ class PagedPool(KVCache):
   def prefill(self, graphdef, state, sids: list[int], tokens: np.ndarray, starts: np.ndarray,
               lengths: list[int]) -> None:
     self.flush()
-    if self._mesh is not None:
-      tokens, starts = self._mesh.pad_rows(tokens, starts)
+    if self._layout is not None:
+      tokens, starts = self._layout.pad_rows(tokens, starts)
     table = self.table(sids, len(starts))
     if self._experts_shape is None:
       self.caches = programs.prefill_paged(graphdef, state, self.caches, table, tokens, starts,
