@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from models.config import ModelConfig
 from models.kernels import paged_attention_tpu
@@ -18,7 +19,7 @@ from models.kernels.attention import attention, target_platform
 from models.kernels.paged_attention import paged_attention
 from models.layers import Dense, RMSNorm, dtype_of, round_to
 from models.rope import apply_rope
-from models.sharding import constrain, logical_to_spec
+from models.sharding import constrain, logical_to_spec, param_spec
 
 # DeepSeek's reference code and transformers build the MLA latent norms (q_a_layernorm,
 # kv_a_layernorm) with eps 1e-6 whatever rms_norm_eps says.
@@ -107,6 +108,56 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_start, **kwargs):
     return paged_attention_tpu.paged_attention(q, k_pages, v_pages, page_table, q_start,
                                                **kwargs)
   return paged_attention(q, k_pages, v_pages, page_table, q_start, **kwargs)
+
+
+def paged_step(cfg: ModelConfig, attend, queries: tuple, new: dict, pages: dict,
+               page_table: jax.Array, index: jax.Array):
+  """Writes a step's keys and values into a paged cache, then attends (GQA's and MLA's paged
+  path), per batch shard when the decode layout splits the pages over the mesh.
+
+  The decode layout (models/engine/layout.py) maps the logical axis `pages` to the batch
+  shards: each shard holds its own pages and the sequences of its own rows, and `page_table`
+  holds page ids local to the row's shard. Then the write and the attention run under
+  `jax.shard_map` (rows and pages over those axes, heads over `tensor` where they divide), so a
+  step reads only the shard's pages and no page crosses devices. Without that rule (one device,
+  or a pool replicated over the shards) they run as is.
+
+  Args:
+    cfg: the model config (its `sharding_rules`).
+    attend: attend(queries, pages, page_table, index) -> out [b, s, heads, d'], e.g.
+      `_paged_attention` over the written pages.
+    queries: arrays [b, s, heads, ...].
+    new: {name: [b, s, kv_heads, d]} the entries to write into pages[name].
+    pages: {name: [kv_heads, num_pages, page_size, d]} the layer's pages.
+    page_table: [b, pages_per_seq] int32 (shard-local ids under the rule).
+    index: [b] the position of each row's first new entry.
+
+  Returns:
+    (out, the updated pages).
+  """
+  def local(queries, new, pages, page_table, index):
+    pages = {n: write_pages(pages[n], new[n], page_table, index) for n in pages}
+    return attend(queries, pages, page_table, index), pages
+
+  mesh = jax.sharding.get_abstract_mesh()
+  rules = dict(cfg.sharding_rules)
+  if mesh.empty or not rules.get("pages"):
+    return local(queries, new, pages, page_table, index)
+  rows = logical_to_spec(("pages",), cfg.sharding_rules, mesh)[0]
+  kv_heads = next(iter(pages.values())).shape[0]
+  heads = param_spec(("kv_heads",), (kv_heads,), cfg.sharding_rules, mesh)
+  heads = heads[0] if len(heads) else None
+  if kv_heads == 1:  # one latent head (MLA, MQA): every query head reads it
+    q_heads = param_spec(("act_heads",), (queries[0].shape[2],), cfg.sharding_rules, mesh)
+    q_heads = q_heads[0] if len(q_heads) else None
+  else:  # a query head stays with its key/value head, or no head is split
+    q_heads = heads
+  q_spec = PartitionSpec(rows, None, q_heads)
+  page_spec = {n: PartitionSpec(heads, rows) for n in pages}
+  run = jax.shard_map(local, mesh=mesh, out_specs=(q_spec, page_spec), in_specs=(
+      (q_spec,) * len(queries), {n: PartitionSpec(rows, None, heads) for n in new}, page_spec,
+      PartitionSpec(rows), PartitionSpec(rows)))
+  return run(queries, new, pages, page_table, index)
 
 
 def _partition(cfg: ModelConfig):
@@ -199,10 +250,10 @@ class GQA(nnx.Module):
     q = constrain(q, ("batch", "seq", "act_heads", None), cfg)
     q_index = None
     if page_table is not None:
-      cache = {"k": write_pages(cache["k"], k, page_table, index),
-               "v": write_pages(cache["v"], v, page_table, index)}
-      out = _paged_attention(q, cache["k"], cache["v"], page_table, index,
-                             scale=cfg.softmax_scale)
+      def attend(queries, pages, table, start):
+        return _paged_attention(queries[0], pages["k"], pages["v"], table, start,
+                                scale=cfg.softmax_scale)
+      out, cache = paged_step(cfg, attend, (q,), {"k": k, "v": v}, cache, page_table, index)
       return self.o_proj(out), jnp.zeros((cfg.num_heads,), jnp.float32), cache
     if cache is not None:
       cache = {"k": write_cache(cache["k"], k, index, 2), "v": write_cache(cache["v"], v, index, 3)}
@@ -302,11 +353,8 @@ class MLA(nnx.Module):
     q_nope, q_rope = self._query(x, cos, sin)
     c_kv, k_rope = self._latent(x, cos, sin)
     if page_table is not None:
-      cache = {"c_kv": write_pages(cache["c_kv"], c_kv[:, :, None], page_table, index),
-               "k_rope": write_pages(cache["k_rope"], k_rope[:, :, None], page_table, index)}
-      out, max_logits = self._absorbed(q_nope, q_rope, cache["c_kv"], cache["k_rope"], None,
-                                       index, page_table)
-      return self.o_proj(out), max_logits, cache
+      out, cache = self._absorbed_paged(q_nope, q_rope, c_kv, k_rope, cache, index, page_table)
+      return self.o_proj(out), jnp.zeros((cfg.num_heads,), jnp.float32), cache
     if cache is not None:
       cache = {"c_kv": write_cache(cache["c_kv"], c_kv, index),
                "k_rope": write_cache(cache["k_rope"], k_rope, index)}
@@ -326,7 +374,7 @@ class MLA(nnx.Module):
                                 partition=_partition(cfg))
     return self.o_proj(out), max_logits, None
 
-  def _absorbed(self, q_nope, q_rope, c_kv, k_rope, end, q_index=None, page_table=None):
+  def _absorbed(self, q_nope, q_rope, c_kv, k_rope, end, q_index=None):
     """Attention in latent space: MQA with key [c_kv; k_rope] and value c_kv, shared by heads.
 
     q_nope·k_nope = (W_UK^T q_nope)·c_kv, and the output up-projection W_UV is applied after
@@ -337,28 +385,13 @@ class MLA(nnx.Module):
       q_nope, q_rope: [b, s, h, d_nope], [b, s, h, d_rope] queries.
       c_kv, k_rope: [b, t, r], [b, t, d_rope] latents and rotary keys (the cache, or the row).
       end: [b, t] the tree-rule end of each key.
-      q_index: [b, s] the queries' slots in a cache; None: the row itself (full pass). With
-        `page_table`: [b] the position of each row's first query.
-      page_table: [b, pages_per_seq] with a paged cache: c_kv, k_rope are then the pages
-        [1, num_pages, page_size, r] and [1, num_pages, page_size, d_rope], `end` is unused
-        and max_logits are zeros.
+      q_index: [b, s] the queries' slots in a cache; None: the row itself (full pass).
 
     Returns:
       (out [b, s, h, d_v] before o_proj, max_logits [h]).
     """
     cfg = self.cfg
-    dt = q_nope.dtype
-    w = self.kv_b_proj.kernel[...].astype(dt)  # [r, h, nope + v]
-    w_uk, w_uv = w[..., :cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim:]
-    q_latent = round_to(jnp.einsum("bshn,rhn->bshr", q_nope, w_uk,
-                                   preferred_element_type=jnp.float32), dt)
-    if page_table is not None:
-      out_latent = _paged_attention(q_latent, c_kv, c_kv, page_table, q_index,
-                                    scale=cfg.softmax_scale, q_rope=q_rope,
-                                    k_rope_pages=k_rope)
-      out = round_to(jnp.einsum("bshr,rhv->bshv", out_latent, w_uv,
-                                preferred_element_type=jnp.float32), dt)
-      return out, jnp.zeros((cfg.num_heads,), jnp.float32)
+    q_latent, w_uv = self._absorb_query(q_nope)
     q = jnp.concatenate([q_latent, q_rope], -1)
     k = jnp.concatenate([c_kv, k_rope], -1)[:, :, None]
     if q_index is None:
@@ -369,5 +402,40 @@ class MLA(nnx.Module):
       out_latent, max_logits = attention(q, k, c_kv[:, :, None], end, scale=cfg.softmax_scale,
                                          q_index=q_index)
     out = round_to(jnp.einsum("bshr,rhv->bshv", out_latent, w_uv,
-                              preferred_element_type=jnp.float32), dt)
+                              preferred_element_type=jnp.float32), q_nope.dtype)
     return out, max_logits
+
+  def _absorb_query(self, q_nope):
+    """(q_latent [b, s, h, r] = W_UK^T q_nope rounded to the compute dtype, W_UV [r, h, v])."""
+    cfg, dt = self.cfg, q_nope.dtype
+    w = self.kv_b_proj.kernel[...].astype(dt)  # [r, h, nope + v]
+    w_uk, w_uv = w[..., :cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim:]
+    return round_to(jnp.einsum("bshn,rhn->bshr", q_nope, w_uk,
+                               preferred_element_type=jnp.float32), dt), w_uv
+
+  def _absorbed_paged(self, q_nope, q_rope, c_kv, k_rope, pages, index, page_table):
+    """`_absorbed` over a paged cache, after writing the new latents into it (`paged_step`).
+
+    Args:
+      q_nope, q_rope: [b, s, h, d_nope], [b, s, h, d_rope] queries.
+      c_kv, k_rope: [b, s, r], [b, s, d_rope] the new positions' latents and rotary keys.
+      pages: {"c_kv": [1, num_pages, page_size, r], "k_rope": [1, num_pages, page_size,
+        d_rope]} the layer's pages.
+      index: [b] the position of each row's first query.
+      page_table: [b, pages_per_seq] int32.
+
+    Returns:
+      (out [b, s, h, d_v] before o_proj, the updated pages).
+    """
+    cfg = self.cfg
+    q_latent, w_uv = self._absorb_query(q_nope)
+    def attend(queries, pages, table, start):
+      return _paged_attention(queries[0], pages["c_kv"], pages["c_kv"], table, start,
+                              scale=cfg.softmax_scale, q_rope=queries[1],
+                              k_rope_pages=pages["k_rope"])
+    out_latent, pages = paged_step(cfg, attend, (q_latent, q_rope),
+                                   {"c_kv": c_kv[:, :, None], "k_rope": k_rope[:, :, None]},
+                                   pages, page_table, index)
+    out = round_to(jnp.einsum("bshr,rhv->bshv", out_latent, w_uv,
+                              preferred_element_type=jnp.float32), q_nope.dtype)
+    return out, pages

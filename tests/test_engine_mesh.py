@@ -11,7 +11,9 @@ log-probs and entropies (fp32, <= 1e-5), top log-probs, expert ids, versions, ca
 Also: the weights and caches carry the decode layout's shardings after the update, the update
 makes no implicit transfer (`jax.transfer_guard("disallow")`), a quantized engine's update
 likewise, the MoE decode takes the expert-parallel all-to-all, the compiled decode call
-all-gathers no whole cache pool, and the mesh's validation errors.
+all-gathers no whole cache pool, the paged pool's pages are split over the batch shards with
+prefixes copied across shards (each shard decodes its own slots over its own pages), and the
+mesh's validation errors.
 """
 
 import json
@@ -192,6 +194,14 @@ def _main() -> None:
     assert any(len(set(o.token_versions)) == 2 for o in outs[1]), "no request straddled"
     assert eng.counters["resubmitted"] > 0
     check_layout(eng)
+    if cache == "paged":  # the pages are split over the batch shards, prefixes copied across
+      assert eng._pool.shards == eng.layout.shards > 1
+      for a in jax.tree.leaves(eng._pool.caches):
+        axes = a.sharding.spec[1]
+        assert (axes if isinstance(axes, tuple) else (axes,)) == eng.layout.batch_axes, axes
+      diffs["shard_copies"] = eng.counters["shard_copies"]
+      if eng.layout.shards == ec.slots:  # one slot per shard: the samples of a prompt and
+        assert eng.counters["shard_copies"] > 0, eng.counters  # its next turn spread out
     if texts:  # the compiled decode call keeps the pool where it is
       hlo = texts[program]
       pool = [a.shape for a in jax.tree.leaves(eng._pool.caches)]

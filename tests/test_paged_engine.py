@@ -282,7 +282,7 @@ def test_allocator_refcounts():
   alloc = PageAllocator(3)
   pages = [alloc.alloc() for _ in range(3)]
   assert sorted(pages) == [0, 1, 2] and alloc.free == 0
-  with pytest.raises(RuntimeError, match="all 3 pages"):
+  with pytest.raises(RuntimeError, match="all 3 pages of shard 0"):
     alloc.alloc()
   alloc.share(pages[0])
   alloc.drop(pages[0])
@@ -292,3 +292,14 @@ def test_allocator_refcounts():
   alloc.drop(pages[1])
   with pytest.raises(RuntimeError, match="is free"):
     alloc.drop(pages[1])
+
+
+def test_allocator_hands_out_each_shards_own_pages():
+  alloc = PageAllocator(6, shards=3)  # shard i owns pages 2i, 2i + 1
+  assert [alloc.alloc(1), alloc.alloc(1)] == [2, 3]
+  assert alloc.free_in(1) == 0 and alloc.free_in(0) == alloc.free_in(2) == 2
+  assert alloc.free == 4 and [alloc.shard_of(p) for p in (0, 3, 5)] == [0, 1, 2]
+  with pytest.raises(RuntimeError, match="all 2 pages of shard 1"):
+    alloc.alloc(1)
+  alloc.drop(3)
+  assert alloc.free_in(1) == 1 and alloc.alloc(1) == 3 and alloc.alloc(2) == 4

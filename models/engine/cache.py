@@ -22,7 +22,8 @@ Terms:
 A request's sequence, as the loop drives it:
 
     src, m = pool.longest_prefix(target, version, min_prefix)  # target = seq[:-1]
-    sid = pool.claim(request, src, m, version)      # holds target[:m], copied or shared
+    shard = pool.pick_shard(src, shards with a free slot)   # the request's slot is on it
+    sid = pool.claim(request, src, m, version, shard)  # holds target[:m], copied or shared
     pool.reserve(sid, len(target) + steps)          # memory to write; False: none now
     pool.prefill(graphdef, state, [sid, ...], tokens, starts, lengths)   # target[m:]
     per decode call: pool.reserve(sid, length + steps)   # False: the loop preempts a request
@@ -37,12 +38,14 @@ expert ids. Nothing else holds device cache arrays, so a pool is free to shard t
 Sharding (a pool over a mesh, layout.py): the interface passes sequence ids and host arrays
 only; every device array is created and addressed inside the pool (`caches`, the rows or page
 tables fed to the programs, the prefix copies). A pool given a `Layout` creates `caches` with a
-NamedSharding per leaf (key/value heads over `tensor`; rows or pages replicated over the batch
-shards) and passes the matching specs to the programs it calls, so each call replaces the
-donated caches in place. To split rows or pages over the batch shards instead, a sequence must
-live on the shard of the slot that decodes it: `claim` would then need the slot (it is picked
-after `claim` today), and the programs' gathers, scatters and paged attention would address
-shard-local rows or pages (a `jax.shard_map` over the batch axes).
+NamedSharding per leaf (key/value heads over `tensor`) and passes the matching specs to the
+programs it calls, so each call replaces the donated caches in place. A pool may split its
+memory over the layout's batch shards (`shards` > 1: the paged pool): the slots are split over
+them in order (slot i on shard i // (slots / shards)), and a sequence lives on the shard of the
+slot its request decodes in. The loop picks that slot before `claim` (`pick_shard`), preempts
+on the shard that runs short, and passes `decode` the slots' sequences in slot order; the pool
+places prefill rows on their sequences' shards itself. A pool replicated over the shards
+(`shards` = 1: the contiguous pool) lets a sequence decode in any slot.
 """
 
 from __future__ import annotations
@@ -69,10 +72,12 @@ class KVCache(abc.ABC):
     capacity: most positions one sequence holds (`EngineConfig.max_seq_len`).
     caches: the device arrays of every layer's cache; each program call donates them and the
       pool keeps the result.
+    shards: the batch shards the pool's memory is split over (1: one device, or replicated).
   """
 
   capacity: int
   caches: Any
+  shards: int = 1
 
   @classmethod
   @abc.abstractmethod
@@ -109,18 +114,30 @@ class KVCache(abc.ABC):
       passes to the request whole, nothing copied).
     """
 
+  def shard(self, sid: int) -> int:
+    """The batch shard a sequence lives on (always 0 with `shards` = 1)."""
+    return 0
+
+  def pick_shard(self, src: Optional[int], shards: list[int]) -> int:
+    """The shard, among `shards` (those with a free slot, ascending), for a new sequence
+    whose prefix is in `src` (or None); with `shards` = 1, the only one."""
+    return shards[0]
+
   @abc.abstractmethod
-  def claim(self, owner: Any, src: Optional[int], m: int, version: int) -> int:
+  def claim(self, owner: Any, src: Optional[int], m: int, version: int, shard: int = 0
+            ) -> int:
     """A sequence for `owner` holding the first m positions of `src` (prefix reuse).
 
     How the prefix arrives is the pool's: taken over in place, copied on device, or shared
-    (copied on write later). Nothing is written into the new sequence yet.
+    (copied on write later, or copied from another shard when memory is reserved). Nothing
+    is written into the new sequence yet.
 
     Args:
       owner: the request that will run on the sequence.
       src: a sequence from `longest_prefix`, or None.
       m: positions of `src` to keep (0 without a source).
       version: the current weights version.
+      shard: the batch shard the sequence lives on (`pick_shard`).
 
     Returns:
       The sequence id.

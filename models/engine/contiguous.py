@@ -107,7 +107,8 @@ class CachePool(KVCache):
                   if self.owner[r] is None and self.length[r] == m]
     return (free_exact[0] if free_exact else int(np.argmax(lcp))), m
 
-  def claim(self, owner: Any, src: Optional[int], m: int, version: int) -> int:
+  def claim(self, owner: Any, src: Optional[int], m: int, version: int, shard: int = 0
+            ) -> int:
     """A free `src` holding exactly m positions is taken in place; otherwise the least
     recently used free row, with `src`'s first m positions copied into it now."""
     if src is not None and self.owner[src] is None and self.length[src] == m:

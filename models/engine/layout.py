@@ -13,11 +13,14 @@ the model's activations are constrained with (`decode_rules`, set in the decode 
 - The slots (the activations' batch) are split over data, fsdp, expert and sequence (the
   batch shards, `Layout.batch_axes`); tokens sharded over `expert` are what the expert-parallel
   MoE dispatch (models/expert_parallel.py) exchanges. The sequence dimension is never split.
-- Caches: key/value heads over `tensor` (MLA's latent has no head axis: replicated); the
-  rows (contiguous pool) or pages (paged pool) are replicated over the batch shards, so a
-  sequence may decode in any slot and prefix copies stay local. Each decode call's scatter of
-  the slots' rows back into the pool (contiguous), or of each step's new keys and values into
-  the pages (paged), is gathered across the batch shards.
+- Caches: key/value heads over `tensor` (MLA's latent has no head axis: replicated). The
+  paged pool's pages are split over the batch shards (the logical axis `pages`, which only
+  the decode rules map): each shard holds the sequences of its own slots, and every step
+  writes and reads its pages on that shard (`models.attention.paged_step`, a `jax.shard_map`),
+  the Pallas paged-attention kernel per shard on TPU. The contiguous pool's rows are
+  replicated over the batch shards (a sequence may decode in any slot; each decode call's
+  scatter of the slots' rows back into the pool is gathered across the shards): the paged
+  pool is the one to decode at scale with.
 
 Weights of an update arrive in any layout (the trainer's FSDP-sharded state on the same mesh,
 or a state on other devices) and are placed by `Layout.place` (`jax.device_put`, device to
@@ -54,12 +57,15 @@ def decode_rules(rules) -> tuple:
     rules: (logical name, mesh axes or None) pairs (`ModelConfig.sharding_rules`).
 
   Returns:
-    The rules with `batch` over `BATCH_AXES`, `seq` replicated, and every other logical axis
+    The rules with `batch` over `BATCH_AXES`, `seq` replicated, every other logical axis
     (weights and the other activations) over its own mesh axes less data, fsdp and sequence
-    (e.g. heads over tensor, experts over expert, embed replicated).
+    (e.g. heads over tensor, experts over expert, embed replicated), and `pages` (the paged
+    pool's pages) over `BATCH_AXES`.
   """
   out = []
   for name, axes in rules:
+    if name == "pages":
+      continue  # set below
     if name == "batch":
       axes = BATCH_AXES
     elif name == "seq":
@@ -67,7 +73,7 @@ def decode_rules(rules) -> tuple:
     else:
       axes = tuple(a for a in (axes or ()) if a not in _DATA_ONLY) or None
     out.append((name, axes))
-  return tuple(out)
+  return tuple(out) + (("pages", BATCH_AXES),)
 
 
 def specs_of(tree) -> tuple:

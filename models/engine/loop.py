@@ -413,7 +413,7 @@ class Engine:
     short = False  # the pool is out of memory
     while self._queue and None in self._slots and not short:
       free = self._slots.count(None)
-      plan: list[tuple[Request, np.ndarray, int]] = []  # (request, target, cached length)
+      plan: list[tuple[Request, np.ndarray, int, int]] = []  # (request, target, cached, slot)
       deferred = []
       while self._queue and len(plan) < free:
         req = self._queue.popleft()
@@ -421,32 +421,45 @@ class Engine:
         src, m = self._pool.longest_prefix(target, self.version, self.cfg.min_prefix)
         # A request planned in this round may share more with this one than any cached
         # sequence: wait for its prefill and reuse it then.
-        if any(common_prefix(t, target) > max(m, self.cfg.min_prefix - 1) for _, t, _ in plan):
+        if any(common_prefix(t, target) > max(m, self.cfg.min_prefix - 1)
+               for _, t, _, _ in plan):
           deferred.append(req)
           continue
         if not req.started:
           req.started = True
           if not req.future.set_running_or_notify_cancel():
             continue  # cancelled while queued
-        req.sid = self._pool.claim(req, src, m, self.version)
+        slot = self._pick_slot(src, {s for *_, s in plan})
+        req.sid = self._pool.claim(req, src, m, self.version, self._shard_of(slot))
         if not self._pool.reserve(req.sid, len(target) + self.cfg.steps_per_call):
           self._release(req)  # the pool keeps what it shared for later
           deferred.append(req)
           short = True
           break
-        plan.append((req, target, m))
+        plan.append((req, target, m, slot))
       self._queue.extendleft(reversed(deferred))
       if not plan:
         break
-      self._prefill([(req.sid, target, m) for req, target, m in plan])
-      for req, target, m in plan:
+      self._prefill([(req.sid, target, m) for req, target, m, _ in plan])
+      for req, target, m, slot in plan:
         req.cached = m
         req.admission = self._admissions
         self._admissions += 1
-        self._slots[self._slots.index(None)] = req
+        self._slots[slot] = req
         self._count(cache_hits=int(m > 0), reused_tokens=m)
       admitted = True
     return admitted
+
+  def _shard_of(self, slot: int) -> int:
+    """The pool's batch shard of a slot (cache.py: slots split over the shards in order)."""
+    return slot * self._pool.shards // len(self._slots)
+
+  def _pick_slot(self, src: Optional[int], taken: set[int]) -> int:
+    """A free slot (not in `taken`) on the shard the pool picks for a sequence reusing
+    `src`: the first free slot when the pool is not split."""
+    free = [i for i, r in enumerate(self._slots) if r is None and i not in taken]
+    shard = self._pool.pick_shard(src, sorted({self._shard_of(i) for i in free}))
+    return next(i for i in free if self._shard_of(i) == shard)
 
   def _prefill(self, items: list[tuple[int, np.ndarray, int]]) -> None:
     """Prefills target[start:] of each (sequence, target, start) into the pool.
@@ -481,8 +494,10 @@ class Engine:
       if req.sid < 0:
         continue  # preempted in this loop
       upto = len(req.input_ids) + len(req.output) - 1 + self.cfg.steps_per_call
-      while not self._pool.reserve(req.sid, upto):
-        victim = max((r for r in self._slots if r is not None), key=lambda r: r.admission)
+      shard = self._pool.shard(req.sid)
+      while not self._pool.reserve(req.sid, upto):  # the newest on the shard that is short
+        victim = max((r for r in self._slots if r is not None and r.sid >= 0
+                      and self._pool.shard(r.sid) == shard), key=lambda r: r.admission)
         self._preempt(victim)
         if victim is req:
           break

@@ -19,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from models.engine import sampling
 from models.engine.layout import constrain
@@ -102,9 +103,14 @@ def prefill_paged(graphdef, state, pages: dict, page_table: jax.Array, tokens: j
 def copy_pages(pages: dict, src: jax.Array, dst: jax.Array, *, specs=None) -> dict:
   """Copies pages src[i] to dst[i] in every layer (copy-on-write); all reads come first.
 
+  Pages split over the batch shards (the paged pool on a mesh, `specs`' page dimension) are
+  copied per shard: each shard reads the sources it holds, one `psum` over the shards gives
+  every shard the n copied pages (a page of another shard arrives that way, nothing else
+  moves), and each shard writes the destinations it holds.
+
   Args:
     pages: paged decode caches, leaves [..., num_pages, page_size, dim] (donated).
-    src: [n] int32 pages read.
+    src: [n] int32 pages read (global ids).
     dst: [n] int32 pages overwritten; ids >= num_pages are padding (dropped).
     specs: None, or the pages' specs on a mesh (static).
 
@@ -112,8 +118,27 @@ def copy_pages(pages: dict, src: jax.Array, dst: jax.Array, *, specs=None) -> di
     The new pages.
   """
   TRACES["copy_pages"] += 1
-  return constrain(jax.tree.map(
-      lambda a: a.at[..., dst, :, :].set(a[..., src, :, :], mode="drop"), pages), specs)
+  def copy(a, src, dst):
+    return a.at[..., dst, :, :].set(a[..., src, :, :], mode="drop")
+  shards = specs[0][1] if specs and len(specs[0]) > 1 else None  # [kv_heads, num_pages, ..]
+  if shards is None:
+    return constrain(jax.tree.map(lambda a: copy(a, src, dst), pages), specs)
+
+  def local(pages, src, dst):
+    index = jax.lax.axis_index(shards)  # this shard's
+    def one(a):
+      per = a.shape[-3]
+      mine = (src >= index * per) & (src < (index + 1) * per)
+      got = jnp.where(mine[:, None, None], a[..., jnp.clip(src - index * per, 0, per - 1), :, :],
+                      jnp.zeros((), a.dtype))
+      got = jax.lax.psum(got, shards)  # the one shard holding a source contributes it
+      at = dst - index * per
+      return a.at[..., jnp.where((at >= 0) & (at < per), at, per), :, :].set(got, mode="drop")
+    return jax.tree.map(one, pages)
+
+  tree = jax.tree.unflatten(jax.tree.structure(pages), specs)
+  return jax.shard_map(local, in_specs=(tree, PartitionSpec(), PartitionSpec()),
+                       out_specs=tree)(pages, src, dst)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("specs",))
