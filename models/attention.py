@@ -154,7 +154,8 @@ def paged_step(cfg: ModelConfig, attend, queries: tuple, new: dict, pages: dict,
     q_heads = heads
   q_spec = PartitionSpec(rows, None, q_heads)
   page_spec = {n: PartitionSpec(heads, rows) for n in pages}
-  run = jax.shard_map(local, mesh=mesh, out_specs=(q_spec, page_spec), in_specs=(
+  # check_vma off: the Pallas TPU kernel's outputs carry no varying-axes annotation
+  run = jax.shard_map(local, mesh=mesh, out_specs=(q_spec, page_spec), check_vma=False, in_specs=(
       (q_spec,) * len(queries), {n: PartitionSpec(rows, None, heads) for n in new}, page_spec,
       PartitionSpec(rows), PartitionSpec(rows)))
   return run(queries, new, pages, page_table, index)

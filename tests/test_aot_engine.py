@@ -160,6 +160,7 @@ def test_decode_gathers_no_weight(mla):
   assert weight_shaped_collectives(trained, train_state)
   # every collective of the decode layout's call: the slots' rows gathered for the pool's
   # scatter (4 slots x CONTEXT entries of the latent and the rope key, per layer), no weight
+  # (the contiguous pool: rows replicated over the batch shards)
   gathers = aot.collectives(decode.as_text())["all-gather"]
   per_token = (model_cfg.kv_lora_rank + model_cfg.qk_rope_head_dim) * 2
   assert gathers["bytes"] <= SLOTS * CONTEXT * model_cfg.num_layers * per_token
@@ -227,3 +228,31 @@ def test_dense_gqa_engine_compiles_with_heads_over_tensor():
   per_token = model_cfg.num_layers * 2 * model_cfg.num_kv_heads * model_cfg.head_dim * 2
   assert programs["decode"][2] - programs["prefill"][2] == pytest.approx(
       SLOTS * (CONTEXT - CHUNK) * per_token / 4)
+
+
+def test_paged_engine_compiles_with_pages_split_over_the_batch_shards(mla):
+  config = tiny_config()
+  config.rl.kv_cache, config.rl.kv_page_size = "paged", 16
+  model_cfg, engine_cfg, mesh, programs = compile_engine(config, "v5p:2x2x1")
+  pool, specs = aot_engine.abstract_pool(model_cfg, engine_cfg, mesh)
+  num_pages = (SLOTS + engine_cfg.prefix_cache_rows) * CONTEXT // 16
+  for layer in pool["dense"] + pool["moe"]:  # one latent head; pages over the 4 fsdp shards
+    assert layer["c_kv"].shape == (1, num_pages, 16, model_cfg.kv_lora_rank)
+    assert layer["c_kv"].sharding.shard_shape(layer["c_kv"].shape)[1] == num_pages // 4
+  decode = programs["decode"][0]
+  # the Pallas paged-attention kernel runs on each shard's own pages: no cache moves
+  assert "paged_attention" in decode.as_text()
+  cache = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pool)) / 4
+  gathered = aot.collectives(decode.as_text()).get("all-gather", {"bytes": 0})["bytes"]
+  assert gathered < 0.01 * cache, gathered
+  for name, (compiled, _, _) in programs.items():  # donated, and back in the same layout
+    args, _ = compiled.input_shardings
+    for a, b in zip(jax.tree.leaves(args[1]), jax.tree.leaves(compiled.output_shardings[0]),
+                    strict=True):
+      assert not a.is_fully_replicated and a.is_equivalent_to(b, 4), name
+    assert all(a.donated for a in jax.tree.leaves(compiled.args_info[0][1])), name
+  # the same floors as the contiguous pool's (the same positions per chip), fewer bytes
+  _, _, _, contiguous = mla
+  for name in ("prefill", "decode"):
+    assert programs[name][2] == pytest.approx(contiguous[name][2]), name
+  assert bytes_accessed(decode) < bytes_accessed(contiguous["decode"][0])

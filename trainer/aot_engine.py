@@ -8,13 +8,15 @@
     compiled, seconds, min_bytes = programs["decode"]
 
 The programs are the engine's own jitted calls, `models.engine.programs.prefill` and
-`models.engine.programs.decode`, as a mesh engine (`Engine(model, cfg, mesh=mesh)`) runs them
+`decode` (contiguous pool) or `prefill_paged` and `decode_paged` (paged pool, `rl.kv_cache`),
+as a mesh engine (`Engine(model, cfg, mesh=mesh)`) runs them
 in its decode layout (`models.engine.layout.Layout`), with the static arguments it passes for
 the run's `EngineConfig` (`trainer.rollouts.engine_config`): the unstacked model's graphdef
 with the decode rules in its config (the one the engine builds, so the compiled code is the code
 it would run), `steps_per_call`, `top_logprobs`, `return_expert_ids` (decode's, and prefill's
 `experts`: an MoE policy with `rl.routing_replay` records the experts of every position), and
-the contiguous pool's `specs` (`models.engine.contiguous.CachePool`). They are lowered on
+the pool's `specs` (`models.engine.contiguous.CachePool`, `models.engine.paged.PagedPool`).
+They are lowered on
 abstract inputs only (`jax.ShapeDtypeStruct`s; nothing is allocated) and compiled under
 `jax.set_mesh(mesh)`, so the decode rules' activation constraints apply.
 
@@ -22,14 +24,19 @@ Shapes and shardings (E = the EngineConfig):
   state    the unstacked model's variables, fp32 as the engine holds them, in the decode
            layout (`Layout.shardings`: tensor/expert-parallel weights, routers whole, nothing
            over data, fsdp or sequence);
-  pool     `model.init_cache(E.slots + E.prefix_cache_rows, E.max_seq_len)`: per layer
-           {"k": [rows, kv_heads, capacity, head_dim], "v": [rows, kv_heads, head_dim,
+  pool     contiguous: `model.init_cache(E.slots + E.prefix_cache_rows, E.max_seq_len)`, per
+           layer {"k": [rows, kv_heads, capacity, head_dim], "v": [rows, kv_heads, head_dim,
            capacity]} (GQA) or {"c_kv": [rows, capacity, kv_lora_rank], "k_rope": [rows,
-           capacity, qk_rope_head_dim]} (MLA's absorbed latent cache), placed as the pool
-           places it (`Layout.cache_shardings`): key/value heads over `tensor`, rows
-           replicated over the batch shards;
+           capacity, qk_rope_head_dim]} (MLA's absorbed latent cache), rows replicated over
+           the batch shards; paged: `model.init_paged_cache(PagedPool.num_pages_for(E),
+           E.page_size)`, per layer [kv_heads, num_pages, page_size, dim] (MLA: one latent
+           head), pages split over the batch shards (each shard's sequences read their own
+           pages, the Pallas paged-attention kernel per shard); key/value heads over `tensor`
+           (`Layout.cache_shardings`, as the pools place them). Rows or page tables [rows,
+           ceil(E.max_seq_len / E.page_size)] address them;
   prefill  `E.prefill_rows or E.slots` rows, padded to a multiple of the batch shards
-           (`Layout.pad_rows`), of the longest chunk the engine issues (`prefill_len`);
+           (`Layout.pad_rows`, `PagedPool._by_shard`), of the longest chunk the engine issues
+           (`prefill_len`);
   decode   the `E.slots` decode batch: per-slot arrays [slots] (and stop ids [slots,
            max(E.max_stop_token_ids, 1)]) and the token masks the engine passes to every call
            (`models.engine.constraint.Controls`): `mask` [slots, ceil(vocab_size / 32)]
@@ -38,23 +45,20 @@ Shapes and shardings (E = the EngineConfig):
   The host arrays (rows, tokens, per-slot arrays, masks, scalars) carry no sharding, as the
   engine's numpy arguments do: the compiler places them.
 
-An engine with `cache="paged"` (`rl.kv_cache`) runs `decode_paged` over a pool of pages
-instead (models/engine/paged.py); it is planned here as the contiguous pool (by default the
-paged pool holds the same memory, and the weights, masks and per-step work are the same).
-
 `min_bytes` is a floor on the HBM bytes one call must read per chip (`engine_programs`): each
 chip's shard of the weights in the decode layout once, in the compute dtype, plus its share of
 the cache the call must touch, the rows split over the batch shards as the slots are. XLA's
 `cost_analysis` counts a while loop's body once, so decode's compiled "bytes accessed" is about
-one decode step plus the gather and scatter of the slots' cache rows; `min_bytes` for decode
-is one step's floor, to compare with it.
+one decode step (plus, with the contiguous pool, the gather and scatter of the slots' rows);
+`min_bytes` for decode is one step's floor, to compare with it. The Pallas paged-attention
+kernel declares what it reads (the pages its tables name), not its operands' full size.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +68,7 @@ from models import transformer
 from models.config import ModelConfig
 from models.engine import EngineConfig, constraint, programs
 from models.engine.layout import Layout, specs_of
+from models.engine.paged import PagedPool
 from trainer import rollouts
 
 
@@ -93,31 +98,60 @@ def abstract_model(model_cfg: ModelConfig, mesh) -> tuple[nnx.GraphDef, nnx.Stat
   return graphdef, state
 
 
-def abstract_pool(model_cfg: ModelConfig, engine_cfg: EngineConfig, mesh
-                  ) -> tuple[dict, tuple]:
-  """The engine's contiguous pool of decode caches, abstract and placed as the pool places it.
+def abstract_pool(model_cfg: ModelConfig, engine_cfg: EngineConfig, mesh) -> tuple[dict, Any]:
+  """The engine's pool of decode caches, abstract and placed as its pool places it.
 
   Args:
     model_cfg: the model config.
-    engine_cfg: the engine's sizes (rows = slots + prefix_cache_rows, capacity = max_seq_len).
+    engine_cfg: the engine's sizes and pool (`cache`: contiguous rows = slots +
+      prefix_cache_rows of max_seq_len positions, or paged: `PagedPool.num_pages_for` pages of
+      page_size positions).
     mesh: the engine's mesh.
 
   Returns:
-    (pool, specs): pool {stack: [per layer {name: ShapeDtypeStruct [rows, ...]}]}, as
-    `Transformer.init_cache` of the unstacked model (compute dtype), with
-    `Layout.cache_shardings` (key/value heads over `tensor`, rows replicated over the batch
-    shards); specs the static `specs` `CachePool` passes its programs: (the pool's, the
-    gathered rows' (rows over the batch shards)).
+    (pool, specs): pool {stack: [per layer {name: ShapeDtypeStruct}]}, as the unstacked
+    model's `init_cache` (contiguous: [rows, ...], rows replicated over the batch shards) or
+    `init_paged_cache` (paged: [kv_heads, num_pages, page_size, dim], pages split over the
+    batch shards), compute dtype, key/value heads over `tensor`; specs the static `specs` the
+    pool passes its programs (contiguous: (the pool's, the gathered rows'); paged: the
+    pages').
   """
   layout = Layout(mesh, model_cfg)
   model = nnx.eval_shape(lambda: transformer.Transformer(layout.cfg, stacked=False))
-  rows = engine_cfg.slots + engine_cfg.prefix_cache_rows
-  shapes = jax.eval_shape(lambda: model.init_cache(rows, engine_cfg.max_seq_len))
-  heads = 1 if model_cfg.attention == "gqa" else None  # k/v [rows, kv_heads, ...] (CachePool)
-  shardings = layout.cache_shardings(shapes, heads)
+  e = engine_cfg
+  if e.cache == "paged":
+    shapes = jax.eval_shape(lambda: model.init_paged_cache(PagedPool.num_pages_for(e, layout),
+                                                           e.page_size))
+    shardings = layout.cache_shardings(shapes, heads_dim=0, rows_dim=1)
+    specs = specs_of(shardings)
+  else:
+    rows = e.slots + e.prefix_cache_rows
+    shapes = jax.eval_shape(lambda: model.init_cache(rows, e.max_seq_len))
+    heads = 1 if model_cfg.attention == "gqa" else None  # k/v [rows, kv_heads, ...]
+    shardings = layout.cache_shardings(shapes, heads)
+    specs = (specs_of(shardings), specs_of(layout.cache_shardings(shapes, heads, rows_dim=0)))
   pool = jax.tree.map(lambda s, sh: _struct(s.shape, s.dtype, sh), shapes, shardings)
-  return pool, (specs_of(shardings),
-                specs_of(layout.cache_shardings(shapes, heads, rows_dim=0)))
+  return pool, specs
+
+
+def position_bytes_per_chip(pool: dict, engine_cfg: EngineConfig) -> float:
+  """Bytes one cached position of one sequence takes on a chip, over every layer: its share
+  of the key/value heads (MLA's latent whole).
+
+  Args:
+    pool: the abstract pool of `abstract_pool` (leaves carry their shardings).
+    engine_cfg: its EngineConfig (`cache`, `max_seq_len`, `page_size`).
+
+  Returns:
+    The bytes.
+  """
+  paged = engine_cfg.cache == "paged"
+  dim, per_entry = (1, engine_cfg.page_size) if paged else (0, engine_cfg.max_seq_len)
+  total = 0.0
+  for leaf in jax.tree.leaves(pool):
+    shard = leaf.sharding.shard_shape(leaf.shape)  # positions held: shard[dim] * per_entry
+    total += jnp.dtype(leaf.dtype).itemsize * math.prod(shard) / (shard[dim] * per_entry)
+  return total
 
 
 def prefill_len(engine_cfg: EngineConfig) -> int:
@@ -150,30 +184,6 @@ def weight_bytes_per_chip(state: nnx.State, model_cfg: ModelConfig) -> float:
   return total
 
 
-def cache_bytes_per_chip(pool: dict, specs: tuple, mesh, capacity: int, rows: int,
-                         tokens: int) -> float:
-  """Bytes per chip of `tokens` cache entries of each of `rows` rows, the rows split over the
-  batch shards (as the programs gather them for the slots).
-
-  Args:
-    pool: the abstract pool of `abstract_pool` (leaves [pool_rows, ..., capacity, ...]).
-    specs: the gathered rows' flat PartitionSpecs (`abstract_pool`'s second specs).
-    mesh: the engine's mesh.
-    capacity: entries per row (the pool's `max_seq_len`; that dimension is never sharded).
-    rows: rows read or written (a multiple of the batch shards).
-    tokens: entries per row read or written.
-
-  Returns:
-    Each chip's share of the rows, scaled by tokens / capacity.
-  """
-  total = 0.0
-  for leaf, spec in zip(jax.tree.leaves(pool), specs, strict=True):
-    shape = (rows,) + tuple(leaf.shape[1:])
-    per_chip = math.prod(jax.sharding.NamedSharding(mesh, spec).shard_shape(shape))
-    total += jnp.dtype(leaf.dtype).itemsize * per_chip * min(tokens, capacity) / capacity
-  return total
-
-
 def engine_programs(config, model_cfg: ModelConfig, mesh,
                     engine_cfg: Optional[EngineConfig] = None
                     ) -> dict[str, tuple[jax.stages.Compiled, float, float]]:
@@ -183,18 +193,19 @@ def engine_programs(config, model_cfg: ModelConfig, mesh,
   slice's platform (and a matmul precision its compiler accepts).
 
   min_bytes, per chip (W = `weight_bytes_per_chip`: every variable's decode-layout shard in
-  the compute dtype; C(r, t) = `cache_bytes_per_chip`: t cache entries of r rows split over
-  the batch shards):
-    prefill  W + C(padded prefill rows, `prefill_len`): the weights once and the new entries
-             written (the call gathers and scatters whole rows, so it accesses more);
-    decode   W + C(slots, max_seq_len), per decode step: the weights once and the slots' rows
-             read at full capacity (the step attends over the whole row; the per-step outputs
-             are small). Compare it with the compiled bytes accessed, which counts the loop
-             body once.
+  the compute dtype; P = `position_bytes_per_chip`; rows split over the batch shards as the
+  slots are):
+    prefill  W + P x (padded prefill rows / shards) x `prefill_len`: the weights once and the
+             new entries written (a contiguous pool's call gathers and scatters whole rows,
+             so it accesses more);
+    decode   W + P x (slots / shards) x max_seq_len, per decode step: the weights once and
+             the slots' caches read at full length (the step attends over every position;
+             the per-step outputs are small). Compare it with the compiled bytes accessed,
+             which counts the loop body once.
 
   Args:
-    config: the run's config (`rl.concurrency`, `rl.max_context_tokens`, `seed`: the engine of
-      `trainer.rollouts.engine_config`).
+    config: the run's config (`rl.concurrency`, `rl.max_context_tokens`, `rl.kv_cache`,
+      `seed`: the engine of `trainer.rollouts.engine_config`).
     model_cfg: the model's ModelConfig.
     mesh: the engine's mesh over the slice's devices (`models.sharding.make_mesh`).
     engine_cfg: the EngineConfig to compile for instead of the config's.
@@ -209,22 +220,24 @@ def engine_programs(config, model_cfg: ModelConfig, mesh,
   e = engine_cfg or rollouts.engine_config(config, model_cfg)
   layout = Layout(mesh, model_cfg)
   layout.check(e)
+  paged = e.cache == "paged"
   graphdef, state = abstract_model(model_cfg, mesh)
   pool, specs = abstract_pool(model_cfg, e, mesh)
   i32, f32 = jnp.int32, jnp.float32
-  weights = weight_bytes_per_chip(state, model_cfg)
+  # contiguous: the pool row of each batch row; paged: its page table
+  pages_per_seq = -(-e.max_seq_len // e.page_size)
+  rows = lambda b: _struct((b, pages_per_seq) if paged else (b,), i32)  # noqa: E731
 
   b, p = e.prefill_rows or e.slots, prefill_len(e)
-  b += -b % layout.shards  # Layout.pad_rows
-  prefill_args = (graphdef, state, pool, _struct((b,), i32), _struct((b, p), i32),
-                  _struct((b,), i32))
+  b += -b % layout.shards  # Layout.pad_rows, PagedPool._by_shard
+  prefill_args = (graphdef, state, pool, rows(b), _struct((b, p), i32), _struct((b,), i32))
 
   s, n_stop = e.slots, max(e.max_stop_token_ids, 1)
-  slot = lambda dtype: _struct((s,), dtype)
+  slot = lambda dtype: _struct((s,), dtype)  # noqa: E731
   # rows, tokens, lengths, active, counts, limits, temperature, top_k, top_p, seeds, stop_ids,
   # max_steps, exit_on_finish (as Engine._decode_call passes them)
   decode_args = (graphdef, e.steps_per_call, e.top_logprobs, e.return_expert_ids, state, pool,
-                 slot(i32), slot(i32), slot(i32), slot(jnp.bool_), slot(i32), slot(i32),
+                 rows(s), slot(i32), slot(i32), slot(jnp.bool_), slot(i32), slot(i32),
                  slot(f32), slot(i32), slot(f32), slot(jnp.uint32), _struct((s, n_stop), i32),
                  _struct((), i32), _struct((), jnp.bool_))
   # the masking inputs, keyword arguments (`models.engine.constraint.Controls.kwargs`)
@@ -232,15 +245,18 @@ def engine_programs(config, model_cfg: ModelConfig, mesh,
   decode_kwargs = {"mask": _struct((s, words), jnp.uint32), "min_p": slot(f32),
                    "min_tokens": slot(i32), "specs": specs}
 
-  cache = lambda rows, tokens: cache_bytes_per_chip(pool, specs[1], mesh, e.max_seq_len, rows,
-                                                     tokens)
-  floors = {"prefill": weights + cache(b, p), "decode": weights + cache(s, e.max_seq_len)}
+  weights = weight_bytes_per_chip(state, model_cfg)
+  position = position_bytes_per_chip(pool, e)
+  floors = {"prefill": weights + position * (b // layout.shards) * p,
+            "decode": weights + position * (s // layout.shards) * e.max_seq_len}
+  prefill_fn, decode_fn = ((programs.prefill_paged, programs.decode_paged) if paged else
+                           (programs.prefill, programs.decode))
   out = {}
   with jax.set_mesh(mesh):
     # prefill returns the prefilled positions' experts too when the engine records them
     prefill_kwargs = {"specs": specs, **({"experts": True} if e.return_expert_ids else {})}
-    for name, fn, args, kwargs in (("prefill", programs.prefill, prefill_args, prefill_kwargs),
-                                   ("decode", programs.decode, decode_args, decode_kwargs)):
+    for name, fn, args, kwargs in (("prefill", prefill_fn, prefill_args, prefill_kwargs),
+                                   ("decode", decode_fn, decode_args, decode_kwargs)):
       t0 = time.perf_counter()
       compiled = fn.lower(*args, **kwargs).compile()
       out[name] = (compiled, time.perf_counter() - t0, floors[name])

@@ -186,13 +186,18 @@ class PagedPool(KVCache):
     pool's memory, (slots + prefix_cache_rows) * ceil(max_seq_len / page_size) pages, rounded
     up to a multiple of the batch shards. At most `prefix_cache_rows` idle sequences are
     kept."""
+    return cls(model, cls.num_pages_for(config, layout), config.page_size, config.max_seq_len,
+               count, experts=config.return_expert_ids, retain=config.prefix_cache_rows,
+               layout=layout)
+
+  @staticmethod
+  def num_pages_for(config: EngineConfig, layout: Optional[Layout] = None) -> int:
+    """The pool's pages: `config.num_pages`, or by default (0) the contiguous pool's memory
+    rounded up to a multiple of the layout's batch shards."""
     rows = config.slots + config.prefix_cache_rows
     shards = layout.shards if layout is not None else 1
-    num_pages = config.num_pages or _round_up(
-        rows * -(-config.max_seq_len // config.page_size), shards)
-    return cls(model, num_pages, config.page_size, config.max_seq_len, count,
-               experts=config.return_expert_ids, retain=config.prefix_cache_rows,
-               layout=layout)
+    return config.num_pages or _round_up(rows * -(-config.max_seq_len // config.page_size),
+                                         shards)
 
   def _zeros(self) -> Any:
     if self._layout is not None:

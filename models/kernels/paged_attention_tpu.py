@@ -105,6 +105,22 @@ def _group_rows(x: jax.Array, kvh: int, rows: int) -> jax.Array:
   return jnp.pad(x, ((0, 0), (0, 0), (0, rows - x.shape[2]), (0, 0)))
 
 
+def _cost(q, k_pages, v_pages, page_table, q_rope) -> pl.CostEstimate:
+  """What one call costs at most: every page the tables name read once (the pipeline DMAs a
+  sequence's pages only, never the pool: XLA would otherwise count each page operand whole),
+  the queries read and the outputs written once."""
+  b, s, h, d = q.shape
+  kvh, _, page_size, dv = v_pages.shape
+  dr = 0 if q_rope is None else q_rope.shape[-1]
+  keys = b * page_table.shape[1] * page_size  # key positions per kv head
+  size = jnp.dtype(k_pages.dtype).itemsize
+  return pl.CostEstimate(
+      flops=2 * b * s * h * page_table.shape[1] * page_size * (d + dr + dv),
+      transcendentals=b * s * h * page_table.shape[1] * page_size,
+      bytes_accessed=size * kvh * keys * (d + dv + dr) + 4 * page_table.size
+      + jnp.dtype(q.dtype).itemsize * b * s * h * (d + dr + dv))
+
+
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     page_table: jax.Array, q_start: jax.Array, *, scale: float,
                     q_rope: Optional[jax.Array] = None, k_rope_pages: Optional[jax.Array] = None,
@@ -182,6 +198,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
           dimension_semantics=("parallel", "parallel", "arbitrary")),
       interpret=interpret,
       name="paged_attention",
+      cost_estimate=_cost(q, k_pages, v_pages, page_table, q_rope),
   )(table, q_start, *args)
   out = out[:, :, :s * group].reshape(b, kvh, s, group, dv).transpose(0, 2, 1, 3, 4)
   return out.reshape(b, s, h, dv)
