@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RL_STEPS = 2
 NOT_DETERMINISTIC = ("wall_time", "time/", "tokens_per_s", "trajectory_ids", "engine/")
 
-# The demo config shrunk: 2-layer model, 8 SFT steps, 2 RL steps of 2 tasks x 2 episodes,
+# The demo config shrunk: 2-layer model, 4 SFT steps, 2 RL steps of 2 tasks x 2 episodes,
 # 4 held-out tasks. No group is dropped for constant rewards and an entropy bonus is on, so the
 # RL stage trains (and changes the weights) even when every episode fails.
 DEMO = '''
@@ -48,11 +48,11 @@ def get_config(arg=None):
   s.data.demo.episodes = 16
   s.data.demo.eval_episodes = 0
   s.data.max_group_size = 2
-  s.train.steps = 8
+  s.train.steps = 4
   s.optimizer.warmup_steps = 2
   s.train.eval_every = 0
-  s.train.checkpoint_every = 8
-  s.train.log_every = 4
+  s.train.checkpoint_every = 4
+  s.train.log_every = 2
   r = c.rl
   r.compile_cache_dir = {cache!r}
   r.rl.prompts_per_step = 2
