@@ -143,7 +143,8 @@ def test_jacrev_through_model_equals_grad_and_finite_difference(tree_case, famil
   equals jax.grad of f(p, 1) alone, which matches a central difference along one direction."""
   tb = tree_case[0]
   logprobs, params = _logprobs_fn(tb, family, "xla")
-  lp0 = np.asarray(jax.jit(logprobs)(params))
+  forward = jax.jit(logprobs)  # compiled once: the old log-probs and the finite difference's
+  lp0 = np.asarray(forward(params))
   # off-policy with ratios in [0.95, 1.05]: inside the clip range, the loss is smooth there
   noise = np.random.default_rng(3).uniform(-0.05, 0.05, lp0.shape)
   tb = tb.__class__(**{**tb.__dict__, "fields": {**tb.fields, "old_logprobs": np.where(
@@ -160,7 +161,8 @@ def test_jacrev_through_model_equals_grad_and_finite_difference(tree_case, famil
   norm = jnp.sqrt(sum(jnp.vdot(x, x) for x in jax.tree.leaves(v)))
   v = jax.tree.map(lambda x: x / norm, v)
   eps = 1e-3
-  value = jax.jit(lambda p: f(p, 1))
+  loss = jax.jit(_loss_of_logprobs(tb, cfgs[1]))
+  value = lambda p: loss(forward(p))  # f(p, 1)
   step = lambda s: jax.tree.map(lambda a, d: a + s * eps * d, params, v)
   fd = (float(value(step(1.0))) - float(value(step(-1.0)))) / (2 * eps)
   directional = float(sum(jnp.vdot(g, d) for g, d in zip(jax.tree.leaves(grad),
