@@ -95,8 +95,11 @@ def write_pages(pages: jax.Array, new: jax.Array, page_table: jax.Array, index: 
   page = jnp.take_along_axis(page_table, jnp.minimum(slot, n - 1), axis=1)
   page = jnp.where(slot < n, page, num_pages)
   values = jnp.transpose(new, (2, 0, 1, 3)).astype(pages.dtype)  # [kv_heads, b, s, dim]
-  return pages.at[:, page, pos % page_size].set(values, mode="drop")
-
+  # Every index explicit, the head's too: the scatter's window is then one entry's `dim`
+  # values, contiguous in the pages' row-major layout, which XLA keeps (with the heads as a
+  # window it lays the pages out heads-minor and copies them whole around the TPU kernel).
+  heads = jnp.arange(pages.shape[0])[:, None, None]
+  return pages.at[heads, page[None], (pos % page_size)[None]].set(values, mode="drop")
 
 
 def _paged_attention(q, k_pages, v_pages, page_table, q_start, **kwargs):

@@ -21,7 +21,8 @@ abstract inputs only (`jax.ShapeDtypeStruct`s; nothing is allocated) and compile
 `jax.set_mesh(mesh)`, so the decode rules' activation constraints apply.
 
 Shapes and shardings (E = the EngineConfig):
-  state    the unstacked model's variables, fp32 as the engine holds them, in the decode
+  state    the unstacked model's variables, as the engine holds them (projection kernels and
+           expert stacks in the compute dtype, the rest fp32), in the decode
            layout (`Layout.shardings`: tensor/expert-parallel weights, routers whole, nothing
            over data, fsdp or sequence);
   pool     contiguous: `model.init_cache(E.slots + E.prefix_cache_rows, E.max_seq_len)`, per
@@ -66,7 +67,7 @@ from flax import nnx
 
 from models import transformer
 from models.config import ModelConfig
-from models.engine import EngineConfig, constraint, programs
+from models.engine import EngineConfig, constraint, programs, weights
 from models.engine.layout import Layout, specs_of
 from models.engine.paged import PagedPool
 from trainer import rollouts
@@ -86,13 +87,17 @@ def abstract_model(model_cfg: ModelConfig, mesh) -> tuple[nnx.GraphDef, nnx.Stat
   Returns:
     (graphdef, state): the graphdef equals the one a mesh engine splits off its decode model
     (`Layout.decode_model` of `transformer.unstack(model)`: the jit cache key); the state's
-    variables hold `jax.ShapeDtypeStruct`s (fp32 parameters) carrying the decode layout's
-    shardings (`Layout.shardings`).
+    variables hold `jax.ShapeDtypeStruct`s carrying the decode layout's shardings
+    (`Layout.shardings`), in the engine's dtypes (projections in the compute dtype,
+    `models.engine.weights.compute_dtype`; the rest fp32).
   """
   layout = Layout(mesh, model_cfg)
   model = nnx.eval_shape(lambda: transformer.with_adapters(
       transformer.Transformer(model_cfg, stacked=False)))  # LoRA adapters, quantized base
   graphdef, state = nnx.split(layout.decode_model(model))
+  narrow = weights.compute_dtype(model)  # projections held in the compute dtype, as the engine
+  if narrow is not None:
+    state = jax.eval_shape(lambda s: weights.projections_to(s, narrow), state)
   state = jax.tree.map(lambda v, sh: _struct(v.shape, v.dtype, sh), state,
                        layout.shardings(state))
   return graphdef, state

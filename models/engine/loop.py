@@ -66,7 +66,7 @@ from flax import nnx
 from models.engine import constraint as constraints
 from models.engine import layout, request, weights
 from models.engine.cache import KVCache, common_prefix
-from models.engine.config import ACT_QTYPES, ON_UPDATE, WEIGHT_QTYPES, Completion, EngineConfig
+from models.engine.config import ON_UPDATE, Completion, EngineConfig
 from models.engine.contiguous import CachePool
 from models.engine.paged import PagedPool
 from models.engine.request import Request
@@ -106,7 +106,7 @@ class Engine:
     self.cfg = config
     self.model_cfg = model.cfg
     self.detokenize = detokenize
-    self._check_config()
+    config.check(model.cfg, tuple(POOLS))
     c = config
     self.layout = None if mesh is None else layout.Layout(mesh, model.cfg)
     if self.layout is not None:
@@ -133,41 +133,6 @@ class Engine:
     self._stopping = False
     self._rng = np.random.default_rng(c.seed)
     self._counters = collections.Counter()
-
-  def _check_config(self) -> None:
-    c, m = self.cfg, self.model_cfg
-
-    def fail(field, why):
-      raise ValueError(f"EngineConfig.{field}={getattr(c, field)!r}: {why}")
-
-    for field in ("slots", "max_seq_len", "prefill_chunk", "prefill_bucket", "steps_per_call",
-                  "min_prefix"):
-      if getattr(c, field) <= 0:
-        fail(field, "must be positive")
-    for field in ("prefix_cache_rows", "prefill_rows", "max_stop_token_ids", "top_logprobs"):
-      if getattr(c, field) < 0:
-        fail(field, "must be >= 0")
-    if c.top_logprobs > m.vocab_size:
-      fail("top_logprobs", f"exceeds vocab_size={m.vocab_size}")
-    if c.on_update not in ON_UPDATE:
-      fail("on_update", f"expected one of {ON_UPDATE}")
-    if c.return_expert_ids and not m.is_moe:
-      fail("return_expert_ids", "the model has no MoE layers")
-    if c.cache not in POOLS:
-      fail("cache", f"expected one of {tuple(POOLS)}")
-    if c.page_size <= 0:
-      fail("page_size", "must be positive")
-    if c.num_pages < 0:
-      fail("num_pages", "must be >= 0")
-    if c.num_pages and c.num_pages * c.page_size < c.max_seq_len:
-      fail("num_pages", f"x page_size={c.page_size} cannot hold one sequence of max_seq_len="
-                        f"{c.max_seq_len} positions")
-    if c.weight_qtype is not None and c.weight_qtype not in WEIGHT_QTYPES:
-      fail("weight_qtype", f"expected None or one of {WEIGHT_QTYPES}")
-    if c.act_qtype is not None and c.act_qtype not in ACT_QTYPES:
-      fail("act_qtype", f"expected None or one of {ACT_QTYPES}")
-    if c.act_qtype is not None and c.weight_qtype is None:
-      fail("act_qtype", "quantized activations need quantized weights (weight_qtype)")
 
   # ------------------------------------------------------------------ public API
 

@@ -16,6 +16,14 @@ call); only the quantized copy is kept, and the trainer keeps its own precision.
 the quantized model's, so the trainer's mismatch corrections (rl.corrections) see the
 quantization error.
 
+Compute-dtype projections: every projection kernel and routed-expert stack is cast to the
+compute dtype at every use (`models.layers.Dense`, `models.moe`), so the engine keeps them in
+that dtype (bf16 models: half the bytes held, and each decode step reads them once instead of
+reading fp32 and casting); a bf16 update is cast once, on its devices, as it arrives. What is
+computed is unchanged. Norm gains, biases, the embedding, the LM head and the routers, which
+are read in fp32, keep the model's fp32. (Not for quantized or LoRA engines: those keep their
+own layouts.)
+
 LoRA: an engine whose model has `nnx.LoRAParam` adapters takes the adapters alone in an update
 (`nnx.state(model, nnx.LoRAParam)` or the trainer's pure `TrainState.params`, stacked or
 unstacked; with a MoE router's bias beside them when it trains): its frozen base stays where it
@@ -68,6 +76,32 @@ def _unstack_values(values: dict) -> dict:
 # the same, as one jitted call: layer slices of device arrays stay on their devices, without a
 # host-to-device index per layer
 _unstack = jax.jit(_unstack_values)
+
+# variables every forward casts to the compute dtype before reading them: Dense kernels and the
+# routed-expert stacks
+_PROJECTIONS = ("kernel", "gate_proj", "up_proj", "down_proj")
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def projections_to(values, dtype):
+  """A state (or its pure dict) with the projection kernels and routed-expert stacks in
+  `dtype` (the compute dtype; module docstring); every other variable as it is."""
+  def cast(path, a):
+    if isinstance(path[-1], jax.tree_util.GetAttrKey) and len(path) > 1:  # Variable.value
+      path = path[:-1]
+    key = getattr(path[-1], "key", None)
+    floating = jnp.issubdtype(a.dtype, jnp.floating)
+    return a.astype(dtype) if key in _PROJECTIONS and floating else a
+  return jax.tree_util.tree_map_with_path(cast, values)
+
+
+def compute_dtype(model) -> Optional[jnp.dtype]:
+  """The dtype an engine keeps `model`'s projections in: its compute dtype when that is
+  narrower than fp32 and the model has no adapters nor quantized weights; else None (as
+  given)."""
+  dt = jnp.dtype(model.cfg.dtype)
+  plain = not (model.cfg.lora_rank or lora.has_adapters(model) or lora.is_quantized(model))
+  return dt if plain and dt.itemsize < 4 else None
 
 
 def _abstract(state: nnx.State) -> nnx.State:
@@ -181,13 +215,17 @@ def prepare(model, weight_qtype: Optional[str] = None, act_qtype: Optional[str] 
   if weight_qtype is not None and stacked_graphdef is not None:
     full[True] = (stacked_graphdef, _abstract(nnx.state(model)))
   model = model if _is_unstacked(model) else transformer.unstack(model)
+  narrow = None if weight_qtype is not None else compute_dtype(model)
+  if narrow is not None:
+    graphdef, state = nnx.split(model)
+    model = nnx.merge(graphdef, projections_to(state, narrow))
   if weight_qtype is not None:
     graphdef, state = nnx.split(model)
     full[False] = (graphdef, _abstract(state))
     model = nnx.merge(_quantized_graphdef(graphdef, weight_qtype, act_qtype, state),
                       _quantizer(graphdef, False, weight_qtype, act_qtype)(state))
     del state  # the engine holds the quantized copy only
-  return model, Weights(model, stacked_graphdef, full, weight_qtype, act_qtype)
+  return model, Weights(model, stacked_graphdef, full, weight_qtype, act_qtype, narrow)
 
 
 class Weights:
@@ -198,8 +236,9 @@ class Weights:
 
   def __init__(self, model, stacked_graphdef: Optional[nnx.GraphDef],
                full: dict[bool, tuple[Any, nnx.State]], weight_qtype: Optional[str],
-               act_qtype: Optional[str]):
+               act_qtype: Optional[str], narrow: Optional[jnp.dtype] = None):
     self.weight_qtype, self.act_qtype = weight_qtype, act_qtype
+    self._narrow = narrow  # the projections' dtype (`compute_dtype`), or None
     self._stacked_graphdef = stacked_graphdef  # None: the engine was built unstacked
     self._full = full
     self._reference = _abstract(nnx.state(model))  # the decode state's structure
@@ -237,7 +276,10 @@ class Weights:
     if self.weight_qtype is not None:
       return self._quantized(params, stacked)
     values = nnx.to_pure_dict(params if isinstance(params, nnx.State) else nnx.state(params))
-    return _rebuild(self._reference, _unstack(values) if stacked else values)
+    values = _unstack(values) if stacked else values
+    if self._narrow is not None:
+      values = projections_to(values, self._narrow)
+    return _rebuild(self._reference, values)
 
   def _quantized(self, params, stacked: bool) -> nnx.State:
     """The engine's quantized state of new full-precision weights (`weight_qtype`)."""
