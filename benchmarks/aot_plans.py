@@ -3,14 +3,16 @@
     python -m benchmarks.aot_plans                       # every plan, JSON per plan on stdout
     python -m benchmarks.aot_plans --plans=qwen7b-v5p-full --out_dir=docs/aot --update_docs
     python -m benchmarks.aot_plans --plans=dsv3-v5p-ep-a2a --search   # alternatives if no fit
+    python -m benchmarks.aot_plans --programs=decode --out_dir=docs/aot   # only the engine's
+                                                          # programs anew, the rest kept
 
 Each plan is the RL template (configs/rl.py) for a model preset, with the mesh, remat policy and
 batch shape the sizing arithmetic (benchmarks/sizing.py) chose (or, for the MoE plans, an
 expert-parallel mesh): rows of 32,768 tokens, one row per batch shard in a micro-batch, bf16
 compute, Muon, the Pallas TPU tree kernel. The train step, the scoring pass and the engine's
-decode step (its `rl.concurrency` slots of `rl.max_context_tokens`) are compiled by the real
-XLA TPU compiler on this machine (no TPU) and set beside the arithmetic's per-chip memory and
-roofline step. `--update_docs` rewrites the "compiled" block of docs/scaling.md (between
+decode step (its `rl.concurrency` slots of `rl.max_context_tokens`, the paged pool in the
+decode layout on the plan's mesh) are compiled by the real XLA TPU compiler on this machine
+(no TPU) and set beside the arithmetic's per-chip memory and roofline step. `--update_docs` rewrites the "compiled" block of docs/scaling.md (between
 `<!-- aot:start -->` and `<!-- aot:end -->`) from every plan with a JSON in --out_dir.
 
 Long-context plans (`LONG_PLANS`, the "Long contexts" section of docs/scaling.md between
@@ -135,6 +137,7 @@ def plan_config(name: str):
     c.mesh.sequence = mesh["sequence"]
   c.data.row_len, c.data.seq_len = plan.row_len, SEQ_LEN
   c.rl.max_context_tokens = max(c.rl.max_context_tokens, plan.row_len)
+  c.rl.kv_cache = "paged"  # the engine's pool at scale: pages split over the batch shards
   batch_shards = mesh["fsdp"] * mesh.get("expert", 1)
   c.data.rows_per_batch = c.data.max_seqs = batch_shards  # one row per batch shard
   c.data.microbatches = micro_batches
@@ -360,7 +363,15 @@ def main() -> None:
     print(json.dumps(report), flush=True)
     if args.out_dir:
       os.makedirs(args.out_dir, exist_ok=True)
-      with open(os.path.join(args.out_dir, f"{name}.json"), "w") as f:
+      path = os.path.join(args.out_dir, f"{name}.json")
+      if args.programs and os.path.isfile(path):  # some programs anew: keep the others
+        with open(path) as f:
+          old = json.load(f)
+        old["programs"].update(report["programs"])
+        old.setdefault("recompiled", {}).update(
+            {p: {"date": common.today(), "machine": common.machine()} for p in programs})
+        report = old
+      with open(path, "w") as f:
         json.dump(report, f, indent=1)
     reports.append(report)
   if args.update_docs:  # every plan with a report in --out_dir, in PLANS order

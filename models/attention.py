@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from models.config import ModelConfig
-from models.kernels import paged_attention_tpu
+from models.kernels import paged_attention_tpu, paged_write_tpu
 from models.kernels.attention import attention, target_platform
 from models.kernels.paged_attention import paged_attention
 from models.layers import Dense, RMSNorm, dtype_of, round_to
@@ -76,7 +76,8 @@ def write_pages(pages: jax.Array, new: jax.Array, page_table: jax.Array, index: 
 
   Positions whose page-table entry is past the table or names no page (an id >= num_pages)
   are dropped: padding rows and padded prefill positions past a sequence's pages write
-  nothing.
+  nothing. A decode step (s = 1) for a TPU is written by the Pallas kernel
+  `models.kernels.paged_write_tpu.write_entries` (the same entries, in place).
 
   Args:
     pages: [kv_heads, num_pages, page_size, dim] the layer's pages.
@@ -95,6 +96,9 @@ def write_pages(pages: jax.Array, new: jax.Array, page_table: jax.Array, index: 
   page = jnp.take_along_axis(page_table, jnp.minimum(slot, n - 1), axis=1)
   page = jnp.where(slot < n, page, num_pages)
   values = jnp.transpose(new, (2, 0, 1, 3)).astype(pages.dtype)  # [kv_heads, b, s, dim]
+  if target_platform() == "tpu" and s == 1:  # a decode step: DMA'd in place, costed as such
+    return paged_write_tpu.write_entries(pages, values[:, :, 0], page[:, 0],
+                                         pos[:, 0] % page_size)
   # Every index explicit, the head's too: the scatter's window is then one entry's `dim`
   # values, contiguous in the pages' row-major layout, which XLA keeps (with the heads as a
   # window it lays the pages out heads-minor and copies them whole around the TPU kernel).
