@@ -53,9 +53,29 @@ from __future__ import annotations
 import abc
 from typing import Any, Callable, Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from models.engine.config import EngineConfig
+
+
+def weights_device(model_or_state) -> jax.Device:
+  """The device holding a one-device engine's weights (a model or its nnx.State)."""
+  state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
+  return next(iter(jax.tree.leaves(state)[0].devices()))
+
+
+def zeros(shapes, layout, shardings, device: Optional[jax.Device]) -> Any:
+  """Zeroed caches of `shapes` (ShapeDtypeStructs): placed by `layout` with `shardings` on a
+  mesh, else committed to `device` (the weights' device: every array a program takes is then
+  committed, so the programs compiled at the first call serve every later one; a mix of
+  committed and uncommitted arguments would compile them again once the outputs, committed,
+  come back)."""
+  if layout is not None:
+    return layout.zeros(shapes, shardings)
+  return jax.device_put(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), device)
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:

@@ -20,11 +20,10 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from models.engine import programs
-from models.engine.cache import KVCache
+from models.engine.cache import KVCache, weights_device, zeros
 from models.engine.config import EngineConfig
 from models.engine.layout import Layout, specs_of
 
@@ -56,6 +55,7 @@ class CachePool(KVCache):
     self.num_rows, self.capacity = num_rows, capacity
     self._shapes = jax.eval_shape(lambda: model.init_cache(num_rows, capacity))
     self._layout = layout
+    self._device = None if layout is not None else weights_device(model)
     self._shardings = self._specs = None  # one device: unconstrained
     if layout is not None:
       heads = 1 if model.cfg.attention == "gqa" else None  # k/v [rows, kv_heads, ...]
@@ -83,9 +83,7 @@ class CachePool(KVCache):
                experts=config.return_expert_ids, layout=layout)
 
   def _zeros(self) -> Any:
-    if self._layout is not None:
-      return self._layout.zeros(self._shapes, self._shardings)
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._shapes)
+    return zeros(self._shapes, self._layout, self._shardings, self._device)
 
   def reset(self) -> None:
     self.caches = self._zeros()

@@ -65,6 +65,7 @@ from flax import nnx
 
 from models.engine import constraint as constraints
 from models.engine import layout, request, weights
+from models.engine import cache
 from models.engine.cache import KVCache, common_prefix
 from models.engine.config import ON_UPDATE, Completion, EngineConfig
 from models.engine.contiguous import CachePool
@@ -117,8 +118,11 @@ class Engine:
     if self.layout is not None:
       model = self.layout.decode_model(model)
     self._graphdef, self._state = nnx.split(model)
-    if self.layout is not None:
-      self._state = self.layout.place(self._state)
+    # one device: weights (and the pool's caches) committed to it, as an update's arrays are,
+    # so the programs compiled at the first call serve every later one
+    self._device = None if self.layout is not None else cache.weights_device(self._state)
+    self._state = (self.layout.place(self._state) if self.layout is not None else
+                   jax.device_put(self._state, self._device))
     self.version = version
     self._pool = POOLS[c.cache].create(model, c, self._count, self.layout)
     self._admissions = 0  # admission order of running requests (preemption takes the newest)
@@ -223,8 +227,8 @@ class Engine:
     with self._lock:  # on top of an update still waiting to be applied
       current = self._pending_update[0] if self._pending_update else self._state
     state = self._weights.convert(params, current)
-    if self.layout is not None:
-      state = self.layout.place(state)
+    state = (self.layout.place(state) if self.layout is not None else
+             jax.device_put(state, self._device))
     with self._lock:
       self._pending_update = (state, int(version), on_update)
     self._wakeup.set()

@@ -39,11 +39,10 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from models.engine import programs
-from models.engine.cache import KVCache, common_prefix
+from models.engine.cache import KVCache, common_prefix, weights_device, zeros
 from models.engine.config import EngineConfig
 from models.engine.layout import Layout, specs_of
 
@@ -161,6 +160,7 @@ class PagedPool(KVCache):
     self.retain = retain
     self._shapes = jax.eval_shape(lambda: model.init_paged_cache(num_pages, page_size))
     self._layout = layout
+    self._device = None if layout is not None else weights_device(model)
     self._shardings = self._specs = None  # one device: unconstrained
     if layout is not None:  # pages [kv_heads, num_pages, page_size, dim]
       self._shardings = layout.cache_shardings(self._shapes, heads_dim=0, rows_dim=1)
@@ -200,9 +200,7 @@ class PagedPool(KVCache):
                                          shards)
 
   def _zeros(self) -> Any:
-    if self._layout is not None:
-      return self._layout.zeros(self._shapes, self._shardings)
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._shapes)
+    return zeros(self._shapes, self._layout, self._shardings, self._device)
 
   # ---------------------------------------------------------------- bookkeeping
 
