@@ -155,7 +155,7 @@ def test_decode_gathers_no_weight(mla):
   assert weight_shaped_collectives(decode, state) == []
   # the same program with the weights over fsdp gathers them (what the check would see). At
   # this size its bytes accessed are not more: the decode layout reads every chip's whole
-  # (replicated, fp32) weights, the training layout a quarter of them plus the bf16 gathers.
+  # (replicated) weights, the training layout a quarter of them plus the bf16 gathers.
   train_state, trained = training_layout_decode(model_cfg, engine_cfg, mesh)
   assert weight_shaped_collectives(trained, train_state)
   # every collective of the decode layout's call: the slots' rows gathered for the pool's
