@@ -232,6 +232,21 @@ def shard_model(model, mesh):
   return nnx.merge(graphdef, jax.device_put(state, shardings))
 
 
+def commit(tree, device: jax.Device):
+  """`tree` with every array committed to `device`: arrays committed there already are kept
+  (the same objects), others are placed with `jax.device_put`.
+
+  A jitted call compiles per argument placement, and committed and uncommitted arrays count as
+  different ones: a one-device program fed its own (committed) outputs would compile again at
+  its second call unless its first inputs were committed too.
+  """
+  def one(a):
+    if isinstance(a, jax.Array) and a.committed and a.devices() == {device}:
+      return a
+    return jax.device_put(a, device)
+  return jax.tree.map(one, tree)
+
+
 def batch_sharding(cfg: ModelConfig, mesh, ndim: int = 2) -> NamedSharding:
   """The sharding of a [batch, seq, ...] input array: batch over the rules' `batch` axes.
 

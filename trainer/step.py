@@ -447,7 +447,7 @@ class TrainStep:
         ref = distributed.put(ref, (self._state_shardings.params,
                                     self._state_shardings.model_state))
     else:  # committed to the device, as the step's outputs are: one compile serves every step
-      state, ref = jax.device_put((state, ref), jax.devices()[0])
+      state, ref = sharding.commit((state, ref), jax.devices()[0])
     return state, mb, ref
 
   def __call__(self, state: TrainState, micro_batches: MicroBatches, ref=None

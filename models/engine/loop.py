@@ -65,6 +65,7 @@ from flax import nnx
 
 from models.engine import constraint as constraints
 from models.engine import layout, request, weights
+from models import sharding
 from models.engine import cache
 from models.engine.cache import KVCache, common_prefix
 from models.engine.config import ON_UPDATE, Completion, EngineConfig
@@ -122,7 +123,7 @@ class Engine:
     # so the programs compiled at the first call serve every later one
     self._device = None if self.layout is not None else cache.weights_device(self._state)
     self._state = (self.layout.place(self._state) if self.layout is not None else
-                   jax.device_put(self._state, self._device))
+                   sharding.commit(self._state, self._device))
     self.version = version
     self._pool = POOLS[c.cache].create(model, c, self._count, self.layout)
     self._admissions = 0  # admission order of running requests (preemption takes the newest)
@@ -228,7 +229,7 @@ class Engine:
       current = self._pending_update[0] if self._pending_update else self._state
     state = self._weights.convert(params, current)
     state = (self.layout.place(state) if self.layout is not None else
-             jax.device_put(state, self._device))
+             sharding.commit(state, self._device))
     with self._lock:
       self._pending_update = (state, int(version), on_update)
     self._wakeup.set()
