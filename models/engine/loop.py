@@ -63,10 +63,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from models.engine import constraint as constraints
-from models.engine import layout, request, weights
 from models import sharding
-from models.engine import cache
+from models.engine import cache, layout, request, weights
+from models.engine import constraint as constraints
 from models.engine.cache import KVCache, common_prefix
 from models.engine.config import ON_UPDATE, Completion, EngineConfig
 from models.engine.contiguous import CachePool
