@@ -23,6 +23,10 @@ Tree rollouts. `tree_advantages` credits each LLM call of one group's tree of ca
 (`rl.tree.call_segments`) with TreeRL's segment advantage, [S, K] per (trajectory, call);
 `turn_broadcast` turns it into per-token advantages. `entropy_aware` reweights per-token
 advantages by the group-standardised token entropy (AEPO); the `aepo` loss applies it in-loss.
+
+Learned critic. `gae` (and `tree_gae` on a tree-packed batch) computes per-token GAE
+advantages and value targets from a critic's values, one per (trajectory, sampled token) entry;
+`CRITIC_ADVANTAGES` names the estimators that need a critic.
 """
 
 from __future__ import annotations
@@ -551,6 +555,151 @@ def broadcast(seq_values, mask) -> Array:
 @jax.jit
 def _broadcast(seq_values, mask):
   return jnp.where(mask != 0, seq_values[:, None], 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Learned-critic advantages: GAE on (tree-packed) sequences.
+
+
+def gae(rewards, values, valid, gamma: float = 1.0, lam: float = 1.0) -> tuple[Array, Array]:
+  """Generalized advantage estimation over each sequence's tokens, and the value targets.
+
+  Token t of sequence s is one action; V_t = values[s, t] the critic's value of the state it is
+  sampled from (the context before it). Over the valid entries of a row, in order:
+
+    δ_t = r_t + γ·V_{t+1} - V_t,   A_t = Σ_{l>=0} (γλ)^l δ_{t+l},   R_t = A_t + V_t,
+
+  with V = 0 after the last valid entry (the episode ends there). Invalid entries (padding,
+  holes) are skipped: they get 0 and the recursion passes over them. λ = 1 gives the discounted
+  return minus V_t (Monte Carlo); λ = 0 the one-step TD error.
+
+  Args:
+    rewards: [S] f32 terminal rewards, given to each row's last valid token, or [S, T] f32
+      per-token rewards r_t (read at valid entries only).
+    values: [S, T] f32 V_t (treated as constants: no gradient flows into the targets).
+    valid: [S, T] bool, the real entries of each row.
+    gamma: the discount γ in [0, 1].
+    lam: the GAE λ in [0, 1].
+
+  Returns:
+    (advantages, returns): [S, T] f32 each, 0 at invalid entries.
+
+  Raises:
+    ValueError: for gamma or lam outside [0, 1], values not [S, T], or rewards or valid of
+      another shape.
+
+  References:
+    Schulman et al., "High-Dimensional Continuous Control Using Generalized Advantage
+    Estimation", ICLR 2016, eqs. (11)-(16).
+  """
+  _check_number("gamma", gamma, low=0.0, high=1.0)
+  _check_number("lam", lam, low=0.0, high=1.0)
+  values = _as(values, f32)
+  if values.ndim != 2:
+    raise ValueError(f"values must be 2-D [S, T], got shape {values.shape}")
+  valid = _valid(valid, values.shape)
+  rewards = _as(rewards, f32)
+  if rewards.shape == values.shape[:1]:
+    rewards = _terminal(rewards, valid)
+  elif rewards.shape != values.shape:
+    raise ValueError(f"rewards must be [S] {values.shape[:1]} or [S, T] {values.shape}, got "
+                     f"shape {rewards.shape}")
+  return _gae(rewards, values, valid, gamma, lam)
+
+
+@jax.jit
+def _terminal(rewards, valid):
+  """[S, T]: each row's reward at its last valid entry, 0 elsewhere."""
+  t = jnp.arange(valid.shape[1])
+  last = jnp.max(jnp.where(valid, t[None, :], -1), axis=1)
+  return jnp.where(t[None, :] == last[:, None], rewards[:, None], 0.0)
+
+
+@jax.jit
+def _gae(rewards, values, valid, gamma, lam):
+  values = jax.lax.stop_gradient(values)
+  r = jnp.where(valid, rewards, 0.0)
+  v = jnp.where(valid, values, 0.0)
+
+  def step(carry, xs):
+    next_value, next_adv = carry
+    r_t, v_t, ok = xs
+    adv = r_t + gamma * next_value - v_t + gamma * lam * next_adv
+    # An invalid entry is no step: it outputs 0 and hands the carry on unchanged.
+    carry = (jnp.where(ok, v_t, next_value), jnp.where(ok, adv, next_adv))
+    return carry, jnp.where(ok, adv, 0.0)
+
+  zeros = jnp.zeros(values.shape[:1], f32)
+  _, adv = jax.lax.scan(step, (zeros, zeros), (r.T, v.T, valid.T), reverse=True)
+  adv = adv.T
+  return adv, jnp.where(valid, adv + v, 0.0)
+
+
+def tree_gae(rewards, flat_values, seq_pred, seq_valid, gamma: float = 1.0,
+             lam: float = 1.0) -> tuple[Array, Array]:
+  """GAE on a tree-packed batch: per (trajectory, sampled token) advantages and value targets.
+
+  The critic runs once on the packed rows, giving one value per position: the value of the
+  state "context up to and including this position". The state a sampled token is drawn from
+  is its predicting position (`TreeBatch.seq_pred`, the parent in the tree), so each
+  trajectory's V_t is gathered from there and `gae` runs along the trajectory's own sampled
+  tokens in order (its path; the tool and observation tokens between two calls are the
+  environment's transition, not steps).
+
+  Shared nodes. A token sampled by several trajectories (a shared prefix of branched episodes)
+  is one position of the tree but one entry of each trajectory's sequence, so it gets one
+  advantage and one target per path: nothing is averaged or merged per node. The packed loss is
+  computed on these per-sequence arrays and reaches the shared position through the gather of
+  `rl.batch.gather`, whose backward is a scatter-add: the position's gradient is the sum, over
+  the paths through it, of each path's own gradient, which is exactly the gradient of training
+  the unpacked paths (and the aggregation scales count every (path, token) entry, as the
+  unpacked batch does). Proof sketch: with ℓ_p(x_p) a path's loss of its gathered inputs x_p =
+  (log π, V at its entries) and x_p = G_p·y (G_p a 0/1 gather matrix from the flat positions
+  y), ∂/∂y Σ_p ℓ_p = Σ_p G_pᵀ ∂ℓ_p/∂x_p; unpacked, each path reads the same values (logits and
+  values depend only on the context), so its gradient is ∂ℓ_p/∂x_p and the parameters' chain
+  rule through y is shared. Merging per node would be exact only for losses linear in A (Σ_p
+  A_p) or the unclipped squared error (weight n, target mean R_p); PPO's clip and the clipped
+  value loss act on each (A_p, R_p) separately, so the per-path layout is the only exact one.
+
+  Args:
+    rewards: [S] f32 terminal rewards (at each trajectory's last sampled token), or [S, T]
+      per-token rewards aligned with the sequences.
+    flat_values: [rows, row_len] (or flat) f32 critic values of every packed position.
+    seq_pred: [S, T] int flat index of each sampled token's predicting position
+      (`TreeBatch.seq_pred`).
+    seq_valid: [S, T] bool real entries (`TreeBatch.seq_valid`).
+    gamma: the discount γ in [0, 1].
+    lam: the GAE λ in [0, 1].
+
+  Returns:
+    (advantages, returns): [S, T] f32, 0 at padding; store them as per-token fields (e.g.
+    "advantage" and "returns") so `rl.batch.from_tree_batch` reads them.
+
+  Raises:
+    ValueError: as `gae`, or seq_pred of another shape than seq_valid.
+
+  References:
+    Schulman et al. 2016 (GAE); Kwai "Tree Training", arXiv 2511.00413 (gradients of shared
+    prefixes as sums over paths).
+  """
+  seq_pred, seq_valid = _as(seq_pred), _as(seq_valid)
+  if seq_pred.shape != seq_valid.shape or seq_pred.ndim != 2:
+    raise ValueError(f"seq_pred and seq_valid must both be [S, T], got shapes {seq_pred.shape} "
+                     f"and {seq_valid.shape}")
+  values = _gather_values(_as(flat_values, f32), seq_pred)
+  return gae(rewards, values, seq_valid, gamma, lam)
+
+
+@jax.jit
+def _gather_values(flat_values, seq_pred):
+  return jnp.take(flat_values.reshape(-1), seq_pred)
+
+
+# Estimators that need a learned critic's values (not per-sequence rewards alone, as the
+# `ADVANTAGES` signature takes): the RL step runs the critic before computing them.
+CRITIC_ADVANTAGES: dict[str, Callable[..., tuple[Array, Array]]] = {
+    "gae": tree_gae,
+}
 
 
 # --------------------------------------------------------------------------------------------

@@ -30,6 +30,11 @@ defaults (eps, aggregation) follow the papers and are in `DEFAULTS`.
 `entropy_adv_coef` (aepo only) first replaces A by the entropy-aware advantage
 `rl.advantages.entropy_aware` (Ĥ = token entropy standardised over its group's loss tokens).
 
+The critic's loss is outside `LOSSES` (it reads values and targets, not a SeqBatch alone):
+
+  value_loss  ½·max((V - R)², (V_old + clip(V - V_old, -ε, ε) - R)²)       scale (token_scale)
+              with R the GAE value targets (rl.advantages.gae)
+
 Token-level aggregations are `AGGREGATIONS`; sequence-level losses (gspo, turn_gspo, kimi_pmd,
 dpo) take `SEQ_AGGREGATIONS`. Every RL loss adds the KL penalty / entropy bonus (`_regularise`,
 per token, not multiplied by the correction weights) and, except opd itself, `opd_coef`·OPD
@@ -921,6 +926,61 @@ def dpo(batch: SeqBatch, cfg: LossConfig):
 def _live_mean(x: Array, live: Array) -> Array:
   """Mean of a per-sequence metric over live sequences (metrics only)."""
   return jax.lax.stop_gradient((x * live).sum() / jnp.maximum(live.sum(), 1.0))
+
+
+# ----------------------------------------------------------------------------- critic
+
+
+def value_loss(values: Array, returns: Array, scale: Array, old_values: Optional[Array] = None,
+               clip: Optional[float] = None) -> tuple[Array, dict]:
+  """PPO value loss with clipping: Σ scale · ½·max((V - R)², (V_clip - R)²).
+
+  V_clip = V_old + clip(V - V_old, -ε, ε) keeps the new value within ε of the value the
+  targets were computed with; the max makes the clipped branch a pessimistic bound, as the
+  policy's clipped surrogate. Without `old_values` or `clip` it is the plain ½·(V - R)².
+  `scale` carries the aggregation (`token_scale(batch, mode)`: the mask and the global counts),
+  so micro-batches, shards and tree packing sum to the whole batch's loss, as for the policy
+  losses. The targets R and V_old are constants.
+
+  Args:
+    values: [S, T] f32 V_θ at each sampled token's state (differentiated), e.g. the critic's
+      per-position values gathered with `TreeBatch.seq_pred`.
+    returns: [S, T] f32 value targets R (`rl.advantages.gae`'s returns).
+    scale: [S, T] f32 per-token scale, 0 where masked (`token_scale`).
+    old_values: [S, T] f32 V_old (the values R was computed with), or None (no clipping).
+    clip: ε >= 0, or None (no clipping).
+
+  Returns:
+    (loss, metrics): the scalar loss; "value_clip_fraction" (tokens whose clipped branch is
+    the larger) and "value_error" (mean |V - R|), local means over scale > 0 (metrics only).
+
+  Raises:
+    ValueError: for clip < 0.
+
+  References:
+    Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. (9) (L^VF, the
+    squared-error value loss); the clipped form as in OpenAI Baselines' PPO2, studied in
+    Engstrom et al. 2020, "Implementation Matters in Deep Policy Gradients" (value clipping).
+  """
+  if clip is not None and not clip >= 0:
+    raise ValueError(f"value loss clip={clip!r}: must be >= 0 (or None)")
+  live = scale != 0
+  # Padding may hold anything (NaN, garbage): zero it so it reaches neither value nor gradient.
+  values = jnp.where(live, values, 0.0)
+  returns = jax.lax.stop_gradient(jnp.where(live, returns, 0.0))
+  error = jnp.square(values - returns)
+  if old_values is None or clip is None:
+    per_token, clipped = error, jnp.zeros_like(error)
+  else:
+    old = jax.lax.stop_gradient(jnp.where(live, old_values, 0.0))
+    near = old + jnp.clip(values - old, -clip, clip)
+    error_clipped = jnp.square(near - returns)
+    per_token = jnp.maximum(error, error_clipped)
+    clipped = (error_clipped > error).astype(jnp.float32)
+  mask = live.astype(jnp.float32)
+  metrics = {"value_clip_fraction": _masked_mean(clipped, mask),
+             "value_error": _masked_mean(jnp.abs(values - returns), mask)}
+  return (scale * 0.5 * per_token).sum(), metrics
 
 
 LossFn = Callable[[SeqBatch, LossConfig], tuple[Array, dict]]
