@@ -951,8 +951,8 @@ def value_loss(values: Array, returns: Array, scale: Array, old_values: Optional
     clip: ε >= 0, or None (no clipping).
 
   Returns:
-    (loss, metrics): the scalar loss; "value_clip_fraction" (tokens whose clipped branch is
-    the larger) and "value_error" (mean |V - R|), local means over scale > 0 (metrics only).
+    (loss, metrics): the scalar loss; "value_clip_fraction" (tokens outside V_old ± ε whose
+    clipped branch is the larger) and "value_error" (mean |V - R|), local means over scale > 0 (metrics only).
 
   Raises:
     ValueError: for clip < 0.
@@ -976,7 +976,8 @@ def value_loss(values: Array, returns: Array, scale: Array, old_values: Optional
     near = old + jnp.clip(values - old, -clip, clip)
     error_clipped = jnp.square(near - returns)
     per_token = jnp.maximum(error, error_clipped)
-    clipped = (error_clipped > error).astype(jnp.float32)
+    # Inside ±ε the two branches are the same value up to rounding: not a clip.
+    clipped = ((jnp.abs(values - old) > clip) & (error_clipped > error)).astype(jnp.float32)
   mask = live.astype(jnp.float32)
   metrics = {"value_clip_fraction": _masked_mean(clipped, mask),
              "value_error": _masked_mean(jnp.abs(values - returns), mask)}

@@ -8,7 +8,7 @@
    only on the context, as a model's do).
 3. `rl.losses.value_loss` equals its NumPy formula in value and gradient.
 4. `models.value_head`: the critic's values on a packed tree equal those of the unpacked
-   contexts, and a few steps on the value loss of a fixed batch lower it.
+   contexts (its training: tests/test_critic.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
@@ -343,7 +342,7 @@ def test_value_loss_matches_numpy(clip):
   np.testing.assert_allclose(metrics["value_error"], np.abs(v - ret)[live].mean(), rtol=1e-5)
   if clip is not None:
     near = v_old + np.clip(v - v_old, -clip, clip)
-    frac = ((near - ret) ** 2 > (v - ret) ** 2)[live].mean()
+    frac = ((np.abs(v - v_old) > clip) & ((near - ret) ** 2 > (v - ret) ** 2))[live].mean()
     np.testing.assert_allclose(metrics["value_clip_fraction"], frac, rtol=1e-6)
 
 
@@ -362,14 +361,14 @@ CRITIC_CFG = ModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=1, num_hea
 
 @pytest.fixture(scope="module")
 def critic():
-  """A tiny critic whose head is random (a zero head would make every check trivial), as
-  (graphdef, params, jitted values(params, tokens, positions, end))."""
+  """A tiny critic whose head is random (a zero head would make the check trivial), as
+  (params, jitted values(params, tokens, positions, end))."""
   model = value_head.init(CRITIC_CFG, 0)
   rng = np.random.default_rng(0)
   model.head.weight[...] = jnp.asarray(rng.normal(size=CRITIC_CFG.hidden_size), jnp.float32)
   graphdef, params = nnx.split(model)
   values = jax.jit(lambda params, *rows: nnx.merge(graphdef, params)(*rows)[0])
-  return graphdef, params, values
+  return params, values
 
 
 def _rows(batch):
@@ -391,7 +390,7 @@ def test_value_head_starts_at_zero_and_is_linear_in_hidden_states():
 def test_critic_on_tree_equals_unpacked_contexts(critic):
   """The critic's value of each sampled token's state, gathered from the packed tree at its
   `seq_pred`, equals the critic's value at the end of that context run unpacked."""
-  _, params, values_fn = critic
+  params, values_fn = critic
   trajs, trees, batch, offset, node_of, _ = _case(1, 2, 3, 2, 6)
   packed = np.asarray(rb.gather(values_fn(params, *_rows(batch)), jnp.asarray(batch.seq_pred)))
   order = _packed_order(batch, trajs)
@@ -413,36 +412,3 @@ def _contexts(trajs, p):
   flat = [traj for group in trajs for traj in group]
   return [list(call.input_ids) + list(call.output_ids[:k])
           for call in flat[p].calls for k in range(len(call.output_ids))]
-
-
-def test_critic_value_loss_falls_on_fixed_batch(critic):
-  """GAE targets from the critic's values at sampling time, then a few Adam steps on the clipped
-  value loss of the tree-packed batch: the loss falls."""
-  graphdef, params, values_fn = critic
-  trajs, trees, batch, *_ = _case(1, 2, 3, 2, 6)
-  rows = _rows(batch)
-  seq_pred, seq_valid = jnp.asarray(batch.seq_pred), batch.seq_valid
-  old_flat = values_fn(params, *rows)
-  _, returns = adv_lib.tree_gae(batch.scalars["reward"], old_flat, seq_pred, seq_valid, 1.0, 0.95)
-  old_values = rb.gather(old_flat, seq_pred)
-  mask = jnp.asarray(seq_valid, jnp.float32)
-  group = jnp.asarray(batch.scalars["group"].astype(np.int32))
-  scale = losses.token_scale(rb.SeqBatch(logprobs=mask, mask=mask, group=group,
-                                         counts=rb.global_counts(mask, group)), "token_mean")
-  opt = optax.adam(1e-2)
-
-  def loss_fn(params):
-    values = nnx.merge(graphdef, params)(*rows)[0]
-    return losses.value_loss(rb.gather(values, seq_pred), returns, scale, old_values, 10.0)[0]
-
-  @jax.jit
-  def step(params, opt_state):
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  history, opt_state = [], opt.init(params)
-  for _ in range(8):
-    params, opt_state, loss = step(params, opt_state)
-    history.append(float(loss))
-  assert history[-1] < 0.5 * history[0], history

@@ -1,0 +1,150 @@
+"""The learned critic of GAE (`rl.advantages.CRITIC_ADVANTAGES`): state, values, targets, update.
+
+    critic = Critic(model_cfg, optax.adam(1e-5), value_clip=0.2)
+    cstate = critic.init(value_head.init(model_cfg, seed))   # or value_head.Critic(nnx.clone(policy))
+    mb = critic.gae_fields(cstate, mb, gamma=1.0, lam=0.95)  # "advantage", "returns", "old_values"
+    cstate, metrics = critic.step(cstate, mb)                # one update of the value loss
+    state, metrics = train_step(state, mb)                   # the policy reads the "advantage" field
+
+The critic (`models.value_head.Critic`: a Transformer trunk with a value head) runs on the same
+tree-packed micro-batches as the policy. `gae_fields` scores every position once, gathers each
+sampled token's state value at its predicting position and runs `rl.advantages.gae` along each
+trajectory, so the per-token advantages and value targets are those of the unpacked
+trajectories (see `rl.advantages.tree_gae` for why shared prefixes need no merging).
+`step` minimises `rl.losses.value_loss` (token mean over every sampled token of all
+micro-batches, clipped around the values the targets were computed with), summing the
+micro-batches' gradients like the policy's train step. Critic warm-up (train the critic only
+for the first steps, so the policy's first advantages come from a fitted critic) is the
+caller's choice of which step to run.
+
+One device (no mesh): the critic's parameters are not sharded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from models import value_head
+from models.config import ModelConfig
+from rl import advantages, losses
+from rl.batch import gather
+from trainer.batches import MicroBatches
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["params", "rest", "opt_state", "step"], meta_fields=[])
+@dataclasses.dataclass
+class CriticState:
+  """The critic's trained parameters, its other variables (e.g. a MoE router bias), the
+  optimizer state and the number of updates done."""
+
+  params: Any
+  rest: Any
+  opt_state: Any
+  step: jax.Array
+
+
+class Critic:
+  """Values, GAE fields and the value-loss update of a `models.value_head.Critic`.
+
+  Args:
+    model_cfg: the critic trunk's ModelConfig (the policy's architecture).
+    optimizer: an optax transformation for the critic's parameters.
+    value_clip: ε of the clipped value loss, or None (plain squared error).
+  """
+
+  def __init__(self, model_cfg: ModelConfig, optimizer: optax.GradientTransformation,
+               value_clip: Optional[float] = 0.2):
+    self.model_cfg, self.optimizer, self.value_clip = model_cfg, optimizer, value_clip
+    self.graphdef = None
+    self._values = jax.jit(self._all_values)
+    self._step = jax.jit(self._update)
+
+  def init(self, model: value_head.Critic) -> CriticState:
+    """The state of `model` with a fresh optimizer state (fixes this critic's graph)."""
+    self.graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return CriticState(params=params, rest=rest, opt_state=self.optimizer.init(params),
+                       step=jnp.zeros((), jnp.int32))
+
+  # --- traced pieces
+
+  def _forward(self, params, rest, mb: MicroBatches) -> jax.Array:
+    """[R, L] f32 values of one micro-batch's positions (the critic routes its own experts)."""
+    model = nnx.merge(self.graphdef, params, rest)
+    values, _ = model(mb.tokens, mb.positions, mb.end, token_weights=mb.token_weights)
+    return values
+
+  def _all_values(self, params, rest, mb: MicroBatches) -> jax.Array:
+    return jax.lax.map(lambda mb_i: self._forward(params, rest, mb_i), mb)
+
+  def _update(self, state: CriticState, mb: MicroBatches):
+    valid = jnp.asarray(mb.seq_valid, jnp.float32)
+    # Every sampled token's state is trained (the GAE recursion reads them all), token mean
+    # over all micro-batches: the micro-batches' losses and gradients then simply add up.
+    total = jnp.maximum(valid.sum(), 1.0)
+
+    def loss_fn(params, mb_i, valid_i):
+      values = gather(self._forward(params, state.rest, mb_i), mb_i.seq_pred)
+      return losses.value_loss(values, mb_i.fields["returns"], valid_i / total,
+                               mb_i.fields["old_values"], self.value_clip)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def body(carry, xs):
+      mb_i, valid_i = xs
+      (loss, metrics), grads = grad_fn(state.params, mb_i, valid_i)
+      weight = valid_i.sum()
+      loss_sum, grad_sum, metric_sum = carry
+      return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads),
+              {k: metric_sum[k] + weight * v for k, v in metrics.items()}), None
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    init = (jnp.zeros((), jnp.float32), zeros,
+            {"value_clip_fraction": jnp.zeros(()), "value_error": jnp.zeros(())})
+    (loss, grads, metrics), _ = jax.lax.scan(body, init, (mb, valid))
+    updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {k: v / total for k, v in metrics.items()}
+    metrics.update(value_loss=loss, value_grad_norm=optax.tree.norm(grads))
+    return dataclasses.replace(state, params=params, opt_state=opt_state,
+                               step=state.step + 1), metrics
+
+  # --- the API
+
+  def values(self, state: CriticState, mb: MicroBatches) -> jax.Array:
+    """[M, R, L] f32: the critic's value of every packed position (the state after it)."""
+    return self._values(state.params, state.rest, mb)
+
+  def gae_fields(self, state: CriticState, mb: MicroBatches, gamma: float = 1.0,
+                 lam: float = 1.0) -> MicroBatches:
+    """`mb` with the per-token fields "advantage" (GAE), "returns" (value targets) and
+    "old_values" (the values they were computed with), from the critic's current values and
+    the trajectories' "reward" scalars (given at each trajectory's last sampled token).
+
+    Raises:
+      ValueError: gamma or lam outside [0, 1] (`rl.advantages.gae`).
+    """
+    flat = self.values(state, mb)
+    adv, ret = jax.vmap(advantages.tree_gae, in_axes=(0, 0, 0, 0, None, None))(
+        jnp.asarray(mb.scalars["reward"]), flat, jnp.asarray(mb.seq_pred),
+        jnp.asarray(mb.seq_valid), gamma, lam)
+    old = jnp.where(jnp.asarray(mb.seq_valid), jax.vmap(gather)(flat, jnp.asarray(mb.seq_pred)),
+                    0.0)
+    return mb.with_fields(advantage=adv, returns=ret, old_values=old)
+
+  def step(self, state: CriticState, mb: MicroBatches) -> tuple[CriticState, dict]:
+    """One optimizer update of the value loss on all micro-batches of `mb` (which carries
+    `gae_fields`' "returns" and "old_values").
+
+    Returns:
+      (the new state, metrics "value_loss", "value_clip_fraction", "value_error",
+      "value_grad_norm").
+    """
+    return self._step(state, mb)
