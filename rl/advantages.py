@@ -590,7 +590,7 @@ def gae(rewards, values, valid, gamma: float = 1.0, lam: float = 1.0) -> tuple[A
 
   References:
     Schulman et al., "High-Dimensional Continuous Control Using Generalized Advantage
-    Estimation", ICLR 2016, eqs. (11)-(16).
+    Estimation", ICLR 2016, §3 (the GAE(γ, λ) estimator).
   """
   _check_number("gamma", gamma, low=0.0, high=1.0)
   _check_number("lam", lam, low=0.0, high=1.0)
