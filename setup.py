@@ -69,6 +69,8 @@ setup(
             "hypothesis>=6.170,<7",
             "torch==2.13.0",
             "transformers>=5.23,<6",
+            # LoRA adapters in PEFT's format (models/peft_format.py) load in the real peft.
+            "peft>=0.21.2,<0.22",
             # The policy server is driven by the official OpenAI and Anthropic clients;
             # SWE-bench rows are graded against the swebench package's own log parsers and
             # grading.

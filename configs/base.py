@@ -107,6 +107,7 @@ def _model() -> ml_collections.ConfigDict:
   s.lora = ml_collections.ConfigDict()
   s.lora.rank = 0  # adapter rank; 0 = full fine-tuning
   s.lora.alpha = 16.0  # adapters' output scale alpha / rank
+  s.lora.rslora = False  # rank-stabilised LoRA: output scale alpha / sqrt(rank) instead
   s.lora.dropout = 0.0  # dropout on the adapters' input, in training steps only
   # what gets adapters: attention | mlp (dense MLPs, shared experts) | experts (routed experts)
   s.lora.modules = "attention,mlp"

@@ -135,6 +135,7 @@ class ModelConfig:
   # --- LoRA / QLoRA (models/lora.py, through qwix): the base frozen, adapters trained
   lora_rank: int = 0  # adapter rank; 0 = no adapters (full fine-tuning)
   lora_alpha: float = 16.0  # adapter output scale alpha / rank
+  lora_rslora: bool = False  # rank-stabilised LoRA: output scale alpha / sqrt(rank) instead
   lora_dropout: float = 0.0  # dropout on the adapters' input, in training steps only
   lora_modules: tuple = ("attention", "mlp")  # projections with adapters (LORA_MODULES)
   # routed experts' adapters ("experts" in lora_modules): "per_expert" (A [E, in, r], B [E, r,
@@ -210,6 +211,8 @@ class ModelConfig:
     if self.lora_rank:
       if self.lora_alpha <= 0:
         fail("lora_alpha", self.lora_alpha, "must be positive")
+      if not isinstance(self.lora_rslora, bool):
+        fail("lora_rslora", self.lora_rslora, "must be True or False")
       if not 0.0 <= self.lora_dropout < 1.0:
         fail("lora_dropout", self.lora_dropout, "must be in [0, 1)")
       if not self.lora_modules or set(self.lora_modules) - set(LORA_MODULES):

@@ -2,10 +2,12 @@
 
 qwix (github.com/google/qwix) adapts and quantizes a Flax model by intercepting the matmuls
 its method runs: while `Transformer.hidden` runs, each projection's `dot_general` on a matched
-module's kernel becomes `x W + (alpha / rank) (x A) B` (`qwix.LoraProvider`; A [in, rank]
+module's kernel becomes `x W + s (x A) B` (`qwix.LoraProvider`; A [in, rank]
 drawn He-uniform, B [rank, out] zero, over the kernel's flattened in / out dimensions), and a
 kernel replaced by a qwix array (`base_qtype`, or `quantize` for rollouts) is multiplied in its
-quantized form. Nothing of that is written here; this module fits qwix to the Transformer:
+quantized form. The scale s is alpha / rank, or alpha / sqrt(rank) with `lora_rslora`
+(rank-stabilised LoRA; qwix scales by its rule's alpha / rank, so its rules get alpha sqrt(rank)).
+Nothing of that is written here; this module fits qwix to the Transformer:
 
 - qwix creates adapters and quantized kernels lazily, on a first call, as attributes of the
   modules it runs. Scanned layers are copies made inside `lax.scan`, so the first call runs on
@@ -16,7 +18,7 @@ quantized form. Nothing of that is written here; this module fits qwix to the Tr
   separates them from the frozen base; they carry logical `axes` metadata like every
   parameter, so `models.sharding` places them.
 - `merge` evaluates each adapted projection on the identity (through qwix again) to get
-  W + (alpha / rank) A B, for export to Hugging Face.
+  W + s A B, for export to Hugging Face (adapters alone in PEFT's format: `models.peft_format`).
 - `lora_dropout` is qwix's dropout on an adapter's input, drawn from the module's `qwix_rngs`:
   a training step gives its forward one stream per layer (`set_dropout_streams`); everywhere
   else the modules hold none and `Provider` turns the dropout off.
@@ -33,7 +35,7 @@ added, in qwix's own terms: rules matched on the MoE module and the op "ragged_d
 found by `find_param`, quantized by qwix (`create_quantized_param`, absmax per expert and
 output channel; multiplied dequantized) when the rule has a `weight_qtype`, adapters created by
 qwix's LoRA parameter helper with an `ExpertLoraRule`: rows of expert g get
-x W_g + (alpha / rank) (x A_g) B_g, with A [E, in, rank], B [E, rank, out] per expert
+x W_g + s (x A_g) B_g, with A [E, in, rank], B [E, rank, out] per expert
 (`lora_experts="per_expert"`) or A [in, rank], B [rank, out] shared by the layer's experts
 ("shared"). Adapters need the global dispatch (`moe_dispatch` "global" or "auto"; the
 expert-parallel all-to-all runs the experts inside `shard_map`, where the stacks are no longer
@@ -47,6 +49,8 @@ quantized experts do.
 References:
   Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", arXiv:2106.09685.
   Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs", arXiv:2305.14314.
+  Kalajdzievski, "A Rank Stabilization Scaling Factor for Fine-Tuning with LoRA",
+    arXiv:2312.03732.
 """
 
 from __future__ import annotations
@@ -114,7 +118,7 @@ def expert_delta(x: jax.Array, a: jax.Array, b: jax.Array, sizes: jax.Array,
     a: [groups, in, rank] per group, or [in, rank] shared.
     b: [groups, rank, out] per group, or [rank, out] shared.
     sizes: [groups] int32 rows per group.
-    scale: alpha / rank.
+    scale: the adapters' scale (`scale`).
 
   Returns:
     [rows, out] in x's dtype.
@@ -198,6 +202,18 @@ class QuantProvider(_GroupedMatmulInterception, qwix.PtqProvider):
   """`qwix.PtqProvider` that also quantizes the routed experts' grouped matmuls."""
 
 
+def scale(cfg: ModelConfig) -> float:
+  """The adapters' output scale: alpha / rank, or alpha / sqrt(rank) with `lora_rslora`."""
+  if cfg.lora_rslora:
+    return cfg.lora_alpha / math.sqrt(cfg.lora_rank)
+  return cfg.lora_alpha / cfg.lora_rank
+
+
+def _qwix_alpha(cfg: ModelConfig) -> float:
+  """The alpha of a qwix rule, which scales by alpha / rank: the one giving `scale(cfg)`."""
+  return cfg.lora_alpha * math.sqrt(cfg.lora_rank) if cfg.lora_rslora else cfg.lora_alpha
+
+
 def _rules(cfg: ModelConfig, weight_qtype: str | None, act_qtype: str | None = None) -> list:
   """qwix rules: adapters (and the base's quantization) on the adapted projections, adapters on
   the routed experts, and the base's quantization alone on the other projections (with their
@@ -207,12 +223,12 @@ def _rules(cfg: ModelConfig, weight_qtype: str | None, act_qtype: str | None = N
     names = [n for m in cfg.lora_modules if m in MODULES for n in MODULES[m]]
     if names:
       rules.append(qwix.LoraRule(module_path=_path_regex(names), rank=cfg.lora_rank,
-                                 alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                                 alpha=_qwix_alpha(cfg), dropout=cfg.lora_dropout,
                                  weight_qtype=weight_qtype))
     if cfg.lora_experts_on:
       rules.append(ExpertLoraRule(module_path=_path_regex([EXPERTS_MODULE]),
                                   op_names=(EXPERTS_OP,), rank=cfg.lora_rank,
-                                  alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                                  alpha=_qwix_alpha(cfg), dropout=cfg.lora_dropout,
                                   weight_qtype=weight_qtype,
                                   shared=cfg.lora_experts == "shared"))
   if weight_qtype is not None:
@@ -467,7 +483,7 @@ def is_quantized(model: nnx.Module) -> bool:
 
 
 def merge(model: nnx.Module, cfg: ModelConfig) -> dict:
-  """Effective weights W + (alpha / rank) A B of the adapted or quantized projections and
+  """Effective weights W + s A B (s = `scale(cfg)`) of the adapted or quantized projections and
   expert stacks.
 
   Each such Dense runs once, under qwix's interception, on the identity over its flattened
@@ -489,8 +505,9 @@ def merge(model: nnx.Module, cfg: ModelConfig) -> dict:
     stacked = len(path) > 1 and not isinstance(path[1], int)
     adapted = hasattr(module, "kernel_lora_a")
     if isinstance(module, Dense) and (adapted or isinstance(module.kernel, QuantizedKernel)):
-      provider = (qwix.LoraProvider(module_path=".*", rank=cfg.lora_rank, alpha=cfg.lora_alpha,
-                                    weight_qtype=cfg.base_qtype) if adapted else
+      provider = (qwix.LoraProvider(module_path=".*", rank=cfg.lora_rank,
+                                    alpha=_qwix_alpha(cfg), weight_qtype=cfg.base_qtype)
+                  if adapted else
                   qwix.PtqProvider([qwix.QuantizationRule(module_path=".*",
                                                           weight_qtype=cfg.base_qtype)]))
       out[path + ("kernel",)] = _effective_kernel(module, provider, stacked)
@@ -510,12 +527,12 @@ def _effective_experts(moe: nnx.Module, name: str, cfg: ModelConfig, stacked: bo
   w = w.astype(jnp.float32)
   if not hasattr(moe, name + "_lora_a"):
     return w
-  scale = cfg.lora_alpha / cfg.lora_rank
+  factor = scale(cfg)
 
   def one(w, a, b):
     e, n_in, _ = w.shape
     eye = jnp.tile(jnp.eye(n_in, dtype=jnp.float32), (e, 1))  # expert g's rows: identity
-    delta = expert_delta(eye, a, b, jnp.full((e,), n_in, jnp.int32), scale)
+    delta = expert_delta(eye, a, b, jnp.full((e,), n_in, jnp.int32), factor)
     return w + delta.reshape(w.shape)
 
   a, b = (getattr(moe, name + s)[...] for s in ("_lora_a", "_lora_b"))
@@ -544,6 +561,7 @@ def adapter_count(model: nnx.Module) -> int:
 
 def describe(cfg: ModelConfig) -> dict[str, Any]:
   """The adapter settings of a config, for logs and checkpoints."""
-  return {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "modules": list(cfg.lora_modules),
+  return {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "rslora": cfg.lora_rslora,
+          "modules": list(cfg.lora_modules),
           "experts": cfg.lora_experts if cfg.lora_experts_on else None,
           "base_qtype": cfg.base_qtype}

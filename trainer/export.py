@@ -3,6 +3,7 @@
     python -m trainer.export --ckpt WORKDIR --out DIR                 # the latest checkpoint
     python -m trainer.export --ckpt WORKDIR/checkpoints/N --out DIR   # step N
     python -m trainer.export --ckpt WORKDIR --out DIR --dtype bfloat16
+    python -m trainer.export --ckpt WORKDIR --out DIR --format peft   # LoRA adapters only
 
 Works for SFT, RL and distillation runs alike: the run's own config.json and
 model_config.json rebuild its state (`harness.run_weights`), and `models.hf.save` writes
@@ -16,6 +17,12 @@ rendered with a built-in chat format gets that format's Jinja template as chat_t
 (envs/chat/templates), so `apply_chat_template` renders the ids the run trained on; a run with
 chat_format "template" keeps the checkpoint's own. (`python -m
 models.hf export` converts `models.hf import` directories.)
+
+A LoRA run is exported merged (W + s A B in every adapted kernel) by default; `--format peft`
+writes its adapters alone in Hugging Face PEFT's format instead (adapter_model.safetensors +
+adapter_config.json, `models.peft_format`), for `peft.PeftModel.from_pretrained(base, DIR)` on
+the base checkpoint the run started from (written as base_model_name_or_path: the model.init
+directory of an "hf:DIR" run, or --base_model). Routed-expert adapters have no PEFT form.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import ml_collections
 from flax import nnx
 
 from envs.chat.formats import builtin_template
-from models import hf, transformer
+from models import hf, peft_format, transformer
 from trainer import config as config_lib
 from trainer import harness
 from trainer import state as state_lib
@@ -112,6 +119,43 @@ def export_run(ckpt: str, out: str, dtype: str = "float32") -> dict:
   has_tokenizer = any(n in ("tokenizer.json", "tokenizer.model", "vocab.json") for n in names)
   return {"step": step, "tensors": tensors, "params": params_count, "files": sorted(set(names)),
           "tokenizer": source if has_tokenizer else None,
+          "total_s": round(time.time() - t0, 2)}
+
+
+def export_adapter(ckpt: str, out: str, dtype: str = "float32",
+                   base_model: Optional[str] = None) -> dict:
+  """Writes a LoRA run's adapters as a PEFT adapter directory (`models.peft_format`).
+
+  Args:
+    ckpt: the run's workdir (its latest checkpoint) or WORKDIR/checkpoints/N.
+    out: the output directory (created).
+    dtype: dtype of the written adapters ("float32", "bfloat16" or "float16").
+    base_model: base_model_name_or_path of adapter_config.json (a hub id or a directory);
+      None: the run's model.init directory when it started from an HF checkpoint, else unset.
+
+  Returns:
+    {"step", "tensors", "params" (adapter parameters), "target_modules", "base_model",
+    "total_s"}.
+
+  Raises:
+    FileNotFoundError: `ckpt` is not a run, or has no such checkpoint.
+    peft_format.AdapterError: the run has no adapters, or routed-expert adapters.
+  """
+  t0 = time.time()
+  workdir, step = run_and_step(ckpt)
+  with open(os.path.join(workdir, "config.json")) as f:
+    config = ml_collections.ConfigDict(json.load(f))
+  with open(os.path.join(workdir, "model_config.json")) as f:
+    model_cfg = hf.config_from_json(json.load(f))
+  peft_format.adapter_config(model_cfg)  # fails before the checkpoint is read
+  if base_model is None:
+    kind, path = config_lib.init_kind(config.model.get("init", "random"))
+    base_model = path if kind == "hf" else None
+  params, rest, step = harness.run_weights(workdir, step)
+  model = nnx.merge(state_lib.graphdef(model_cfg), params, rest)
+  info = peft_format.save_adapter(model, out, base_model, dtype)
+  return {"step": step, "tensors": info["tensors"], "params": info["params"],
+          "target_modules": info["target_modules"], "base_model": base_model,
           "total_s": round(time.time() - t0, 2)}
 
 
@@ -212,12 +256,27 @@ def main(argv: Optional[list[str]] = None) -> int:
   parser.add_argument("--out", required=True, help="output HF directory")
   parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                       help="dtype of the written weights")
+  parser.add_argument("--format", default="hf", choices=("hf", "peft"),
+                      help="hf: the whole model, LoRA adapters merged; peft: a LoRA run's "
+                      "adapters alone, as a PEFT adapter directory")
+  parser.add_argument("--base_model", default=None,
+                      help="--format peft: base_model_name_or_path of adapter_config.json "
+                      "(default: the run's model.init directory for an hf:DIR run)")
   args = parser.parse_args(argv)
   try:
-    info = export_run(args.ckpt, args.out, args.dtype)
-  except FileNotFoundError as e:
+    if args.format == "peft":
+      info = export_adapter(args.ckpt, args.out, args.dtype, args.base_model)
+    else:
+      info = export_run(args.ckpt, args.out, args.dtype)
+  except (FileNotFoundError, peft_format.AdapterError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  if args.format == "peft":
+    print(f"exported the adapters of step {info['step']} of {args.ckpt} -> {args.out}: "
+          f"{info['tensors']} tensors ({args.dtype}), {info['params']:,} parameters, "
+          f"target_modules {info['target_modules']}, base model "
+          f"{info['base_model'] or '(unset)'}; {info['total_s']:.1f}s")
+    return 0
   print(f"exported step {info['step']} of {args.ckpt} -> {args.out}: {info['tensors']} tensors "
         f"({args.dtype}), {info['params']:,} parameters, files: {', '.join(info['files'])}; "
         f"{info['total_s']:.1f}s")
