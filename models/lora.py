@@ -359,7 +359,10 @@ def _build_layer_variables(block: nnx.Module, template_block: nnx.Module, layers
 def _transform(model: nnx.Module, cfg: ModelConfig, weight_qtype: str | None, seed: int,
                make: Callable[..., nnx.Module], act_qtype: str | None = None) -> nnx.Module:
   model = nnx.clone(model)  # the variables are added in place; the arrays stay shared
-  templates = _template(cfg, weight_qtype, act_qtype, make)
+  # the template gives shapes and paths only: configs that differ in the adapters' scale alone
+  # share one
+  shapes_cfg = cfg.replace(lora_alpha=1.0, lora_rslora=False) if cfg.lora_rank else cfg
+  templates = _template(shapes_cfg, weight_qtype, act_qtype, make)
   rules = _rules(cfg, weight_qtype, act_qtype)
   key = jax.random.key(seed)
   for s, name in enumerate(templates):

@@ -257,8 +257,8 @@ def load_adapter(base: Transformer, path: str | os.PathLike,
       adapters' base model.
     path: a directory with adapter_config.json and adapter_model.safetensors.
     cfg: the LoRA settings expected (e.g. a run's ModelConfig): its lora_rank, lora_alpha,
-      lora_rslora and lora_modules must be the directory's; None takes the directory's own
-      (with `base.cfg`'s other fields).
+      lora_rslora and lora_modules must be the directory's, and its lora_dropout is kept;
+      None takes the directory's own settings (with `base.cfg`'s other fields).
 
   Returns:
     A new model sharing the base's arrays, whose forward is the adapted one (what PEFT
@@ -273,14 +273,19 @@ def load_adapter(base: Transformer, path: str | os.PathLike,
   path = os.fspath(path)
   settings = lora_settings(read_adapter_config(path), base.cfg)
   if cfg is not None and cfg.lora_rank:
-    for field, value in settings.items():
-      if field != "lora_dropout" and getattr(cfg, field) != value:
-        raise AdapterError(f"{CONFIG_NAME} in {path} gives {field}={value!r}, but "
-                           f"ModelConfig.{field}={getattr(cfg, field)!r}")
+    for field in ("lora_rank", "lora_alpha", "lora_rslora", "lora_modules"):
+      mine, theirs = getattr(cfg, field), settings[field]
+      if (set(mine) != set(theirs)) if field == "lora_modules" else mine != theirs:
+        raise AdapterError(f"{CONFIG_NAME} in {path} gives {field}={theirs!r}, but "
+                           f"ModelConfig.{field}={mine!r}")
+    settings["lora_dropout"] = cfg.lora_dropout  # a training setting: the caller's
   target = (cfg if cfg is not None and cfg.lora_rank else base.cfg).replace(**settings)
   file = os.path.join(path, WEIGHTS_NAME)
   if not os.path.isfile(file):
     raise AdapterError(f"{file} not found (adapters are read from safetensors only)")
+  others = sorted(f for f in os.listdir(path) if f.endswith(".safetensors") and f != WEIGHTS_NAME)
+  if others:  # SafetensorsDir reads a directory's one file
+    raise AdapterError(f"{path} holds other safetensors files besides {WEIGHTS_NAME}: {others}")
   stored = SafetensorsDir(path)
   _check_names_and_ranks(stored, file, target)  # before the adapted model is built
   model = with_adapters(base, target)
