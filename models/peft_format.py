@@ -13,13 +13,19 @@ lora_B is B transposed; the flattening is the C order the Hugging Face weight na
 (`models.hf_names`, whose tables give every name here). Stacked layers are written per layer.
 
 The projections: attention ("attention" in `ModelConfig.lora_modules`: q/k/v/o, MLA's q_proj,
-q_a_proj, q_b_proj, kv_a_proj_with_mqa, o_proj) and MLPs ("mlp": dense MLPs and MoE shared
-experts); `target_modules` lists their last name components. Routed-expert adapters
-("experts") have no equivalent: transformers holds a layer's experts as fused 3-D parameters
-(gate_up_proj [E, 2 moe_intermediate, hidden], down_proj), which PEFT adapts only through
-`target_parameters` (its ParamWrapper: per expert one A and one B for the fused gate_up_proj,
-and no dropout), so the separate gate and up adapters of an Arbor expert, and a "shared" pair,
-are not expressible; exporting them raises `AdapterError`.
+q_a_proj, q_b_proj, kv_a_proj_with_mqa, o_proj) and the MLPs of dense models ("mlp");
+`target_modules` lists their last name components. On a MoE model (Qwen3-MoE, DeepSeek-V3)
+only attention adapters are written: peft, on transformers 5, reads the targets gate_proj /
+up_proj / down_proj of these families as the routed experts' fused parameters (its conversion
+of transformers 4 per-expert adapters) and no longer as modules, so adapters of dense-layer
+MLPs and shared experts would not load.
+
+Routed-expert adapters ("experts") are not written (`AdapterError`). transformers 5 holds a
+layer's experts as fused 3-D parameters (gate_up_proj, down_proj), which peft adapts through
+`target_parameters` (one adapter per expert for the fused gate_up_proj, no dropout); it also
+converts transformers-4-style per-expert adapters (`mlp.experts.E.gate_proj.lora_A.weight`, ...)
+into that form, fusing gate and up into rank 2r with alpha doubled, which keeps alpha / r but
+not rsLoRA's alpha / sqrt(r). Writing that per-expert form is not done here.
 
 A quantized frozen base (QLoRA, `base_qtype`) is not part of an adapter: the adapters apply to
 whatever base they are loaded on, e.g. the full-precision checkpoint the run started from.
@@ -57,6 +63,16 @@ _UNUSED = {"use_dora": (False, None), "rank_pattern": ({}, None), "alpha_pattern
            "layers_to_transform": (None, []), "layers_pattern": (None, []),
            "modules_to_save": (None, []), "target_parameters": (None, []),
            "exclude_modules": (None, []), "trainable_token_indices": (None, [], {})}
+
+
+# peft on transformers 5 reads the targets gate_proj / up_proj / down_proj of a Qwen3-MoE or
+# DeepSeek-V3 model as its routed experts' fused parameters (the transformers 4 per-expert
+# modules) and drops them as module targets, so the MLP adapters of dense layers and shared
+# experts would not load
+_MOE_MLP = ("{field}={value!r}: PEFT cannot hold the 'mlp' adapters (dense MLPs, shared experts) "
+            "of a MoE model: it retargets gate_proj / up_proj / down_proj to the routed experts "
+            "of Qwen3-MoE and DeepSeek-V3 models; use lora_modules=('attention',) or export the "
+            "merged model (trainer.export --format=hf)")
 
 
 class AdapterError(ValueError):
@@ -130,13 +146,14 @@ def adapter_config(cfg: ModelConfig, base_model_name_or_path: Optional[str] = No
 def _check_exportable(cfg: ModelConfig) -> None:
   if not cfg.lora_rank:
     raise AdapterError("ModelConfig.lora_rank=0: the model has no LoRA adapters to write")
+  if cfg.is_moe and "mlp" in cfg.lora_modules:
+    raise AdapterError(_MOE_MLP.format(field="ModelConfig.lora_modules", value=cfg.lora_modules))
   if cfg.lora_experts_on:
     raise AdapterError(
         f"ModelConfig.lora_modules={cfg.lora_modules!r}: routed-expert adapters ('experts', "
-        f"lora_experts={cfg.lora_experts!r}) have no PEFT equivalent (transformers fuses a "
-        "layer's experts into gate_up_proj / down_proj parameters, which PEFT adapts only "
-        "through target_parameters, gate and up sharing one adapter per expert); export the "
-        "merged model instead (trainer.export --format=hf)")
+        f"lora_experts={cfg.lora_experts!r}) are not written in PEFT's format (peft adapts "
+        "transformers' fused gate_up_proj / down_proj expert parameters); export the merged "
+        "model instead (trainer.export --format=hf)")
 
 
 def adapter_tensors(model: Transformer, dtype: str = "float32") -> dict[str, np.ndarray]:
@@ -244,6 +261,8 @@ def lora_settings(config: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
     options = ", ".join(f"{g} = {sorted(by_group[g])}" for g in GROUPS if by_group[g])
     fail("target_modules", "Arbor adapts whole groups of projections of this model, one or "
          f"both of: {options}")
+  if cfg.is_moe and "mlp" in groups:
+    raise AdapterError(_MOE_MLP.format(field=f"{CONFIG_NAME}: target_modules", value=targets))
   return {"lora_rank": r, "lora_alpha": float(alpha), "lora_rslora": rslora,
           "lora_dropout": float(dropout), "lora_modules": groups}
 

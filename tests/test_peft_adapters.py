@@ -198,7 +198,7 @@ def test_bad_adapter_config_names_the_field(field, value, match, base, adapter_d
 
 def test_adapter_mismatches_are_refused(base, adapted, adapter_dir, tmp_path):
   """A rank whose tensors disagree, settings unlike the expected config, tensors of projections
-  not targeted, an adapted base, routed-expert adapters."""
+  not targeted, an adapted base, routed-expert adapters, MLP adapters of a MoE model."""
   edited(adapter_dir, tmp_path, r=8)
   with pytest.raises(peft_format.AdapterError, match=r"has shape \[4, 64\]: not rank r=8"):
     peft_format.load_adapter(base, tmp_path)
@@ -212,8 +212,13 @@ def test_adapter_mismatches_are_refused(base, adapted, adapter_dir, tmp_path):
   with pytest.raises(peft_format.AdapterError, match="has adapters already"):
     peft_format.load_adapter(adapted[False], tmp_path)
   experts = TINY_MOE_MLA.replace(lora_rank=RANK, lora_modules=("attention", "experts"))
-  with pytest.raises(peft_format.AdapterError, match=r"routed-expert adapters .* no PEFT"):
+  with pytest.raises(peft_format.AdapterError, match=r"routed-expert adapters .* not written"):
     peft_format.adapter_config(experts)
+  # peft reads gate_proj / up_proj / down_proj of a MoE family as its routed experts
+  moe_mlp = TINY_MOE_MLA.replace(lora_rank=RANK, lora_modules=("attention", "mlp"))
+  with pytest.raises(peft_format.AdapterError, match=r"lora_modules=\('attention', 'mlp'\): "
+                     r"PEFT cannot hold the 'mlp' adapters"):
+    peft_format.adapter_config(moe_mlp)
 
 
 def test_rslora_config_is_validated():
