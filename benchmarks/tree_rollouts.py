@@ -18,22 +18,41 @@ wall time per step, sampled and trained tokens per task, pass@1 and pass@k of th
 of episodes passing; share of tasks with a passing episode), held-out pass@1 per seed, and the
 paired bootstrap 95% interval of each arm - independent over seeds x tasks. Finished runs and
 evaluations in `--workdir` are reused. Prints JSON.
+
+    python -m benchmarks.tree_rollouts --sft_dir=/tmp/arbor_demo/seed_0/sft \
+        --workdir=/tmp/tree_bench --guidance --guidance_tasks=32 --branching_k=16 --update_docs
+
+`--guidance` trains nothing: from the same SFT checkpoint it samples one branching group of
+`--branching_k` leaves per held-out task (the first `--guidance_tasks` tasks, seed `--seeds`'
+first) once per step-entropy measure of envs.branching ("nats": mean full entropy in nats;
+"arpo": ARPO's top-k truncated sum over ln|V|), everything else as the branching arm, and
+reports whether branching is entropy-guided under each: the mean step entropy at branch points
+against the mean over all tool steps (`tree_stats`), each in its own measure's units.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
 import json
 import os
+import time
 
 import ml_collections
 import numpy as np
 
 from benchmarks.common import machine, today, write_section
 from configs import demo
+from envs.branching import ENTROPY_MEASURES, BranchConfig, make_branching_group, tree_stats
+from envs.episode import make_sandbox_factory
+from envs.policy import Generation
+from models.engine import Engine
+from trainer import config as config_lib
 from trainer import demo as demo_lib
-from trainer import evaluate, rl
+from trainer import evaluate, harness, rl, rollouts
 from trainer.metrics import read_jsonl
+from trainer.tasks import held_out_tasks
 
 ARMS = ("independent", "branching", "branching_grpo")
 
@@ -83,6 +102,93 @@ def step_stats(run_dir: str, tasks_per_step: int) -> dict:
   return out
 
 
+class _TopLogprobsPolicy:
+  """The engine as a Policy that also reports each token's top log-probs (ARPO's entropy)."""
+
+  def __init__(self, engine: Engine):
+    self.engine = engine
+    engine.start()
+
+  async def generate(self, input_ids, params) -> Generation:
+    out = await asyncio.wrap_future(self.engine.submit(list(input_ids), params))
+    return Generation(out.output_ids, out.logprobs, out.finish_reason, out.policy_version,
+                      token_versions=out.token_versions, entropies=out.entropies,
+                      top_logprobs=out.top_logprobs)
+
+
+def guidance(args) -> dict:
+  """Branching groups of the SFT checkpoint under each entropy measure (see the docstring)."""
+  seed = int(args.seeds.split(",")[0])
+  cfg = arm_config(demo.get_config(), seed, args.sft_dir, "branching", args)
+  cfg.eval.num_tasks = args.guidance_tasks
+  model_cfg = config_lib.model_config(cfg)
+  model = harness.initial_model(cfg, model_cfg)
+  chat = config_lib.make_chat_format(cfg, cfg.tokenizer.path)
+  tasks = held_out_tasks(cfg, os.path.join(args.workdir, "guidance_tasks"))
+  branch = BranchConfig(**cfg.rl.branch.to_dict())
+  engine_cfg = dataclasses.replace(rollouts.engine_config(cfg, model_cfg),
+                                   top_logprobs=branch.entropy_top_k)
+  engine = Engine(model, engine_cfg, detokenize=chat.tokenizer.decode)
+  policy = _TopLogprobsPolicy(engine)
+  make_sandbox = make_sandbox_factory(cfg.rl.sandbox)
+  out = {"seed": seed, "tasks": len(tasks), "k": args.branching_k, "branch": dataclasses.asdict(
+      branch), "vocab_size": chat.tokenizer.vocab_size, "measures": {}}
+  try:
+    for measure in ENTROPY_MEASURES:
+      group = make_branching_group(policy, chat, make_sandbox, rollouts.scaffold_config(cfg),
+                                   dataclasses.replace(branch, entropy_measure=measure))
+      counters: dict = {}
+
+      async def run_all():
+        limiter = asyncio.Semaphore(cfg.rl.concurrency)
+        return await asyncio.gather(*(group(t, args.branching_k, draw=0, seed=seed,
+                                            limiter=limiter, counters=counters) for t in tasks))
+      t0 = time.perf_counter()
+      groups = asyncio.run(run_all())
+      stats = tree_stats(groups)
+      rewards = [[float(t.reward) for t in g] for g in groups]
+      out["measures"][measure] = {
+          **stats, "rollout_s": time.perf_counter() - t0,
+          "leaves": float(np.mean([len(g) for g in groups])),
+          "pass_rate": float(np.mean([r >= 1.0 for g in rewards for r in g])),
+          "group_pass_rate": float(np.mean([max(g, default=0.0) >= 1.0 for g in rewards])),
+          "entropy_guided": stats.get("tree/branch_entropy", 0.0) > stats["tree/step_entropy"],
+          "branch_over_step": stats.get("tree/branch_entropy", 0.0) / stats["tree/step_entropy"],
+          "failed": counters.get("episodes_failed", 0)}
+      print(json.dumps({"measure": measure, **out["measures"][measure]}), flush=True)
+  finally:
+    engine.stop()
+  return out
+
+
+def _guidance_markdown(s: dict) -> str:
+  m = s["measures"]
+  rows = [("mean step entropy, all tool steps", "tree/step_entropy", "{:.4f}"),
+          ("mean step entropy, branch points", "tree/branch_entropy", "{:.4f}"),
+          ("branch points / all steps", "branch_over_step", "{:.2f}"),
+          ("entropy-guided (branch points above)", "entropy_guided", "{}"),
+          ("branches / task", "tree/branches_per_task", "{:.1f}"),
+          ("global samples / task", "tree/global_samples", "{:.1f}"),
+          ("leaves / task", "leaves", "{:.1f}"),
+          ("shared fraction of trained tokens", "tree/shared_fraction", "{:.2f}"),
+          ("group pass@1 (sampled)", "pass_rate", "{:.3f}"),
+          ("rollout s (all groups)", "rollout_s", "{:.0f}")]
+  table = ["| | " + " | ".join(m) + " |", "| --- |" + " --- |" * len(m)]
+  for name, key, fmt in rows:
+    cells = [fmt.format(m[x][key]) if key in m[x] else "–" for x in m]
+    table.append(f"| {name} | " + " | ".join(cells) + " |")
+  b = s["branch"]
+  return (f"### Entropy guidance: the step-entropy measures\n\n"
+          f"{today()}, {machine()}; `python -m benchmarks.tree_rollouts --guidance` (demo SFT "
+          f"checkpoint, no training: one branching group of k={s['k']} leaves on each of "
+          f"{s['tasks']} held-out tasks per measure, seed {s['seed']}; α {b['base_prob']}, "
+          f"γ {b['entropy_weight']}, width {b['width']}, penalty {b['consecutive_penalty']}, "
+          f"pre-monitoring, n = {b['entropy_tokens']} tokens, ARPO's k = {b['entropy_top_k']} "
+          f"top log-probs, |V| = {s['vocab_size']}). Entropies are in each measure's own "
+          f"units: nats (mean per token) and ARPO's (sum over the n tokens / ln|V|).\n\n"
+          + "\n".join(table) + "\n")
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--sft_dir", required=True, help="a demo seed's sft/ directory")
@@ -95,7 +201,16 @@ def main() -> None:
   p.add_argument("--arms", default="independent,branching,branching_grpo",
                  help=f"some of {ARMS}; the first is the baseline of the intervals")
   p.add_argument("--update_docs", action="store_true")
+  p.add_argument("--guidance", action="store_true",
+                 help="compare the step-entropy measures' branching (no training)")
+  p.add_argument("--guidance_tasks", type=int, default=32)
   args = p.parse_args()
+  if args.guidance:
+    summary = guidance(args)
+    print(json.dumps(summary, indent=1))
+    if args.update_docs:
+      write_section("tree_rollouts_entropy", _guidance_markdown(summary))
+    return
   base = demo.get_config()
   seeds = [int(s) for s in args.seeds.split(",")]
   arms = args.arms.split(",")

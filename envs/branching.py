@@ -12,23 +12,64 @@ repeat its ancestors' calls verbatim, so the trainer's trajectory tree stores an
 shared calls once per tree (their gradient is summed over the paths through them) and the
 engine's prefix cache serves the shared context instead of prefilling it again.
 
-The rule (Dong et al., arXiv 2510.14545 "Agentic Entropy-Balanced Policy Optimization" §4.1,
-which builds on ARPO, arXiv 2507.19849):
-  step entropy   H_t = mean entropy of the first `entropy_tokens` tokens of the call sampled after
-                 tool step t (the engine's exact entropies; else the sampled tokens' -log p);
-                 H_root = the same for the path's first call (the question alone).
+The rule (ARPO, Dong et al. arXiv 2507.19849, and its public rollout code; AEPO, arXiv
+2510.14545 §4.1, which adds pre-monitoring and the consecutive-branch penalty):
+  step entropy   H_t = the entropy of the call sampled after tool step t, over its first n =
+                 `entropy_tokens` tokens; H_root = the same for the path's first call (the
+                 question alone). `entropy_measure` picks how:
+                   "nats"  the mean over the n tokens of the full next-token entropy in nats (the
+                           engine's exact entropies; else the sampled tokens' -log p);
+                   "arpo"  ARPO's: Σ_{j<n} -Σ_{i∈S_j} p_i·ln p_i / ln|V|, S_j = the k =
+                           `entropy_top_k` most likely tokens at position j plus the sampled one
+                           (an inference server's "logprobs=k" answer), |V| = the tokenizer's
+                           vocabulary; a sum over the tokens, not a mean, as ARPO's code has it,
+                           so H is in [0, n·ln(k+1)/ln|V|]. It needs the policy's top log-probs
+                           (`Generation.top_logprobs`, EngineConfig.top_logprobs >= k).
   pre-monitoring m = round(k · σ(β · (H_root - mean_t H_t))) global samples, measured on the
-                 first global sample (which runs alone and never branches), clipped to [1, k];
-                 `global_fraction` fixes m = round(k · fraction) instead (ARPO's fixed split).
+                 first global sample (which runs alone and never branches), clipped to [1, k]
+                 (AEPO); `premonitor=False` or a `global_fraction` instead starts m =
+                 round(k · fraction) global samples at once (ARPO's initial rollouts; fraction
+                 0.5 by default, ARPO's 8 of 16).
   branching      at each later tool step a path branches with probability
                  P_t = clip((α + γ · (H_t - H_root)) · (1 - penalty)^l, 0, 1), l = the branches
                  the path made at its immediately preceding steps (the consecutive-branch
-                 penalty 1 - P̂(l) of AEPO, here geometric); a branch adds min(width - 1,
-                 budget left) paths that re-sample the step's call with their own seeds.
+                 penalty 1 - P̂(l) of AEPO, here geometric; penalty 0 is ARPO's rule); a branch
+                 adds min(width - 1, budget left) paths that re-sample the step's call with their
+                 own seeds. A new path keeps its parent's H_root, or with `reset_root` takes its
+                 own first (re-sampled) call's entropy as H_root, as ARPO's code does.
   filling        a group that ends with budget left starts more global samples (which may
                  branch), so every group has exactly k leaves unless episodes fail.
-The reference implementation was not available offline: the penalty's form and the defaults
-below are ours (α, γ, width from ARPO's published defaults) and are config fields.
+α, γ and width default to ARPO's published values (0.5, 0.2, 2).
+
+Where this departs from ARPO's / AEPO's code, and why:
+  - The branch point. ARPO's code measures the entropy of the call that ends in a tool call
+    and, when it branches, re-samples the call after that tool's result (the high-entropy call
+    is shared by the branches). Here H_t is measured on the call sampled after tool result t
+    and a branch re-samples that very call, as the paper describes it: the uncertain tokens
+    are the ones explored again.
+  - H_root per path. ARPO's code keeps the initial entropy per rollout slot index and never
+    clears it between batches, so a slot compares later questions against the first question
+    it ever saw; here each path of each group has its own.
+  - One draw per branch point. ARPO's code draws once per extra branch (at most width - 1);
+    here one draw adds width - 1 paths. The two agree at width 2, ARPO's default.
+  - Budget order. ARPO's code hands a question's branch budget to its active paths in index
+    order each round and adds one new global sample per round when none is active; here paths
+    run concurrently, take the budget as they reach their branch points and the leftover
+    budget starts global samples when every path has finished.
+  - AEPO's consecutive-branch penalty P̂(l) and its pre-monitoring's exact inputs were not
+    available offline: the geometric penalty and pre-monitoring on the first sample alone are
+    ours (config fields; penalty 0 and premonitor=False give ARPO's rule).
+  - The "nats" measure (the default: see below) is not ARPO's: it is the untruncated entropy,
+    a mean per token and not normalised, so γ is in probability per nat; on the same logits it
+    differs from the "arpo" value by a factor that depends on n, k and |V|.
+
+The default measure is "nats". On the demo model (docs/benchmarks.md, "Entropy guidance")
+neither measure guides branching: the mean entropy at branch points is 1.01x the mean over all
+tool steps with "nats" and 0.91x with "arpo", because the step entropies are so small (0.04
+nats; 0.07 in ARPO's units) that γ·ΔH moves the branch probability by about 0.01 either way and
+both measures grow almost the same trees. With no measure better, "nats" stays: every policy that
+reports entropies (the engine always does) supports it, while "arpo" needs the policy to return
+k top log-probs per token.
 
 What a fork carries: the workspace files (see `Sandbox.fork`) and the episode's token context,
 transcript and counters; not processes or shell state, which no tool relies on (each tool call
@@ -37,8 +78,8 @@ timing; each path's sampling is reproducible from (seed, draw, path index).
 
 Each trajectory's metadata["tree"] = {"parent": path it forked from (-1: a global sample),
 "fork_turn": the turn it re-sampled (0 for a global sample), "depth": forks above it,
-"branch_turns": turns at which it spawned branches, "global_samples": m}; every agent call's
-meta["entropy"] is its step entropy.
+"branch_turns": turns at which it spawned branches, "global_samples": m, "h_root": its root
+entropy}; every agent call's meta["entropy"] is its step entropy.
 """
 
 from __future__ import annotations
@@ -65,6 +106,9 @@ from envs.trajectory import LLMCall, Trajectory
 log = logging.getLogger(__name__)
 
 
+ENTROPY_MEASURES = ("nats", "arpo")
+
+
 @dataclasses.dataclass(frozen=True)
 class BranchConfig:
   """Settings of entropy-guided branching, validated at construction.
@@ -75,18 +119,27 @@ class BranchConfig:
 
   width: int = 2                 # Z: paths leaving a branch point (the path + width - 1 new)
   base_prob: float = 0.5         # α: branch probability of a step as uncertain as the root
-  entropy_weight: float = 0.2    # γ: probability added per nat of step entropy above the root's
+  entropy_weight: float = 0.2    # γ: probability added per unit of step entropy above the root's
   consecutive_penalty: float = 0.5  # each consecutive branch scales the probability by 1 - this
   premonitor_beta: float = 1.0   # β: m = k·σ(β·(H_root - mean H_tool)) global samples
-  global_fraction: Optional[float] = None  # fixed m = round(k·fraction) (None: pre-monitoring)
-  entropy_tokens: int = 20       # a step's entropy: mean over the first tokens of its call
+  global_fraction: Optional[float] = None  # fixed m = round(k·fraction) (None: pre-monitoring,
+                                           # or 0.5 with premonitor off)
+  entropy_tokens: int = 20       # a step's entropy: over the first tokens of its call
+  # "nats": mean full entropy (nats) per token; "arpo": ARPO's, the sum over those tokens of
+  # the entropy of their top-k log-probs (and the sampled token's) over ln(vocabulary size)
+  entropy_measure: str = "nats"
+  entropy_top_k: int = 10        # "arpo": log-probs per token (ARPO samples with logprobs=10)
+  reset_root: bool = False       # a branch's H_root = its own first call's entropy (ARPO)
+  premonitor: bool = True        # AEPO: the first global sample runs alone to set m; False:
+                                 # the m global samples start at once (ARPO)
 
   def __post_init__(self):
     if not isinstance(self.width, int) or self.width < 2:
       raise ValueError(f"BranchConfig.width={self.width!r}: expected an integer >= 2")
-    if not isinstance(self.entropy_tokens, int) or self.entropy_tokens < 1:
-      raise ValueError(f"BranchConfig.entropy_tokens={self.entropy_tokens!r}: expected an "
-                       "integer >= 1")
+    for name in ("entropy_tokens", "entropy_top_k"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"BranchConfig.{name}={value!r}: expected an integer >= 1")
     for name in ("base_prob", "consecutive_penalty"):
       if not 0.0 <= getattr(self, name) <= 1.0:
         raise ValueError(f"BranchConfig.{name}={getattr(self, name)!r}: expected a value in "
@@ -97,35 +150,56 @@ class BranchConfig:
     f = self.global_fraction
     if f is not None and not 0.0 < f <= 1.0:
       raise ValueError(f"BranchConfig.global_fraction={f!r}: expected None or a value in (0, 1]")
+    if self.entropy_measure not in ENTROPY_MEASURES:
+      raise ValueError(f"BranchConfig.entropy_measure={self.entropy_measure!r}: expected one of "
+                       f"{ENTROPY_MEASURES}")
+    for name in ("reset_root", "premonitor"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"BranchConfig.{name}={getattr(self, name)!r}: expected a bool")
 
 
 # The settings a launcher sets on a command line: (flag, BranchConfig field, help).
 _FLAGS = (("branch_width", "width", "paths leaving a branch point"),
           ("branch_base_prob", "base_prob", "branch probability of a step as uncertain as the "
            "root"),
-          ("branch_entropy_weight", "entropy_weight", "probability added per nat of step entropy "
-           "above the root's"),
+          ("branch_entropy_weight", "entropy_weight", "probability added per unit of step "
+           "entropy above the root's"),
           ("branch_consecutive_penalty", "consecutive_penalty", "each consecutive branch scales "
            "the probability by 1 - this"),
           ("branch_premonitor_beta", "premonitor_beta", "sensitivity of the global/branch split"),
           ("branch_global_fraction", "global_fraction", "fixed share of global samples (default: "
            "entropy pre-monitoring)"),
-          ("branch_entropy_tokens", "entropy_tokens", "tokens whose mean entropy is a step's"))
+          ("branch_entropy_tokens", "entropy_tokens", "tokens whose entropy is a step's"),
+          ("branch_entropy_measure", "entropy_measure", f"step entropy: one of {ENTROPY_MEASURES}"),
+          ("branch_entropy_top_k", "entropy_top_k", "top log-probs per token of the 'arpo' "
+           "entropy (the policy must report at least as many)"),
+          ("branch_reset_root", "reset_root", "a branch measures its root entropy at its first "
+           "call (true/false)"),
+          ("branch_premonitor", "premonitor", "AEPO pre-monitoring: the first sample runs alone "
+           "(true/false)"))
+
+
+def _bool(text: str) -> bool:
+  """A command-line boolean: true/false, 1/0, yes/no."""
+  if text.lower() in ("true", "1", "yes"):
+    return True
+  if text.lower() in ("false", "0", "no"):
+    return False
+  raise argparse.ArgumentTypeError(f"{text!r}: expected true or false")
 
 
 def add_branch_flags(parser: argparse.ArgumentParser) -> None:
   """Declares --branch_* flags for `BranchConfig`'s fields, with its defaults.
 
   Args:
-    parser: gets --branch_width, --branch_base_prob, --branch_entropy_weight,
-      --branch_consecutive_penalty, --branch_premonitor_beta, --branch_global_fraction and
-      --branch_entropy_tokens.
+    parser: gets one flag per entry of `_FLAGS` (--branch_width, --branch_base_prob, ...,
+      --branch_entropy_measure, --branch_reset_root, --branch_premonitor).
   """
   defaults = BranchConfig()
   for flag, field, help_ in _FLAGS:
     value = getattr(defaults, field)
-    parser.add_argument(f"--{flag}", type=float if value is None else type(value), default=value,
-                        help=help_)
+    kind = float if value is None else _bool if isinstance(value, bool) else type(value)
+    parser.add_argument(f"--{flag}", type=kind, default=value, help=help_)
 
 
 def branch_config_from_flags(args: argparse.Namespace) -> BranchConfig:
@@ -134,7 +208,7 @@ def branch_config_from_flags(args: argparse.Namespace) -> BranchConfig:
 
 
 def step_entropy(gen: Generation, n: int) -> float:
-  """The entropy of a call's first `n` sampled tokens (nats, mean per token).
+  """The "nats" entropy of a call's first `n` sampled tokens (nats, mean per token).
 
   Args:
     gen: the call's generation; its `entropies` when the policy reports them, else the sampled
@@ -147,6 +221,39 @@ def step_entropy(gen: Generation, n: int) -> float:
   values = gen.entropies if gen.entropies else [-x for x in gen.logprobs]
   values = list(values)[:n]
   return float(np.mean(values)) if values else 0.0
+
+
+def arpo_step_entropy(gen: Generation, n: int, k: int, vocab_size: int) -> float:
+  """ARPO's step entropy of a call: Σ_{j<n} -Σ_{i∈S_j} p_i·ln p_i / ln|V|.
+
+  S_j = the k most likely tokens at output position j plus the sampled one (what an inference
+  server returns for "logprobs=k"); the sum runs over the call's first n tokens (fewer in a
+  shorter call), as ARPO's rollout code sums them, not a mean.
+
+  Args:
+    gen: the call's generation, with `top_logprobs` (at least k pairs per token).
+    n: tokens summed.
+    k: top log-probs per token.
+    vocab_size: |V|, the tokenizer's vocabulary (ARPO's normaliser).
+
+  Returns:
+    The normalised entropy, 0.0 for an empty generation.
+
+  Raises:
+    ValueError: the generation has no top log-probs, or fewer than k per token.
+  """
+  if gen.top_logprobs is None or len(gen.top_logprobs) < min(n, len(gen.output_ids)):
+    raise ValueError("BranchConfig.entropy_measure='arpo' needs the policy's top log-probs per "
+                     f"token (an engine with EngineConfig.top_logprobs >= {k})")
+  total = 0.0
+  for token, logprob, top in zip(gen.output_ids[:n], gen.logprobs, gen.top_logprobs):
+    if len(top) < k:
+      raise ValueError(f"BranchConfig.entropy_top_k={k}: the policy reports {len(top)} top "
+                       "log-probs per token")
+    chosen = dict(top[:k])
+    chosen.setdefault(token, logprob)
+    total -= sum(math.exp(x) * x for x in chosen.values() if x > -math.inf)  # p = 0 adds 0
+  return total / math.log(vocab_size)
 
 
 def global_samples(k: int, h_root: float, h_tool: float, beta: float) -> int:
@@ -253,12 +360,19 @@ class _Group:
     if sandbox is None:
       sandbox = await start_sandbox(self.task, env["make_sandbox"])
 
+    cfg = env["branch"]
+
     async def on_call(state: EpisodeState, gen: Generation, call: LLMCall) -> None:
-      h = step_entropy(gen, env["branch"].entropy_tokens)
+      if cfg.entropy_measure == "arpo":
+        h = arpo_step_entropy(gen, cfg.entropy_tokens, cfg.entropy_top_k, env["vocab_size"])
+      else:
+        h = step_entropy(gen, cfg.entropy_tokens)
       call.meta["entropy"] = h
       if state.turns == 0:
         path.h_root = h
         return
+      if cfg.reset_root and path.parent >= 0 and state.turns == path.fork_turn:
+        path.h_root = h  # the branch's own first call (ARPO): its ΔH here is 0
       path.tool_entropies.append(h)
       if self.branching:
         await self.maybe_branch(path, sandbox, state, h)
@@ -272,7 +386,8 @@ class _Group:
     finally:
       await sandbox.close()
     tree = {"parent": path.parent, "fork_turn": path.fork_turn, "depth": path.depth,
-            "branch_turns": list(path.branch_turns), "global_samples": self.m}
+            "branch_turns": list(path.branch_turns), "global_samples": self.m,
+            "h_root": path.h_root}
     meta = {"group_size": self.k, "draw": self.draw, "index": path.index, "tree": tree}
     return result.to_trajectory(reward, self.task.instance_id, self.group_id,
                                 metadata=episode_metadata(details, path.prompt, meta))
@@ -316,7 +431,8 @@ def make_branching_group(policy: Policy, chat: ChatFormat, make_sandbox: Sandbox
   {group_size, draw, index} and failure handling, plus metadata["tree"].
 
   Args:
-    policy: samples the agent's turns (its `Generation.entropies` drive the branching).
+    policy: samples the agent's turns (its `Generation.entropies`, or its `top_logprobs` for
+      the "arpo" entropy, drive the branching).
     chat: renders messages to token ids and parses tool calls.
     make_sandbox: the sandboxes (`envs.episode.make_sandbox_factory`); forks come from
       `Sandbox.fork`.
@@ -334,6 +450,7 @@ def make_branching_group(policy: Policy, chat: ChatFormat, make_sandbox: Sandbox
   """
   env = {"policy": policy, "chat": chat, "make_sandbox": make_sandbox,
          "scaffold": scaffold or ScaffoldConfig(), "branch": branch or BranchConfig(),
+         "vocab_size": chat.tokenizer.vocab_size,  # |V| of the "arpo" entropy, as ARPO's
          "score": make_verifier(chat, make_sandbox, judge_policy or policy,
                                 partial_credit=partial_credit)}
 
@@ -347,7 +464,7 @@ def make_branching_group(policy: Policy, chat: ChatFormat, make_sandbox: Sandbox
                counters if counters is not None else {}, env)
     cfg = env["branch"]
     try:
-      if cfg.global_fraction is None:  # pre-monitoring: the first global sample runs alone
+      if cfg.premonitor and cfg.global_fraction is None:  # the first global sample runs alone
         first = g.new_path(None, 0)
         g.launch(first)
         await _wait(g, abort, lambda: g.runs[0].done())
@@ -357,8 +474,9 @@ def make_branching_group(policy: Policy, chat: ChatFormat, make_sandbox: Sandbox
           g.m = global_samples(group_size, first.h_root, h_tool, cfg.premonitor_beta)
         else:
           g.m = max(1, round(group_size / 2))
-      else:
-        g.m = int(min(max(round(group_size * cfg.global_fraction), 1), group_size))
+      else:  # ARPO: the global samples start at once
+        fraction = 0.5 if cfg.global_fraction is None else cfg.global_fraction
+        g.m = int(min(max(round(group_size * fraction), 1), group_size))
       g.branching = True
       for _ in range(g.m - g.used):
         g.launch(g.new_path(None, 0))

@@ -69,6 +69,9 @@ class Generation:
   expert_ids: Optional[np.ndarray] = None
   # per output token, the policy's next-token entropy in nats, when the policy reports it
   entropies: Optional[list[float]] = None
+  # per output token, the most likely tokens of its next-token distribution as (id, log-prob)
+  # pairs, best first, when the policy reports them (the engine's EngineConfig.top_logprobs)
+  top_logprobs: Optional[list[list[tuple[int, float]]]] = None
 
 
 class Policy(Protocol):
@@ -107,6 +110,12 @@ def _floats(values: Optional[list]) -> Optional[list[float]]:
   return None if values is None else [float(x) for x in values]
 
 
+def _top_pairs(values: Optional[list]) -> Optional[list[list[tuple[int, float]]]]:
+  """JSON top log-probs (per token, [id, log-prob] pairs) as (int, float) tuples; None stays
+  None."""
+  return None if values is None else [[(int(i), float(x)) for i, x in tok] for tok in values]
+
+
 class PolicyError(RuntimeError):
   """The policy could not answer (server unreachable, 4xx/5xx, malformed reply)."""
 
@@ -116,7 +125,8 @@ class HTTPPolicy:
 
   Request JSON: {"input_ids": [...], **SamplingParams.to_dict()}; reply JSON: {"output_ids",
   "logprobs", "finish_reason", "policy_version"[, "token_versions"][, "entropies"]
-  [, "expert_ids"]}, with entropies one per output token (nats) and expert_ids as
+  [, "top_logprobs"][, "expert_ids"]}, with entropies one per output token (nats), top_logprobs
+  one list of [id, log-prob] pairs per output token (best first) and expert_ids as
   `encode_expert_ids` writes it.
 
   Args:
@@ -166,7 +176,8 @@ class HTTPPolicy:
                         policy_version=int(reply.get("policy_version", 0)),
                         token_versions=reply.get("token_versions"),
                         expert_ids=decode_expert_ids(reply.get("expert_ids")),
-                        entropies=_floats(reply.get("entropies")))
+                        entropies=_floats(reply.get("entropies")),
+                        top_logprobs=_top_pairs(reply.get("top_logprobs")))
     except (KeyError, TypeError, ValueError) as e:
       raise PolicyError(f"{self.url}/generate: malformed reply {reply!r:.500}") from e
 

@@ -6,6 +6,7 @@ afterwards; a real engine shows the branches' re-sampled calls reuse the shared 
 cache; and a branched group trains exactly like its trajectories one by one.
 """
 
+import argparse
 import asyncio
 import math
 import re
@@ -14,11 +15,12 @@ import numpy as np
 import pytest
 
 from envs import taskgen
-from envs.branching import (BranchConfig, branch_probability, global_samples,
+from envs.branching import (BranchConfig, add_branch_flags, arpo_step_entropy,
+                            branch_config_from_flags, branch_probability, global_samples,
                             make_branching_group, step_entropy, tree_stats)
 from envs.chat import make_chat
 from envs.chat.tokenizer import HFTokenizer
-from envs.episode import make_sandbox_factory
+from envs.episode import episode_seed, make_sandbox_factory
 from envs.policy import Generation
 from envs.scaffold import ScaffoldConfig
 from tests.test_chat import _tiny_bpe
@@ -45,9 +47,11 @@ class ShellPolicy:
 
   def __init__(self, chat, script, entropy):
     self.chat, self.script, self.entropy = chat, script, entropy
+    self.log = []  # (path seed, turn) of every call, in the order they were sampled
 
   async def generate(self, input_ids, params):
     turn = self.chat.tokenizer.decode(list(input_ids)).count("<|im_start|>assistant") - 1
+    self.log.append((params.seed - turn, turn))  # call i of a path samples with its seed + i
     text = self.script[min(turn, len(self.script) - 1)]
     if text == "submit":
       msg = {"role": "assistant", "content": None,
@@ -76,9 +80,56 @@ def test_branch_rule_and_config():
   assert step_entropy(gen, 2) == 1.5
   assert step_entropy(Generation([1, 2], [-1.0, -1.0], "stop", entropies=[0.25, 0.75]), 5) == 0.5
   for bad in ({"width": 1}, {"base_prob": 1.5}, {"entropy_weight": -1.0},
-              {"global_fraction": 0.0}, {"entropy_tokens": 0}):
+              {"global_fraction": 0.0}, {"entropy_tokens": 0}, {"entropy_measure": "bits"},
+              {"entropy_top_k": 0}, {"reset_root": 1}, {"premonitor": "no"}):
     with pytest.raises(ValueError, match="BranchConfig." + next(iter(bad))):
       BranchConfig(**bad)
+  parser = argparse.ArgumentParser()
+  add_branch_flags(parser)
+  assert branch_config_from_flags(parser.parse_args([])) == BranchConfig()
+  cfg = branch_config_from_flags(parser.parse_args(
+      ["--branch_entropy_measure", "arpo", "--branch_entropy_top_k", "5", "--branch_reset_root",
+       "true", "--branch_premonitor", "false", "--branch_global_fraction", "0.25"]))
+  assert cfg == BranchConfig(entropy_measure="arpo", entropy_top_k=5, reset_root=True,
+                             premonitor=False, global_fraction=0.25)
+
+
+def _arpo_numpy(logits, tokens, n, k):
+  """ARPO's step entropy transcribed: per position j < n, the entropy terms of the k most
+  likely tokens and the sampled one (vLLM's logprobs=k answer), summed over the positions, over
+  ln(vocabulary size)."""
+  shifted = logits - logits.max(-1, keepdims=True)
+  logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+  total = 0.0
+  for j in range(min(n, len(tokens))):
+    kept = set(np.argsort(-logp[j])[:k].tolist()) | {int(tokens[j])}
+    total += -sum(np.exp(logp[j, i]) * logp[j, i] for i in kept)
+  return total / np.log(logits.shape[-1])
+
+
+@pytest.mark.parametrize("length", [25, 7])
+def test_arpo_entropy_matches_the_formula(length):
+  # known logits of a 50-token vocabulary, peaked enough that some sampled tokens fall outside
+  # the top 10; the policy reports 12 top log-probs per token (more than k: the first k count)
+  rng = np.random.default_rng(length)
+  vocab, top_n = 50, 12
+  logits = rng.normal(0, 3, (length, vocab))
+  logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  tokens = rng.integers(0, vocab, length)
+  assert any(t not in np.argsort(-logp[j])[:10] for j, t in enumerate(tokens))
+  top = [[(int(i), float(logp[j, i])) for i in np.argsort(-logp[j])[:top_n]]
+         for j in range(length)]
+  gen = Generation(tokens.tolist(), [float(logp[j, t]) for j, t in enumerate(tokens)], "stop",
+                   top_logprobs=top)
+  got = arpo_step_entropy(gen, 20, 10, vocab)
+  assert got == pytest.approx(_arpo_numpy(logits, tokens, 20, 10), rel=1e-12)
+  # the full entropy bounds the truncated one, token by token
+  full = -(np.exp(logp) * logp).sum(-1)[:20].sum() / np.log(vocab)
+  assert 0 < got <= full
+  with pytest.raises(ValueError, match="top log-probs"):
+    arpo_step_entropy(Generation(gen.output_ids, gen.logprobs, "stop"), 20, 10, vocab)
+  with pytest.raises(ValueError, match="entropy_top_k=13"):
+    arpo_step_entropy(gen, 20, 13, vocab)
 
 
 def _run_group(policy, chat, task, k, branch, sandbox="bwrap", seed=0, max_turns=4):
@@ -154,6 +205,39 @@ def test_premonitoring_allocates_globals_and_fills_the_budget(chat, task):
   assert len({t.group_id for t in out}) == 1
 
 
+def test_branches_reset_their_root_entropy(chat, task):
+  # one global sample (k = 3); P = clip(H_t - H_root) (α 0, γ 1, no penalty). The global path
+  # branches at turn 1 (H 3 vs its root's 1). Keeping the parent's root, the branch's own turn 1
+  # (H 3) is 2 above it and branches again (a grandchild); with the reset, its root is that
+  # call's 3, it never branches and the budget left goes to a new global sample.
+  for reset, parents, h_root in ((False, [-1, 0, 1], 1.0), (True, [-1, 0, -1], 3.0)):
+    policy = ShellPolicy(chat, ["ls", "ls", "ls", "submit"], entropy=[1.0, 3.0, 0.0, 0.0])
+    out, counters = _run_group(policy, chat, task, 3,
+                               BranchConfig(global_fraction=0.34, base_prob=0.0,
+                                            entropy_weight=1.0, consecutive_penalty=0.0,
+                                            reset_root=reset), sandbox="local")
+    assert [t.metadata["tree"]["parent"] for t in out] == parents, reset
+    assert out[1].metadata["tree"]["h_root"] == h_root
+    assert out[0].metadata["tree"]["h_root"] == 1.0
+    assert counters["branches"] == (1 if reset else 2)
+
+
+def test_without_premonitoring_the_global_samples_start_at_once(chat, task):
+  # no branching (α = γ = 0): with pre-monitoring, path 0 runs alone to its end before path 1
+  # samples; without, m = k / 2 global samples start together, then the budget left is filled
+  for premonitor in (True, False):
+    policy = ShellPolicy(chat, ["ls", "ls", "submit"], entropy=[1.0, 1.0, 1.0])
+    out, counters = _run_group(policy, chat, task, 4,
+                               BranchConfig(base_prob=0.0, entropy_weight=0.0,
+                                            premonitor=premonitor), sandbox="local")
+    assert [t.metadata["tree"]["parent"] for t in out] == [-1] * 4 and not counters
+    first_of_1 = policy.log.index((episode_seed(0, 0, 1), 0))
+    last_of_0 = max(i for i, (s, _) in enumerate(policy.log) if s == episode_seed(0, 0, 0))
+    assert (first_of_1 > last_of_0) == premonitor, policy.log
+    # equal entropies: m = round(4 · σ(0)) = 2 either way
+    assert out[0].metadata["tree"]["global_samples"] == 2
+
+
 class RecordingEnginePolicy:
   """The engine as a Policy, keeping every request's (input ids, Completion)."""
 
@@ -165,13 +249,15 @@ class RecordingEnginePolicy:
     out = await asyncio.wrap_future(self.engine.submit(list(input_ids), params))
     self.log.append((list(input_ids), out))
     return Generation(out.output_ids, out.logprobs, out.finish_reason, out.policy_version,
-                      entropies=out.entropies)
+                      entropies=out.entropies, top_logprobs=out.top_logprobs)
 
 
-def test_engine_reuses_the_shared_prefix_for_branches(chat, task):
+@pytest.mark.parametrize("measure", ["nats", "arpo"])
+def test_engine_reuses_the_shared_prefix_for_branches(chat, task, measure):
   """Real engine, random tiny model: every branch's re-sampled call is served from the cached
   prefix of the call it branched from (all but the last context token reused, nothing shared
-  prefilled again), and the engine's entropies are what the branching read."""
+  prefilled again), and the engine's entropies (or top log-probs, for ARPO's measure) are what
+  the branching read."""
   from models import transformer
   from models.config import ModelConfig
   from models.engine import Engine, EngineConfig
@@ -180,14 +266,16 @@ def test_engine_reuses_the_shared_prefix_for_branches(chat, task):
                     head_dim=16, intermediate_size=64, initializer_range=0.1)
   engine = Engine(transformer.init(cfg, seed=0),
                   EngineConfig(slots=4, max_seq_len=4096, prefix_cache_rows=8, min_prefix=4,
-                               prefill_chunk=256, steps_per_call=8),
+                               prefill_chunk=256, steps_per_call=8,
+                               top_logprobs=10 if measure == "arpo" else 0),
                   detokenize=chat.tokenizer.decode)
   policy = RecordingEnginePolicy(engine)
   try:
     group = make_branching_group(
         policy, chat, make_sandbox_factory("local", allow_unsafe=True),
         ScaffoldConfig(max_turns=3, max_new_tokens=6, max_context_tokens=4096),
-        BranchConfig(global_fraction=0.5, base_prob=1.0, consecutive_penalty=0.0))
+        BranchConfig(global_fraction=0.5, base_prob=1.0, consecutive_penalty=0.0,
+                     entropy_measure=measure))
     out = asyncio.run(group(task, 4, seed=0))
   finally:
     engine.stop()
@@ -204,7 +292,15 @@ def test_engine_reuses_the_shared_prefix_for_branches(chat, task):
     assert len(completions[ids]) >= 2
     assert completions[ids][-1].cached_tokens == len(ids) - 1
     (mine,) = [c for c in completions[ids] if c.output_ids == t.calls[turn].output_ids]
-    assert t.calls[turn].meta["entropy"] == pytest.approx(float(np.mean(mine.entropies[:20])))
+    if measure == "nats":
+      want = float(np.mean(mine.entropies[:20]))
+    else:  # the formula on the engine's top 10 and sampled log-probs, |V| the tokenizer's
+      want = sum(-sum(math.exp(x) * x for x in dict([*top, (tok, lp)]).values())
+                 for tok, lp, top in zip(mine.output_ids[:20], mine.logprobs, mine.top_logprobs))
+      want /= math.log(chat.tokenizer.vocab_size)
+      # truncated: at most the full entropy (nats, summed) over ln|V|
+      assert want <= sum(mine.entropies[:20]) / math.log(chat.tokenizer.vocab_size) + 1e-6
+    assert t.calls[turn].meta["entropy"] == pytest.approx(want)
 
 
 def test_branched_groups_cross_the_queue_and_the_trainers_filters(chat, task):
