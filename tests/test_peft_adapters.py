@@ -21,7 +21,7 @@ import safetensors.numpy
 import torch
 from flax import nnx
 from peft import PeftModel
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM, DeepseekV3Config, Qwen2Config
 
 from configs import sft_demo
 from models import hf, peft_format, transformer
@@ -35,6 +35,11 @@ RANK, ALPHA = 4, 8.0
 QWEN2 = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
              initializer_range=0.2)
+# DeepSeek-V3: MLA attention; one dense layer (the experts need not run for attention adapters)
+DEEPSEEK = dict(QWEN2, num_hidden_layers=1, num_key_value_heads=4, moe_intermediate_size=32,
+                n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+                first_k_dense_replace=1, kv_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16,
+                qk_nope_head_dim=16, q_lora_rank=24, n_group=1, topk_group=1)
 TOKENS = np.random.default_rng(0).integers(0, 128, (2, 12)).astype(np.int32)
 ATOL, RTOL = 1e-5, 1e-5  # fp32, two frameworks
 TARGETS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
@@ -76,11 +81,12 @@ def base(base_dir):
   return hf.load(base_dir)
 
 
-def with_random_adapters(base, rslora: bool, seed: int = 3):
-  """The LoRA model of `base` (attention and MLP adapters) with every A and B drawn
-  N(0, 0.1^2) (B is zero after `with_adapters`, which would hide the adapters)."""
-  model = transformer.with_adapters(base, base.cfg.replace(lora_rank=RANK, lora_alpha=ALPHA,
-                                                           lora_rslora=rslora))
+def with_random_adapters(base, rslora: bool, seed: int = 3,
+                         modules: tuple[str, ...] = ("attention", "mlp")):
+  """The LoRA model of `base` with every A and B drawn N(0, 0.1^2) (B is zero after
+  `with_adapters`, which would hide the adapters)."""
+  model = transformer.with_adapters(base, base.cfg.replace(
+      lora_rank=RANK, lora_alpha=ALPHA, lora_rslora=rslora, lora_modules=modules))
   leaves, treedef = jax.tree.flatten(nnx.state(model, nnx.LoRAParam))
   rng = np.random.default_rng(seed)
   nnx.update(model, jax.tree.unflatten(treedef, [
@@ -153,6 +159,21 @@ def test_rslora_merged_export_and_peft_resave(base_dir, base, adapted, tmp_path)
   peft_model.save_pretrained(tmp_path / "resaved")
   resaved = peft_format.load_adapter(base, tmp_path / "resaved", cfg=model.cfg)
   np.testing.assert_allclose(arbor_logits(resaved), want, atol=1e-6, rtol=0)
+
+
+def test_mla_attention_adapters_load_in_peft(tmp_path):
+  """DeepSeek-V3's attention adapters (q_a_proj, q_b_proj, kv_a_proj_with_mqa, o_proj; rsLoRA):
+  PEFT on the transformers model gives the Arbor LoRA model's logits."""
+  torch.manual_seed(0)
+  AutoModelForCausalLM.from_config(DeepseekV3Config(**DEEPSEEK)).save_pretrained(tmp_path / "base")
+  base = hf.load(tmp_path / "base")
+  model = with_random_adapters(base, rslora=True, modules=("attention",))
+  info = peft_format.save_adapter(model, tmp_path / "adapter")
+  assert info["target_modules"] == ["kv_a_proj_with_mqa", "o_proj", "q_a_proj", "q_b_proj"]
+  peft_model = PeftModel.from_pretrained(load_torch(tmp_path / "base"), tmp_path / "adapter")
+  got = torch_logits(peft_model.eval())
+  np.testing.assert_allclose(got, arbor_logits(model), atol=ATOL, rtol=RTOL)
+  assert np.abs(got - torch_logits(load_torch(tmp_path / "base"))).max() > 0.1
 
 
 def test_unstacked_model_writes_the_same_adapters(adapted):
