@@ -22,7 +22,8 @@ A LoRA run is exported merged (W + s A B in every adapted kernel) by default; `-
 writes its adapters alone in Hugging Face PEFT's format instead (adapter_model.safetensors +
 adapter_config.json, `models.peft_format`), for `peft.PeftModel.from_pretrained(base, DIR)` on
 the base checkpoint the run started from (written as base_model_name_or_path: the model.init
-directory of an "hf:DIR" run, or --base_model). Routed-expert adapters have no PEFT form.
+directory of an "hf:DIR" run, or --base_model). Routed-expert adapters, and the MLP adapters
+of MoE models, are refused there (`models.peft_format` says why).
 """
 
 from __future__ import annotations
