@@ -11,8 +11,10 @@ batch shape the sizing arithmetic (benchmarks/sizing.py) chose (or, for the MoE 
 expert-parallel mesh): rows of 32,768 tokens, one row per batch shard in a micro-batch, bf16
 compute, Muon, the Pallas TPU tree kernel. The train step, the scoring pass and the engine's
 decode step (its `rl.concurrency` slots of `rl.max_context_tokens`, the paged pool in the
-decode layout on the plan's mesh) are compiled by the real XLA TPU compiler on this machine
-(no TPU) and set beside the arithmetic's per-chip memory and roofline step. `--update_docs` rewrites the "compiled" block of docs/scaling.md (between
+decode layout on the plan's mesh) and the colocated weight sync (the trained weights moved to
+the engine's layout after each step) are compiled by the real XLA TPU compiler on this machine
+(no TPU) and set beside the arithmetic's per-chip memory and roofline step. `--update_docs`
+rewrites the "compiled" block of docs/scaling.md (between
 `<!-- aot:start -->` and `<!-- aot:end -->`) from every plan with a JSON in --out_dir.
 
 Long-context plans (`LONG_PLANS`, the "Long contexts" section of docs/scaling.md between
@@ -43,7 +45,8 @@ from models.presets import get_preset
 from trainer import aot
 from trainer import aot_search
 
-PROGRAMS = ("train", "score", "decode")  # prefill: `--programs` (the unrolled engine model)
+# prefill: `--programs` (the unrolled engine model)
+PROGRAMS = ("train", "score", "decode", "weight_sync")
 LONG_PROGRAMS = ("train",)  # long-context plans: the train step (compiles take minutes each)
 
 # the residual stream (and the layer inputs full remat saves) split over `tensor`
@@ -76,6 +79,11 @@ PLANS = {
                          **SPLIT_RESIDUAL}),
 }
 ROW_LEN, SEQ_LEN = 32768, 8192  # docs/scaling.md: one trajectory's trie fills a row
+# the engine's own layout of the plan's devices (rl.engine_mesh_shape) where the trainer's would
+# leave it one slot per batch shard (v6e: fsdp 64) or the whole bf16 model on every chip (32B
+# on fsdp 64): fewer batch shards with several slots each, the weights over `tensor`
+ENGINE_MESH_SHAPES = {"qwen7b-v6e-full": "tensor=4", "qwen32b-v5p-full": "tensor=4",
+                      "qwen32b-v6e-full": "tensor=8"}
 
 
 class Plan(NamedTuple):
@@ -138,6 +146,7 @@ def plan_config(name: str):
   c.data.row_len, c.data.seq_len = plan.row_len, SEQ_LEN
   c.rl.max_context_tokens = max(c.rl.max_context_tokens, plan.row_len)
   c.rl.kv_cache = "paged"  # the engine's pool at scale: pages split over the batch shards
+  c.rl.engine_mesh_shape = ENGINE_MESH_SHAPES.get(name, "")
   batch_shards = mesh["fsdp"] * mesh.get("expert", 1)
   c.data.rows_per_batch = c.data.max_seqs = batch_shards  # one row per batch shard
   c.data.microbatches = micro_batches
@@ -252,9 +261,10 @@ def markdown(reports: list[dict]) -> str:
            "XLA TPU compiler (memory_analysis, the optimized HLO's collectives with loop trip "
            "counts); **estimate** columns from the arithmetic above.", "",
            "| plan | slice (chips) | mesh | remat | train peak GB / chip (compiled) | estimate | "
-           "headroom GB | score GB | decode GB (bytes / min) | ICI s / step (compiled) | "
-           "estimate | step s (compiled roofline) | estimate | compile s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "headroom GB | score GB | decode GB (bytes / min) | weight sync GB gathered (ms) | "
+           "ICI s / step (compiled) | estimate | step s (compiled roofline) | estimate | "
+           "compile s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in reports:
     p, est = r["programs"], r["estimate"]
     mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items() if v > 1)
@@ -271,10 +281,15 @@ def markdown(reports: list[dict]) -> str:
     decode = p.get("decode")
     decode_s = ("-" if decode is None else "refused" if "error" in decode else
                 f"{decode['hbm_gb']['total']:.1f} ({decode['bytes_ratio']:.1f}x)")
+    sync = p.get("weight_sync")
+    sync_s = ("-" if sync is None else "refused" if "error" in sync else
+              f"{sum(c['bytes'] for c in sync['collectives'].values()) / 1e9:.1f} "
+              f"({1e3 * sync['roofline_s']['step']:.0f})")
     step = _step_s(r)
     lines.append(
         f"| {r['plan']} | {r['topology']} ({r['chips']}) | {mesh} | {r['model']['remat']} | "
-        f"{train} | {est['gb']} | {headroom} | {_total(p.get('score'))} | {decode_s} | {ici} | "
+        f"{train} | {est['gb']} | {headroom} | {_total(p.get('score'))} | {decode_s} | "
+        f"{sync_s} | {ici} | "
         f"{est['ici_s']} | {'-' if step is None else f'{step:.1f}'} | {est['step_s']} | "
         f"{sum(x['compile_s'] for x in p.values()):.0f} |")
   searched = [r for r in reports if r.get("search")]

@@ -305,6 +305,10 @@ def _rl() -> ml_collections.ConfigDict:
   # where the engine decodes: "none" (one device) | "colocated" (the trainer's mesh, in the
   # engine's decode layout: weights tensor/expert-parallel, slots over the data axes)
   s.engine_mesh = "none"
+  # rl.engine_mesh="colocated": the trainer's devices laid out anew for decoding, e.g.
+  # "tensor=4" (those axes' sizes, fsdp the rest; fewer batch shards, each with more slots and
+  # a quarter of the weights); "" = the trainer's mesh as it is
+  s.engine_mesh_shape = ""
   # the engine samples from a weight-only quantized copy of the policy (qwix: "int8" |
   # "float8_e4m3fn" | ...), re-quantized at every weight sync; None = the training weights.
   # The sampler's log-probs are the quantized policy's: pair with rl.recompute_old and

@@ -31,6 +31,18 @@ class MeshConfig:
   expert: int = 1  # expert parallelism over MoE experts
   sequence: int = 1  # context parallelism: each row's tokens split into contiguous chunks
 
+  @classmethod
+  def parse(cls, text: str) -> "MeshConfig":
+    """A MeshConfig from "tensor=4,expert=2" (the named axes' sizes; the others default, fsdp
+    absorbing the remaining devices). ValueError names the part that is not `axis=size`."""
+    sizes = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+      axis, _, size = part.partition("=")
+      if axis.strip() not in MESH_AXES or not size.strip().lstrip("-").isdigit():
+        raise ValueError(f"{part!r}: expected axis=size with an axis of {MESH_AXES}")
+      sizes[axis.strip()] = int(size)
+    return cls(**sizes)
+
   def shape(self, num_devices: int) -> tuple[int, ...]:
     """Mesh sizes (data, fsdp, tensor, expert, sequence) for `num_devices`; ValueError if they
     don't fit."""

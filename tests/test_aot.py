@@ -43,7 +43,8 @@ def v5p_report():
 def test_tiny_steps_compile_for_v5p_with_the_mosaic_kernel(v5p_report):
   r = v5p_report
   assert r["chips"] == 4 and r["mesh"]["fsdp"] == 4
-  assert set(r["programs"]) == {"train/gradients", "train/update", "score", "prefill", "decode"}
+  assert set(r["programs"]) == {"train/gradients", "train/update", "score", "prefill", "decode",
+                                "weight_sync"}
   for name, p in r["programs"].items():
     hbm = p["hbm_gb"]
     assert hbm["fits"] and 0 < hbm["total"] < hbm["capacity"] == 95.0, name
@@ -76,6 +77,20 @@ def test_tiny_steps_compile_for_v5p_with_the_mosaic_kernel(v5p_report):
     p = r["programs"][name]
     assert p["min_bytes"] > 0 and p["bytes_ratio"] == pytest.approx(
         p["bytes_accessed"] / p["min_bytes"], rel=1e-2) and p["bytes_ratio"] > 1, name
+
+
+def test_weight_sync_gathers_the_fsdp_shards_into_the_engine_layout(v5p_report):
+  # the engine's decode layout on fsdp 4 x tensor 1 holds every weight whole: each chip
+  # all-gathers the other chips' shards of what the step trained (the norms, replicated in
+  # training too, move nothing), and the transfer's time is its collectives'
+  sync = v5p_report["programs"]["weight_sync"]
+  held = sync["engine_bytes"]
+  assert set(sync["collectives"]) == {"all-gather"}
+  assert 0.9 * held <= sync["collectives"]["all-gather"]["bytes"] <= held
+  assert sync["roofline_s"]["ici"] > 0 and not sync["mosaic_kernels"]
+  # whole on every chip, projections in bf16, the rest (embeddings, norms, router) fp32
+  params = v5p_report["model"]["params"]
+  assert 2 * params < held < 4 * params
 
 
 def test_collectives_are_counted_per_execution():

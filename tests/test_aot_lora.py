@@ -4,7 +4,7 @@ A tiny dense model's train step compiles for v5p with and without rank-4 adapter
 bytes match the arithmetic of the config: full fine-tuning holds fp32 parameters and two fp32
 AdamW moments per parameter; LoRA holds the moments of the adapters alone (rank x (in + out)
 per adapted projection) and the frozen fp32 base beside them. The compiled update program
-reads the smaller state.
+reads the smaller state, and the weight sync to a colocated engine moves the adapters alone.
 """
 
 import jax
@@ -57,7 +57,8 @@ def reports():
   # as a run compiles (conftest sets "highest" for the CPU references; Mosaic takes no fp32
   # contraction of bf16 operands)
   with jax.default_matmul_precision("default"):
-    return {rank: aot.compile_run(tiny_config(rank), TOPOLOGY, ("train",)) for rank in (0, RANK)}
+    return {rank: aot.compile_run(tiny_config(rank), TOPOLOGY, ("train", "weight_sync"))
+            for rank in (0, RANK)}
 
 
 def test_lora_state_is_the_adapters_and_their_moments():
@@ -77,7 +78,7 @@ def test_lora_state_is_the_adapters_and_their_moments():
 def test_lora_train_step_compiles_for_v5p_and_reads_less_state(reports):
   full, lora = reports[0], reports[RANK]
   for r in (full, lora):
-    assert set(r["programs"]) == {"train/gradients", "train/update"}
+    assert set(r["programs"]) == {"train/gradients", "train/update", "weight_sync"}
     assert r["train_peak_gb"]["fits"]
     assert {"tree_attention_fwd", "tree_attention_dkv"} <= set(
         r["programs"]["train/gradients"]["mosaic_kernels"])
@@ -85,3 +86,15 @@ def test_lora_train_step_compiles_for_v5p_and_reads_less_state(reports):
   # against the adapters' (GB per chip, rounded to 4 decimals: the adapters' round to 0)
   opt = lambda r: r["train_peak_gb"]["optimizer_state"]
   assert opt(lora) < opt(full)
+
+
+def test_lora_weight_sync_moves_the_adapters_alone(reports):
+  # the engine (one copy on every chip of fsdp 4) gets what the step trained: every fp32
+  # parameter against, with LoRA, the fp32 adapters; the frozen base never moves
+  n = presets.count_params(config_lib.model_config(tiny_config(0)))
+  a = adapter_elements(config_lib.model_config(tiny_config(0)))
+  full, lora = (reports[r]["programs"]["weight_sync"] for r in (0, RANK))
+  assert lora["engine_bytes"] == 4 * a
+  assert 2 * n < full["engine_bytes"] < 4 * n  # bf16 projections, fp32 embeddings and norms
+  gathered = lambda p: sum(c["bytes"] for c in p["collectives"].values())
+  assert gathered(lora) <= lora["engine_bytes"] < gathered(full) / 10

@@ -4,8 +4,9 @@ One subprocess with 8 simulated CPU devices (`python -m tests.test_engine_mesh`,
 for every case) runs, for dense GQA and MoE + MLA models, contiguous and paged caches, both
 engines through the same requests: greedy and seeded sampling, multi-turn prompts sharing
 prefixes (prefix hits on both), and a weight update mid-run with `on_update="resubmit"` (the
-requests straddle it). Deployments: colocated (engine on the 8-device mesh fsdp 2 x tensor 2 x
-expert 2; the new weights FSDP-sharded on that mesh) and disaggregated (engine on devices 4-7,
+requests straddle it). Deployments: colocated (the trainer's fsdp 8 devices laid out for the
+engine as fsdp 2 x tensor 2 x expert 2, `rl.engine_mesh_shape`; the new weights FSDP-sharded
+over the 8) and disaggregated (engine on devices 4-7,
 tensor 2 x expert 2; the trainer's weights FSDP-sharded on devices 0-3). Compared: tokens,
 log-probs and entropies (fp32, <= 1e-5), top log-probs, expert ids, versions, cached tokens.
 Also: the weights and caches carry the decode layout's shardings after the update, the update
@@ -57,6 +58,19 @@ def test_rl_engine_mesh_field():
   c.mode, c.loss.name, c.rl.engine_mesh = "rl", "grpo", "remote"
   with pytest.raises(config_lib.ConfigError, match=r"config\.rl\.engine_mesh='remote'"):
     config_lib.validate(c, files=False)
+  c.rl.engine_mesh, c.rl.engine_mesh_shape = "colocated", "tensor=two"
+  with pytest.raises(config_lib.ConfigError, match=r"rl\.engine_mesh_shape='tensor=two'"):
+    config_lib.validate(c, files=False)
+  # the trainer's devices laid out anew must cover them all
+  import jax
+  from models import sharding
+  one = sharding.make_mesh(sharding.MeshConfig(), jax.devices()[:1])
+  shaped = ml_collections.ConfigDict({"rl": {"engine_mesh": "colocated",
+                                             "engine_mesh_shape": "tensor=2"}})
+  with pytest.raises(ValueError, match="rl.engine_mesh_shape='tensor=2': .*1 devices are not"):
+    rollouts.engine_mesh(shaped, one)
+  shaped.rl.engine_mesh_shape = "tensor=1"
+  assert dict(rollouts.engine_mesh(shaped, one).shape) == dict(one.shape)
 
 
 # ---------------------------------------------------------------------------- the subprocess
@@ -70,6 +84,7 @@ def _main() -> None:
   import types
 
   import jax
+  import ml_collections
   import numpy as np
   from flax import nnx
 
@@ -77,10 +92,17 @@ def _main() -> None:
   from models import expert_parallel, sharding, transformer
   from models.engine import Engine, EngineConfig, programs
   from tests.conftest import TINY_DENSE, TINY_MOE_MLA
+  from trainer import rollouts
 
   devices = jax.devices()
   assert len(devices) == 8
-  colocated = sharding.make_mesh(sharding.MeshConfig(fsdp=2, tensor=2, expert=2))
+  # colocated: the trainer's fsdp 8 devices laid out anew for decoding (rl.engine_mesh_shape)
+  trainer_8 = sharding.make_mesh(sharding.MeshConfig(fsdp=8))
+  colocated = rollouts.decode_mesh(ml_collections.ConfigDict(
+      {"rl": {"engine_mesh_shape": "tensor=2,expert=2"}}), trainer_8)
+  assert dict(colocated.shape) == {"data": 1, "fsdp": 2, "tensor": 2, "expert": 2,
+                                   "sequence": 1}
+  assert list(colocated.devices.flat) == list(trainer_8.devices.flat)
   engine_mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1, tensor=2, expert=2),
                                    devices[4:])
   trainer_mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=4), devices[:4])
@@ -182,7 +204,7 @@ def _main() -> None:
     for e in (ref, eng):
       assert e.counters["cache_hits"] >= 4, e.counters
     # a weight update mid-run, from the trainer's layout
-    trainer = colocated if deploy == "colocated" else trainer_mesh
+    trainer = trainer_8 if deploy == "colocated" else trainer_mesh
     placed = sharding.shard_model(new, trainer)  # `new`'s values, FSDP-sharded
     assert any("fsdp" in str(v.sharding.spec) for v in jax.tree.leaves(nnx.state(placed)))
     def update_mesh():

@@ -2,7 +2,7 @@
 
     python -m trainer.aot --config=configs/rl.py:qwen2.5-coder \\
         --config.model.preset=qwen2.5-coder-7b --config.model.init=random \\
-        --topology=v5p:2x2x2 [--programs=train,score,prefill,decode] [--out=aot.json] [--search]
+        --topology=v5p:2x2x2 [--programs=train,score,decode,weight_sync] [--out=aot.json] [--search]
 
 `libtpu` (the `jax[tpu]` extra; installed with the test dependencies) carries the XLA TPU
 compiler, Mosaic included, and the descriptions of TPU topologies: `topology_devices` gives the
@@ -36,7 +36,10 @@ when they exceed the compiled count; attention's FLOPs are left out) with the mo
 utilisation it implies. Prefill and decode add `min_bytes`, the HBM bytes a call must read at
 least per chip (`aot_engine.engine_programs`: the weights once, the cache it touches), and
 `bytes_ratio`, the compiled bytes accessed over it (for decode, one step's: XLA counts the
-decode loop's body once).
+decode loop's body once). `weight_sync` is the colocated transfer of the trained weights to
+the engine's layout after each step (`aot_engine.weight_sync_program`): its collectives and
+roofline time (ICI-bound: it moves data, computes nothing) are the transfer's cost per update,
+`engine_bytes` what each chip then holds of the engine's copy of what changed.
 
 With `--search`, when the train step does not fit (or always, with `--search_all`),
 `trainer.aot_search` ranks the config's other valid layouts (mesh, rows per micro-batch, remat,
@@ -69,11 +72,12 @@ from trainer import aot_engine
 from trainer import aot_search
 from trainer import config as config_lib
 from trainer import optim
+from trainer import rollouts
 from trainer import state as state_lib
 from trainer import step as step_lib
 from trainer.batches import MicroBatches
 
-PROGRAMS = ("train", "score", "prefill", "decode")
+PROGRAMS = ("train", "score", "prefill", "decode", "weight_sync")
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
                "collective-permute", "collective-broadcast")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
@@ -375,11 +379,17 @@ def _compile_run(config, topology: str, programs: Sequence[str]) -> dict:
                                                    per_chip(1))
     except jax.errors.JaxRuntimeError as e:
       report["programs"]["score"] = out_of_memory(e, chip, time.perf_counter() - t0)
+  try:  # the engine's own layout of the same devices (`rl.engine_mesh_shape`)
+    engine_mesh = rollouts.decode_mesh(config, mesh)
+  except ValueError as e:
+    raise config_lib.ConfigError(str(e)) from e
+  if engine_mesh is not mesh:
+    report["engine_mesh"] = dict(engine_mesh.shape)
   engine = [name for name in ("prefill", "decode") if name in programs]
   if engine:
     t0 = time.perf_counter()
     try:
-      compiled = aot_engine.engine_programs(config, model_cfg, mesh)
+      compiled = aot_engine.engine_programs(config, model_cfg, engine_mesh)
     except jax.errors.JaxRuntimeError as e:
       compiled = {}
       for name in engine:
@@ -391,6 +401,14 @@ def _compile_run(config, topology: str, programs: Sequence[str]) -> dict:
       report["programs"][name]["min_bytes"] = min_bytes
       report["programs"][name]["bytes_ratio"] = round(
           report["programs"][name]["bytes_accessed"] / max(min_bytes, 1.0), 2)
+  if "weight_sync" in programs:
+    t0 = time.perf_counter()
+    try:
+      compiled, seconds, held = aot_engine.weight_sync_program(model_cfg, state, engine_mesh)
+      report["programs"]["weight_sync"] = {**program_report(compiled, seconds, chip, None),
+                                           "engine_bytes": held}
+    except jax.errors.JaxRuntimeError as e:
+      report["programs"]["weight_sync"] = out_of_memory(e, chip, time.perf_counter() - t0)
   return report
 
 
@@ -464,6 +482,8 @@ def summary_lines(report: dict) -> list[str]:
     extra = f", MFU {100 * p['mfu']:.0f}%" if p["mfu"] is not None else ""
     if "bytes_ratio" in p:
       extra += f", bytes accessed {p['bytes_ratio']:.1f}x the minimum"
+    if "engine_bytes" in p:
+      extra += f", the engine's copy {p['engine_bytes'] / GB:.2f} GB per chip"
     lines.append(f"  {name}: HBM {hbm['total']:.2f} / {hbm['capacity']:.0f} GB per chip "
                  f"({'fits' if hbm['fits'] else 'does NOT fit'}; temporaries "
                  f"{hbm['temporaries']:.2f}), roofline {1e3 * roof['step']:.1f} ms "

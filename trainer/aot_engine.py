@@ -46,6 +46,15 @@ Shapes and shardings (E = the EngineConfig):
   The host arrays (rows, tokens, per-slot arrays, masks, scalars) carry no sharding, as the
   engine's numpy arguments do: the compiler places them.
 
+`weight_sync` compiles the colocated weight transfer (`rl.engine_mesh = "colocated"`, on the
+trainer's mesh or its devices laid out anew, `rl.engine_mesh_shape`): after each optimizer
+step the trainer's new weights go from their training layout (FSDP-sharded, layer-stacked,
+fp32: `trainer.state.abstract`) to the engine's (unstacked, decode layout, projections in the
+compute dtype), on the same devices, as `Engine.update_params` does it
+(`models.engine.weights.unstack_values`, the cast, `Layout.place`): one program whose
+collectives are the transfer's. A LoRA run moves its adapters (and a MoE router's bias) only:
+the engine keeps its frozen base.
+
 `min_bytes` is a floor on the HBM bytes one call must read per chip (`engine_programs`): each
 chip's shard of the weights in the decode layout once, in the compute dtype, plus its share of
 the cache the call must touch, the rows split over the batch shards as the slots are. XLA's
@@ -71,6 +80,7 @@ from models.engine import EngineConfig, constraint, programs, weights
 from models.engine.layout import Layout, specs_of
 from models.engine.paged import PagedPool
 from trainer import rollouts
+from trainer import state as state_lib
 
 
 def _struct(shape, dtype, sharding_=None) -> jax.ShapeDtypeStruct:
@@ -266,3 +276,65 @@ def engine_programs(config, model_cfg: ModelConfig, mesh,
       compiled = fn.lower(*args, **kwargs).compile()
       out[name] = (compiled, time.perf_counter() - t0, floors[name])
   return out
+
+
+def _flat(tree) -> dict[str, Any]:
+  """A nested dict's leaves by path, "moe_layers/0/mlp/router_bias"."""
+  return {"/".join(str(getattr(k, "key", k)) for k in path): leaf
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _nested(flat: dict[str, Any]) -> dict:
+  """The inverse of `_flat` (integer path parts are layer indices, as in a pure state)."""
+  out: dict = {}
+  for path, leaf in flat.items():
+    node, parts = out, [int(p) if p.isdigit() else p for p in path.split("/")]
+    for part in parts[:-1]:
+      node = node.setdefault(part, {})
+    node[parts[-1]] = leaf
+  return out
+
+
+def weight_sync_program(model_cfg: ModelConfig, train_state, mesh
+                        ) -> tuple[jax.stages.Compiled, float, float]:
+  """Compiles the colocated weight transfer from the trainer's layout to the engine's.
+
+  Args:
+    model_cfg: the model's ModelConfig.
+    train_state: the abstract TrainState the train step compiles for (`trainer.state.abstract`
+      on the trainer's mesh: leaves carry their training shardings).
+    mesh: the engine's mesh over the same devices, in the same order (the trainer's, or
+      `trainer.rollouts.decode_mesh`'s).
+
+  Returns:
+    (compiled, compile seconds, bytes per chip): the program maps the trained variables
+    (`params` and the non-frozen `model_state`, stacked) to the engine's variables of the same
+    names (unstacked, in the engine's dtypes and decode layout); the bytes are what each chip
+    holds of the result.
+
+  Raises:
+    ValueError: a trained variable the engine's model does not have.
+  """
+  _, engine_state = abstract_model(model_cfg, mesh)
+  target = _flat(nnx.to_pure_dict(engine_state))
+  frozen = {"/".join(map(str, path)) for path in state_lib.frozen_paths(model_cfg)}
+  trained = {**_flat(nnx.to_pure_dict(train_state.params)),
+             **{p: v for p, v in _flat(nnx.to_pure_dict(train_state.model_state)).items()
+                if p not in frozen}}
+  source = _nested(trained)
+  names = list(_flat(jax.eval_shape(weights.unstack_values, source)))
+  missing = [n for n in names if n not in target]
+  if missing:
+    raise ValueError(f"weight sync: the engine's model has no variable {missing[0]!r}")
+
+  def sync(values):  # as Engine.update_params: unstack, cast to the engine's dtypes, place
+    flat = _flat(weights.unstack_values(values))
+    return {n: flat[n].astype(target[n].dtype) for n in names}
+
+  t0 = time.perf_counter()
+  with jax.set_mesh(mesh):
+    compiled = jax.jit(sync, out_shardings={n: target[n].sharding for n in names}).lower(
+        source).compile()
+  held = sum(jnp.dtype(target[n].dtype).itemsize
+             * math.prod(target[n].sharding.shard_shape(target[n].shape)) for n in names)
+  return compiled, time.perf_counter() - t0, float(held)

@@ -450,6 +450,10 @@ def _validate_rl_mode(config, files: bool) -> None:
           f"{rl.max_context_tokens}")
   _choice(config, "rl.kv_cache", ("contiguous", "paged"))
   _choice(config, "rl.engine_mesh", ("none", "colocated"))
+  try:
+    MeshConfig.parse(_str(config, "rl.engine_mesh_shape"))
+  except ValueError as e:
+    _fail("rl.engine_mesh_shape", rl.engine_mesh_shape, f"axis=size pairs, e.g. 'tensor=4' ({e})")
   _int(config, "rl.kv_page_size", 1)
   _int(config, "rl.kv_pages", 0)
 

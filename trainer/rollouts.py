@@ -48,6 +48,7 @@ from envs.tasks import Task, load_repo_files
 from envs.trajectory import Trajectory
 from envs.verifiers import workspace_files
 from envs.scaffolds import registry as scaffold_registry
+from models import sharding
 from models.engine import EngineConfig
 from trainer import blackbox
 from trainer.serve import EnginePolicy
@@ -306,8 +307,9 @@ ENGINE_MESHES = ("none", "colocated")
 
 def engine_mesh(config: ml_collections.ConfigDict, mesh=None):
   """The mesh a run's engine decodes on (`Engine(mesh=...)`), from `rl.engine_mesh`: "none"
-  (absent: one device) or "colocated" (the trainer's mesh, in the engine's decode layout:
-  weights tensor/expert-parallel, slots over the data axes; weight syncs reshard on device).
+  (absent: one device) or "colocated" (the trainer's devices, as `decode_mesh` lays them out,
+  in the engine's decode layout: weights tensor/expert-parallel, slots over the data axes;
+  weight syncs reshard on device).
 
   Args:
     config: the run's config.
@@ -324,7 +326,33 @@ def engine_mesh(config: ml_collections.ConfigDict, mesh=None):
     raise ValueError(f"rl.engine_mesh={kind!r}: expected one of {ENGINE_MESHES}")
   if kind == "colocated" and mesh is None:
     raise ValueError("rl.engine_mesh='colocated': the run has no device mesh")
-  return mesh if kind == "colocated" else None
+  return decode_mesh(config, mesh) if kind == "colocated" else None
+
+
+def decode_mesh(config: ml_collections.ConfigDict, mesh):
+  """The trainer's devices as the engine decodes on them: `rl.engine_mesh_shape` ("tensor=4":
+  those axes' sizes, fsdp the rest), or the trainer's mesh itself when it is "".
+
+  The devices keep the trainer's order (`models.sharding.make_mesh` over its flat device
+  list), so a weight sync is one program over the same device assignment.
+
+  Args:
+    config: the run's config.
+    mesh: the trainer's mesh.
+
+  Returns:
+    The engine's mesh.
+
+  Raises:
+    ValueError: a shape that does not parse or does not cover the mesh's devices.
+  """
+  text = config.rl.get("engine_mesh_shape", "")
+  if not text:
+    return mesh
+  try:
+    return sharding.make_mesh(sharding.MeshConfig.parse(text), list(mesh.devices.flat))
+  except ValueError as e:
+    raise ValueError(f"rl.engine_mesh_shape={text!r}: {e}") from e
 
 
 def branch_config(config: ml_collections.ConfigDict) -> Optional[BranchConfig]:

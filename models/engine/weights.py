@@ -62,7 +62,7 @@ def _is_adapter_state(state: Any) -> bool:
   return bool(variables) and all(isinstance(v, nnx.LoRAParam) for v in variables)
 
 
-def _unstack_values(values: dict) -> dict:
+def unstack_values(values: dict) -> dict:
   """A pure-dict state with each layer stack [layers, ...] split into per-layer entries
   {0: ..., 1: ...}, as `transformer.unstack` lays them out."""
   out = dict(values)
@@ -75,7 +75,7 @@ def _unstack_values(values: dict) -> dict:
 
 # the same, as one jitted call: layer slices of device arrays stay on their devices, without a
 # host-to-device index per layer
-_unstack = jax.jit(_unstack_values)
+_unstack = jax.jit(unstack_values)
 
 # variables every forward casts to the compute dtype before reading them: Dense kernels and the
 # routed-expert stacks
