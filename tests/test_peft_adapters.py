@@ -27,6 +27,7 @@ from configs import sft_demo
 from models import hf, peft_format, transformer
 from tests.conftest import TINY_MOE_MLA
 from trainer import checkpoint, export, harness
+from trainer import config as config_lib
 from trainer import optim as O
 from trainer import state as S
 
@@ -245,6 +246,12 @@ def test_adapter_mismatches_are_refused(base, adapted, adapter_dir, tmp_path):
 def test_rslora_config_is_validated():
   with pytest.raises(ValueError, match=r"ModelConfig.lora_rslora='yes'"):
     TINY_MOE_MLA.replace(lora_rank=RANK, lora_rslora="yes")
+  # a run's config.model.lora.rslora reaches the model's config
+  c = sft_demo.get_config()
+  c.model.lora.rank, c.model.lora.rslora = RANK, True
+  assert config_lib.model_config(c).lora_rslora is True
+  c.model.lora.rslora = False
+  assert config_lib.model_config(c).lora_rslora is False
 
 
 def test_cli_writes_a_runs_adapters(base_dir, base, adapted, tmp_path):

@@ -270,6 +270,7 @@ def lora_fields(config) -> dict:
           "lora_dropout": float(lora.dropout),
           "lora_modules": tuple(m.strip() for m in modules if m.strip()),
           "lora_experts": lora.get("experts", "per_expert"),
+          "lora_rslora": lora.get("rslora", False),
           "base_qtype": lora.get("base_qtype")}
 
 
