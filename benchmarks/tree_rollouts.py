@@ -24,10 +24,12 @@ evaluations in `--workdir` are reused. Prints JSON.
 
 `--guidance` trains nothing: from the same SFT checkpoint it samples one branching group of
 `--branching_k` leaves per held-out task (the first `--guidance_tasks` tasks, seed `--seeds`'
-first) once per step-entropy measure of envs.branching ("nats": mean full entropy in nats;
-"arpo": ARPO's top-k truncated sum over ln|V|), everything else as the branching arm, and
-reports whether branching is entropy-guided under each: the mean step entropy at branch points
-against the mean over all tool steps (`tree_stats`), each in its own measure's units.
+first) once per configuration of `GUIDANCE`: each step-entropy measure of envs.branching
+("nats": mean full entropy in nats; "arpo": ARPO's top-k truncated sum over ln|V|) with
+everything else as the branching arm, and ARPO's whole rule ("arpo_rule"). It reports whether
+branching is entropy-guided under each: the mean step entropy at branch points against the mean
+over all tool steps (`tree_stats`), each in its own measure's units. Finished configurations in
+`--workdir` are reused.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import numpy as np
 
 from benchmarks.common import machine, today, write_section
 from configs import demo
-from envs.branching import ENTROPY_MEASURES, BranchConfig, make_branching_group, tree_stats
+from envs.branching import BranchConfig, make_branching_group, tree_stats
 from envs.episode import make_sandbox_factory
 from envs.policy import Generation
 from models.engine import Engine
@@ -102,6 +104,15 @@ def step_stats(run_dir: str, tasks_per_step: int) -> dict:
   return out
 
 
+# The configurations `--guidance` compares: changes to the run's BranchConfig.
+GUIDANCE = {"nats": {"entropy_measure": "nats"},
+            "arpo": {"entropy_measure": "arpo"},
+            # ARPO's whole rule: its entropy, each branch's own root entropy, the global samples
+            # at once (half the budget), no consecutive-branch penalty
+            "arpo_rule": {"entropy_measure": "arpo", "reset_root": True, "premonitor": False,
+                          "consecutive_penalty": 0.0}}
+
+
 class _TopLogprobsPolicy:
   """The engine as a Policy that also reports each token's top log-probs (ARPO's entropy)."""
 
@@ -134,9 +145,15 @@ def guidance(args) -> dict:
   out = {"seed": seed, "tasks": len(tasks), "k": args.branching_k, "branch": dataclasses.asdict(
       branch), "vocab_size": chat.tokenizer.vocab_size, "measures": {}}
   try:
-    for measure in ENTROPY_MEASURES:
+    for name, change in GUIDANCE.items():
+      cache = os.path.join(args.workdir, f"guidance_s{seed}_t{len(tasks)}_k{args.branching_k}_"
+                           f"{name}.json")
+      if os.path.isfile(cache):  # a finished configuration is reused
+        with open(cache) as f:
+          out["measures"][name] = json.load(f)
+        continue
       group = make_branching_group(policy, chat, make_sandbox, rollouts.scaffold_config(cfg),
-                                   dataclasses.replace(branch, entropy_measure=measure))
+                                   dataclasses.replace(branch, **change))
       counters: dict = {}
 
       async def run_all():
@@ -147,7 +164,7 @@ def guidance(args) -> dict:
       groups = asyncio.run(run_all())
       stats = tree_stats(groups)
       rewards = [[float(t.reward) for t in g] for g in groups]
-      out["measures"][measure] = {
+      out["measures"][name] = {
           **stats, "rollout_s": time.perf_counter() - t0,
           "leaves": float(np.mean([len(g) for g in groups])),
           "pass_rate": float(np.mean([r >= 1.0 for g in rewards for r in g])),
@@ -155,7 +172,9 @@ def guidance(args) -> dict:
           "entropy_guided": stats.get("tree/branch_entropy", 0.0) > stats["tree/step_entropy"],
           "branch_over_step": stats.get("tree/branch_entropy", 0.0) / stats["tree/step_entropy"],
           "failed": counters.get("episodes_failed", 0)}
-      print(json.dumps({"measure": measure, **out["measures"][measure]}), flush=True)
+      with open(cache, "w") as f:
+        json.dump(out["measures"][name], f)
+      print(json.dumps({"measure": name, **out["measures"][name]}), flush=True)
   finally:
     engine.stop()
   return out
@@ -172,6 +191,7 @@ def _guidance_markdown(s: dict) -> str:
           ("leaves / task", "leaves", "{:.1f}"),
           ("shared fraction of trained tokens", "tree/shared_fraction", "{:.2f}"),
           ("group pass@1 (sampled)", "pass_rate", "{:.3f}"),
+          ("failed paths (all groups)", "failed", "{}"),
           ("rollout s (all groups)", "rollout_s", "{:.0f}")]
   table = ["| | " + " | ".join(m) + " |", "| --- |" + " --- |" * len(m)]
   for name, key, fmt in rows:
@@ -184,7 +204,9 @@ def _guidance_markdown(s: dict) -> str:
           f"{s['tasks']} held-out tasks per measure, seed {s['seed']}; α {b['base_prob']}, "
           f"γ {b['entropy_weight']}, width {b['width']}, penalty {b['consecutive_penalty']}, "
           f"pre-monitoring, n = {b['entropy_tokens']} tokens, ARPO's k = {b['entropy_top_k']} "
-          f"top log-probs, |V| = {s['vocab_size']}). Entropies are in each measure's own "
+          f"top log-probs, |V| = {s['vocab_size']}; arpo_rule: ARPO's whole rule, its "
+          f"entropy with each branch's own root entropy, half the budget as global samples "
+          f"started at once and no consecutive penalty). Entropies are in each measure's own "
           f"units: nats (mean per token) and ARPO's (sum over the n tokens / ln|V|).\n\n"
           + "\n".join(table) + "\n")
 

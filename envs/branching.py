@@ -65,11 +65,11 @@ Where this departs from ARPO's / AEPO's code, and why:
 
 The default measure is "nats". On the demo model (docs/benchmarks.md, "Entropy guidance")
 neither measure guides branching: the mean entropy at branch points is 1.01x the mean over all
-tool steps with "nats" and 0.91x with "arpo", because the step entropies are so small (0.04
-nats; 0.07 in ARPO's units) that γ·ΔH moves the branch probability by about 0.01 either way and
-both measures grow almost the same trees. With no measure better, "nats" stays: every policy that
-reports entropies (the engine always does) supports it, while "arpo" needs the policy to return
-k top log-probs per token.
+tool steps with "nats", 0.91x with "arpo" and 0.90x with ARPO's whole rule, because the step
+entropies are so small (0.04 nats; 0.07 in ARPO's units) that γ·ΔH moves the branch probability
+by about 0.01 either way and both measures grow almost the same trees. With no measure better,
+"nats" stays: every policy that reports entropies (the engine always does) supports it, while
+"arpo" needs the policy to return k top log-probs per token.
 
 What a fork carries: the workspace files (see `Sandbox.fork`) and the episode's token context,
 transcript and counters; not processes or shell state, which no tool relies on (each tool call
