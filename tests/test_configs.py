@@ -293,6 +293,15 @@ def test_rollout_engine_takes_the_paged_cache_fields():
     config_lib._validate_rl_mode(c, files=False)
 
 
+def test_rollout_engine_reports_top_logprobs_for_arpo_entropy():
+  from trainer.rollouts import engine_config
+  c = load("rl", "qwen2.5-coder")
+  c.rl.rollout, c.rl.branch.entropy_measure, c.rl.branch.entropy_top_k = "branching", "arpo", 7
+  assert engine_config(c).top_logprobs == 7
+  c.rl.branch.entropy_measure = "nats"
+  assert engine_config(c).top_logprobs == 0
+
+
 def test_sharding_rule_overrides_replace_named_rules_and_name_bad_values():
   c = load("rl", "qwen2.5-coder")
   c.model.init, c.model.preset = "random", "tiny-moe-mla"

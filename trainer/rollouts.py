@@ -278,7 +278,8 @@ def engine_config(config: ml_collections.ConfigDict, model_cfg=None) -> EngineCo
   Args:
     config: the run's config (`rl.concurrency`, `rl.max_context_tokens`, `seed`,
       `rl.routing_replay`, `rl.kv_cache`, `rl.kv_page_size`, `rl.kv_pages`,
-      `rl.rollout_qtype`, `rl.rollout_act_qtype`).
+      `rl.rollout_qtype`, `rl.rollout_act_qtype`; `rl.branch.entropy_top_k` log-probs per
+      token for ARPO's step entropy, `rl.branch.entropy_measure="arpo"`).
     model_cfg: the policy's ModelConfig; None: no expert recording (evaluation).
 
   Returns:
@@ -295,11 +296,15 @@ def engine_config(config: ml_collections.ConfigDict, model_cfg=None) -> EngineCo
     raise ValueError(f"rl.rollout_qtype={qtype!r}: the policy has LoRA adapters "
                      f"(lora_rank={model_cfg.lora_rank}); its engine samples from the frozen "
                      "base plus adapters; quantize the base with ModelConfig.base_qtype instead")
+  # ARPO's step entropy reads each token's most likely alternatives
+  branch = rl.get("branch") or {}
+  arpo = rl.get("rollout") == "branching" and branch.get("entropy_measure") == "arpo"
   return EngineConfig(slots=rl.concurrency, max_seq_len=-(-rl.max_context_tokens // 128) * 128,
                       prefix_cache_rows=rl.concurrency, prefill_chunk=512, seed=config.seed,
                       return_expert_ids=replay, cache=rl.kv_cache, page_size=rl.kv_page_size,
                       num_pages=rl.kv_pages, weight_qtype=qtype,
-                      act_qtype=rl.get("rollout_act_qtype"))
+                      act_qtype=rl.get("rollout_act_qtype"),
+                      top_logprobs=branch.get("entropy_top_k", 10) if arpo else 0)
 
 
 ENGINE_MESHES = ("none", "colocated")

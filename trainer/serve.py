@@ -150,13 +150,14 @@ class EnginePolicy:
 
     Returns:
       The envs.policy.Generation: output ids, log-probs, per-token entropies, finish reason,
-      policy versions and (an engine with return_expert_ids) the experts of every position.
+      policy versions, (an engine with return_expert_ids) the experts of every position and
+      (with EngineConfig.top_logprobs) each token's most likely alternatives.
     """
     out = await asyncio.wrap_future(self.engine.submit(list(input_ids), params))
     return Generation(output_ids=out.output_ids, logprobs=out.logprobs,
                       finish_reason=out.finish_reason, policy_version=out.policy_version,
                       token_versions=out.token_versions, expert_ids=out.expert_ids,
-                      entropies=out.entropies)
+                      entropies=out.entropies, top_logprobs=out.top_logprobs)
 
 
 # ----------------------------------------------------------------------------- CLI
