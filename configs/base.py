@@ -275,9 +275,15 @@ def _rl() -> ml_collections.ConfigDict:
   # group_size, minibatches, max_turns and max_new_tokens (one compile per run, padding skipped
   # at run time); False: sized from each step's data, rounded up to powers of two
   s.fixed_batch_shape = False
-  # rl.advantages: "grpo" | "dr_grpo" | "rloo" | "reinforce_pp_baseline" per trajectory, or
-  # "treerl" per call: the tree's segment values (branching rollouts; independent: 2·(r - mean))
+  # rl.advantages: "grpo" | "dr_grpo" | "rloo" | "reinforce_pp_baseline" per trajectory,
+  # "treerl" per call: the tree's segment values (branching rollouts; independent: 2·(r - mean)),
+  # or "gae" per token from a learned critic (trainer.critic; one device, no LoRA)
   s.advantage = "grpo"
+  s.gae_gamma = 1.0  # "gae": discount γ per sampled token
+  s.gae_lambda = 0.95  # "gae": λ of the advantage estimate (1 = Monte Carlo, 0 = one-step TD)
+  s.value_clip = 0.2  # "gae": ε of the clipped value loss around the old values (0 = no clip)
+  s.critic_lr = 1e-5  # "gae": the critic's Adam learning rate
+  s.critic_warmup_steps = 0  # "gae": the first steps train the critic only, not the policy
   s.drop_constant_groups = True  # drop groups whose rewards are all equal (no signal)
   s.reference = "initial"  # KL reference (loss.kl_coef > 0): "initial" policy | "ckpt:<dir>"
   s.recompute_old = False  # score π_old with the trainer instead of trusting the sampler's

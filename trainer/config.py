@@ -457,6 +457,22 @@ def _validate_rl_mode(config, files: bool) -> None:
     _fail("rl.engine_mesh_shape", rl.engine_mesh_shape, f"axis=size pairs, e.g. 'tensor=4' ({e})")
   _int(config, "rl.kv_page_size", 1)
   _int(config, "rl.kv_pages", 0)
+  if rl.advantage in advantages.CRITIC_ADVANTAGES:
+    _check_critic(config)
+
+
+def _check_critic(config) -> None:
+  """What the learned critic (trainer.critic) cannot serve yet: its parameters live on one
+  device, and it trains a full copy of the policy."""
+  sharded = {a: config.mesh[a] for a in MESH_AXES if config.mesh[a] > 1}
+  if sharded:
+    raise ConfigError(f"config.rl.advantage={config.rl.advantage!r}: the critic runs on one "
+                      f"device, but config.mesh shards over {sharded}; use another advantage "
+                      "estimator for a multi-device run")
+  if config.model.lora.rank:
+    raise ConfigError(f"config.rl.advantage={config.rl.advantage!r}: not with LoRA "
+                      f"(config.model.lora.rank={config.model.lora.rank}): the critic would "
+                      "train a full copy of the policy, base weights included")
 
 
 DEMO_FIELDS = ("mode", "seed", "seeds", "sft", "rl")
@@ -738,7 +754,13 @@ def _validate_rl(config) -> None:
   _int(config, "rl.group_size", 2)
   _int(config, "rl.epochs", 1)
   _int(config, "rl.minibatches", 1)
-  _choice(config, "rl.advantage", tuple(advantages.ADVANTAGES) + TREE_ADVANTAGES)
+  _choice(config, "rl.advantage", tuple(advantages.ADVANTAGES) + TREE_ADVANTAGES
+          + tuple(advantages.CRITIC_ADVANTAGES))
+  _number(config, "rl.gae_gamma", 0.0, 1.0)
+  _number(config, "rl.gae_lambda", 0.0, 1.0)
+  _number(config, "rl.value_clip", 0.0)
+  _number(config, "rl.critic_lr", 0.0, low_open=True)
+  _int(config, "rl.critic_warmup_steps", 0)
   _bool(config, "rl.drop_constant_groups")
   ref = _str(config, "rl.reference")
   if ref != "initial" and not (ref.startswith("ckpt:") and len(ref) > 5):

@@ -107,13 +107,17 @@ def advantages_of(groups: list[list], name: str) -> list[np.ndarray]:
   Args:
     groups: the groups, each a list of trajectories with a reward.
     name: a key of `rl.advantages.ADVANTAGES` (`rl.advantages.compute(name, ...)`: one value
-      per trajectory), or "treerl" (`rl.advantages.tree_advantages` on the group's tree of
-      calls, `rl.tree.call_segments`: one value per call that sampled tokens).
+      per trajectory), "treerl" (`rl.advantages.tree_advantages` on the group's tree of
+      calls, `rl.tree.call_segments`: one value per call that sampled tokens), or a key of
+      `rl.advantages.CRITIC_ADVANTAGES` (zeros: the per-token "advantage" field the critic adds
+      to the micro-batches, `trainer.critic.Critic.gae_fields`, is what the loss reads).
 
   Returns:
     Per group, [len(group)] f32 advantages, or for "treerl" [len(group), most calls] (0 past a
     trajectory's calls).
   """
+  if name in advantages.CRITIC_ADVANTAGES:
+    return [np.zeros(len(g), np.float32) for g in groups]
   if name == "treerl":
     out = []
     for g in groups:

@@ -16,7 +16,9 @@ A loop keeps only its own steps; the harness owns the rest:
   - per step, `end_step`: the metrics line (it goes out before the save starts, so a checkpoint
     never covers a step whose line is missing), then a checkpoint on schedule
     (`train.checkpoint_every`), at the last step, or after SIGTERM (`checkpoint.PreemptionGuard`);
-  - on exit, the guard, the writer and the checkpointer are closed (the last save committed);
+  - a loop's second state (e.g. RL's learned critic), `run.item(name, template)`: saved beside
+    the TrainState at the same steps (`end_step(..., items={name: state})`) and restored with it;
+  - on exit, the guard, the writer and the checkpointers are closed (the last save committed);
     `finish` draws the report (`metrics.report`) and returns the summary: "start_step",
     "steps", "preempted", "checkpoint" (last saved step), "metrics" (metrics.jsonl), "report".
 
@@ -267,6 +269,7 @@ class Run:
     self.timer: Optional[metrics.Timer] = None
     self._writer: Optional[metrics.MetricsWriter] = None
     self._guard: Optional[checkpoint.PreemptionGuard] = None
+    self._items: dict[str, checkpoint.Checkpointer] = {}
 
   def say(self, message: str) -> None:
     """A progress line `<mode>: message` (primary process)."""
@@ -289,6 +292,43 @@ class Run:
       return state_lib.with_base(self.restored.state, fresh.model_state, self.model_cfg)
     return state_lib.create(self.model_cfg, self.optimizer, seed=self.config.seed,
                             mesh=self.mesh, model=initial())
+
+  def item(self, name: str, template: Any) -> Any:
+    """Checkpoints a second state beside the TrainState (e.g. a learned critic's), at the same
+    steps, in `<workdir>/<name>_checkpoints/`; `end_step` and `save` take it as `items[name]`.
+
+    An item is saved synchronously before the TrainState, so every committed TrainState step
+    has its item. Item steps after the resumed one (a save killed between the two) are
+    deleted: the run samples those steps anew.
+
+    Args:
+      name: the item's name.
+      template: a pytree like the item's state (concrete arrays or ShapeDtypeStructs), the
+        shapes and placement the restored state takes.
+
+    Returns:
+      The item's state at the resumed step, or None for a fresh run.
+
+    Raises:
+      FileNotFoundError: the resumed step has no saved state of the item.
+    """
+    directory = epath.Path(self.workdir) / f"{name}_checkpoints"
+    if directory.exists() and jax.process_index() == 0:
+      for path in directory.iterdir():
+        if path.name.isdigit() and int(path.name) > self.start:
+          path.rmtree()
+    ckpt = checkpoint.Checkpointer(directory, keep=self.config.checkpoint.keep, async_save=False)
+    self._items[name] = ckpt
+    if self.restored is None:
+      return None
+    saved = ckpt.all_steps()
+    if self.start not in saved:
+      ckpt.close()  # their background work ends before the process does
+      self.checkpointer.close()
+      raise FileNotFoundError(f"--workdir={self.workdir}: the checkpoint of step {self.start} "
+                              f"has no {name!r} state in {directory} (saved steps: {saved}); "
+                              "resume from a new workdir")
+    return ckpt.restore(self.start, template).state
 
   @contextlib.contextmanager
   def loop(self, bar_keys: Sequence[str]) -> Iterator["Run"]:
@@ -313,6 +353,8 @@ class Run:
         self._guard.close()
       if self._writer is not None:
         self._writer.close()
+      for ckpt in self._items.values():
+        ckpt.close()
       self.checkpointer.close()
 
   def steps(self) -> range:
@@ -323,7 +365,8 @@ class Run:
     """Whether `step` gets a log line (every `train.log_every` steps and the last)."""
     return step % self.config.train.log_every == 0 or step == self.config.train.steps
 
-  def end_step(self, step: int, line: dict, state, extra: Callable[[], dict]) -> bool:
+  def end_step(self, step: int, line: dict, state, extra: Callable[[], dict],
+               items: Optional[dict[str, Any]] = None) -> bool:
     """Writes the step's metrics line, then checkpoints on schedule, at the last step or after
     SIGTERM.
 
@@ -333,6 +376,7 @@ class Run:
       state: the TrainState after the step.
       extra: returns the loop's resume data (JSON, see `checkpoint.Checkpointer.save`); called
         only when saving.
+      items: the states of the items opened with `item`, by name.
 
     Returns:
       True when the run was preempted: the state is saved and the loop must stop.
@@ -344,20 +388,31 @@ class Run:
     if stop or step == train.steps or (train.checkpoint_every
                                        and step % train.checkpoint_every == 0):
       with self.timer.phase("checkpoint"):
-        self.save(step, state, extra())
+        self.save(step, state, extra(), items)
     if stop:
       self.summary["preempted"] = True
       log.warning("preempted: saved step %d and stopping", step)
     return stop
 
-  def save(self, step: int, state, extra: dict) -> None:
+  def save(self, step: int, state, extra: dict, items: Optional[dict[str, Any]] = None
+           ) -> None:
     """Checkpoints the state now, whatever the schedule.
 
     Args:
       step: the checkpoint's step.
       state: the TrainState.
       extra: the loop's resume data (JSON, see `checkpoint.Checkpointer.save`).
+      items: the states of the items opened with `item`, by name (all of them).
+
+    Raises:
+      ValueError: `items` does not name exactly the opened items.
     """
+    items = items or {}
+    if set(items) != set(self._items):
+      raise ValueError(f"Run.save: items {sorted(items)}; the run checkpoints "
+                       f"{sorted(self._items)}")
+    for name, item_state in items.items():  # committed before the TrainState's save starts
+      self._items[name].save(step, item_state, force=True)
     if self.model_cfg.lora_rank:  # adapters only; the base is this reference
       extra = {**extra, "lora_base": self.config.model.get("init", "random")}
     if self.checkpointer.save(step, state_lib.without_base(state, self.model_cfg), extra,

@@ -20,9 +20,15 @@ One step:
                `loss.kl_coef` > 0, π_old rescored by the trainer (`rl.recompute_old`, MCLA),
                teacher log-probs for distillation (trainer.teachers);
   5. train     `rl.epochs` passes of `rl.minibatches` optimizer updates (trainer.step);
+               with `rl.advantage = "gae"` a learned critic (a copy of the initial policy
+               with a value head, trainer.critic, one device) first adds per-token GAE
+               advantages and value targets to the micro-batches and takes one update per
+               micro-batch set ("value_loss", "value_clip_fraction", "value_error"); the
+               policy trains only after `rl.critic_warmup_steps` steps;
   6. sync      the new weights to the engine in memory (`Engine.update_params`, no recompile);
   7. checkpoint on schedule (trainer.harness): TrainState (with the policy version), the
-               consumed trajectory ids, the queue's unacknowledged entries.
+               consumed trajectory ids, the queue's unacknowledged entries; the critic's
+               state as the run's item "critic" (<workdir>/critic_checkpoints/).
 
 Loops: "sync" samples step s with the weights of step s - 1. "async" keeps the next steps'
 rollouts sampling while a step trains (`max(1, rl.max_staleness // rl.minibatches)` steps
@@ -49,13 +55,16 @@ from typing import Any, Optional
 import jax
 import ml_collections
 import numpy as np
+import optax
 from flax import nnx
 
+from models import value_head
 from models.engine import Engine
-from rl import corrections
+from rl import advantages, corrections
 from trainer import batches as batches_lib
 from trainer import blackbox
 from trainer import config as config_lib
+from trainer import critic as critic_lib
 from trainer import groups as groups_lib
 from trainer import harness, rollouts
 from trainer import state as state_lib
@@ -68,7 +77,8 @@ log = logging.getLogger(__name__)
 
 REPORT_KEYS = ("reward_mean", "pass_rate", "loss", "kl", "entropy", "clip_fraction",
                "mismatch_kl_k3", "mismatch_max_abs_log_ratio", "routing_flips", "grad_norm",
-               "tree_token_ratio", "response_tokens", "time/*")
+               "value_loss", "tree_token_ratio", "response_tokens", "time/*")
+CRITIC_ITEM = "critic"  # the critic's checkpoint item (trainer.harness.Run.item)
 
 
 def loss_config(config: ml_collections.ConfigDict):
@@ -178,6 +188,46 @@ def engine_weights(state, model_cfg):
                               *nnx.to_flat_state(nnx.State(light.model_state))])
 
 
+class CriticRun:
+  """The learned critic of `rl.advantage` "gae" in the loop: a copy of the initial policy with a
+  value head (trainer.critic), its GAE fields on each step's micro-batches and its updates.
+
+  Args:
+    config: the run's config (`rl.gae_gamma`, `rl.gae_lambda`, `rl.value_clip`,
+      `rl.critic_lr`).
+    run: the run's harness; the critic's state is checkpointed as its item `CRITIC_ITEM`.
+    state: the run's TrainState as resumed or created (a fresh run's initial policy).
+
+  Raises:
+    FileNotFoundError: a resumed checkpoint without the critic's state.
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, run: harness.Run, state):
+    self.rl = config.rl
+    self.critic = critic_lib.Critic(run.model_cfg, optax.adam(self.rl.critic_lr),
+                                    self.rl.value_clip or None)
+    # a fresh run's critic starts from the initial policy's weights (on resume only the shapes
+    # matter: the saved state replaces it)
+    self.state = self.critic.init(value_head.Critic(nnx.clone(state.model(run.model_cfg))))
+    restored = run.item(CRITIC_ITEM, self.state)
+    if restored is not None:
+      self.state = restored
+
+  def fields(self, mbs: list) -> list:
+    """The micro-batches with the per-token "advantage", "returns" and "old_values" of the
+    critic's current values (all from the same critic, before this step's updates)."""
+    return [self.critic.gae_fields(self.state, mb, self.rl.gae_gamma, self.rl.gae_lambda)
+            for mb in mbs]
+
+  def train(self, mbs: list) -> dict:
+    """One critic update per micro-batch set (each carrying `fields`); the metrics averaged."""
+    step_metrics = []
+    for mb in mbs:
+      self.state, m = self.critic.step(self.state, mb)
+      step_metrics.append(jax.device_get(m))
+    return groups_lib.mean_metrics(step_metrics)
+
+
 def _summary_line(line: dict) -> str:
   nan = float("nan")
   return (f"reward {line.get('reward_mean', nan):.3f}, pass {line.get('pass_rate', nan):.2f}, "
@@ -198,8 +248,15 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
   Returns:
     The harness summary (trainer.harness) plus "reward_first" / "reward_last" (the mean
     rewards of the first and the last step) and "updates_per_step".
+
+  Raises:
+    ConfigError: `rl.advantage` "gae" on a mesh (the critic runs on one device).
   """
   rl_cfg, train = config.rl, config.train
+  if rl_cfg.advantage in advantages.CRITIC_ADVANTAGES and mesh is not None:
+    raise config_lib.ConfigError(
+        f"config.rl.advantage={rl_cfg.advantage!r}: the critic runs on one device; this run's "
+        f"mesh has {mesh.size} devices (config.mesh={dict(mesh.shape)})")
   run = harness.Run(config, workdir, mesh)
   model_cfg = run.model_cfg
   loss_cfg = loss_config(config)
@@ -220,6 +277,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
   scorer = Scorer(config, model_cfg, reference,
                   Teachers(config, mesh) if config.mode == "distill" else None, mesh,
                   fuse_reference=fuse_reference)
+  critic = (CriticRun(config, run, state) if rl_cfg.advantage in advantages.CRITIC_ADVANTAGES
+            else None)
 
   # --- the engine (the policy's weights, updated in memory) and where the groups come from
   version = int(state.policy_version)
@@ -241,6 +300,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
   def resume_data() -> dict:
     return {"policy_version": version, "consumed_ids": sorted(consumed),
             **source.checkpoint_extra()}
+
+  def items() -> dict:
+    return {CRITIC_ITEM: critic.state} if critic is not None else {}
 
   run.say(f"{model_cfg.attention} attention, {model_cfg.num_experts or 'no'} experts; "
           f"{rl_cfg.prompts_per_step} tasks x {rl_cfg.group_size} episodes per step, loss "
@@ -270,10 +332,16 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
           line.update(groups_lib.batch_stats([mb for _, mb in parts]))
         with run.timer.phase("score"):
           mbs = [scorer(state, part, mb, step_tasks) for part, mb in parts]
-        with run.timer.phase("train", tokens=line.get("loss_tokens", 0)):
-          state, step_metrics = train_epochs(train_step, state, mbs, rl_cfg.epochs,
-                                             ref=ref_split if fuse_reference else None)
-          line.update(step_metrics)
+        if critic is not None:
+          with run.timer.phase("critic"):
+            mbs = critic.fields(mbs)
+            line.update(critic.train(mbs))
+        # critic warm-up: the policy's first updates read advantages of a fitted critic
+        if critic is None or step > rl_cfg.critic_warmup_steps:
+          with run.timer.phase("train", tokens=line.get("loss_tokens", 0)):
+            state, step_metrics = train_epochs(train_step, state, mbs, rl_cfg.epochs,
+                                               ref=ref_split if fuse_reference else None)
+            line.update(step_metrics)
       else:
         log.warning("step %d: no group left to train (%s)", step, dropped)
       consumed.update(t.trajectory_id for g in kept + dropped_groups for t in g)
@@ -293,7 +361,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
       if run.should_log(step):
         run.say(f"step {step}: {_summary_line(line)}")
       # 7. checkpoint
-      if run.end_step(step, line, state, resume_data):
+      if run.end_step(step, line, state, resume_data, items()):
         break
 
   summary["updates_per_step"] = rl_cfg.epochs * rl_cfg.minibatches
