@@ -359,7 +359,13 @@ def _branch() -> ml_collections.ConfigDict:
   s.consecutive_penalty = 0.5  # each consecutive branch on a path scales it by 1 - this
   s.premonitor_beta = 1.0  # global samples m = G·σ(β·(H_question - mean H_tool steps))
   s.global_fraction = placeholder(float)  # fixed m = G·fraction instead of pre-monitoring
-  s.entropy_tokens = 20  # a step's entropy: mean over the first tokens of its reply
+  s.entropy_tokens = 20  # a step's entropy: over the first tokens of its reply
+  # "nats" (mean exact entropy per token) | "arpo" (ARPO's: top-k entropies summed over those
+  # tokens, over ln(vocabulary size); the engine then reports entropy_top_k log-probs)
+  s.entropy_measure = "nats"
+  s.entropy_top_k = 10  # "arpo": log-probs per token
+  s.reset_root = False  # a branch's root entropy = its own first call's (ARPO)
+  s.premonitor = True  # AEPO's first global sample alone; False: global samples start at once
   return s
 
 
