@@ -79,11 +79,9 @@ PLANS = {
                          **SPLIT_RESIDUAL}),
 }
 ROW_LEN, SEQ_LEN = 32768, 8192  # docs/scaling.md: one trajectory's trie fills a row
-# the engine's own layout of the plan's devices (rl.engine_mesh_shape) where the trainer's would
-# leave it one slot per batch shard (v6e: fsdp 64) or the whole bf16 model on every chip (32B
-# on fsdp 64): fewer batch shards with several slots each, the weights over `tensor`
-ENGINE_MESH_SHAPES = {"qwen7b-v6e-full": "tensor=4", "qwen32b-v5p-full": "tensor=4",
-                      "qwen32b-v6e-full": "tensor=8"}
+# the engine's own layout of the plan's devices (rl.engine_mesh_shape) where the trainer's
+# does not fit it: 32B on fsdp 64 would hold the whole bf16 model on every chip
+ENGINE_MESH_SHAPES = {"qwen32b-v5p-full": "tensor=4"}
 
 
 class Plan(NamedTuple):
@@ -383,6 +381,8 @@ def main() -> None:
         with open(path) as f:
           old = json.load(f)
         old["programs"].update(report["programs"])
+        old.pop("engine_mesh", None)  # the engine's layout these programs were compiled in
+        old.update({k: report[k] for k in ("engine_mesh",) if k in report})
         old.setdefault("recompiled", {}).update(
             {p: {"date": common.today(), "machine": common.machine()} for p in programs})
         report = old
