@@ -42,6 +42,7 @@ from flax import nnx
 
 from envs.chat.formats import builtin_template
 from models import hf, peft_format, transformer
+from models.config import ModelConfig
 from trainer import config as config_lib
 from trainer import harness
 from trainer import state as state_lib
@@ -69,6 +70,14 @@ def run_and_step(ckpt: str) -> tuple[str, Optional[int]]:
   return workdir, step
 
 
+def _run_configs(workdir: str) -> tuple[ml_collections.ConfigDict, ModelConfig]:
+  """A run's experiment config and ModelConfig, as it saved them."""
+  with open(os.path.join(workdir, "config.json")) as f:
+    config = ml_collections.ConfigDict(json.load(f))
+  with open(os.path.join(workdir, "model_config.json")) as f:
+    return config, hf.config_from_json(json.load(f))
+
+
 def export_run(ckpt: str, out: str, dtype: str = "float32") -> dict:
   """Writes a run's checkpoint as an HF directory.
 
@@ -86,10 +95,7 @@ def export_run(ckpt: str, out: str, dtype: str = "float32") -> dict:
   """
   t0 = time.time()
   workdir, step = run_and_step(ckpt)
-  with open(os.path.join(workdir, "config.json")) as f:
-    config = ml_collections.ConfigDict(json.load(f))
-  with open(os.path.join(workdir, "model_config.json")) as f:
-    model_cfg = hf.config_from_json(json.load(f))
+  config, model_cfg = _run_configs(workdir)
   params, rest, step = harness.run_weights(workdir, step)
   model = nnx.merge(state_lib.graphdef(model_cfg), params, rest)
   if model_cfg.lora_rank:  # adapters merged into their kernels (a quantized base dequantized)
@@ -144,10 +150,7 @@ def export_adapter(ckpt: str, out: str, dtype: str = "float32",
   """
   t0 = time.time()
   workdir, step = run_and_step(ckpt)
-  with open(os.path.join(workdir, "config.json")) as f:
-    config = ml_collections.ConfigDict(json.load(f))
-  with open(os.path.join(workdir, "model_config.json")) as f:
-    model_cfg = hf.config_from_json(json.load(f))
+  config, model_cfg = _run_configs(workdir)
   peft_format.adapter_config(model_cfg)  # fails before the checkpoint is read
   if base_model is None:
     kind, path = config_lib.init_kind(config.model.get("init", "random"))
