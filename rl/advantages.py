@@ -27,6 +27,9 @@ advantages by the group-standardised token entropy (AEPO); the `aepo` loss appli
 Learned critic. `gae` (and `tree_gae` on a tree-packed batch) computes per-token GAE
 advantages and value targets from a critic's values, one per (trajectory, sampled token) entry;
 `CRITIC_ADVANTAGES` names the estimators that need a critic.
+
+Size: one public function per estimator, each beside its jitted core and its formula; the
+critic's estimators (`gae`, `tree_gae`) are the part to move into a module of their own next.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ means on-policy: r = 1 with gradient r·∇log π_θ); A the per-token advantage
 per-token correction weight from rl.corrections (a constant); sg = stop_gradient. Per-loss
 defaults (eps, aggregation) follow the papers and are in `DEFAULTS`.
 
+Size: the table below and one function per loss beside its paper's formula, kept in one module
+so the table and the formulas read together; `value_loss` (a critic's loss, not a policy's on
+a `SeqBatch`) is the one to move out if it grows.
+
   loss        per-element term (minimised)                                  default aggregation
   sft         -log π_θ                                                      token_mean
   ppo         -min(r·A, clip(r, 1-ε_l, 1+ε_h)·A)          ε 0.2/0.2         token_mean

@@ -34,7 +34,7 @@ rl.advantages.ADVANTAGES, envs.sandbox.BACKENDS, ...); this module owns only the
 (MODES, RL_LOOPS, ...). What needs the devices (the mesh's product, rows divisible by the data
 axes) is checked by `trainer.main` right after `jax.distributed.initialize`.
 
-One module (~850 lines): the section validators and the adapters share the field checks and
+One module (~875 lines): the section validators and the adapters share the field checks and
 the error form, and a reader looks for "what does this field accept" in one place.
 """
 
