@@ -27,7 +27,7 @@ FAMILIES = {  # Hugging Face family -> (chat format, example checkpoint: a place
 def base_config() -> ml_collections.ConfigDict:
   """Every section with its defaults; see the module docstring."""
   c = ml_collections.ConfigDict()
-  c.mode = "sft"  # "smoke" | "sft" | "rl" | "distill" | "eval" | "serve" | "demo"
+  c.mode = "sft"  # "smoke" | "sft" | "rl" | "distill" | "eval" | "serve" | "demo" | "reward_model"
   c.seed = 0  # the run's seed: initialisation, data order (data.seed follows it), sampling
   c.compile_cache_dir = ""  # persistent XLA compilation cache directory ("" = off)
   # resume a workdir's checkpoint although fields outside trainer.harness.RESUMABLE_FIELDS
@@ -47,6 +47,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.distill = _distill()
   c.eval = _eval()
   c.serve = _serve()
+  c.reward_model = _reward_model()
   c.data.seed = c.get_ref("seed")  # shuffle seed (follows `seed` unless set)
   c.optimizer.total_steps = c.train.get_ref("steps")  # the schedule spans the run
   return c
@@ -347,6 +348,19 @@ def _rl() -> ml_collections.ConfigDict:
   # the seed; a task row's own "scaffold" field wins
   s.scaffold = "react"
   s.branch = _branch()  # tree rollouts (rl.rollout = "branching"): envs.branching.BranchConfig
+  s.reward_model = _rl_reward_model()  # a trained reward model's score added to the reward
+  return s
+
+
+def _rl_reward_model() -> ml_collections.ConfigDict:
+  """A reward model in the RL loop (trainer.reward_model.Scorer): verifier reward + weight x RM."""
+  s = ml_collections.ConfigDict()
+  s.path = ""  # a mode "reward_model" workdir ("" = no reward model); the policy's tokenizer
+  s.weight = 0.5  # w: reward = verifier reward + w x σ(RM score) (kind "orm")
+  # "orm": the trajectory's score enters its reward; "prm": per step, w x the centred return of
+  # the step scores is added to each call's advantage (with rl.advantage="gae": the trajectory's
+  # score enters its reward, as "orm")
+  s.kind = "orm"
   return s
 
 
@@ -391,6 +405,26 @@ def _eval() -> ml_collections.ConfigDict:
   s.temperature = 0.0  # eval sampling temperature (0 = greedy)
   s.scaffold = "react"  # the eval's scaffold or weighted mix, as rl.scaffold (pass@k per scaffold)
   s.checkpoints = ()  # checkpoints to evaluate ("ckpt:<dir>"); () = this run's latest
+  return s
+
+
+def _reward_model() -> ml_collections.ConfigDict:
+  """Mode "reward_model" (trainer/reward_model.py): data, losses and batches of its training."""
+  s = ml_collections.ConfigDict()
+  s.episodes = ""  # training trajectories (JSONL of Trajectory.to_dict); "" = demo episodes
+  s.eval_episodes = ""  # held-out trajectories (same format); "" = demo episodes
+  # "" files: per generated task (data.demo level, seed, error_rate, sandbox, environment) the
+  # scripted solver's episode with the fix and one submitting without it, graded by the tests
+  s.demo_tasks = 128  # training tasks (taskgen "train" programs): 2 episodes each
+  s.demo_eval_tasks = 64  # held-out tasks (taskgen "eval" programs): 2 episodes each
+  s.pairwise_coef = 1.0  # weight of the Bradley-Terry loss on (passed, failed) pairs of a task
+  s.orm_coef = 1.0  # weight of the outcome BCE on each episode's verifier outcome
+  s.prm_coef = 0.0  # weight of the per-step BCE (step label: outcome; failed tool call: 0)
+  s.margin = 0.0  # Bradley-Terry margin m: -log σ(r_chosen - r_rejected - m)
+  s.batch_pairs = 4  # pairs per step (2x rows: chosen and rejected episodes)
+  s.max_len = 2048  # tokens per episode at most (longer ones keep their last max_len)
+  s.learning_rate = 1e-4  # AdamW learning rate (constant; gradients clipped to norm 1)
+  s.weight_decay = 0.0  # AdamW weight decay
   return s
 
 

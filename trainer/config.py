@@ -62,7 +62,8 @@ from rl import advantages, corrections, losses
 from trainer import blackbox, demo_data, optim, selection
 from trainer.data import SFTDataConfig
 
-MODES = ("smoke", "sft", "rl", "distill", "eval", "serve", "demo")
+MODES = ("smoke", "sft", "rl", "distill", "eval", "serve", "demo", "reward_model")
+RM_KINDS = ("orm", "prm")  # how the RL loop reads a reward model (trainer.reward_model)
 RL_LOSSES_EXCLUDED = ("sft", "dpo")  # not on-policy RL losses (dpo needs preference pairs)
 INIT_KINDS = ("random", "hf:<dir>", "ckpt:<dir>")
 SFT_LOSSES = ("sft",)
@@ -416,6 +417,7 @@ def validate(config: ml_collections.ConfigDict, workdir: Optional[str] = None, *
   _validate_distill(config)
   _validate_eval(config)
   _validate_serve(config)
+  _validate_reward_model(config, mode, files)
   if files and mode in ("rl", "distill", "eval", "serve"):
     tokenizer_source(config, workdir or ".")
   if files and config.tokenizer.chat_format == "template":
@@ -457,6 +459,10 @@ def _validate_rl_mode(config, files: bool) -> None:
     _fail("rl.engine_mesh_shape", rl.engine_mesh_shape, f"axis=size pairs, e.g. 'tensor=4' ({e})")
   _int(config, "rl.kv_page_size", 1)
   _int(config, "rl.kv_pages", 0)
+  path = rl.reward_model.path
+  if files and path and not os.path.isfile(os.path.join(path, "model_config.json")):
+    _fail("rl.reward_model.path", path, "a mode 'reward_model' workdir (with model_config.json "
+          "and rm_checkpoints/) or ''")
   if rl.advantage in advantages.CRITIC_ADVANTAGES:
     _check_critic(config)
 
@@ -818,6 +824,35 @@ def _validate_rl(config) -> None:
     branching.BranchConfig(**config.rl.branch.to_dict())
   except (ValueError, TypeError) as e:
     raise ConfigError(str(e).replace("BranchConfig.", "config.rl.branch.")) from e
+
+
+def _validate_reward_model(config, mode: str, files: bool) -> None:
+  """The reward model served in RL (rl.reward_model) and mode "reward_model"'s section."""
+  _str(config, "rl.reward_model.path")
+  _number(config, "rl.reward_model.weight", 0.0)
+  _choice(config, "rl.reward_model.kind", RM_KINDS)
+  r = config.reward_model
+  for field in ("episodes", "eval_episodes"):
+    path = _str(config, f"reward_model.{field}")
+    if files and mode == "reward_model" and path and not os.path.isfile(path):
+      _fail(f"reward_model.{field}", path, "a JSONL file of trajectories or '' (demo episodes)")
+  _int(config, "reward_model.demo_tasks", 0)
+  _int(config, "reward_model.demo_eval_tasks", 0)
+  for field in ("pairwise_coef", "orm_coef", "prm_coef", "margin", "weight_decay"):
+    _number(config, f"reward_model.{field}", 0.0)
+  _int(config, "reward_model.batch_pairs", 1)
+  _int(config, "reward_model.max_len", 16)
+  _number(config, "reward_model.learning_rate", 0.0, low_open=True)
+  if mode != "reward_model":
+    return
+  if not (r.pairwise_coef or r.orm_coef or r.prm_coef):
+    _fail("reward_model.pairwise_coef", r.pairwise_coef, "a positive weight in at least one of "
+          "reward_model.pairwise_coef, orm_coef, prm_coef")
+  if not r.episodes and not r.demo_tasks:
+    _fail("reward_model.demo_tasks", r.demo_tasks, "> 0 when reward_model.episodes='' (no "
+          "training trajectories otherwise)")
+  if files:
+    tokenizer_source(config, ".")
 
 
 def _validate_scaffold(config, field: str) -> None:

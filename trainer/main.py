@@ -12,8 +12,9 @@ Start-up, in order (so a bad config fails in seconds, before any device is touch
   4. the mesh from `config.mesh` over all devices;
   5. the mode: "sft" (trainer/sft.py), "rl" and "distill" (trainer/rl.py), "eval"
      (trainer/evaluate.py), "serve" (trainer/serve.py's policy server on the config's model),
-     "demo" (trainer/demo.py: tokenizer -> SFT -> RL -> held-out eval, per seed; configs/demo.py)
-     or "smoke" (build the model, one forward/backward, a short greedy decode; configs/smoke.py).
+     "demo" (trainer/demo.py: tokenizer -> SFT -> RL -> held-out eval, per seed; configs/demo.py),
+     "reward_model" (trainer/reward_model.py: train and evaluate a reward model;
+     configs/reward_model.py) or "smoke" (build the model, one forward/backward, a short greedy decode; configs/smoke.py).
 A config error exits with status 2 and one line on stderr naming the field.
 """
 
@@ -35,7 +36,7 @@ from ml_collections import config_flags
 from models import decode, sharding, transformer
 from models.logprobs import token_logprobs
 from trainer import config as config_lib
-from trainer import demo, distributed, evaluate, rl, serve, sft
+from trainer import demo, distributed, evaluate, reward_model, rl, serve, sft
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
@@ -166,6 +167,8 @@ def run(config, workdir: str) -> dict:
     return evaluate.run(config, workdir, mesh)
   if config.mode == "demo":
     return demo.run(config, workdir, mesh)
+  if config.mode == "reward_model":
+    return reward_model.run(config, workdir, mesh)
   return serve.run(config, workdir)
 
 
