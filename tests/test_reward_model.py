@@ -1,6 +1,6 @@
-"""Reward models (rl/reward_losses.py, trainer/reward_model.py): the losses against float64
+"""Reward models (rl/reward_losses.py, trainer/reward_model.py, trainer/reward_scoring.py): the losses against float64
 NumPy formulas, rows and labels of trajectories, a tiny model learning a separable preference,
-mode "reward_model" end to end, and the RL loop with a PRM's dense reward for two steps.
+mode "reward_model" end to end, and the RL loop with a PRM's dense reward for a step.
 
 The RL run reuses tests/test_rl_gae.py's pattern: a tiny random-weight policy and a rollout
 source of synthetic groups, so the loop runs without sandboxes or sampling.
@@ -26,6 +26,7 @@ from tests.test_chat import _tiny_bpe
 from tests.test_rl_gae import SyntheticGroups, gae_config
 from trainer import config as config_lib
 from trainer import reward_model as R
+from trainer import reward_scoring as S
 from trainer import rl
 from trainer.metrics import read_jsonl
 
@@ -115,13 +116,13 @@ def test_pairs_are_passed_over_failed_within_a_task():
 
 def test_process_advantages_add_the_centred_return_of_step_scores():
   g = [_trajectory([1], [[2], [3]], 1.0), _trajectory([1], [[4]], 0.0)]
-  scored = R.outcome_rewards([g], [[np.array([0.9, 0.7]), np.array([0.2])]], 0.5, dense=True)
+  scored = S.outcome_rewards([g], [[np.array([0.9, 0.7]), np.array([0.2])]], 0.5, dense=True)
   assert [t.reward for t in scored[0]] == [1.0, 0.0]  # dense: the verifier's reward
-  adv = R.process_advantages(scored, [np.array([1.0, -1.0], np.float32)], 0.5)[0]
+  adv = S.process_advantages(scored, [np.array([1.0, -1.0], np.float32)], 0.5)[0]
   b = (0.9 + 0.7 + 0.2) / 3
   want = [[1 + 0.5 * ((0.9 - b) + (0.7 - b)), 1 + 0.5 * (0.7 - b)], [-1 + 0.5 * (0.2 - b), 0]]
   np.testing.assert_allclose(adv, want, rtol=1e-6)
-  orm = R.outcome_rewards([g], [[np.array([0.9, 0.7]), np.array([0.2])]], 0.5)
+  orm = S.outcome_rewards([g], [[np.array([0.9, 0.7]), np.array([0.2])]], 0.5)
   np.testing.assert_allclose([t.reward for t in orm[0]], [1.35, 0.1])
   assert orm[0][0].metadata["verifier_reward"] == 1.0
   assert orm[0][0].trajectory_id == g[0].trajectory_id
@@ -178,7 +179,7 @@ def _write(path, trajectories):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  """A mode "reward_model" run on synthetic groups, then 2 RL steps with it as a dense PRM."""
+  """A mode "reward_model" run on synthetic groups, then an RL step with it as a dense PRM."""
   d = tmp_path_factory.mktemp("rm")
   (d / "tokenizer").mkdir()
   _tiny_bpe().save(str(d / "tokenizer" / "tokenizer.json"))
@@ -203,7 +204,7 @@ def runs(tmp_path_factory):
     c.metrics[field] = False
   config_lib.validate(c, str(d / "rm"))
   summary = R.run(c, str(d / "rm"))
-  rl_cfg = gae_config(str(d / "tokenizer"), 2)
+  rl_cfg = gae_config(str(d / "tokenizer"), 1)
   rl_cfg.loss.name, rl_cfg.rl.advantage = "cispo", "grpo"
   rl_cfg.rl.reward_model.path, rl_cfg.rl.reward_model.kind = str(d / "rm"), "prm"
   rl_cfg.rl.drop_constant_groups = False
@@ -225,7 +226,7 @@ def test_mode_reward_model_trains_checkpoints_and_evaluates(runs):
     assert 0.0 <= s["eval"][key] <= 1.0, s
   lines = read_jsonl(str(runs["dir"] / "rm" / "reward_model" / "metrics.jsonl"))
   assert sorted(lines) == [1, 2] and "eval/pairwise_accuracy" in lines[2]
-  scorer = R.Scorer(str(runs["dir"] / "rm"))
+  scorer = S.Scorer(str(runs["dir"] / "rm"))
   assert scorer.step == 2
   groups, _, _ = SyntheticGroups().take(1, 0)
   scores = scorer.groups(groups)
@@ -235,11 +236,11 @@ def test_mode_reward_model_trains_checkpoints_and_evaluates(runs):
 
 def test_rl_with_a_dense_prm_reward_runs(runs):
   lines = read_jsonl(os.path.join(runs["rl"], "rl", "metrics.jsonl"))
-  assert sorted(lines) == [1, 2]
-  for line in lines.values():
-    assert 0 < line["rm/score_mean"] < 1 and np.isfinite(line["loss"]), line
-    assert line["groups_trained"] == 2 and "time/reward_model" in line
-  assert lines[2]["policy_version"] == 2
+  assert sorted(lines) == [1]
+  line = lines[1]
+  assert 0 < line["rm/score_mean"] < 1 and np.isfinite(line["loss"]), line
+  assert line["groups_trained"] == 2 and "time/reward_model" in line
+  assert line["policy_version"] == 1
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -7,7 +7,6 @@
     state, metrics = rm.step(state, pair_batch(episodes, pairs[:8], 1024))
     result = evaluate(rm, state, held_out, held_out_pairs, 1024)   # pairwise / ORM accuracy, AUC
     summary = run(config, workdir)                                 # mode "reward_model"
-    scorer = Scorer(workdir)                                       # in RL: rl.reward_model.path
 
 The model is `models.value_head.Critic`: the policy's architecture (a `models.transformer`
 trunk) with a scalar head. A trajectory is read as one causal sequence, its last call's context
@@ -19,8 +18,9 @@ no step score. Sequences longer than `max_len` keep their last `max_len` tokens 
 from 0: RoPE sees the same relative positions); steps before that window have no score.
 
 Batches are plain padded rows (one trajectory per row, [rows, L] with L the longest sequence
-rounded up to a multiple of 256, or to a power of two when short), not tree-packed: simpler, and exact under the tree attention rule with
-`end` = the sequence's length (padding attends only to itself). The cost is the prompt shared by
+rounded up to a multiple of 256, or to a power of two when short), not tree-packed: simpler,
+and exact under the tree attention rule with `end` = the sequence's length (padding attends
+only to itself). The cost is the prompt shared by
 a pair's two episodes, computed twice.
 
 Labels, all from the verifier (`Trajectory.reward`; a pass is reward >= PASS):
@@ -44,10 +44,7 @@ demonstrator of `trainer.demo_data`), both graded by the tasks' tests in sandbox
 (`rm_checkpoints/`, resumable), metrics.jsonl and the held-out evaluation (`reward_model.json`)
 go to the workdir.
 
-Serving (`Scorer`, the RL loop's `rl.reward_model`): the score of a step or trajectory is
-σ(value) in (0, 1) (an ORM's / PRM's success probability; for a model trained with the pairwise
-loss alone, a monotone squash of its logit). How RL combines it with the verifier's reward:
-`outcome_rewards` and `process_advantages`.
+Serving a trained model in the RL loop (`rl.reward_model`): trainer/reward_scoring.py.
 """
 
 from __future__ import annotations
@@ -57,7 +54,7 @@ import functools
 import json
 import os
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +64,7 @@ import optax
 from flax import nnx
 
 from envs.trajectory import Trajectory
-from models import hf, value_head
+from models import value_head
 from models.config import ModelConfig
 from rl import reward_losses
 from trainer import checkpoint, harness, metrics
@@ -391,130 +388,6 @@ def train(rm: RewardModel, state: RewardState, episodes: Sequence[Episode], pair
     if on_step is not None and on_step(step, state, jax.device_get(m)):
       break
   return state
-
-
-# ----------------------------------------------------------------------------- serving in RL
-
-
-class Scorer:
-  """A trained reward model (a mode "reward_model" workdir) scoring trajectories for RL.
-
-  Args:
-    path: the reward model's workdir (config.json, model_config.json, rm_checkpoints/).
-    batch_rows: trajectories per forward pass.
-
-  Raises:
-    FileNotFoundError: the workdir has no run files or no checkpoint.
-  """
-
-  def __init__(self, path: str, batch_rows: int = 8):
-    for name in ("config.json", "model_config.json"):
-      if not os.path.isfile(os.path.join(path, name)):
-        raise FileNotFoundError(f"{path!r} is not a reward model's workdir: no {name}")
-    with open(os.path.join(path, "config.json")) as f:
-      config = ml_collections.ConfigDict(json.load(f))
-    with open(os.path.join(path, "model_config.json")) as f:
-      self.model_cfg = hf.config_from_json(json.load(f))
-    self.rm = make_model(config, self.model_cfg)
-    template = self.rm.init(value_head.init(self.model_cfg, 0))
-    with checkpoint.Checkpointer(os.path.join(path, CHECKPOINTS)) as ckpt:
-      restored = ckpt.restore_latest(template)
-    if restored is None:
-      raise FileNotFoundError(f"no reward-model checkpoint in {os.path.join(path, CHECKPOINTS)}")
-    self.state, self.step = restored.state, restored.step
-    self.max_len, self.batch_rows = int(config.reward_model.max_len), batch_rows
-
-  def __call__(self, trajectories: Sequence[Trajectory]) -> list[np.ndarray]:
-    """Per trajectory, σ(value) at each of its steps ([k], NaN for an unscored step); the last
-    entry is the trajectory's score.
-
-    Raises:
-      ValueError: a token id outside the reward model's vocabulary (another tokenizer).
-    """
-    episodes = [episode(t, self.max_len) for t in trajectories]
-    top = max((int(e.tokens.max()) for e in episodes), default=0)
-    if top >= self.model_cfg.vocab_size:
-      raise ValueError(f"rl.reward_model: token id {top} is outside the reward model's "
-                       f"vocabulary ({self.model_cfg.vocab_size}); train it with the policy's "
-                       "tokenizer")
-    _, steps = score_episodes(self.rm, self.state, episodes, self.batch_rows)
-    return [1.0 / (1.0 + np.exp(-s)) for s in steps]
-
-  def groups(self, groups: list[list[Trajectory]]) -> list[list[np.ndarray]]:
-    """`self(...)` of every trajectory of the groups, scored together, in the groups' shape."""
-    flat = self([t for g in groups for t in g])
-    bounds = np.cumsum([0] + [len(g) for g in groups])
-    return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-def outcome_rewards(groups: list[list[Trajectory]], scores: list[list[np.ndarray]],
-                    weight: float, dense: bool = False) -> list[list[Trajectory]]:
-  """The groups with the reward model's scores: reward = verifier reward + weight x score.
-
-  The trajectory's score is its last step's (the value at its last token). Copies of the
-  trajectories (same ids) with metadata "verifier_reward" and "rm_score" (and "rm_step_scores").
-
-  Args:
-    groups: the step's groups.
-    scores: `Scorer` scores, in the groups' order.
-    weight: the reward model's weight; 0 keeps the verifier's reward.
-    dense: the reward stays the verifier's; the step scores enter the advantages instead
-      (`process_advantages`).
-  """
-  out = []
-  for g, gs in zip(groups, scores):
-    new = []
-    for t, s in zip(g, gs):
-      meta = {**t.metadata, "verifier_reward": float(t.reward), "rm_score": float(s[-1]),
-              "rm_step_scores": [float(x) for x in s]}
-      reward = float(t.reward) + (0.0 if dense else weight * float(s[-1]))
-      new.append(dataclasses.replace(t, reward=reward, metadata=meta))
-    out.append(new)
-  return out
-
-
-def process_advantages(groups: list[list[Trajectory]], group_advantages: Sequence[np.ndarray],
-                       weight: float) -> list[np.ndarray]:
-  """Per-call advantages: the outcome advantage plus weight x the centred process return.
-
-      A_{i,k} = A_i^outcome + w · Σ_{j >= k} (s_{i,j} - b),   b = mean of the group's s_{i,j}
-
-  (PRIME's combination of outcome and dense process rewards, γ = 1, with the group's mean step
-  score as the baseline). Unscored steps count as b.
-
-  Args:
-    groups: the kept groups, with "rm_step_scores" in their metadata (`outcome_rewards`).
-    group_advantages: their `trainer.groups.advantages_of`: [G] per trajectory or [G, C] per
-      call ("treerl").
-    weight: w.
-
-  Returns:
-    Per group [G, most calls] f32 (0 past a trajectory's calls), for `trainer.groups.micro_batches`.
-  """
-  out = []
-  for g, adv in zip(groups, group_advantages):
-    steps = [np.asarray(t.metadata["rm_step_scores"], np.float64) for t in g]
-    baseline = np.nanmean(np.concatenate(steps))
-    width = max(max(len(s) for s in steps), adv.shape[1] if adv.ndim == 2 else 0)
-    res = np.zeros((len(g), width), np.float32)
-    for i, s in enumerate(steps):
-      centred = np.where(np.isnan(s), 0.0, s - baseline)
-      ret = np.cumsum(centred[::-1])[::-1]
-      base = adv[i, :len(s)] if adv.ndim == 2 else np.full(len(s), adv[i])
-      res[i, :len(s)] = base + weight * ret
-    out.append(res)
-  return out
-
-
-def score_stats(groups: list[list[Trajectory]]) -> dict:
-  """"rm/score_mean", "rm/score_passed", "rm/score_failed": the mean scores of all, of the
-  verified and of the failed episodes of `outcome_rewards`' groups (NaN when there are none)."""
-  pairs = [(t.metadata["rm_score"], t.metadata["verifier_reward"] >= PASS) for g in groups
-           for t in g]
-  mean = lambda xs: float(np.mean(xs)) if xs else float("nan")
-  return {"rm/score_mean": mean([s for s, _ in pairs]),
-          "rm/score_passed": mean([s for s, p in pairs if p]),
-          "rm/score_failed": mean([s for s, p in pairs if not p])}
 
 
 # ----------------------------------------------------------------------------- mode

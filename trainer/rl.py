@@ -10,7 +10,7 @@ One step:
                workers through the queue), rewards from the tasks' verifiers; with
                `rl.rollout = "branching"` each task's group is one entropy-guided tree of
                `rl.group_size` leaves (envs.branching); with `rl.reward_model.path` a
-               trained reward model (trainer.reward_model) scores every episode: reward =
+               trained reward model (trainer.reward_scoring) scores every episode: reward =
                verifier reward + `rl.reward_model.weight` x its score ("orm"), or for a
                "prm" dense per-call advantages in step 3 (metrics "rm/*"; episode metrics
                such as pass_rate stay the verifier's);
@@ -71,7 +71,7 @@ from trainer import config as config_lib
 from trainer import critic as critic_lib
 from trainer import groups as groups_lib
 from trainer import harness, rollouts
-from trainer import reward_model as reward_model_lib
+from trainer import reward_scoring
 from trainer import state as state_lib
 from trainer import step as step_lib
 from trainer.rollout_sources import make_source
@@ -285,7 +285,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
   critic = (CriticRun(config, run, state) if rl_cfg.advantage in advantages.CRITIC_ADVANTAGES
             else None)
   rm_cfg = rl_cfg.reward_model
-  scorer_rm = reward_model_lib.Scorer(rm_cfg.path) if rm_cfg.path else None
+  scorer_rm = reward_scoring.Scorer(rm_cfg.path) if rm_cfg.path else None
   # a PRM's step scores enter the advantages, unless the critic's per-token GAE makes them
   dense_rm = rm_cfg.kind == "prm" and critic is None
 
@@ -326,9 +326,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
       trained = groups
       if scorer_rm is not None:
         with run.timer.phase("reward_model"):
-          trained = reward_model_lib.outcome_rewards(
+          trained = reward_scoring.outcome_rewards(
               groups, scorer_rm.groups(groups), rm_cfg.weight, dense=dense_rm)
-          line.update(reward_model_lib.score_stats(trained))
+          line.update(reward_scoring.score_stats(trained))
       kept, dropped_groups, dropped = groups_lib.select_groups(
           trained, group_size=rl_cfg.group_size, drop_constant=rl_cfg.drop_constant_groups,
           min_version=version - rl_cfg.max_staleness if overlapped else None,
@@ -342,7 +342,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
         with run.timer.phase("pack"):
           group_advantages = groups_lib.advantages_of(kept, rl_cfg.advantage)
           if scorer_rm is not None and dense_rm:
-            group_advantages = reward_model_lib.process_advantages(kept, group_advantages,
+            group_advantages = reward_scoring.process_advantages(kept, group_advantages,
                                                                    rm_cfg.weight)
           line.update(groups_lib.segment_stats(kept, group_advantages))
           parts = groups_lib.micro_batches(kept, group_advantages, shape, rl_cfg.minibatches,
