@@ -15,7 +15,9 @@ import time
 import ml_collections
 import pytest
 
+from configs import sft_demo
 from trainer import config as config_lib
+from trainer import harness
 from trainer import main as main_lib
 from trainer.config import ConfigError, validate
 
@@ -25,7 +27,7 @@ NAMES = sorted(os.path.splitext(os.path.basename(p))[0]
                if not p.endswith(("__init__.py", "base.py")))  # base: the sections, not a run
 FAMILIES = ("qwen2.5-coder", "qwen3", "deepseek-v3")
 TEMPLATES = ("sft", "rl", "distill", "long_context")  # imported HF models: placeholder paths
-RUNNABLE = ("smoke", "sft_demo", "demo")  # configs that validate (and run) as they are
+RUNNABLE = ("smoke", "sft_demo", "demo", "reward_model")  # configs that validate (and run) as they are
 PLACEHOLDER = "/path/to/"
 # Placeholder fields that `validate` does not check on disk (read when the run starts):
 # held-out task files (mode "eval" reads them) and the teachers' directories (format only).
@@ -379,3 +381,18 @@ def test_the_demo_episodes_environment_is_validated(tmp_path):
   c.data.demo.environment = "trixie"
   with pytest.raises(ConfigError, match=r"^config\.data\.demo\.environment='trixie': expected"):
     timed_validate(c, str(tmp_path / "w"))
+
+
+def test_resuming_an_older_workdir_ignores_new_fields_at_their_default(tmp_path):
+  """A workdir whose config.json predates a field: the field at its default is no change; set
+  to another value, or any field changed, it is named."""
+  config = sft_demo.get_config()
+  older = json.loads(config.to_json_best_effort())
+  del older["rl"]["engine_mesh_shape"]  # a field the older run's Arbor did not have
+  older["optimizer"]["learning_rate"] = 0.5
+  (tmp_path / "config.json").write_text(json.dumps(older))
+  assert harness.config_changes(config, str(tmp_path)) == [
+      ("optimizer.learning_rate", 0.5, config.optimizer.learning_rate)]
+  config.rl.engine_mesh_shape = "tensor=2"
+  assert [k for k, *_ in harness.config_changes(config, str(tmp_path))] == [
+      "optimizer.learning_rate", "rl.engine_mesh_shape"]

@@ -42,6 +42,7 @@ import ml_collections
 from etils import epath
 from flax import nnx
 
+from configs import base
 from models import hf, lora, transformer
 from trainer import checkpoint, metrics, optim, report
 from trainer import config as config_lib
@@ -161,6 +162,9 @@ RESUMABLE_FIELDS = ("train.steps", "optimizer.total_steps", "train.log_every",
                     "model.overrides.sharding_rules.act_embed", "allow_config_change")
 
 
+_MISSING = object()
+
+
 def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
   out = {}
   for key, value in tree.items():
@@ -180,15 +184,26 @@ def config_changes(config: ml_collections.ConfigDict, workdir: str) -> list[tupl
 
   Returns:
     [(dotted field, value the workdir's run was started with, value now)], sorted by field
-    (None for a field only one side has); [] when the workdir has no config.json.
+    (None for a field only one side has); [] when the workdir has no config.json. A field the
+    workdir's config.json lacks (added to Arbor since) is no change at its configs/base.py
+    default.
   """
   path = epath.Path(workdir) / "config.json"
   if not path.exists():
     return []
   before = _flat(json.loads(path.read_text()))
   now = _flat(json.loads(config.to_json_best_effort()))
+  defaults = _flat(json.loads(base.base_config().to_json_best_effort()))
+
+  def new_at_default(k: str) -> bool:
+    # a field added to Arbor after the workdir's run started, left at its default: the run
+    # computes what it did (a demo's stage fields are "sft.<field>" / "rl.<field>")
+    stage_free = k.split(".", 1)[-1]
+    default = defaults.get(k, defaults.get(stage_free, _MISSING))
+    return k not in before and now[k] == default
+
   return [(k, before.get(k), now.get(k)) for k in sorted(set(before) | set(now))
-          if before.get(k) != now.get(k)
+          if before.get(k) != now.get(k) and not new_at_default(k)
           and not any(fnmatch.fnmatchcase(k, p) for p in RESUMABLE_FIELDS)]
 
 
