@@ -349,6 +349,7 @@ def _rl() -> ml_collections.ConfigDict:
   s.scaffold = "react"
   s.branch = _branch()  # tree rollouts (rl.rollout = "branching"): envs.branching.BranchConfig
   s.reward_model = _rl_reward_model()  # a trained reward model's score added to the reward
+  s.judge_reward = _rl_judge_reward()  # an LLM judge's rubric score added to the reward
   return s
 
 
@@ -361,6 +362,33 @@ def _rl_reward_model() -> ml_collections.ConfigDict:
   # the step scores is added to each call's advantage (with rl.advantage="gae": the trajectory's
   # score enters its reward, as "orm")
   s.kind = "orm"
+  return s
+
+
+def _rl_judge_reward() -> ml_collections.ConfigDict:
+  """A generative reward in the RL loop (trainer.judge_rewards): verifier reward + weight x the
+  rubric score an LLM judge gives each episode, in [0, 1]."""
+  s = ml_collections.ConfigDict()
+  s.weight = 0.0  # w: reward = verifier reward + w x judge score (0 = no judge)
+  # the judge: "policy" (the policy grades itself, same engine), "ckpt:<dir>" (a checkpoint in
+  # its own engine) or an OpenAI-compatible completions URL "http://host:port/v1" (token ids
+  # in and out); it must share the policy's tokenizer and chat format
+  s.source = "policy"
+  s.model = "arbor"  # the served model's name at an http(s) source
+  # the dimensions, "name:weight:description", each scored 0-10 (envs.verifiers.judge)
+  s.rubric = ("correctness:2:the changes do what the task asks and break nothing else",
+              "minimal_edit:1:the diff touches only what the fix needs, no unrelated changes",
+              "process:1:each step is purposeful: no needless, repeated or wrong actions")
+  s.max_retries = 2  # re-asks after an unparseable, failed or timed-out reply
+  s.fallback = "skip"  # after the retries: "skip" (reward = verifier's) | "group_mean"
+  s.concurrency = 16  # judge requests in flight at once
+  s.timeout_s = 120.0  # seconds one judge reply may take (then it counts as failed)
+  s.max_tokens = 256  # the judge reply's token budget (greedy)
+  s.max_chars = 6000  # the tail of each episode's transcript the judge sees
+  s.cache_size = 65536  # scores kept in memory (LRU) by content hash (0 = no cache)
+  # scores kept on disk (JSONL; relative: under the workdir; "" = in memory only), read back
+  # when a run resumes
+  s.cache_file = "judge_cache.jsonl"
   return s
 
 

@@ -53,6 +53,7 @@ from configs import base
 from envs import branching, net, sandbox, task_environments, taskgen
 from envs.chat import load_chat, load_tokenizer, make_chat, read_chat_templates
 from envs.chat.formats import FORMATS, ChatFormat
+from envs.verifiers.judge import parse_rubric
 from models import hf
 from models.config import ModelConfig
 from models.presets import PRESETS, get_preset
@@ -64,6 +65,7 @@ from trainer.data import SFTDataConfig
 
 MODES = ("smoke", "sft", "rl", "distill", "eval", "serve", "demo", "reward_model")
 RM_KINDS = ("orm", "prm")  # how the RL loop reads a reward model (trainer.reward_model)
+JUDGE_FALLBACKS = ("skip", "group_mean")  # an episode the judge failed (trainer.judge_rewards)
 RL_LOSSES_EXCLUDED = ("sft", "dpo")  # not on-policy RL losses (dpo needs preference pairs)
 INIT_KINDS = ("random", "hf:<dir>", "ckpt:<dir>")
 SFT_LOSSES = ("sft",)
@@ -418,6 +420,7 @@ def validate(config: ml_collections.ConfigDict, workdir: Optional[str] = None, *
   _validate_eval(config)
   _validate_serve(config)
   _validate_reward_model(config, mode, files)
+  _validate_judge_reward(config)
   if files and mode in ("rl", "distill", "eval", "serve"):
     tokenizer_source(config, workdir or ".")
   if files and config.tokenizer.chat_format == "template":
@@ -463,6 +466,11 @@ def _validate_rl_mode(config, files: bool) -> None:
   if files and path and not os.path.isfile(os.path.join(path, "model_config.json")):
     _fail("rl.reward_model.path", path, "a mode 'reward_model' workdir (with model_config.json "
           "and rm_checkpoints/) or ''")
+  judge = rl.judge_reward
+  if (files and judge.weight and judge.source.startswith("ckpt:")
+      and not os.path.isdir(judge.source[5:])):
+    _fail("rl.judge_reward.source", judge.source, "'ckpt:<dir>' of an existing checkpoint "
+          "directory")
   if rl.advantage in advantages.CRITIC_ADVANTAGES:
     _check_critic(config)
 
@@ -853,6 +861,31 @@ def _validate_reward_model(config, mode: str, files: bool) -> None:
           "training trajectories otherwise)")
   if files:
     tokenizer_source(config, ".")
+
+
+def _validate_judge_reward(config) -> None:
+  """The LLM judge served in RL as a generative reward (rl.judge_reward)."""
+  _number(config, "rl.judge_reward.weight", 0.0)
+  source = _str(config, "rl.judge_reward.source")
+  if not (source == "policy" or (source.startswith("ckpt:") and source[5:].strip())
+          or re.match(r"https?://\S+$", source)):
+    _fail("rl.judge_reward.source", source, "'policy', 'ckpt:<dir>' or an http(s):// "
+          "completions URL such as 'http://127.0.0.1:8000/v1'")
+  if not _str(config, "rl.judge_reward.model") and source.startswith("http"):
+    _fail("rl.judge_reward.model", "", "the served model's name with an http(s) source")
+  rubric = _get(config, "rl.judge_reward.rubric")
+  try:
+    parse_rubric(rubric if isinstance(rubric, (tuple, list)) else ())
+  except ValueError as e:
+    _fail("rl.judge_reward.rubric", rubric, f"a tuple of 'name:weight:description' ({e})")
+  _int(config, "rl.judge_reward.max_retries", 0)
+  _choice(config, "rl.judge_reward.fallback", JUDGE_FALLBACKS)
+  _int(config, "rl.judge_reward.concurrency", 1)
+  _number(config, "rl.judge_reward.timeout_s", 0.0, low_open=True)
+  _int(config, "rl.judge_reward.max_tokens", 1)
+  _int(config, "rl.judge_reward.max_chars", 1)
+  _int(config, "rl.judge_reward.cache_size", 0)
+  _str(config, "rl.judge_reward.cache_file")
 
 
 def _validate_scaffold(config, field: str) -> None:

@@ -13,7 +13,9 @@ One step:
                trained reward model (trainer.reward_scoring) scores every episode: reward =
                verifier reward + `rl.reward_model.weight` x its score ("orm"), or for a
                "prm" dense per-call advantages in step 3 (metrics "rm/*"; episode metrics
-               such as pass_rate stay the verifier's);
+               such as pass_rate stay the verifier's); with `rl.judge_reward.weight` > 0 an
+               LLM judge grades every episode on a rubric (trainer.judge_rewards): reward +=
+               weight x its score (metrics "judge/*");
   2. filter    partial groups (an episode failed), stale groups (async: more than
                `rl.max_staleness` policy versions behind), constant-reward groups (no signal);
   3. pack      `rl.advantage` over each group's rewards (rl.advantages; "treerl": per call from
@@ -70,7 +72,7 @@ from trainer import blackbox
 from trainer import config as config_lib
 from trainer import critic as critic_lib
 from trainer import groups as groups_lib
-from trainer import harness, rollouts
+from trainer import harness, judge_rewards, rollouts
 from trainer import reward_scoring
 from trainer import state as state_lib
 from trainer import step as step_lib
@@ -294,6 +296,18 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
   engine = Engine(state.model(model_cfg), rollouts.engine_config(config, model_cfg),
                   detokenize=chat.tokenizer.decode, version=version,
                   mesh=rollouts.engine_mesh(config, mesh))
+  judge = judge_rewards.from_config(config, chat, engine, workdir)  # None: weight 0
+
+  def rm_rewards(groups, tasks):
+    del tasks
+    scored = reward_scoring.outcome_rewards(groups, scorer_rm.groups(groups), rm_cfg.weight,
+                                            dense=dense_rm)
+    return scored, reward_scoring.score_stats(scored)
+  # reward sources beside the verifier, in order: (timer phase, (groups, tasks) -> (groups with
+  # the source's term added to each reward, metrics))
+  reward_sources = [("reward_model", rm_rewards)] if scorer_rm is not None else []
+  if judge is not None:
+    reward_sources.append(("judge", judge.rewards))
   source = make_source(config, engine, chat, rollouts.scaffold_config(config),
                        TaskSource(config, workdir), consumed, restored_extra, run.checkpointer)
   train_step = step_lib.make_train_step(
@@ -317,18 +331,19 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
           f"{rl_cfg.prompts_per_step} tasks x {rl_cfg.group_size} episodes per step, loss "
           f"{loss_cfg.name}, {rl_cfg.loop} loop; steps {run.start + 1}..{train.steps}")
   summary = run.summary
-  with contextlib.closing(source), run.loop(bar_keys=("reward_mean", "pass_rate", "loss")):
+  judge_open = contextlib.closing(judge) if judge is not None else contextlib.nullcontext()
+  with contextlib.closing(source), judge_open, run.loop(
+      bar_keys=("reward_mean", "pass_rate", "loss")):
     for step in run.steps():
       # 1-2. rollout and filter
       with run.timer.phase("rollout"):
         groups, step_tasks, source_counts = source.take(step, version)
       line: dict[str, Any] = {**groups_lib.episode_stats(groups), **source_counts}
       trained = groups
-      if scorer_rm is not None:
-        with run.timer.phase("reward_model"):
-          trained = reward_scoring.outcome_rewards(
-              groups, scorer_rm.groups(groups), rm_cfg.weight, dense=dense_rm)
-          line.update(reward_scoring.score_stats(trained))
+      for phase, add in reward_sources:
+        with run.timer.phase(phase):
+          trained, stats = add(trained, step_tasks)
+          line.update(stats)
       kept, dropped_groups, dropped = groups_lib.select_groups(
           trained, group_size=rl_cfg.group_size, drop_constant=rl_cfg.drop_constant_groups,
           min_version=version - rl_cfg.max_staleness if overlapped else None,

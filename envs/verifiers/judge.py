@@ -1,5 +1,7 @@
 """The `judge` verifier of "judge" tasks: a policy scores the response on the task's weighted
-rubric."""
+rubric. The same prompt and parser grade any episode for a generative reward
+(`trainer.judge_rewards`): `parse_rubric` reads a rubric written as text, `transcript` an
+episode's work as text, `reply_reward` a reply's score or None when it is unparseable."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from envs.policy import Policy, SamplingParams
 from envs.tasks import Task
+from envs.trajectory import Trajectory
 from envs.verifiers.base import Verdict
 
 
@@ -109,6 +112,74 @@ def rubric_reward(scores: Mapping[str, Optional[float]],
   got = sum(float(d.get("weight", 1.0)) * (scores.get(d["name"]) or 0.0) / float(d.get("max", 10))
             for d in rubric)
   return got / total
+
+
+def reply_reward(text: str, rubric: Sequence[Mapping[str, Any]]) -> Optional[float]:
+  """`rubric_reward` of a reply that scores every dimension.
+
+  Args:
+    text: the judge's reply.
+    rubric: the dimensions.
+
+  Returns:
+    A reward in [0, 1], or None when the reply gives some dimension no score (unparseable).
+  """
+  scores = parse_scores(text, rubric)
+  if any(s is None for s in scores.values()):
+    return None
+  return rubric_reward(scores, rubric)
+
+
+def parse_rubric(entries: Sequence[str]) -> tuple[dict, ...]:
+  """A rubric written as text, one "name:weight:description" per dimension (scored 0-10).
+
+  Args:
+    entries: e.g. ("correctness:2:the change does what the task asks", "minimal_edit:1:...").
+
+  Returns:
+    The dimensions ({"name", "weight", "description"}), as `Task.rubric` holds them.
+
+  Raises:
+    ValueError: no entry, an entry without a name, a weight that is not a positive number, or
+      a name given twice.
+  """
+  dims = []
+  for entry in entries:
+    name, _, rest = str(entry).partition(":")
+    weight, _, description = rest.partition(":")
+    try:
+      w = float(weight)
+    except ValueError:
+      w = float("nan")
+    if not name.strip() or not w > 0 or w == float("inf"):
+      raise ValueError(f"rubric entry {entry!r}: expected 'name:weight:description' with a "
+                       "non-empty name and a positive weight")
+    dims.append({"name": name.strip(), "weight": w, "description": description.strip()})
+  names = [_key(d["name"]) for d in dims]
+  if not dims or len(set(names)) != len(names):
+    raise ValueError(f"rubric {tuple(entries)!r}: expected at least one dimension, each name "
+                     "once")
+  return tuple(dims)
+
+
+def transcript(trajectory: Trajectory, decode: Callable[[Sequence[int]], str],
+               max_chars: int = 6000) -> str:
+  """An episode's work as text: what its last call's context and output add to its first
+  prompt (assistant turns and tool outputs), decoded, its last `max_chars` characters.
+
+  Args:
+    trajectory: the episode (>= 1 call).
+    decode: token ids -> text.
+    max_chars: the tail kept.
+
+  Returns:
+    The text; a last call that does not extend the first prompt (a summarised context) is
+    shown whole.
+  """
+  first, last = trajectory.calls[0], trajectory.calls[-1]
+  ids = list(last.input_ids)
+  start = len(first.input_ids) if ids[:len(first.input_ids)] == list(first.input_ids) else 0
+  return decode(ids[start:] + list(last.output_ids))[-max_chars:]
 
 
 async def verify_judge(task: Task, response: str, policy: Policy,
