@@ -17,7 +17,6 @@ import os
 import time
 
 import ml_collections
-from matplotlib.figure import Figure
 
 from trainer import config as config_lib
 from trainer import evaluate, harness, rl, rollouts, sft
@@ -219,6 +218,10 @@ def write_report(workdir: str, config, results: dict) -> str:
   Returns:
     The path of demo_report.html.
   """
+  # imported here, as trainer.report does: every trainer process imports this module, and
+  # matplotlib costs about a second of start-up to the many that draw nothing
+  from matplotlib.figure import Figure
+
   fig = Figure(figsize=(15, 4))  # the object API: no pyplot state, no display
   axes = fig.subplots(1, 3)
   for s in results["seeds"]:
