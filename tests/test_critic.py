@@ -95,3 +95,15 @@ def test_one_rl_step_with_gae_and_the_critic_loss_falls(setup):
     history.append(float(m["value_loss"]))
   assert int(cstate.step) == 6
   assert history[-1] < 0.5 * history[0], history
+
+
+def test_fit_metrics_are_those_of_the_values_before_the_update(setup):
+  mb, critic, cstate = setup
+  mb = critic.gae_fields(cstate, mb, 1.0, 1.0)
+  _, m = critic.step(cstate, mb)
+  valid = np.asarray(mb.seq_valid)
+  ret, old = (np.asarray(mb.fields[k])[valid] for k in ("returns", "old_values"))
+  np.testing.assert_allclose(float(m["value_mean"]), old.mean(), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(float(m["returns_mean"]), ret.mean(), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(float(m["value_explained_variance"]),
+                             1.0 - (ret - old).var() / ret.var(), rtol=1e-3, atol=1e-4)

@@ -51,6 +51,29 @@ class CriticState:
   step: jax.Array
 
 
+MOMENTS = ("v", "r", "rr", "e", "ee")  # sums over valid tokens: V, R, R², R - V, (R - V)²
+
+
+def _moments(values: jax.Array, returns: jax.Array, valid: jax.Array) -> dict:
+  """The sums `MOMENTS` of one micro-batch's valid tokens (constants: metrics only)."""
+  live = valid > 0
+  v = jnp.where(live, values, 0.0)
+  r = jnp.where(live, returns, 0.0)
+  e = r - v
+  return jax.lax.stop_gradient({"v": v.sum(), "r": r.sum(), "rr": (r * r).sum(),
+                                "e": e.sum(), "ee": (e * e).sum()})
+
+
+def _fit_metrics(m: dict, n: jax.Array) -> dict:
+  """"value_mean", "returns_mean" and "value_explained_variance" 1 - Var(R - V) / Var(R) over
+  the valid tokens of all micro-batches (the values before the update: those the targets were
+  computed with); 0 where the targets do not vary."""
+  var_r = m["rr"] / n - jnp.square(m["r"] / n)
+  var_e = m["ee"] / n - jnp.square(m["e"] / n)
+  ev = jnp.where(var_r > 1e-8, 1.0 - var_e / jnp.maximum(var_r, 1e-8), 0.0)
+  return {"value_mean": m["v"] / n, "returns_mean": m["r"] / n, "value_explained_variance": ev}
+
+
 class Critic:
   """Values, GAE fields and the value-loss update of a `models.value_head.Critic`.
 
@@ -92,27 +115,31 @@ class Critic:
 
     def loss_fn(params, mb_i, valid_i):
       values = gather(self._forward(params, state.rest, mb_i), mb_i.seq_pred)
-      return losses.value_loss(values, mb_i.fields["returns"], valid_i / total,
-                               mb_i.fields["old_values"], self.value_clip)
+      loss, metrics = losses.value_loss(values, mb_i.fields["returns"], valid_i / total,
+                                        mb_i.fields["old_values"], self.value_clip)
+      return loss, (metrics, _moments(values, mb_i.fields["returns"], valid_i))
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def body(carry, xs):
       mb_i, valid_i = xs
-      (loss, metrics), grads = grad_fn(state.params, mb_i, valid_i)
+      (loss, (metrics, moments)), grads = grad_fn(state.params, mb_i, valid_i)
       weight = valid_i.sum()
-      loss_sum, grad_sum, metric_sum = carry
+      loss_sum, grad_sum, metric_sum, moment_sum = carry
       return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads),
-              {k: metric_sum[k] + weight * v for k, v in metrics.items()}), None
+              {k: metric_sum[k] + weight * v for k, v in metrics.items()},
+              jax.tree.map(jnp.add, moment_sum, moments)), None
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     init = (jnp.zeros((), jnp.float32), zeros,
-            {"value_clip_fraction": jnp.zeros(()), "value_error": jnp.zeros(())})
-    (loss, grads, metrics), _ = jax.lax.scan(body, init, (mb, valid))
+            {"value_clip_fraction": jnp.zeros(()), "value_error": jnp.zeros(())},
+            {k: jnp.zeros(()) for k in MOMENTS})
+    (loss, grads, metrics, moments), _ = jax.lax.scan(body, init, (mb, valid))
     updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {k: v / total for k, v in metrics.items()}
-    metrics.update(value_loss=loss, value_grad_norm=optax.tree.norm(grads))
+    metrics.update(value_loss=loss, value_grad_norm=optax.tree.norm(grads),
+                   **_fit_metrics(moments, total))
     return dataclasses.replace(state, params=params, opt_state=opt_state,
                                step=state.step + 1), metrics
 
@@ -145,6 +172,7 @@ class Critic:
 
     Returns:
       (the new state, metrics "value_loss", "value_clip_fraction", "value_error",
-      "value_grad_norm").
+      "value_grad_norm", and of the values before the update "value_mean", "returns_mean",
+      "value_explained_variance").
     """
     return self._step(state, mb)
