@@ -205,7 +205,7 @@ def runs(tmp_path_factory):
   config_lib.validate(c, str(d / "rm"))
   summary = R.run(c, str(d / "rm"))
   rl_cfg = gae_config(str(d / "tokenizer"), 1)
-  rl_cfg.loss.name, rl_cfg.rl.advantage = "cispo", "grpo"
+  rl_cfg.loss.name, rl_cfg.rl.advantage, rl_cfg.rl.epochs = "cispo", "grpo", 1
   rl_cfg.rl.reward_model.path, rl_cfg.rl.reward_model.kind = str(d / "rm"), "prm"
   rl_cfg.rl.drop_constant_groups = False
   mp = pytest.MonkeyPatch()

@@ -27,6 +27,7 @@ from trainer import state as state_lib
 from trainer.metrics import read_jsonl
 
 WARMUP = 2  # the policy trains from step 3 on
+EPOCHS = 2  # policy and critic each make two passes over a step's micro-batches
 
 
 class SyntheticGroups:
@@ -75,6 +76,7 @@ def gae_config(tokenizer: str, steps: int):
   c.rl.advantage = "gae"
   c.rl.critic_lr = 1e-3
   c.rl.critic_warmup_steps = WARMUP
+  c.rl.epochs = EPOCHS
   c.data.row_len = 128
   c.optimizer.learning_rate = 1e-3
   c.train.steps = steps
@@ -127,11 +129,12 @@ def test_critic_trains_every_step_and_the_policy_after_warmup(runs):
     assert np.isfinite(line["value_loss"]) and line["value_loss"] > 0, line
     assert 0 <= line["value_clip_fraction"] <= 1 and np.isfinite(line["value_error"])
     assert ("loss" in line) == (step > WARMUP), (step, sorted(line))
-  assert lines[3]["policy_version"] == 1  # one policy update, at step 3
+  assert lines[3]["policy_version"] == EPOCHS  # the policy's updates, all at step 3
   # the critic: a zero value head at the start (value_head.ValueHead), fitted since
   first, last = _critic(runs["straight"], 1), _critic(runs["straight"], 3)
   head = np.asarray(last["params"]["head"]["weight"]["value"])
-  assert np.abs(head).max() > 0 and int(np.asarray(last["step"])) == 3
+  # as many updates as the policy makes a step: one per epoch
+  assert np.abs(head).max() > 0 and int(np.asarray(last["step"])) == 3 * EPOCHS
   assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first["params"]),
                                                        jax.tree.leaves(last["params"])))
   # the policy: untouched through the warm-up (compared with the seed's initial weights)

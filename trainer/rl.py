@@ -226,12 +226,15 @@ class CriticRun:
     return [self.critic.gae_fields(self.state, mb, self.rl.gae_gamma, self.rl.gae_lambda)
             for mb in mbs]
 
-  def train(self, mbs: list) -> dict:
-    """One critic update per micro-batch set (each carrying `fields`); the metrics averaged."""
+  def train(self, mbs: list, epochs: int) -> dict:
+    """`epochs` passes of one critic update per micro-batch set (each carrying `fields`), as
+    the policy makes (PPO fits both on the same batch; the clip stays around the values the
+    targets came from); the metrics averaged."""
     step_metrics = []
-    for mb in mbs:
-      self.state, m = self.critic.step(self.state, mb)
-      step_metrics.append(jax.device_get(m))
+    for _ in range(epochs):
+      for mb in mbs:
+        self.state, m = self.critic.step(self.state, mb)
+        step_metrics.append(jax.device_get(m))
     return groups_lib.mean_metrics(step_metrics)
 
 
@@ -368,7 +371,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
         if critic is not None:
           with run.timer.phase("critic"):
             mbs = critic.fields(mbs)
-            line.update(critic.train(mbs))
+            line.update(critic.train(mbs, rl_cfg.epochs))
         # critic warm-up: the policy's first updates read advantages of a fitted critic
         if critic is None or step > rl_cfg.critic_warmup_steps:
           with run.timer.phase("train", tokens=line.get("loss_tokens", 0)):
