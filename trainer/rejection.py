@@ -97,7 +97,7 @@ from envs.scaffolds import registry as scaffold_registry
 from envs.tasks import Task
 from envs.tools import default_tools
 from envs.trajectory import Trajectory
-from envs.verifiers.judge import verify_judge
+from envs.verifiers.judge import transcript, verify_judge
 from models.engine import Engine, EngineConfig
 from trainer import blackbox
 from trainer import config as config_lib
@@ -334,14 +334,10 @@ def judge(tasks: Sequence[Task], attempts: Sequence[Sequence[Any]], policy: Poli
     return chat.render([{"role": "user", "content": text}], add_generation_prompt=True).ids
 
   async def one(task: Task, t: Trajectory):
-    first, last = t.calls[0], t.calls[-1]
-    # later calls extend the first one's input: what follows it is the agent's work
-    transcript = chat.tokenizer.decode(list(last.input_ids[len(first.input_ids):]) +
-                                       list(last.output_ids))
     graded = Task(instance_id=task.instance_id, kind="judge",
                   problem_statements=(task.problem_statement,), rubric=tuple(rubric))
-    verdict = await verify_judge(graded, transcript[-max_chars:], policy, render,
-                                 chat.tokenizer.decode)
+    verdict = await verify_judge(graded, transcript(t, chat.tokenizer.decode, max_chars),
+                                 policy, render, chat.tokenizer.decode)
     t.metadata["judge_score"] = float(verdict.reward)
     t.metadata["judge"] = verdict.details
 
