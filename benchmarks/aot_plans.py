@@ -27,6 +27,13 @@ attention FLOPs added, which the compiled count leaves out (`attention_flops`).
 
     python -m benchmarks.aot_plans --plans=long --out_dir=docs/aot --update_docs
     python -m benchmarks.aot_plans --plans=long --docs_only --out_dir=docs/aot --update_docs
+
+`--critic` compiles a plan as PPO with a learned critic (`rl.advantage` "gae", loss "ppo"):
+the train step and the critic's two programs (`trainer.critic`), each side's HBM peak counted
+with the other's state resident (JSON `<plan>-ppo.json`, the "PPO with a critic" block of
+docs/scaling.md between `<!-- aot-critic:start -->` and `<!-- aot-critic:end -->`).
+
+    python -m benchmarks.aot_plans --critic --plans=qwen7b-v5p-full --out_dir=docs/aot --update_docs
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from trainer import aot_search
 # prefill: `--programs` (the unrolled engine model)
 PROGRAMS = ("train", "score", "decode", "weight_sync")
 LONG_PROGRAMS = ("train",)  # long-context plans: the train step (compiles take minutes each)
+CRITIC_PROGRAMS = ("train", "critic")  # `--critic`: PPO with a learned critic
 
 # the residual stream (and the layer inputs full remat saves) split over `tensor`
 SPLIT_RESIDUAL = {"sharding_rules": {"act_embed": "tensor"}}
@@ -226,13 +234,19 @@ def long_estimate(name: str) -> dict:
           "step_s": round(matmuls / chips / chip.peak_flops + attention, 2)}
 
 
-def run(name: str, programs=PROGRAMS, search: bool = False) -> dict:
+def run(name: str, programs=PROGRAMS, search: bool = False, critic: bool = False) -> dict:
   """Compiles plan `name`; the aot report plus the plan, the estimate and, with `search`, the
-  settings tried when the train step does not fit (`aot.search`)."""
+  settings tried when the train step does not fit (`aot.search`). With `critic`, the plan as
+  PPO with a learned critic (report["critic"] True)."""
   t0 = time.perf_counter()
   config = plan_config(name)
+  if critic:
+    config.rl.advantage, config.loss.name = "gae", "ppo"
   report = aot.compile_run(config, ALL_PLANS[name].topology, programs)
   report["plan"] = name
+  if critic:
+    report["critic"] = True
+    report["compiled"] = {"date": common.today(), "machine": common.machine()}
   report["estimate"] = long_estimate(name) if name in LONG_PLANS else estimate(name)
   if name in LONG_PLANS:
     report["preset"] = ALL_PLANS[name].preset
@@ -336,6 +350,37 @@ def long_markdown(reports: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def critic_markdown(reports: list[dict]) -> str:
+  """The docs table of the plans compiled as PPO with a learned critic."""
+  when = reports[0].get("compiled", {}) if reports else {}
+  lines = [f"Compiled {when.get('date', common.today())} on "
+           f"{when.get('machine', common.machine())} with libtpu (no TPU); "
+           "`python -m benchmarks.aot_plans --critic --plans=... --out_dir=docs/aot "
+           "--update_docs`. The critic (`trainer.critic`: the policy's architecture with a "
+           "value head, fp32 weights and Adam moments sharded like the policy's) stays "
+           "resident beside the policy's state: the policy's peak counts the critic's state, "
+           "the critic's update counts the policy's TrainState. Roofline seconds per step: the "
+           "policy's accumulation + update, the critic's forward (its GAE fields) + update.", "",
+           "| plan | slice (chips) | critic state GB / chip | policy peak GB / chip (with "
+           "critic) | critic peak GB / chip (with policy) | fits? | policy step s | critic s "
+           "(values + update) | compile s |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for r in reports:
+    p, peak, cpeak = r["programs"], r.get("train_peak_gb", {}), r.get("critic_peak_gb", {})
+    values, update = p.get("critic/values", {}), p.get("critic/update", {})
+    step = _step_s(r)
+    critic_s = (None if "error" in values or "error" in update or not update
+                else values["roofline_s"]["step"] + update["roofline_s"]["step"])
+    fits = bool(peak.get("fits") and cpeak.get("fits"))
+    lines.append(
+        f"| {r['plan']} | {r['topology']} ({r['chips']}) | {cpeak.get('critic_state', 0):.1f} | "
+        f"{peak.get('total', float('nan')):.1f} | {cpeak.get('total', float('nan')):.1f} | "
+        f"{'yes' if fits else 'no'} | {'-' if step is None else f'{step:.2f}'} | "
+        f"{'-' if critic_s is None else f'{critic_s:.2f}'} | "
+        f"{sum(x['compile_s'] for x in p.values()):.0f} |")
+  return "\n".join(lines)
+
+
 def _total(program: dict | None) -> str:
   if program is None:
     return "-"
@@ -362,6 +407,8 @@ def main() -> None:
                  help=f"of {aot.PROGRAMS}; default {PROGRAMS}, long-context plans {LONG_PROGRAMS}")
   p.add_argument("--search", action="store_true",
                  help="when a train step does not fit, compile alternatives (aot.search)")
+  p.add_argument("--critic", action="store_true",
+                 help="compile the plans as PPO with a learned critic (<plan>-ppo.json)")
   p.add_argument("--docs_only", action="store_true",
                  help="compile nothing: rewrite the blocks of --plans from the JSONs in --out_dir")
   args = p.parse_args()
@@ -370,13 +417,14 @@ def main() -> None:
   for name in [] if args.docs_only else names.split(","):
     if name not in ALL_PLANS:
       p.error(f"--plans: {name!r} is not one of {list(ALL_PLANS)}")
-    default = LONG_PROGRAMS if name in LONG_PLANS else PROGRAMS
+    default = (CRITIC_PROGRAMS if args.critic else LONG_PROGRAMS if name in LONG_PLANS
+               else PROGRAMS)
     programs = tuple(args.programs.split(",")) if args.programs else default
-    report = run(name, programs, args.search)
+    report = run(name, programs, args.search, args.critic)
     print(json.dumps(report), flush=True)
     if args.out_dir:
       os.makedirs(args.out_dir, exist_ok=True)
-      path = os.path.join(args.out_dir, f"{name}.json")
+      path = os.path.join(args.out_dir, f"{name}{'-ppo' if args.critic else ''}.json")
       if args.programs and os.path.isfile(path):  # some programs anew: keep the others
         with open(path) as f:
           old = json.load(f)
@@ -389,7 +437,15 @@ def main() -> None:
       with open(path, "w") as f:
         json.dump(report, f, indent=1)
     reports.append(report)
-  if args.update_docs:  # every plan with a report in --out_dir, in PLANS order
+  if args.update_docs and args.critic:  # every plan with a -ppo report in --out_dir
+    done = {r["plan"]: r for r in reports}
+    for name in ALL_PLANS if args.out_dir else ():
+      path = os.path.join(args.out_dir, f"{name}-ppo.json")
+      if name not in done and os.path.isfile(path):
+        with open(path) as f:
+          done[name] = json.load(f)
+    write_docs(critic_markdown([done[n] for n in ALL_PLANS if n in done]), "aot-critic")
+  elif args.update_docs:  # every plan with a report in --out_dir, in PLANS order
     done = {r["plan"]: r for r in reports}
     for name in (names.split(",") if args.docs_only else ALL_PLANS) if args.out_dir else ():
       path = os.path.join(args.out_dir, f"{name}.json")

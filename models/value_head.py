@@ -69,3 +69,8 @@ def init(cfg: ModelConfig, seed: int = 0) -> Critic:
   starts from the policy's trunk, the usual PPO initialisation for language models.
   """
   return Critic(transformer.init(cfg, seed))
+
+
+def abstract(cfg: ModelConfig) -> Critic:
+  """The critic with ShapeDtypeStruct leaves: shapes and axes, nothing allocated."""
+  return nnx.eval_shape(lambda: Critic(transformer.Transformer(cfg)))

@@ -11,8 +11,10 @@ search without compiling).
 import json
 import subprocess
 import sys
+import types
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from configs import sft_demo
@@ -77,6 +79,45 @@ def test_tiny_steps_compile_for_v5p_with_the_mosaic_kernel(v5p_report):
     p = r["programs"][name]
     assert p["min_bytes"] > 0 and p["bytes_ratio"] == pytest.approx(
         p["bytes_accessed"] / p["min_bytes"], rel=1e-2) and p["bytes_ratio"] > 1, name
+
+
+def test_the_gae_critic_compiles_beside_the_policy():
+  # an RL run with a learned critic: its forward pass and its value-loss update compile on
+  # the same mesh with the tree-attention kernel, and each side's peak counts the other's state
+  c = tiny_config()
+  c.mode, c.loss.name, c.rl.advantage = "rl", "ppo", "gae"
+  with jax.default_matmul_precision("default"):
+    r = aot.compile_run(c, "v5p:2x2x1", programs=("critic",))
+  values, update = r["programs"]["critic/values"], r["programs"]["critic/update"]
+  assert set(r["programs"]) == {"critic/values", "critic/update"}
+  assert {"tree_attention_fwd", "tree_attention_dq", "tree_attention_dkv"} <= set(
+      update["mosaic_kernels"])
+  assert "tree_attention_dq" not in values["mosaic_kernels"]
+  assert update["flops"] > values["flops"] > 0 and 0 < update["mfu"] <= 1
+  assert "all-gather" in update["collectives"]  # the critic is FSDP-sharded like the policy
+  # fp32 weights and two Adam moments: about 12 bytes per parameter, over 4 chips
+  peak, params = r["critic_peak_gb"], r["model"]["params"]
+  assert 0.9 * 12 * params / 4 <= peak["critic_state"] * 1e9 <= 1.2 * 12 * params / 4
+  assert peak["total"] >= update["hbm_gb"]["total"] + peak["resident"] - 1e-3
+  assert peak["resident"] > 0 and peak["fits"]
+  assert any(line.startswith("  critic peak") for line in aot.summary_lines(r))
+
+
+def test_train_peak_counts_what_stays_resident():
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  state = types.SimpleNamespace(opt_state=[jax.ShapeDtypeStruct((1000, 1000), jnp.float32,
+                                                                sharding=one)])  # 0.004 GB
+  programs = {"train/gradients": {"hbm_gb": {"total": 10.0, "fits": True}},
+              "train/update": {"hbm_gb": {"total": 12.0, "fits": True}}}
+  chip = aot.CHIPS["v5p"]
+  plain = aot.train_peak(programs, state, chip)
+  assert plain["total"] == 12.0 and "resident" not in plain and plain["fits"]
+  beside = aot.train_peak(programs, state, chip, resident_gb=3.0)
+  assert beside["total"] == 15.0 and beside["resident"] == 3.0
+  assert beside["headroom"] == pytest.approx(80.0)
+  assert not aot.train_peak(programs, state, chip, resident_gb=90.0)["fits"]
+  critic = aot.resident_peak(programs, ("train/update",), 2.0, chip)
+  assert critic["total"] == 14.0 and critic["fits"]
 
 
 def test_weight_sync_gathers_the_fsdp_shards_into_the_engine_layout(v5p_report):

@@ -15,6 +15,7 @@ from models.config import ModelConfig
 from rl import advantages as adv_lib
 from rl import losses
 from rl.tree import CallTokens, TrajectoryTokens
+from tests.conftest import run_check
 from trainer import batches as B
 from trainer import critic as critic_lib
 from trainer import optim as O
@@ -52,7 +53,7 @@ def _groups() -> list[list[TrajectoryTokens]]:
 def setup():
   mb = B.make_micro_batches(_groups(), SHAPE)
   mb = mb.with_fields(old_logprobs=mb.fields["logprobs"])
-  critic = critic_lib.Critic(CFG, optax.adam(3e-3), value_clip=10.0)
+  critic = critic_lib.Critic(CFG, optax.adam(3e-3), value_clip=10.0, donate=False)
   model = value_head.init(CFG, 1)
   # a random head: GAE then reads values that differ per position
   model.head.weight[...] = jnp.asarray(
@@ -107,3 +108,9 @@ def test_fit_metrics_are_those_of_the_values_before_the_update(setup):
   np.testing.assert_allclose(float(m["returns_mean"]), ret.mean(), rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(float(m["value_explained_variance"]),
                              1.0 - (ret - old).var() / ret.var(), rtol=1e-3, atol=1e-4)
+
+
+def test_sharded_critic_equals_one_device():
+  # dense GQA on data x fsdp x tensor, MoE + MLA on fsdp x expert x tensor (8 CPU devices)
+  stdout = run_check("critic_sharding_check")
+  assert stdout.count("ok critic on") == 2, stdout

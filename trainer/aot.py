@@ -14,6 +14,10 @@ are laid over them, and the run's own jitted programs are lowered on abstract in
           chunked log-probs, the loss) and the optimizer update (Muon / AdamW, QK-Clip, the
           router bias step), with the state's real shardings;
   score   `make_score_fn`: the forward-only pass of the reference / teacher / pi_old scoring;
+  critic  (RL with `rl.advantage` "gae" only) the learned critic's two programs
+          (`trainer.critic`): "critic/values", the forward pass its GAE fields read, and
+          "critic/update", the value loss's accumulation and Adam update; the critic's state
+          is resident beside the policy's, so each side's peak counts the other's state;
   prefill, decode  the generation engine's calls (`trainer.aot_engine`) for the run's engine
           (`rl.concurrency` slots of `rl.max_context_tokens`), on the same mesh: the weights
           and the KV cache (MLA: the absorbed latent cache) sharded by the model's rules.
@@ -60,6 +64,7 @@ from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import optax
 from absl import app, flags
 from jax.experimental import topologies
 from ml_collections import config_flags
@@ -67,17 +72,18 @@ from ml_collections import config_flags
 from models import presets, sharding
 from models.hardware import CHIPS, GB, Chip, storage_bits
 from models.kernels import attention
-from rl import corrections
+from rl import advantages, corrections
 from trainer import aot_engine
 from trainer import aot_search
 from trainer import config as config_lib
+from trainer import critic as critic_lib
 from trainer import optim
 from trainer import rollouts
 from trainer import state as state_lib
 from trainer import step as step_lib
 from trainer.batches import MicroBatches
 
-PROGRAMS = ("train", "score", "prefill", "decode", "weight_sync")
+PROGRAMS = ("train", "score", "critic", "prefill", "decode", "weight_sync")
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
                "collective-permute", "collective-broadcast")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
@@ -138,6 +144,11 @@ def abstract_micro_batches(config, model_cfg, mesh) -> MicroBatches:
     (scalars if where in ("scalars", "either") else fields).add(name)
   if config.mode in ("rl", "distill"):
     fields.add("logprobs")
+  if config.mode == "rl" and config.rl.advantage in advantages.CRITIC_ADVANTAGES:
+    # the critic's per-token fields (`trainer.critic.Critic.gae_fields`)
+    scalars.discard("advantage")
+    fields |= {"advantage", "returns", "old_values"}
+    scalars.add("reward")
   i32, f32 = jnp.int32, jnp.float32
   plain = MicroBatches(
       tokens=_struct((m, r, l), i32, None), positions=_struct((m, r, l), i32, None),
@@ -370,6 +381,25 @@ def _compile_run(config, topology: str, programs: Sequence[str]) -> dict:
       report["programs"][f"train/{name}"] = program_report(
           compiled, seconds, chip, flops, per_chip(3) if flops else None)
     report["train_peak_gb"] = train_peak(report["programs"], state, chip)
+  if "critic" in programs and config.rl.advantage in advantages.CRITIC_ADVANTAGES:
+    critic = critic_lib.Critic(model_cfg, optax.adam(config.rl.critic_lr),
+                               config.rl.value_clip or None, mesh=mesh)
+    cstate = critic.abstract()
+    for name, (compiled, seconds) in critic.compile(cstate, mb).items():
+      if isinstance(compiled, Exception):
+        report["programs"][f"critic/{name}"] = out_of_memory(compiled, chip, seconds)
+        continue
+      flops = (per_chip(1) if name == "values"
+               else per_chip(3 + (model_cfg.remat == "full")))
+      report["programs"][f"critic/{name}"] = program_report(
+          compiled, seconds, chip, flops, per_chip(1 if name == "values" else 3))
+    resident = per_chip_bytes(cstate) / GB
+    report["critic_peak_gb"] = resident_peak(report["programs"], ("critic/values",
+                                                                   "critic/update"),
+                                             per_chip_bytes(state) / GB, chip)
+    report["critic_peak_gb"]["critic_state"] = round(resident, 4)
+    if "train_peak_gb" in report:  # the policy's step runs beside the critic's state
+      report["train_peak_gb"] = train_peak(report["programs"], state, chip, resident)
   if "score" in programs:
     score = step_lib.make_score_fn(model_cfg, mesh=mesh)
     t0 = time.perf_counter()
@@ -419,7 +449,7 @@ def per_chip_bytes(tree) -> float:
              for x in jax.tree.leaves(tree))
 
 
-def train_peak(programs: dict, state, chip: Chip) -> dict:
+def train_peak(programs: dict, state, chip: Chip, resident_gb: float = 0.0) -> dict:
   """The train step's per-chip HBM peak: the larger of its two programs, the accumulation
   counted with the optimizer state it does not take but that stays resident meanwhile.
 
@@ -427,18 +457,36 @@ def train_peak(programs: dict, state, chip: Chip) -> dict:
     programs: the report's programs ("train/gradients", "train/update").
     state: the abstract TrainState (its shardings give the optimizer state per chip).
     chip: the slice's Chip.
+    resident_gb: what else stays in HBM meanwhile, per chip (a learned critic's state).
 
   Returns:
-    {"total", "optimizer_state", "headroom", "fits"} in GB; "total" is the compiler's
-    lower bound (its temporaries alone) for a program it refused.
+    {"total", "optimizer_state", "headroom", "fits"} in GB (and "resident" when given);
+    "total" is the compiler's lower bound (its temporaries alone) for a program it refused.
   """
   opt = per_chip_bytes(state.opt_state) / GB
   hbm = [programs[name]["hbm_gb"] for name in ("train/gradients", "train/update")
          if name in programs]
   need = [h.get("total", h.get("temporaries", 0.0)) for h in hbm]
-  total = max([need[0] + opt] + need[1:])
+  total = max([need[0] + opt] + need[1:]) + resident_gb
   capacity = chip.hbm_bytes / GB
   return {"total": round(total, 3), "optimizer_state": round(opt, 4),
+          "headroom": round(capacity - total, 3),
+          "fits": bool(all(h["fits"] for h in hbm) and total <= capacity),
+          **({"resident": round(resident_gb, 4)} if resident_gb else {})}
+
+
+def resident_peak(programs: dict, names: Sequence[str], resident_gb: float, chip: Chip
+                  ) -> dict:
+  """The per-chip HBM peak of programs that run while other state stays resident (the
+  critic's, beside the policy's TrainState).
+
+  Returns:
+    {"total", "resident", "headroom", "fits"} in GB.
+  """
+  hbm = [programs[name]["hbm_gb"] for name in names if name in programs]
+  total = max(h.get("total", h.get("temporaries", 0.0)) for h in hbm) + resident_gb
+  capacity = chip.hbm_bytes / GB
+  return {"total": round(total, 3), "resident": round(resident_gb, 4),
           "headroom": round(capacity - total, 3),
           "fits": bool(all(h["fits"] for h in hbm) and total <= capacity)}
 
@@ -491,8 +539,14 @@ def summary_lines(report: dict) -> list[str]:
                  f"{p['compile_s']:.0f} s")
   if "train_peak_gb" in report:
     peak = report["train_peak_gb"]
-    lines.append(f"  train step peak (with the resident optimizer state): {peak['total']:.2f} GB "
+    lines.append(f"  train step peak (with the resident optimizer state"
+                 f"{' and critic' if 'resident' in peak else ''}): {peak['total']:.2f} GB "
                  f"per chip, headroom {peak['headroom']:.2f} GB")
+  if "critic_peak_gb" in report:
+    peak = report["critic_peak_gb"]
+    lines.append(f"  critic peak (with the resident policy state): {peak['total']:.2f} GB per "
+                 f"chip, headroom {peak['headroom']:.2f} GB; the critic's state "
+                 f"{peak['critic_state']:.2f} GB per chip")
   return lines
 
 

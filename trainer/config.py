@@ -476,13 +476,8 @@ def _validate_rl_mode(config, files: bool) -> None:
 
 
 def _check_critic(config) -> None:
-  """What the learned critic (trainer.critic) cannot serve yet: its parameters live on one
-  device, and it trains a full copy of the policy."""
-  sharded = {a: config.mesh[a] for a in MESH_AXES if config.mesh[a] > 1}
-  if sharded:
-    raise ConfigError(f"config.rl.advantage={config.rl.advantage!r}: the critic runs on one "
-                      f"device, but config.mesh shards over {sharded}; use another advantage "
-                      "estimator for a multi-device run")
+  """What the learned critic (trainer.critic) cannot serve yet: LoRA (it would train a full
+  copy of the policy)."""
   if config.model.lora.rank:
     raise ConfigError(f"config.rl.advantage={config.rl.advantage!r}: not with LoRA "
                       f"(config.model.lora.rank={config.model.lora.rank}): the critic would "

@@ -27,9 +27,9 @@ One step:
                teacher log-probs for distillation (trainer.teachers);
   5. train     `rl.epochs` passes of `rl.minibatches` optimizer updates (trainer.step);
                with `rl.advantage = "gae"` a learned critic (a copy of the initial policy
-               with a value head, trainer.critic, one device) first adds per-token GAE
+               with a value head, trainer.critic, sharded like the policy) first adds per-token GAE
                advantages and value targets to the micro-batches and takes one update per
-               micro-batch set ("value_loss", "value_clip_fraction", "value_error"); the
+               micro-batch set per epoch ("value_loss", "value_clip_fraction", "value_error"); the
                policy trains only after `rl.critic_warmup_steps` steps;
   6. sync      the new weights to the engine in memory (`Engine.update_params`, no recompile);
   7. checkpoint on schedule (trainer.harness): TrainState (with the policy version), the
@@ -212,7 +212,7 @@ class CriticRun:
   def __init__(self, config: ml_collections.ConfigDict, run: harness.Run, state):
     self.rl = config.rl
     self.critic = critic_lib.Critic(run.model_cfg, optax.adam(self.rl.critic_lr),
-                                    self.rl.value_clip or None)
+                                    self.rl.value_clip or None, mesh=run.mesh)
     # a fresh run's critic starts from the initial policy's weights (on resume only the shapes
     # matter: the saved state replaces it)
     self.state = self.critic.init(value_head.Critic(nnx.clone(state.model(run.model_cfg))))
@@ -258,15 +258,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
   Returns:
     The harness summary (trainer.harness) plus "reward_first" / "reward_last" (the mean
     rewards of the first and the last step) and "updates_per_step".
-
-  Raises:
-    ConfigError: `rl.advantage` "gae" on a mesh (the critic runs on one device).
   """
   rl_cfg, train = config.rl, config.train
-  if rl_cfg.advantage in advantages.CRITIC_ADVANTAGES and mesh is not None:
-    raise config_lib.ConfigError(
-        f"config.rl.advantage={rl_cfg.advantage!r}: the critic runs on one device; this run's "
-        f"mesh has {mesh.size} devices (config.mesh={dict(mesh.shape)})")
   run = harness.Run(config, workdir, mesh)
   model_cfg = run.model_cfg
   loss_cfg = loss_config(config)

@@ -48,7 +48,8 @@ References:
 
 from trainer.optim.config import (NAMES, SCALE_RULES, SCHEDULES, STATE_DTYPES, WSD_DECAY_SHAPES,
                                   MuonConfig, OptimizerConfig, QKClipConfig)
-from trainer.optim.optimizer import Optimizer, build, make_tx, metrics, print_table
+from trainer.optim.optimizer import (Optimizer, build, make_tx, metrics, print_table,
+                                      tx_state_shardings)
 from trainer.optim.qk_clip import QKClipState, qk_clip
 from trainer.optim.routing import (Route, format_table, param_suffix, path_names, route,
                                    routing_table)

@@ -87,34 +87,8 @@ class Optimizer:
     return optax.apply_updates(params, updates), state
 
   def state_shardings(self, params, param_shardings):
-    """Shardings for the optimizer state.
-
-    A leaf that is a copy of a parameter (its trailing dict-key path and shape match) gets that
-    parameter's sharding; the rest (step counts, norms, Newton–Schulz coefficients) is
-    replicated.
-
-    Args:
-      params: the parameters (concrete or abstract).
-      param_shardings: the same tree of `jax.sharding.Sharding`.
-
-    Returns:
-      A tree of shardings shaped like the state.
-    """
-    params = nnx.as_pure(params)
-    param_shardings = nnx.as_pure(param_shardings)
-    by_path = {}
-    for (path, x), sh in zip(jax.tree.leaves_with_path(params), jax.tree.leaves(
-        param_shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))):
-      by_path[path_names(path)] = (tuple(x.shape), sh)
-    mesh = next(iter(by_path.values()))[1].mesh
-    abstract_state = jax.eval_shape(self.tx.init, params)
-
-    def one(path, x):
-      hit = by_path.get(param_suffix(path))
-      if hit is not None and hit[0] == tuple(x.shape):
-        return hit[1]
-      return NamedSharding(mesh, PartitionSpec())
-    return jax.tree_util.tree_map_with_path(one, abstract_state)
+    """Shardings for the optimizer state (`tx_state_shardings` of this optimizer's chain)."""
+    return tx_state_shardings(self.tx, params, param_shardings)
 
   def init_sharded(self, params, param_shardings):
     """Creates the initial state directly with `state_shardings` (no unsharded copy).
@@ -129,6 +103,38 @@ class Optimizer:
     params = nnx.as_pure(params)
     shardings = self.state_shardings(params, param_shardings)
     return jax.jit(self.tx.init, out_shardings=shardings)(params)
+
+
+def tx_state_shardings(tx: optax.GradientTransformation, params, param_shardings):
+  """Shardings for the state of any optax transformation of `params`.
+
+  A leaf that is a copy of a parameter (its trailing dict-key path and shape match) gets that
+  parameter's sharding; the rest (step counts, norms, Newton–Schulz coefficients) is
+  replicated.
+
+  Args:
+    tx: the transformation (its `init` is traced for the state's shapes, nothing allocated).
+    params: the parameters (concrete or abstract, nnx.State or pure tree).
+    param_shardings: the same tree of `jax.sharding.Sharding`.
+
+  Returns:
+    A tree of shardings shaped like the state.
+  """
+  params = nnx.as_pure(params)
+  param_shardings = nnx.as_pure(param_shardings)
+  by_path = {}
+  for (path, x), sh in zip(jax.tree.leaves_with_path(params), jax.tree.leaves(
+      param_shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))):
+    by_path[path_names(path)] = (tuple(x.shape), sh)
+  mesh = next(iter(by_path.values()))[1].mesh
+  abstract_state = jax.eval_shape(tx.init, params)
+
+  def one(path, x):
+    hit = by_path.get(param_suffix(path))
+    if hit is not None and hit[0] == tuple(x.shape):
+      return hit[1]
+    return NamedSharding(mesh, PartitionSpec())
+  return jax.tree_util.tree_map_with_path(one, abstract_state)
 
 
 def build(cfg: Any, model_cfg: ModelConfig, params: Any = None) -> Optimizer:
