@@ -1,7 +1,9 @@
 """Generative rewards (trainer/judge_rewards.py): batching, caching, failure handling and
 calibration of an LLM judge as an RL reward source, with a scripted judge `Policy` (the real
 `envs.verifiers.judge` prompt and parser, canned replies); config validation of
-`rl.judge_reward`; one RL step with a self-judge on synthetic groups (tests/test_rl_gae.py).
+`rl.judge_reward`; one RL step with a self-judge on synthetic groups (tests/test_rl_gae.py);
+the real sources ("policy", an http URL of Arbor's own server, "ckpt:<dir>") with a random tiny
+model.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ import pytest
 from envs.policy import Generation, PolicyError
 from envs.tasks import Task
 from envs.trajectory import LLMCall, Trajectory
-from envs.verifiers.judge import parse_rubric, transcript
+from envs.verifiers.judge import judge_prompt, parse_rubric, transcript
+from models.engine import Engine
 from tests.test_chat import _tiny_bpe
 from tests.test_rl_gae import SyntheticGroups, gae_config
+from trainer import checkpoint, harness, optim, rl, rollouts
 from trainer import config as config_lib
 from trainer import judge_rewards as J
-from trainer import rl
+from trainer import state as state_lib
 from trainer.metrics import read_jsonl
+from trainer.serve import PolicyServer, ServerConfig
 
 RUBRIC = parse_rubric(("correctness:2:works", "style:1:clean"))
 encode = lambda text: list(text.encode())
@@ -111,7 +116,7 @@ def test_the_disk_cache_survives_a_new_instance(tmp_path):
 def test_retries_then_fallback_and_the_step_survives():
   p = ScriptedJudge({"flaky": [GARBAGE, GOOD], "bad": [GARBAGE], "DOWN": [GOOD],
                      "SLOW": [GOOD], "ok": [OK]})
-  j = judge(p, max_retries=2, timeout_s=0.2, weight=0.5)
+  j = judge(p, max_retries=2, timeout_s=1.0, weight=0.5)  # > a GC pause (~0.2 s)
   groups = [[episode("flaky", 1.0), episode("bad", 0.0)], [episode("DOWN", 1.0),
                                                            episode("SLOW", 0.0),
                                                            episode("ok", 0.0)]]
@@ -272,3 +277,93 @@ def test_rl_step_with_a_self_judge(tokenizer, tmp_path):
   assert "time/judge" in line and line["groups_trained"] == 2
   assert len(trained) == 4 and all(r == pytest.approx(v + 0.5 * 0.75) for r, v in trained)
   assert os.path.isfile(tmp_path / "rl" / "judge_cache.jsonl")
+
+
+def test_real_sources_reach_the_model_and_fall_back(tokenizer, tmp_path, caplog):
+  """The judge through its real sources, one random tiny model behind each: the RL engine
+  ("policy"), Arbor's OpenAI-compatible server over loopback HTTP (trainer.serve) and a
+  checkpoint written by the run's checkpoint code ("ckpt:<dir>"). Every request reaches an
+  engine with the rubric prompt and its reply comes back (the same greedy reply from each: the
+  same weights); a random model's reply is no score, so each episode is re-asked once and falls
+  back, and the step's rewards stay the verifier's. A prompt longer than the engine's rows is a
+  counted failure too."""
+  c = gae_config(tokenizer, 1)
+  c.rl.max_context_tokens = 512  # rows for the rubric prompt (~400 tokens here) and the reply
+  c.rl.judge_reward.update(weight=0.5, max_tokens=4, max_retries=1, concurrency=2,
+                           fallback="group_mean", cache_file="", model="tiny")
+  chat = config_lib.make_chat_format(c, config_lib.tokenizer_source(c, str(tmp_path)))
+  model_cfg = config_lib.model_config(c)
+  state = state_lib.create(model_cfg, optim.build(c.optimizer, model_cfg), c.seed)
+  tasks = [Task(instance_id=f"t{i}", kind="exact", problem_statements=(f"say {w}",),
+                answers=(w,)) for i, w in enumerate(("hi", "yo"))]
+  render = lambda text: tuple(chat.render([{"role": "user", "content": text}],
+                                          add_generation_prompt=True).ids)
+
+  def episode_of(task, reply, reward):
+    out = chat.tokenizer.encode(reply)
+    return Trajectory([LLMCall(render(task.problem_statement), out, [0.0] * len(out))], reward,
+                      task.instance_id, task.instance_id, "submitted")
+  groups = [[episode_of(tasks[0], "hi", 1.0), episode_of(tasks[0], "ho", 0.0),
+             episode_of(tasks[0], "hi", 1.0)], [episode_of(tasks[1], "yo", 1.0)]]
+  rubric = parse_rubric(c.rl.judge_reward.rubric)
+  want = {render(judge_prompt(Task(instance_id="judge", kind="judge", rubric=rubric,
+                                   problem_statements=(t.problem_statement,)), reply))
+          for t, reply in ((tasks[0], "hi"), (tasks[0], "ho"), (tasks[1], "yo"))}
+  replies = {}
+  failures = lambda: [r.getMessage() for r in caplog.records
+                      if r.getMessage().startswith("judge reply failed")]
+
+  def judged(source, rl_engine, served=None):
+    """A step's judge term from `source`; `served`: the engine that answers (default: the
+    judge's own)."""
+    c.rl.judge_reward.source = source
+    j = J.from_config(c, chat, rl_engine, str(tmp_path))
+    served = served or j.policy.engine
+    asked, submit = [], served.submit
+
+    def spy(ids, params, **kw):  # what the engine was asked, and its reply
+      asked.append((tuple(ids), submit(ids, params, **kw)))
+      return asked[-1][1]
+    served.submit = spy
+    before = served.counters.get("finished", 0)
+    caplog.clear()
+    try:
+      out, m = j.rewards(groups, tasks)
+      finished = served.counters.get("finished", 0) - before
+      failed = failures()
+      too_long = j.score([("x" * 700, "y")]), dict(j.counters)
+    finally:
+      j.close()
+    assert {ids for ids, _ in asked} == want and len(asked) == 2 * len(want)  # and re-asked
+    assert finished == len(asked) and not failed, failed  # every reply came back
+    replies[source] = {ids: f.result().output_ids for ids, f in asked}
+    assert m["judge/requests"] == 6 and m["judge/retries"] == 3
+    assert m["judge/failures"] == 4 and m["judge/cache_hits"] == 1
+    assert m["judge/judged"] == 0 and np.isnan(m["judge/score_mean"])
+    assert [t.reward for g in out for t in g] == [1.0, 0.0, 1.0, 1.0]  # no judge term
+    assert all(t.metadata["judge_score"] is None for g in out for t in g)
+    assert too_long == ([None], {"judge/requests": 2, "judge/retries": 1,
+                                 "judge/cache_hits": 0, "judge/failures": 1})
+    refused = failures()
+    assert len(refused) == 2 and all("max_seq_len" in r for r in refused), refused
+
+  rl_engine = Engine(state.model(model_cfg), rollouts.engine_config(c, model_cfg),
+                     detokenize=chat.tokenizer.decode)
+  try:
+    judged("policy", rl_engine, rl_engine)
+  finally:
+    rl_engine.stop()
+  srv = PolicyServer(Engine(state.model(model_cfg), rollouts.engine_config(c, model_cfg),
+                            detokenize=chat.tokenizer.decode),
+                     ServerConfig(port=0, served_name="tiny"), tokenizer=chat.tokenizer, chat=chat)
+  url = srv.start_in_thread()
+  try:
+    judged(url + "/v1", rl_engine, srv.engine)
+  finally:
+    srv.stop()
+  run = str(tmp_path / "judge_run")
+  harness.write_run_files(c, model_cfg, run)
+  with checkpoint.Checkpointer(os.path.join(run, "checkpoints"), async_save=False) as saver:
+    saver.save(1, state, {}, force=True)
+  judged(f"ckpt:{run}", rl_engine)
+  assert replies["policy"] == replies[url + "/v1"] == replies[f"ckpt:{run}"]
