@@ -1,8 +1,8 @@
 """Run in a subprocess with 8 simulated CPU devices (tests/test_critic.py): the GAE critic
 sharded like the policy equals the one-device critic.
 
-Dense GQA on data 2 x fsdp 2 x tensor 2 and MoE + MLA on fsdp 2 x expert 2 x tensor 2, from
-the same weights and tree-packed micro-batches: the values of every position, the GAE fields,
+MoE + MLA (a dense layer, then MoE layers with a shared expert) on fsdp 2 x expert 2 x
+tensor 2, rows over the batch axes, from the same weights and tree-packed micro-batches: the values of every position, the GAE fields,
 two Adam updates (the metrics, the moments, the new parameters), parameters and Adam moments sharded by the
 model's rules and kept so, the values replicated.
 """
@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from models import sharding, value_head  # noqa: E402
-from tests.conftest import TINY_DENSE, TINY_MOE_MLA  # noqa: E402
+from tests.conftest import TINY_MOE_MLA  # noqa: E402
 from tests.test_critic import _groups  # noqa: E402
 from trainer import batches as B  # noqa: E402
 from trainer import critic as critic_lib  # noqa: E402
@@ -24,8 +24,7 @@ from trainer import critic as critic_lib  # noqa: E402
 P = jax.sharding.PartitionSpec
 LR = 3e-3
 SHAPE = B.BatchShape(row_len=128, rows=4, seqs=8, seq_len=16, micro_batches=2)
-MESHES = ((TINY_DENSE, dict(data=2, fsdp=2, tensor=2)),
-          (TINY_MOE_MLA, dict(fsdp=2, expert=2, tensor=2)))
+MESHES = ((TINY_MOE_MLA, dict(fsdp=2, expert=2, tensor=2)),)
 
 
 def close(a, b, what: str, tol: float = 1e-5, scale: float = 1.0):

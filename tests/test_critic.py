@@ -111,6 +111,6 @@ def test_fit_metrics_are_those_of_the_values_before_the_update(setup):
 
 
 def test_sharded_critic_equals_one_device():
-  # dense GQA on data x fsdp x tensor, MoE + MLA on fsdp x expert x tensor (8 CPU devices)
+  # MoE + MLA on fsdp x expert x tensor (8 CPU devices)
   stdout = run_check("critic_sharding_check")
-  assert stdout.count("ok critic on") == 2, stdout
+  assert stdout.count("ok critic on") == 1, stdout
