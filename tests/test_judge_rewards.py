@@ -85,6 +85,26 @@ def test_scores_are_the_rubric_reward_and_repeats_are_asked_once():
   assert len(p.asked) == 3
 
 
+def test_a_long_transcript_is_cut_at_its_head_to_fit_the_judge():
+  # byte tokens: one character, one token; the budget leaves 40 characters of the response
+  short = judge(ScriptedJudge({}))._prompt(J.Task(instance_id="judge", kind="judge",
+                                                   problem_statements=("fix",),
+                                                   rubric=RUBRIC), "")[1]
+  response = "".join(f"line {i}\n" for i in range(200)) + "correctness: 9"
+  p = ScriptedJudge({response[-40:]: [GOOD]})
+  j = judge(p, max_prompt_tokens=len(short) + 40, cache=J.ScoreCache(10))
+  scores = j.score([("fix", response)])
+  assert len(p.prompts) == 1 and len(p.prompts[0]) <= len(short) + 40
+  shown = p.asked[0]
+  assert shown == response[-40:]  # the tail, where the episode ends
+  # the same prompt keys the cache: asked again, it is served without a request
+  assert j.score([("fix", response)]) == scores and j.counters["judge/cache_hits"] == 1
+  # no budget: the whole transcript
+  p = ScriptedJudge({})
+  judge(p, max_retries=0).score([("fix", response)])
+  assert p.asked == [response]
+
+
 def test_the_lru_evicts_the_oldest_and_size_0_caches_nothing():
   cache = J.ScoreCache(2)
   for k in "abc":

@@ -10,7 +10,9 @@ The judge is any `envs.policy.Policy`, by `rl.judge_reward.source` (the `SOURCES
 engine) or an OpenAI-compatible completions URL (`envs.policy.CompletionsPolicy`). It sees the
 task's statement (the decoded first prompt when the task is not known, e.g. remote workers) and
 the episode's transcript (`envs.verifiers.judge.transcript`), in `judge_prompt`'s form; its
-reply is read by `reply_reward` (the weighted mean of score / max over the rubric).
+reply is read by `reply_reward` (the weighted mean of score / max over the rubric). An engine
+judge's prompt must leave room for its reply in the engine's rows: a longer transcript shows
+its tail only (`JudgeReward.max_prompt_tokens`; an http judge's context is not known).
 
 Batching: one step's episodes are asked concurrently (the engine batches them), at most
 `concurrency` requests in flight. Caching: a score is keyed by a content hash of (judge,
@@ -30,6 +32,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 from typing import Any, Callable, Optional, Sequence
 
@@ -116,6 +119,8 @@ class JudgeReward:
     concurrency: requests in flight at most (>= 1).
     timeout_s: seconds one reply may take.
     max_chars: the transcript's tail shown to the judge.
+    max_prompt_tokens: the judge's input budget (its engine's rows less the reply's tokens),
+      or None (unknown: an http judge); a longer prompt shows less of the transcript's head.
     params: the judge's sampling (greedy).
     cache: the score cache.
     close_fn: stops what the judge owns (its own engine), or None.
@@ -132,6 +137,7 @@ class JudgeReward:
   concurrency: int = 16
   timeout_s: float = 120.0
   max_chars: int = 6000
+  max_prompt_tokens: Optional[int] = None
   params: SamplingParams = SamplingParams(max_tokens=256, temperature=0.0)
   cache: ScoreCache = dataclasses.field(default_factory=lambda: ScoreCache(0))
   close_fn: Optional[Callable[[], None]] = None
@@ -167,15 +173,14 @@ class JudgeReward:
                                    "judge/failures"), 0)
     graded = [Task(instance_id="judge", kind="judge", problem_statements=(task or "-",),
                    rubric=self.rubric) for task, _ in episodes]
-    prompts = [judge_prompt(g, response) for g, (_, response) in zip(graded, episodes)]
-    keys = [cache_key(self.judge_id, p) for p in prompts]
+    prompts = [self._prompt(g, response) for g, (_, response) in zip(graded, episodes)]
+    keys = [cache_key(self.judge_id, p) for p, _ in prompts]
     known = {k: self.cache.get(k) for k in set(keys)}
-    todo = {k: p for k, p in zip(keys, prompts) if known[k] is None}
+    todo = {k: ids for k, (_, ids) in zip(keys, prompts) if known[k] is None}
 
     async def ask_all() -> list[Optional[float]]:
       limit = asyncio.Semaphore(self.concurrency)
-      return await asyncio.gather(*(self._ask(list(self.render(p)), limit)
-                                    for p in todo.values()))
+      return await asyncio.gather(*(self._ask(ids, limit) for ids in todo.values()))
     for k, s in zip(todo, asyncio.run(ask_all()) if todo else []):
       known[k] = s
       if s is not None:
@@ -186,6 +191,22 @@ class JudgeReward:
       seen.add(k)
     self.counters["judge/failures"] = sum(known[k] is None for k in keys)
     return [known[k] for k in keys]
+
+  def _prompt(self, graded: Task, response: str) -> tuple[str, list[int]]:
+    """The judge's prompt text and input ids: the transcript's head cut (its tail, where the
+    episode ends, kept) until the ids fit `max_prompt_tokens`. A prompt whose task and rubric
+    alone overflow stays as it is (the engine refuses it: a counted failure)."""
+    prompt = judge_prompt(graded, response)
+    ids = list(self.render(prompt))
+    for _ in range(8):
+      over = len(ids) - self.max_prompt_tokens if self.max_prompt_tokens else 0
+      if over <= 0 or not response:
+        break
+      # the excess at this prompt's characters per token (again while it does not fit)
+      response = response[max(1, math.ceil(over * len(prompt) / len(ids))):]
+      prompt = judge_prompt(graded, response)
+      ids = list(self.render(prompt))
+    return prompt, ids
 
   def episode(self, t: Trajectory, tasks: dict[str, Task]) -> tuple[str, str]:
     """(task text, response text) of an episode: the task's statement, else its decoded first
@@ -362,6 +383,8 @@ def from_config(config: ml_collections.ConfigDict, chat, engine, workdir: str
     return None
   make = next(fn for prefix, fn in SOURCES.items() if cfg.source.startswith(prefix))
   policy, close_fn = make(config, chat, engine, cfg.source)
+  # an engine's rows hold the prompt and the reply (an http judge's context is not known)
+  capacity = getattr(getattr(policy, "engine", None), "capacity", None)
   path = os.path.join(workdir, cfg.cache_file) if cfg.cache_file else ""
   if "://" in path:
     log.warning("rl.judge_reward.cache_file=%r: %r is not local; judge scores are cached in "
@@ -374,5 +397,6 @@ def from_config(config: ml_collections.ConfigDict, chat, engine, workdir: str
       judge_id=cfg.source, weight=float(cfg.weight), max_retries=cfg.max_retries,
       fallback=cfg.fallback, concurrency=cfg.concurrency, timeout_s=float(cfg.timeout_s),
       max_chars=cfg.max_chars, cache=ScoreCache(cfg.cache_size, path), close_fn=close_fn,
+      max_prompt_tokens=None if capacity is None else capacity - cfg.max_tokens,
       params=SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0,
                             stop_token_ids=tuple(chat.stop_token_ids)))
