@@ -3,7 +3,8 @@
 The tiny MoE + MLA model's train step (accumulation and update) and scoring pass compile in
 bf16 for a v5p slice and, from the command line, the train step for a v6e slice, with the
 Pallas TPU tree-attention kernel: the programs fit, the kernel is a Mosaic call per shard (not
-the interpreter), and the report's numbers are consistent with what the compiler says. The
+the interpreter), and the report's numbers are consistent with what the compiler says; an RL
+run's learned critic compiles beside the policy, each side's peak counting the other's state. The
 layout search compiles one other layout of the tiny step (tests/test_aot_search.py covers the
 search without compiling).
 """
