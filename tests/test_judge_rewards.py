@@ -105,6 +105,17 @@ def test_a_long_transcript_is_cut_at_its_head_to_fit_the_judge():
   assert p.asked == [response]
 
 
+def test_a_self_judge_is_cached_per_weights_version():
+  p, version = ScriptedJudge({"a": [GOOD]}), [0]
+  j = judge(p, cache=J.ScoreCache(10), version=lambda: version[0])
+  j.score([("t", "a")])
+  j.score([("t", "a")])  # the same weights: served from the cache
+  assert p.asked == ["a"] and j.counters["judge/cache_hits"] == 1
+  version[0] = 1  # the policy was updated: its judgement may differ
+  j.score([("t", "a")])
+  assert p.asked == ["a", "a"] and j.counters["judge/cache_hits"] == 0
+
+
 def test_the_lru_evicts_the_oldest_and_size_0_caches_nothing():
   cache = J.ScoreCache(2)
   for k in "abc":

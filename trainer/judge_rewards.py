@@ -21,7 +21,7 @@ file read back on resume; identical episodes of a step are asked once. Failures:
 unparseable, failed or timed-out reply is re-asked up to `max_retries` times, then the episode
 falls back (`fallback`: "skip" keeps the verifier's reward, "group_mean" adds its group's mean
 judge score) and is counted in "judge/failures"; a step never fails for the judge. A self-judge
-is cached by its source, not its weights version: an episode judged once keeps its score.
+("policy") is cached per weights version (the engine's): its scores go stale as it trains.
 """
 
 from __future__ import annotations
@@ -113,6 +113,8 @@ class JudgeReward:
     decode: output ids -> text.
     rubric: the dimensions ({"name", "weight", "description", "max"?}).
     judge_id: the judge's identity in cache keys (its source).
+    version: the judge's weights version in cache keys (a self-judge's: the engine's, which
+      changes with every policy update), or None (fixed weights).
     weight: w of reward = verifier reward + w x score.
     max_retries: re-asks after a failed reply.
     fallback: "skip" | "group_mean" (config.JUDGE_FALLBACKS).
@@ -131,6 +133,7 @@ class JudgeReward:
   decode: Callable[[Sequence[int]], str]
   rubric: tuple
   judge_id: str = "policy"
+  version: Optional[Callable[[], int]] = None
   weight: float = 1.0
   max_retries: int = 2
   fallback: str = "skip"
@@ -174,7 +177,9 @@ class JudgeReward:
     graded = [Task(instance_id="judge", kind="judge", problem_statements=(task or "-",),
                    rubric=self.rubric) for task, _ in episodes]
     prompts = [self._prompt(g, response) for g, (_, response) in zip(graded, episodes)]
-    keys = [cache_key(self.judge_id, p) for p, _ in prompts]
+    judge_id = (self.judge_id if self.version is None
+                else f"{self.judge_id}@{self.version()}")
+    keys = [cache_key(judge_id, p) for p, _ in prompts]
     known = {k: self.cache.get(k) for k in set(keys)}
     todo = {k: ids for k, (_, ids) in zip(keys, prompts) if known[k] is None}
 
@@ -395,6 +400,7 @@ def from_config(config: ml_collections.ConfigDict, chat, engine, workdir: str
       render=lambda text: chat.render([{"role": "user", "content": text}],
                                       add_generation_prompt=True).ids,
       judge_id=cfg.source, weight=float(cfg.weight), max_retries=cfg.max_retries,
+      version=(lambda: engine.version) if cfg.source == "policy" else None,
       fallback=cfg.fallback, concurrency=cfg.concurrency, timeout_s=float(cfg.timeout_s),
       max_chars=cfg.max_chars, cache=ScoreCache(cfg.cache_size, path), close_fn=close_fn,
       max_prompt_tokens=None if capacity is None else capacity - cfg.max_tokens,
