@@ -285,6 +285,7 @@ def _rl() -> ml_collections.ConfigDict:
   s.value_clip = 0.2  # "gae": ε of the clipped value loss around the old values (0 = no clip)
   s.critic_lr = 1e-5  # "gae": the critic's Adam learning rate
   s.critic_warmup_steps = 0  # "gae": the first steps train the critic only, not the policy
+  s.critic_epochs = 0  # "gae": the critic's passes over a step's micro-batches (0 = rl.epochs)
   s.drop_constant_groups = True  # drop groups whose rewards are all equal (no signal)
   s.reference = "initial"  # KL reference (loss.kl_coef > 0): "initial" policy | "ckpt:<dir>"
   s.recompute_old = False  # score π_old with the trainer instead of trusting the sampler's

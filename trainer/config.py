@@ -770,6 +770,7 @@ def _validate_rl(config) -> None:
   _number(config, "rl.value_clip", 0.0)
   _number(config, "rl.critic_lr", 0.0, low_open=True)
   _int(config, "rl.critic_warmup_steps", 0)
+  _int(config, "rl.critic_epochs", 0)
   _bool(config, "rl.drop_constant_groups")
   ref = _str(config, "rl.reference")
   if ref != "initial" and not (ref.startswith("ckpt:") and len(ref) > 5):

@@ -29,7 +29,8 @@ One step:
                with `rl.advantage = "gae"` a learned critic (a copy of the initial policy
                with a value head, trainer.critic, sharded like the policy) first adds per-token GAE
                advantages and value targets to the micro-batches and takes one update per
-               micro-batch set per epoch ("value_loss", "value_clip_fraction", "value_error"); the
+               micro-batch set per epoch (`rl.critic_epochs`, default `rl.epochs`; metrics
+               "value_loss", "value_clip_fraction", "value_error"); the
                policy trains only after `rl.critic_warmup_steps` steps;
   6. sync      the new weights to the engine in memory (`Engine.update_params`, no recompile);
   7. checkpoint on schedule (trainer.harness): TrainState (with the policy version), the
@@ -364,7 +365,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, mesh=None) -> dict:
         if critic is not None:
           with run.timer.phase("critic"):
             mbs = critic.fields(mbs)
-            line.update(critic.train(mbs, rl_cfg.epochs))
+            line.update(critic.train(mbs, rl_cfg.critic_epochs or rl_cfg.epochs))
         # critic warm-up: the policy's first updates read advantages of a fitted critic
         if critic is None or step > rl_cfg.critic_warmup_steps:
           with run.timer.phase("train", tokens=line.get("loss_tokens", 0)):
