@@ -10,6 +10,7 @@ search without compiling).
 """
 
 import json
+import re
 import subprocess
 import sys
 import types
@@ -20,6 +21,7 @@ import pytest
 
 from configs import sft_demo
 from trainer import aot
+from trainer import aot_engine_search
 from trainer import aot_search
 from trainer.config import ConfigError
 
@@ -218,3 +220,31 @@ def test_search_compiles_another_layout_of_the_tiny_step(v5p_report):
   assert other["compile_s"] > 0 and other["step_s"] > 0 and other["collective_gb"] >= 0
   assert result["best"] in (own["layout"], other["layout"])
   assert [e["best"] for e in result["tried"]].count(True) == 1
+
+
+def test_engine_search_compiles_other_decode_layouts(v5p_report):
+  # the engine's layouts of 4 chips for the tiny MoE + MLA model (4 heads, 8 experts), then
+  # one other layout's decode compiled beside the config's own (in the fixture's report)
+  c = tiny_config()
+  shapes = aot_engine_search.candidates(c, 4)
+  assert shapes[0] == "" and {"tensor=2", "tensor=4", "expert=2", "expert=4",
+                              "tensor=2,expert=2"} <= set(shapes)
+  assert all(int(v) in (1, 2, 4) for s in shapes[1:] for v in re.findall(r"=(\d+)", s))
+  chip, devices = aot.topology_devices("v5p:2x2x1")
+  own, split = (aot_engine_search.estimate(c, s, devices) for s in ("", "tensor=4"))
+  assert own["mesh"] == {"fsdp": 4} and split["mesh"] == {"tensor": 4}
+  assert split["weights_gb"] < own["weights_gb"]  # projections split four ways
+  lines = []
+  with jax.default_matmul_precision("default"):
+    result = aot_engine_search.search(c, "v5p:2x2x1", v5p_report, compile_fn=aot.compile_run,
+                                      topology_devices=aot.topology_devices, budget=1,
+                                      log=lines.append)
+  first, other = result["tried"]
+  assert first["engine_mesh_shape"] == "" and first["fits"] and first["planned"]
+  assert first["bytes_ratio"] == v5p_report["programs"]["decode"]["bytes_ratio"]
+  assert other["mesh"] != first["mesh"] and other["fits"] and other["step_s"] > 0
+  assert len(lines) == 1 and other["engine_mesh_shape"] in lines[0]
+  assert result["best"] in ("", other["engine_mesh_shape"])
+  assert [t["best"] for t in result["tried"]].count(True) == 1
+  summary = aot_engine_search.summary_lines(result)
+  assert summary[-1].startswith("engine search: use --config.rl.engine_mesh_shape=")

@@ -48,7 +48,9 @@ roofline time (ICI-bound: it moves data, computes nothing) are the transfer's co
 With `--search`, when the train step does not fit (or always, with `--search_all`),
 `trainer.aot_search` ranks the config's other valid layouts (mesh, rows per micro-batch, remat,
 residual split, chunks) by arithmetic, compiles the most promising (`--search_budget`, until
-`--search_fits` fit) and names the best plan that fits.
+`--search_fits` fit) and names the best plan that fits. When the decode call does not fit
+within that line (or always, with `--search_all`), `trainer.aot_engine_search` compiles it on
+other engine layouts (`rl.engine_mesh_shape`) and names the fastest that fits.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ from models.hardware import CHIPS, GB, Chip, storage_bits
 from models.kernels import attention
 from rl import advantages, corrections
 from trainer import aot_engine
+from trainer import aot_engine_search
 from trainer import aot_search
 from trainer import config as config_lib
 from trainer import critic as critic_lib
@@ -573,6 +576,13 @@ def _define_flags() -> dict:
   }
 
 
+def _planned(program: dict) -> bool:
+  """Whether a compiled program fits within the planning line (`aot_search.FIT_FRACTION`)."""
+  hbm = program["hbm_gb"]  # a refused program's has no total
+  return bool(hbm["fits"] and hbm.get("total", math.inf)
+              <= aot_search.FIT_FRACTION * hbm["capacity"])
+
+
 def main(argv, cli: dict) -> None:
   """Compiles, prints a summary line per program, writes the JSON report.
 
@@ -597,6 +607,11 @@ def main(argv, cli: dict) -> None:
     print("\n".join(aot_search.summary_lines(report["search"])
                     or ["search: the train step fits (--search_all searches anyway)"]),
           flush=True)
+    decode = report["programs"].get("decode")
+    if decode is not None and (cli["search_all"].value or not _planned(decode)):
+      report["engine_search"] = aot_engine_search.search(
+          config, topology, report, compile_fn=compile_run, topology_devices=topology_devices)
+      print("\n".join(aot_engine_search.summary_lines(report["engine_search"])), flush=True)
   if cli["out"].value:
     with open(cli["out"].value, "w") as f:
       json.dump(report, f, indent=1)
