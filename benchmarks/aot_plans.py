@@ -88,8 +88,9 @@ PLANS = {
 }
 ROW_LEN, SEQ_LEN = 32768, 8192  # docs/scaling.md: one trajectory's trie fills a row
 # the engine's own layout of the plan's devices (rl.engine_mesh_shape) where the trainer's
-# does not fit it: 32B on fsdp 64 would hold the whole bf16 model on every chip
-ENGINE_MESH_SHAPES = {"qwen32b-v5p-full": "tensor=4"}
+# does not fit it (32B on fsdp 64 would hold the whole bf16 model on every chip) or decodes
+# slower (7B on v6e-64: the engine search's choice, docs/scaling.md)
+ENGINE_MESH_SHAPES = {"qwen32b-v5p-full": "tensor=4", "qwen7b-v6e-full": "tensor=4"}
 
 
 class Plan(NamedTuple):
@@ -268,10 +269,15 @@ def _step_s(r: dict) -> float | None:
 
 def markdown(reports: list[dict]) -> str:
   """The docs table: compiled vs estimated HBM per chip and step time of each plan."""
-  lines = [f"Compiled {common.today()} on {common.machine()} with libtpu (no TPU); "
-           "`python -m benchmarks.aot_plans --update_docs`. **Compiled** columns come from the "
-           "XLA TPU compiler (memory_analysis, the optimized HLO's collectives with loop trip "
-           "counts); **estimate** columns from the arithmetic above.", "",
+  # programs compiled again after a plan's first compile (`--programs`): when and where
+  again = sorted({f"{name} {when['date']} ({when['machine']})" for r in reports
+                  for name, when in r.get("recompiled", {}).items()})
+  lines = [f"Written {common.today()} on {common.machine()} from the plans' JSONs in docs/aot, "
+           "compiled with libtpu (no TPU); `python -m benchmarks.aot_plans --update_docs`"
+           + (f"; programs compiled again since: {', '.join(again)}" if again else "")
+           + ". **Compiled** columns come from the XLA TPU compiler (memory_analysis, the "
+           "optimized HLO's collectives with loop trip counts); **estimate** columns from the "
+           "arithmetic above.", "",
            "| plan | slice (chips) | mesh | remat | train peak GB / chip (compiled) | estimate | "
            "headroom GB | score GB | decode GB (bytes / min) | weight sync GB gathered (ms) | "
            "ICI s / step (compiled) | estimate | step s (compiled roofline) | estimate | "
