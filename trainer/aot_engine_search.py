@@ -56,8 +56,8 @@ def candidates(config, num_devices: int) -> list[str]:
   cfg = config_lib.model_config(config)
   own = config.rl.get("engine_mesh_shape", "")
   out = [own]
-  for tensor, expert in itertools.product(aot_search._divisors(num_devices), repeat=2):
-    if num_devices % (tensor * expert) or not aot_search._tensor_divides(cfg, tensor):
+  for tensor, expert in itertools.product(aot_search.divisors(num_devices), repeat=2):
+    if num_devices % (tensor * expert) or not aot_search.tensor_divides(cfg, tensor):
       continue
     if expert > 1 and not (cfg.is_moe and cfg.num_experts % expert == 0):
       continue

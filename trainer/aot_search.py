@@ -142,11 +142,12 @@ def config_layout(config, num_devices: int) -> Layout:
                 logits_chunk=cfg.logits_chunk, dispatch_chunk=cfg.moe_dispatch_chunk)
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+  """The positive divisors of n, ascending."""
   return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _tensor_divides(cfg: ModelConfig, tensor: int) -> bool:
+def tensor_divides(cfg: ModelConfig, tensor: int) -> bool:
   """Whether `tensor` splits the heads (GQA: key/value heads too), vocabulary and MLP widths."""
   sizes = [cfg.num_heads, cfg.vocab_size]
   sizes += [cfg.num_kv_heads] if cfg.attention == "gqa" else []
@@ -189,14 +190,14 @@ def candidates(config, num_devices: int) -> list[Layout]:
   residual_unset = dict(cfg.sharding_rules).get("act_embed") is None
   out = []
   rest = num_devices // data
-  for tensor in filter(lambda t: _tensor_divides(cfg, t), _divisors(rest)):
+  for tensor in filter(lambda t: tensor_divides(cfg, t), divisors(rest)):
     splits = (False, True) if (tensor > 1 and residual_unset
                                and cfg.hidden_size % tensor == 0) else (base.split_residual,)
-    for expert in filter(lambda e: _expert_allowed(cfg, e), _divisors(rest // tensor)):
+    for expert in filter(lambda e: _expert_allowed(cfg, e), divisors(rest // tensor)):
       dispatch = [base.dispatch_chunk]
       if expert > 1 and (base.dispatch_chunk == 0 or base.dispatch_chunk > DISPATCH_CHUNK):
         dispatch.append(DISPATCH_CHUNK)
-      for sequence in _divisors(rest // tensor // expert):
+      for sequence in divisors(rest // tensor // expert):
         if config.data.row_len % sequence:
           continue
         fsdp = rest // (tensor * expert * sequence)
