@@ -1,5 +1,9 @@
 """Ahead-of-time compilation of a run's programs for a TPU slice, on a machine without one.
 
+Size: the programs' compilation, their reports and the command line share this module; the
+report arithmetic (`program_report`, `train_peak`, `resident_peak`, `out_of_memory`) is the
+piece to move out first (a `trainer/aot_report.py`).
+
     python -m trainer.aot --config=configs/rl.py:qwen2.5-coder \\
         --config.model.preset=qwen2.5-coder-7b --config.model.init=random \\
         --topology=v5p:2x2x2 [--programs=train,score,decode,weight_sync] [--out=aot.json] [--search]
