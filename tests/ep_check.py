@@ -18,10 +18,9 @@ int8-quantized expert stacks take the all-to-all, with the single-device model's
 
 import os
 
-# a light CPU backend: compiling dominates the run time here
-os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
-                           "--xla_backend_optimization_level=0 "
-                           "--xla_llvm_disable_expensive_passes=true")
+# run_check passes the suite's light CPU backend flags: compiling dominates the run time here
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8")
 
 import re  # noqa: E402
 import time  # noqa: E402

@@ -17,7 +17,8 @@ import sys
 # python -m tests.hf_sharded_check DIR (DIR: an empty directory for the files), and itself
 # starts the two processes: python -m tests.hf_sharded_check worker ID PORT DIR
 WORKER = sys.argv[1:2] == ["worker"]
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 if WORKER else 8}"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           f" --xla_force_host_platform_device_count={4 if WORKER else 8}")
 
 import json  # noqa: E402
 import math  # noqa: E402

@@ -4,7 +4,8 @@ Prints "ok N" with the number of configurations checked."""
 
 import os
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=2")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

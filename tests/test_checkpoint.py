@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 from tests import checkpoint_worker as worker
+from tests.conftest import FAST_COMPILE_FLAGS
 from trainer.checkpoint import IDS_KEY, Checkpointer, decode_ids, encode_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -236,6 +237,6 @@ def test_sigterm_saves_and_exits_0(tmp_path):
 
 def test_restore_onto_other_shardings(tmp_path):
   w = Worker(tmp_path, "shard", tmp_path / "ckpt",
-             env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+             env={"XLA_FLAGS": FAST_COMPILE_FLAGS + " --xla_force_host_platform_device_count=2"})
   assert w.finish() == 0, w.out.read_text()
   assert w.lines()[-1] == "ok"

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import FAST_COMPILE_FLAGS
 from trainer import distributed
 from trainer.config import ConfigError
 
@@ -34,7 +35,8 @@ def start(out: Path, devices: int, **env_extra) -> subprocess.Popen:
   """A worker writing OUT (JSON, .npz and .log beside it) with `devices` simulated CPUs."""
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("ARBOR_", "JAX_", "XLA_"))}
-  env.update(PYTHONPATH=str(ROOT), XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+  env.update(PYTHONPATH=str(ROOT),
+             XLA_FLAGS=f"{FAST_COMPILE_FLAGS} --xla_force_host_platform_device_count={devices}",
              JAX_PLATFORMS="cpu", **env_extra)
   with open(out.with_suffix(".log"), "w") as log:
     return subprocess.Popen([sys.executable, "-m", "tests.multihost_worker", str(out)],
