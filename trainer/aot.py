@@ -1,8 +1,9 @@
 """Ahead-of-time compilation of a run's programs for a TPU slice, on a machine without one.
 
-Size: the programs' compilation, their reports and the command line share this module; the
-report arithmetic (`program_report`, `train_peak`, `resident_peak`, `out_of_memory`) is the
-piece to move out first (a `trainer/aot_report.py`).
+Size: the programs' compilation, their reports and the command line share this module (the
+HLO's collectives and HBM traffic are `trainer.aot_hlo`'s); the report arithmetic
+(`program_report`, `engine_report`, `train_peak`, `resident_peak`, `out_of_memory`) is the
+piece to move out next (a `trainer/aot_report.py`).
 
     python -m trainer.aot --config=configs/rl.py:qwen2.5-coder \\
         --config.model.preset=qwen2.5-coder-7b --config.model.init=random \\
@@ -43,9 +44,10 @@ twice) and 2 N T for scoring, N the active parameters and T the step's row posit
 when they exceed the compiled count; attention's FLOPs are left out) with the model-FLOPs
 utilisation it implies. Prefill and decode add `min_bytes`, the HBM bytes a call must read at
 least per chip (`aot_engine.engine_programs`: the weights once, the cache it touches), and
-`bytes_ratio`, the compiled bytes accessed over it (for decode, one step's: XLA counts the
-decode loop's body once). `weight_sync` is the colocated transfer of the trained weights to
-the engine's layout after each step (`aot_engine.weight_sync_program`): its collectives and
+`bytes_ratio`, the compiled program's HBM bytes over it (`engine_report`: for decode, per
+step, from the optimized HLO's memory spaces, `trainer.aot_hlo.hbm_bytes`; their roofline
+takes its HBM term from it too). `weight_sync` is the colocated transfer of the trained weights
+to the engine's layout after each step (`aot_engine.weight_sync_program`): its collectives and
 roofline time (ICI-bound: it moves data, computes nothing) are the transfer's cost per update,
 `engine_bytes` what each chip then holds of the engine's copy of what changed.
 
@@ -80,6 +82,7 @@ from models.hardware import CHIPS, GB, Chip, storage_bits
 from models.kernels import attention
 from rl import advantages, corrections
 from trainer import aot_engine
+from trainer import aot_hlo
 from trainer import aot_engine_search
 from trainer import aot_search
 from trainer import config as config_lib
@@ -91,10 +94,6 @@ from trainer import step as step_lib
 from trainer.batches import MicroBatches
 
 PROGRAMS = ("train", "score", "critic", "prefill", "decode", "weight_sync")
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
-               "collective-permute", "collective-broadcast")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
-                "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 
 
 def topology_devices(topology: str) -> tuple[Chip, list]:
@@ -168,112 +167,6 @@ def abstract_micro_batches(config, model_cfg, mesh) -> MicroBatches:
   return jax.tree.map(lambda x, sh: _struct(x.shape, x.dtype, sh), plain, shardings)
 
 
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
-  """The HLO module's computations, name -> body lines, and the entry computation's name."""
-  comps: dict[str, list[str]] = {}
-  entry, current = "", None
-  for line in hlo_text.splitlines():
-    head = re.match(r"(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
-    if head and not line.startswith(" "):
-      current = head.group(2)
-      comps[current] = []
-      entry = current if head.group(1) else entry
-    elif line.startswith("}"):
-      current = None
-    elif current is not None:
-      comps[current].append(line)
-  return comps, entry
-
-
-def _multipliers(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
-  """How many times each computation runs per call of the program.
-
-  A while loop's body and condition run its trip count times (the constant its condition
-  compares the counter with, as `lax.scan` and a static `fori_loop` lower; 1 for a
-  data-dependent bound); every other callee (fusions, calls, branches, reductions) as often as its
-  caller. XLA's cost analysis counts a loop body once, so this is what scales the collectives.
-  """
-  def trip(cond: str) -> int:
-    lines = comps.get(cond, ())
-    consts = {}
-    for line in lines:
-      c = re.match(r"\s*%?([\w.\-]+) = s32\[\]\S* constant\((\d+)\)", line)
-      if c:
-        consts[c.group(1)] = int(c.group(2))
-    for line in lines:  # ROOT compare(counter, N), direction=LT with N a constant
-      root = re.search(r"ROOT .*compare\((?:\S+ )?%?[\w.\-]+, (?:\S+ )?%?([\w.\-]+)\), "
-                       r"direction=LT", line)
-      if root and root.group(1) in consts:
-        return consts[root.group(1)]
-    return 1  # a data-dependent bound: counted once, like XLA's cost analysis
-
-  mult: dict[str, int] = {}
-  stack = [(entry, 1)]
-  while stack:
-    name, m = stack.pop()
-    if mult.get(name, 0) >= m:
-      continue
-    mult[name] = m
-    for line in comps.get(name, ()):
-      loop = re.search(r"condition=%?([\w.\-]+), body=%?([\w.\-]+)", line)
-      if loop:
-        n = trip(loop.group(1))
-        stack += [(loop.group(1), m * n), (loop.group(2), m * n)]
-        continue
-      for callees in re.findall(r"(?:calls|to_apply|branch_computations|true_computation|"
-                                r"false_computation)=(\{[^}]*\}|%?[\w.\-]+)", line):
-        stack += [(c, m) for c in re.findall(r"%?([\w.\-]+)", callees)]
-  return mult
-
-
-def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-  """Counts the collectives an optimized HLO module runs per call, and their result bytes.
-
-  Args:
-    hlo_text: `compiled.as_text()`.
-
-  Returns:
-    {kind: {"count": executions, "bytes": result bytes per chip}} for each kind of
-    `COLLECTIVES` present: ops inside loops count once per iteration (`_multipliers`); async
-    "-start" ops count under their kind ("-done" halves not again). A ragged all-to-all moves
-    only its filled rows, which the program does not fix: it counts the smaller of its send
-    and receive buffers (what travels when the rows are spread evenly; the receive buffer is
-    the worst case).
-  """
-  comps, entry = _computations(hlo_text)
-  mult = _multipliers(comps, entry) if entry else {}
-  kinds = "|".join(sorted(COLLECTIVES, key=len, reverse=True))
-  op = re.compile(rf"\s({kinds})(-start)?\(")
-  size = lambda shapes: sum(_DTYPE_BYTES.get(dt, 4) * math.prod(
-      int(x) for x in dims.split(",") if x) for dt, dims in shapes)
-  results = {}  # instruction -> its result's shapes (operands are printed without types)
-  for lines in comps.values():
-    for line in lines:
-      head = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+)", line)
-      if head:
-        results[head.group(1)] = re.findall(r"([a-z][a-z0-9]*)\[([0-9,]*)\]", head.group(2))
-  out: dict[str, dict[str, int]] = {}
-  for name, lines in comps.items():
-    for line in lines:
-      found = op.search(line)
-      if not found or " = " not in line[:found.start()]:
-        continue
-      shapes = re.findall(r"([a-z][a-z0-9]*)\[([0-9,]*)\]",
-                          line[line.index(" = ") + 3:found.start()])
-      if found.group(2) and len(shapes) > 1:
-        shapes = shapes[len(shapes) // 2:]  # an async start's (operands, results)
-      nbytes = size(shapes)
-      if found.group(1) == "ragged-all-to-all":  # the filled rows of the smaller buffer
-        first = re.match(r"\s*%?([\w.\-]+)", line[found.end():])
-        if first and first.group(1) in results:
-          nbytes = min(nbytes, size(results[first.group(1)]))
-      times = mult.get(name, 1)
-      entry_ = out.setdefault(found.group(1), {"count": 0, "bytes": 0})
-      entry_["count"] += times
-      entry_["bytes"] += times * nbytes
-  return out
-
-
 def program_report(compiled, seconds: float, chip: Chip, model_flops: Optional[float],
                    useful_flops: Optional[float] = None) -> dict:
   """What one compiled program costs per chip (see the module docstring).
@@ -303,7 +196,7 @@ def program_report(compiled, seconds: float, chip: Chip, model_flops: Optional[f
   total = (hbm["arguments"] + hbm["outputs"] + hbm["temporaries"] + hbm["code"]
            - hbm["aliased"])
   text = compiled.as_text()
-  coll = collectives(text)
+  coll = aot_hlo.collectives(text)
   kernels = collections.Counter(
       (re.search(r'op_name="[^"]*?(\w+)/pallas_call"', line) or re.search("()", "")).group(1)
       or "other" for line in text.splitlines() if 'custom_call_target="tpu_custom_call"' in line)
@@ -325,6 +218,37 @@ def program_report(compiled, seconds: float, chip: Chip, model_flops: Optional[f
               if model_flops and step_s > 0 else None),
       "compile_s": round(seconds, 2),
   }
+
+
+def engine_report(compiled, seconds: float, chip: Chip, min_bytes: float, steps: int) -> dict:
+  """`program_report` of an engine call, its HBM term from the compiled HBM traffic.
+
+  Args:
+    compiled: the compiled prefill or decode call.
+    seconds: its compile time.
+    chip: the slice's Chip.
+    min_bytes: the call's floor per chip (`aot_engine.engine_programs`; decode: one step's).
+    steps: decode steps per call (`steps_per_call`; 1 for prefill).
+
+  Returns:
+    The report plus hbm_bytes {loop, outside, per_step} (`aot_hlo.hbm_bytes`: one iteration of
+    the decode loop, the code around it per call, and their sum per step, the code around the
+    loop shared by the call's `steps`), min_bytes, bytes_ratio (per_step over min_bytes) and
+    xla_bytes_ratio (XLA's bytes accessed, which counts VMEM staging too, over min_bytes); the
+    roofline's HBM term is per_step over the chip's bandwidth.
+  """
+  report = program_report(compiled, seconds, chip, None)
+  hbm = aot_hlo.hbm_bytes(compiled.as_text())
+  per_step = hbm["loop"] + hbm["outside"] / steps
+  report["hbm_bytes"] = {**hbm, "per_step": per_step}
+  report["min_bytes"] = min_bytes
+  report["bytes_ratio"] = round(per_step / max(min_bytes, 1.0), 2)
+  report["xla_bytes_ratio"] = round(report["bytes_accessed"] / max(min_bytes, 1.0), 2)
+  terms = {k: v for k, v in report["roofline_s"].items() if k not in ("step", "bound")}
+  terms["hbm"] = round(per_step / chip.hbm_bw, 6)
+  report["roofline_s"] = {**terms, "step": max(terms.values()),
+                          "bound": max(terms, key=terms.get)}
+  return report
 
 
 def compile_run(config, topology: str, programs: Sequence[str] = PROGRAMS) -> dict:
@@ -431,13 +355,11 @@ def _compile_run(config, topology: str, programs: Sequence[str]) -> dict:
       compiled = {}
       for name in engine:
         report["programs"][name] = out_of_memory(e, chip, time.perf_counter() - t0)
+    steps = rollouts.engine_config(config, model_cfg).steps_per_call
     for name in engine if compiled else ():
       program, seconds, min_bytes = compiled[name]
-      report["programs"][name] = program_report(program, seconds, chip, None)
-      # XLA counts the decode loop's body once: bytes accessed ~ one decode step
-      report["programs"][name]["min_bytes"] = min_bytes
-      report["programs"][name]["bytes_ratio"] = round(
-          report["programs"][name]["bytes_accessed"] / max(min_bytes, 1.0), 2)
+      report["programs"][name] = engine_report(program, seconds, chip, min_bytes,
+                                               steps if name == "decode" else 1)
   if "weight_sync" in programs:
     t0 = time.perf_counter()
     try:

@@ -56,12 +56,15 @@ collectives are the transfer's. A LoRA run moves its adapters (and a MoE router'
 the engine keeps its frozen base.
 
 `min_bytes` is a floor on the HBM bytes one call must read per chip (`engine_programs`): each
-chip's shard of the weights in the decode layout once, in the compute dtype, plus its share of
-the cache the call must touch, the rows split over the batch shards as the slots are. XLA's
-`cost_analysis` counts a while loop's body once, so decode's compiled "bytes accessed" is about
-one decode step (plus, with the contiguous pool, the gather and scatter of the slots' rows);
-`min_bytes` for decode is one step's floor, to compare with it. The Pallas paged-attention
-kernel declares what it reads (the pages its tables name), not its operands' full size.
+chip's shard of the weights in the decode layout once, in the compute dtype (of an untied
+embedding table, the rows looked up), plus its share of the cache the call must touch, the rows
+split over the batch shards as the slots are; for decode, one step's. `trainer.aot` compares it
+with the compiled program's HBM traffic (`trainer.aot_hlo.hbm_bytes`, from the memory spaces
+of the optimized HLO: XLA's "bytes accessed" also counts the compiler's VMEM staging, and the
+code around the decode loop, such as the LM head's cast to the compute dtype, once per call of
+`steps_per_call` steps). The Pallas paged-attention kernel declares what it reads (the pages
+its tables name), not its operands' full size; its pages stay in HBM
+(`models.kernels.paged_attention_tpu.in_hbm`).
 """
 
 from __future__ import annotations
@@ -179,12 +182,16 @@ def prefill_len(engine_cfg: EngineConfig) -> int:
   return min(c.prefill_chunk, -(-(c.max_seq_len - 1) // c.prefill_bucket) * c.prefill_bucket)
 
 
-def weight_bytes_per_chip(state: nnx.State, model_cfg: ModelConfig) -> float:
+def weight_bytes_per_chip(state: nnx.State, model_cfg: ModelConfig,
+                          lookups: Optional[int] = None) -> float:
   """Bytes of one chip's shards of every variable, floating ones in the compute dtype.
 
   Args:
     state: an abstract state of `abstract_model` (leaves carry their shardings).
-    model_cfg: the model config (`dtype`).
+    model_cfg: the model config (`dtype`, `tie_embeddings`).
+    lookups: the token embeddings a call looks up on the chip: an untied embedding table
+      counts those rows only (a lookup reads rows, not the table; a tied table is the LM head
+      too, read whole). None: the whole table.
 
   Returns:
     The bytes. Every MoE expert is counted (a simplification: a step of s slots reads at
@@ -192,10 +199,15 @@ def weight_bytes_per_chip(state: nnx.State, model_cfg: ModelConfig) -> float:
   """
   compute = jnp.dtype(model_cfg.dtype).itemsize
   total = 0.0
-  for leaf in jax.tree.leaves(state):
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
     size = jnp.dtype(leaf.dtype).itemsize
     itemsize = compute if jnp.issubdtype(leaf.dtype, jnp.floating) else size
-    total += itemsize * math.prod(leaf.sharding.shard_shape(leaf.shape))
+    shard = leaf.sharding.shard_shape(leaf.shape)
+    count = math.prod(shard)
+    if (lookups is not None and not model_cfg.tie_embeddings
+        and getattr(path[0], "key", None) == "embed"):
+      count = min(count, lookups * shard[-1])
+    total += itemsize * count
   return total
 
 
@@ -208,15 +220,16 @@ def engine_programs(config, model_cfg: ModelConfig, mesh,
   slice's platform (and a matmul precision its compiler accepts).
 
   min_bytes, per chip (W = `weight_bytes_per_chip`: every variable's decode-layout shard in
-  the compute dtype; P = `position_bytes_per_chip`; rows split over the batch shards as the
-  slots are):
+  the compute dtype, of an untied embedding table the rows the call looks up; P =
+  `position_bytes_per_chip`; rows split over the batch shards as the slots are):
     prefill  W + P x (padded prefill rows / shards) x `prefill_len`: the weights once and the
              new entries written (a contiguous pool's call gathers and scatters whole rows,
              so it accesses more);
     decode   W + P x (slots / shards) x max_seq_len, per decode step: the weights once and
              the slots' caches read at full length (the step attends over every position;
-             the per-step outputs are small). Compare it with the compiled bytes accessed,
-             which counts the loop body once.
+             the per-step outputs are small). Compare it with the compiled program's HBM
+             bytes per step (`trainer.aot_hlo.hbm_bytes`: the loop's iteration plus the
+             code around the loop over `steps_per_call`).
 
   Args:
     config: the run's config (`rl.concurrency`, `rl.max_context_tokens`, `rl.kv_cache`,
@@ -260,10 +273,12 @@ def engine_programs(config, model_cfg: ModelConfig, mesh,
   decode_kwargs = {"mask": _struct((s, words), jnp.uint32), "min_p": slot(f32),
                    "min_tokens": slot(i32), "specs": specs}
 
-  weights = weight_bytes_per_chip(state, model_cfg)
   position = position_bytes_per_chip(pool, e)
-  floors = {"prefill": weights + position * (b // layout.shards) * p,
-            "decode": weights + position * (s // layout.shards) * e.max_seq_len}
+  rows_b, rows_s = b // layout.shards, s // layout.shards  # a chip's rows
+  floors = {"prefill": (weight_bytes_per_chip(state, model_cfg, rows_b * p)
+                        + position * rows_b * p),
+            "decode": (weight_bytes_per_chip(state, model_cfg, rows_s)
+                       + position * rows_s * e.max_seq_len)}
   prefill_fn, decode_fn = ((programs.prefill_paged, programs.decode_paged) if paged else
                            (programs.prefill, programs.decode))
   out = {}

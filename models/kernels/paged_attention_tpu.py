@@ -97,6 +97,17 @@ def _kernel(table_ref, start_ref, *refs, scale: float, s: int, group: int, block
     o_ref[...] = (acc_sc[...] / l_sc[...][:, :1]).astype(o_ref.dtype)
 
 
+def in_hbm(pages: jax.Array, interpret: Any) -> jax.Array:
+  """`pages` pinned to HBM as the kernel's operand (Mosaic only; the interpreter has one memory).
+
+  The kernel reads only the pages its tables name, but XLA sees the whole pool as an operand
+  and, when a layer's pool fits in VMEM (a shard of a few tens of MB on v6e), stages all of it
+  there before every call: the full pool read from HBM each decode step instead of the
+  sequences' pages.
+  """
+  return pages if interpret else pltpu.with_memory_space_constraint(pages, pltpu.HBM)
+
+
 def _group_rows(x: jax.Array, kvh: int, rows: int) -> jax.Array:
   """[b, s, heads, d] -> [b, kv_heads, rows, d]: row t * group + g is query t's head g of the
   kv head's group; rows past s * group are zeros."""
@@ -176,11 +187,12 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   pages = lambda dim: [pl.BlockSpec((None, None, page_size, dim), page_map(j))
                        for j in range(per_block)]
   in_specs = [pl.BlockSpec((None, None, rows, d), row_map), *pages(d), *pages(dv)]
+  k_pages, v_pages = in_hbm(k_pages, interpret), in_hbm(v_pages, interpret)
   args = [_group_rows(q, kvh, rows), *[k_pages] * per_block, *[v_pages] * per_block]
   if has_rope:
     dr = q_rope.shape[-1]
     in_specs += [pl.BlockSpec((None, None, rows, dr), row_map), *pages(dr)]
-    args += [_group_rows(q_rope, kvh, rows), *[k_rope_pages] * per_block]
+    args += [_group_rows(q_rope, kvh, rows), *[in_hbm(k_rope_pages, interpret)] * per_block]
   kernel = functools.partial(_kernel, scale=scale, s=s, group=group, blocks=blocks,
                              page_size=page_size, per_block=per_block, has_rope=has_rope)
   out = pl.pallas_call(

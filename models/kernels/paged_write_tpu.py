@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from models.kernels.paged_attention_tpu import in_hbm
 
 
 def _kernel(page_ref, offset_ref, values_ref, pages_in_ref, pages_ref, pair_ref, sems, *,
@@ -125,4 +126,4 @@ def write_entries(pages: jax.Array, values: jax.Array, page: jax.Array, offset: 
       input_output_aliases={3: 0},  # operands (page, offset, values, pages): pages is the output
       cost_estimate=pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=moved),
       interpret=interpret,
-  )(page.astype(jnp.int32), offset.astype(jnp.int32), values, pages)
+  )(page.astype(jnp.int32), offset.astype(jnp.int32), values, in_hbm(pages, interpret))
