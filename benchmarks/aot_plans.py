@@ -279,7 +279,8 @@ def markdown(reports: list[dict]) -> str:
            "optimized HLO's collectives with loop trip counts); **estimate** columns from the "
            "arithmetic above.", "",
            "| plan | slice (chips) | mesh | remat | train peak GB / chip (compiled) | estimate | "
-           "headroom GB | score GB | decode GB (bytes / min) | weight sync GB gathered (ms) | "
+           "headroom GB | score GB | decode GB (HBM bytes / min, per step) | "
+           "weight sync GB gathered (ms) | "
            "ICI s / step (compiled) | estimate | step s (compiled roofline) | estimate | "
            "compile s |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -298,7 +299,7 @@ def markdown(reports: list[dict]) -> str:
            f"{g['roofline_s']['ici'] + u['roofline_s']['ici']:.2f}")
     decode = p.get("decode")
     decode_s = ("-" if decode is None else "refused" if "error" in decode else
-                f"{decode['hbm_gb']['total']:.1f} ({decode['bytes_ratio']:.1f}x)")
+                f"{decode['hbm_gb']['total']:.1f} ({decode['bytes_ratio']:.2f}x)")
     sync = p.get("weight_sync")
     sync_s = ("-" if sync is None else "refused" if "error" in sync else
               f"{sum(c['bytes'] for c in sync['collectives'].values()) / 1e9:.1f} "
