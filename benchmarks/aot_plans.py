@@ -91,6 +91,9 @@ ROW_LEN, SEQ_LEN = 32768, 8192  # docs/scaling.md: one trajectory's trie fills a
 # does not fit it (32B on fsdp 64 would hold the whole bf16 model on every chip) or decodes
 # slower (7B on v6e-64: the engine search's choice, docs/scaling.md)
 ENGINE_MESH_SHAPES = {"qwen32b-v5p-full": "tensor=4", "qwen7b-v6e-full": "tensor=4"}
+# The engine's slots (`rl.concurrency`, default 64) where the slice has more batch shards
+# (fsdp x expert) than that: one slot per shard.
+ENGINE_SLOTS = {"kimi-k2-v5p-ep-a2a": 256}
 
 
 class Plan(NamedTuple):
@@ -154,6 +157,7 @@ def plan_config(name: str):
   c.rl.max_context_tokens = max(c.rl.max_context_tokens, plan.row_len)
   c.rl.kv_cache = "paged"  # the engine's pool at scale: pages split over the batch shards
   c.rl.engine_mesh_shape = ENGINE_MESH_SHAPES.get(name, "")
+  c.rl.concurrency = ENGINE_SLOTS.get(name, c.rl.concurrency)
   batch_shards = mesh["fsdp"] * mesh.get("expert", 1)
   c.data.rows_per_batch = c.data.max_seqs = batch_shards  # one row per batch shard
   c.data.microbatches = micro_batches
@@ -388,6 +392,30 @@ def critic_markdown(reports: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def decode_markdown(reports: list[dict]) -> str:
+  """The docs table of each plan's compiled decode step: HBM per chip, the HBM bytes a step
+  reads and writes against its floor, the roofline step, XLA's count beside them."""
+  lines = ["| plan (engine mesh) | decode HBM GB / chip | headroom | HBM GB / step (loop + "
+           "around it / steps) | minimum GB | ratio | roofline step ms | XLA bytes accessed GB "
+           "(ratio) |",
+           "|---|---|---|---|---|---|---|---|"]
+  for r in reports:
+    d = r["programs"].get("decode")
+    if d is None or "error" in d or "hbm_bytes" not in d:
+      continue
+    mesh = r.get("engine_mesh") or r["mesh"]
+    mesh_s = " x ".join(f"{k} {v}" for k, v in mesh.items() if v > 1)
+    hbm, total = d["hbm_bytes"], d["hbm_gb"]["total"]
+    lines.append(
+        f"| {r['plan']} ({mesh_s}) | {total:.1f} | {1 - total / d['hbm_gb']['capacity']:.0%} | "
+        f"{hbm['per_step'] / 1e9:.2f} ({hbm['loop'] / 1e9:.2f} + {hbm['outside'] / 1e9:.2f} / "
+        f"{round(hbm['outside'] / max(hbm['per_step'] - hbm['loop'], 1.0))}) | "
+        f"{d['min_bytes'] / 1e9:.2f} | {d['bytes_ratio']:.2f}x | "
+        f"{1e3 * d['roofline_s']['step']:.1f} | {d['bytes_accessed'] / 1e9:.1f} "
+        f"({d['xla_bytes_ratio']:.2f}x) |")
+  return "\n".join("  " + line for line in lines)  # inside the docs' "Decode" item
+
+
 def _total(program: dict | None) -> str:
   if program is None:
     return "-"
@@ -395,7 +423,7 @@ def _total(program: dict | None) -> str:
 
 
 def write_docs(block: str, tag: str = "aot") -> None:
-  """Replaces the `tag` block of docs/scaling.md ("aot", or "aot-long" for long contexts)."""
+  """Replaces the `tag` block of docs/scaling.md ("aot"; "aot-decode", "aot-long", "aot-critic")."""
   with open(sizing.DOC) as f:
     text = f.read()
   new = re.sub(rf"<!-- {tag}:start -->.*<!-- {tag}:end -->",
@@ -461,6 +489,7 @@ def main() -> None:
           done[name] = json.load(f)
     if any(n in done for n in PLANS):
       write_docs(markdown([done[n] for n in PLANS if n in done]))
+      write_docs(decode_markdown([done[n] for n in PLANS if n in done]), "aot-decode")
     if any(n in done for n in LONG_PLANS):
       write_docs(long_markdown([done[n] for n in LONG_PLANS if n in done]), "aot-long")
 
