@@ -395,10 +395,10 @@ def critic_markdown(reports: list[dict]) -> str:
 def decode_markdown(reports: list[dict]) -> str:
   """The docs table of each plan's compiled decode step: HBM per chip, the HBM bytes a step
   reads and writes against its floor, the roofline step, XLA's count beside them."""
-  lines = ["| plan (engine mesh) | decode HBM GB / chip | headroom | HBM GB / step (loop + "
-           "around it / steps) | minimum GB | ratio | roofline step ms | XLA bytes accessed GB "
-           "(ratio) |",
-           "|---|---|---|---|---|---|---|---|"]
+  lines = ["| plan (engine mesh) | slots | decode HBM GB / chip | headroom | HBM GB / step (loop "
+           "+ around it / steps) | minimum GB | ratio | roofline step ms | tokens/s (slice, "
+           "roofline) | XLA bytes accessed GB (ratio) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for r in reports:
     d = r["programs"].get("decode")
     if d is None or "error" in d or "hbm_bytes" not in d:
@@ -406,12 +406,14 @@ def decode_markdown(reports: list[dict]) -> str:
     mesh = r.get("engine_mesh") or r["mesh"]
     mesh_s = " x ".join(f"{k} {v}" for k, v in mesh.items() if v > 1)
     hbm, total = d["hbm_bytes"], d["hbm_gb"]["total"]
+    slots, step_s = plan_config(r["plan"]).rl.concurrency, d["roofline_s"]["step"]
     lines.append(
-        f"| {r['plan']} ({mesh_s}) | {total:.1f} | {1 - total / d['hbm_gb']['capacity']:.0%} | "
+        f"| {r['plan']} ({mesh_s}) | {slots} | {total:.1f} | "
+        f"{1 - total / d['hbm_gb']['capacity']:.0%} | "
         f"{hbm['per_step'] / 1e9:.2f} ({hbm['loop'] / 1e9:.2f} + {hbm['outside'] / 1e9:.2f} / "
         f"{round(hbm['outside'] / max(hbm['per_step'] - hbm['loop'], 1.0))}) | "
         f"{d['min_bytes'] / 1e9:.2f} | {d['bytes_ratio']:.2f}x | "
-        f"{1e3 * d['roofline_s']['step']:.1f} | {d['bytes_accessed'] / 1e9:.1f} "
+        f"{1e3 * step_s:.1f} | {slots / step_s:,.0f} | {d['bytes_accessed'] / 1e9:.1f} "
         f"({d['xla_bytes_ratio']:.2f}x) |")
   return "\n".join("  " + line for line in lines)  # inside the docs' "Decode" item
 
