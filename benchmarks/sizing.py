@@ -561,6 +561,9 @@ def render() -> str:
     out.append(f"| {p.model} | {p.tpu} | " + " | ".join(f"{v:.1f}" for v in vals) + " |")
 
   out.append("\n### Generation (one engine replica, decode roofline; estimates)\n")
+  out.append("Compiled: each plan's engine decoding on its whole slice (HBM per chip, bytes "
+             "per step against the floor, roofline step, tokens per second) is in \"Compiled "
+             "for the slice\", \"Decode\"; this table sizes one replica by arithmetic.\n")
   out.append("| model | chip | replica chips | batch | decode step ms | tokens/s per replica | "
              "replica-s per trajectory |\n|---|---|---|---|---|---|---|")
   for model, tpu in CASES:
