@@ -32,8 +32,12 @@ from envs.sandbox import Limits, PathError, SandboxError, SandboxFull, create_sa
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Private uid ranges (other processes on this machine may run sandboxes from the default
 # pool): in-process bwrap sandboxes, and those of the servers the tests start.
-# One of 16 slots (lock files stay behind per uid: keep their number bounded).
-_BASE = 2_001_000_000 + random.randrange(16) * 128
+# One of 16 slots (lock files stay behind per uid: keep their number bounded); the workers of
+# one pytest-xdist run take consecutive slots from a run-wide offset, so none shares a range.
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+_SLOT = (int(_RUN, 16) + _WORKER) % 16 if _RUN else random.randrange(16)
+_BASE = 2_001_000_000 + _SLOT * 128
 TEST_UIDS, SERVER_UIDS = range(_BASE, _BASE + 64), range(_BASE + 64, _BASE + 128)
 # The docker sandboxes' user, private to this slot too (beyond the 16 slots' bwrap ranges).
 DOCKER_UID = 2_001_000_000 + 16 * 128 + (_BASE - 2_001_000_000) // 128
