@@ -406,12 +406,12 @@ def decode_markdown(reports: list[dict]) -> str:
     mesh = r.get("engine_mesh") or r["mesh"]
     mesh_s = " x ".join(f"{k} {v}" for k, v in mesh.items() if v > 1)
     hbm, total = d["hbm_bytes"], d["hbm_gb"]["total"]
-    slots, step_s = plan_config(r["plan"]).rl.concurrency, d["roofline_s"]["step"]
+    slots, step_s = d["slots"], d["roofline_s"]["step"]
     lines.append(
         f"| {r['plan']} ({mesh_s}) | {slots} | {total:.1f} | "
         f"{1 - total / d['hbm_gb']['capacity']:.0%} | "
         f"{hbm['per_step'] / 1e9:.2f} ({hbm['loop'] / 1e9:.2f} + {hbm['outside'] / 1e9:.2f} / "
-        f"{round(hbm['outside'] / max(hbm['per_step'] - hbm['loop'], 1.0))}) | "
+        f"{d['steps']}) | "
         f"{d['min_bytes'] / 1e9:.2f} | {d['bytes_ratio']:.2f}x | "
         f"{1e3 * step_s:.1f} | {slots / step_s:,.0f} | {d['bytes_accessed'] / 1e9:.1f} "
         f"({d['xla_bytes_ratio']:.2f}x) |")

@@ -83,6 +83,7 @@ def test_tiny_steps_compile_for_v5p_with_the_mosaic_kernel(v5p_report):
     p = r["programs"][name]
     hbm = p["hbm_bytes"]
     steps = 16 if name == "decode" else 1  # the engine's steps_per_call
+    assert p["steps"] == steps and p["slots"] == tiny_config().rl.concurrency, name
     assert hbm["per_step"] == pytest.approx(hbm["loop"] + hbm["outside"] / steps), name
     assert p["min_bytes"] > 0 and p["bytes_ratio"] == pytest.approx(
         hbm["per_step"] / p["min_bytes"], rel=1e-2) and p["bytes_ratio"] > 1, name

@@ -13,6 +13,7 @@ import dataclasses
 import re
 
 import jax
+import jax.numpy as jnp
 import pytest
 from flax import nnx
 
@@ -213,6 +214,31 @@ def test_programs_are_the_engines():
   assert placed(state) == placed(engine._state)
   assert placed(pool) == placed(engine._pool.caches)
   assert specs == engine._pool._specs
+
+
+def test_tpu_programs_read_a_one_token_matmuls_weight_once():
+  # decode at one slot per shard: a [1, heads x head_dim] row times o_proj's kernel
+  # [heads, head_dim, hidden] as `layers.Dense` computes it (reshaped to 2-D, fp32 accumulation)
+  def steps(x, kernels):
+    def body(h, _):
+      for w in kernels:
+        y = jnp.dot(h.reshape(1, -1), w.reshape(h.size, -1), preferred_element_type=jnp.float32)
+        h = h + y[:, :h.size].reshape(h.shape).astype(h.dtype)
+      return h, None
+    return jax.lax.scan(body, x, None, length=4)[0]
+
+  _, devices = aot.topology_devices("v5p:2x2x1")
+  one = jax.sharding.SingleDeviceSharding(devices[0])
+  x = jax.ShapeDtypeStruct((1, 8, 128), jnp.bfloat16, sharding=one)
+  kernels = [jax.ShapeDtypeStruct((8, 128, 7168), jnp.bfloat16, sharding=one)] * 2
+  weight_bytes = 2 * 8 * 128 * 7168 * 2
+  per_step = lambda jitted: aot_hlo.hbm_bytes(jitted.lower(x, kernels).compile().as_text())["loop"]
+  with attention.compile_for("tpu"):
+    engine_step = per_step(engine_programs._Program(steps))
+  # the engine's options: each kernel read once per step, in bf16; XLA:TPU's defaults rewrite the
+  # product as an fp32 multiply-reduce and convert each kernel to fp32 in HBM first
+  assert weight_bytes <= engine_step < 1.02 * weight_bytes
+  assert per_step(jax.jit(steps)) > 3 * weight_bytes
 
 
 def test_dense_gqa_engine_compiles_with_heads_over_tensor():

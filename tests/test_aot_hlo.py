@@ -135,3 +135,66 @@ ENTRY %main (a: f32[256]) -> f32[256] {
 }
 """
   assert aot_hlo.hbm_bytes(module) == {"loop": 0.0, "outside": 256 * 4 + 256 * 4}
+
+
+# XLA's bidirectional windowed einsum: a loop counting 0, 2 (u32) to 4 whose body reads two
+# 16-row chunks of a [64, 128] weight per fusion, through pads and a nested fusion.
+WINDOWED = """HloModule windowed
+
+%fused_chunks (param_0: s32[], param_1: bf16[1,64,128]) -> bf16[2,16,128] {
+  %param_1 = bf16[1,64,128]{2,1,0:T(8,128)(2,1)} parameter(1)
+  %inf = bf16[]{:T(256)} constant(-inf)
+  %low = bf16[2,64,128]{2,1,0:T(8,128)(2,1)} pad(%param_1, %inf), padding=0_1x0_0x0_0
+  %high = bf16[2,64,128]{2,1,0:T(8,128)(2,1)} pad(%param_1, %inf), padding=1_0x0_0x0_0
+  %param_0 = s32[]{:T(128)S(6)} parameter(0)
+  %zero = s32[]{:T(128)S(6)} constant(0)
+  %a = bf16[2,16,128]{2,1,0:T(8,128)(2,1)} dynamic-slice(%low, %zero, %param_0, %zero), dynamic_slice_sizes={2,16,128}
+  %b = bf16[2,16,128]{2,1,0:T(8,128)(2,1)} dynamic-slice(%high, %zero, %param_0, %zero), dynamic_slice_sizes={2,16,128}
+  ROOT %m = bf16[2,16,128]{2,1,0:T(8,128)(2,1)} maximum(%a, %b)
+}
+
+%fused_dot (param_0: s32[], param_1: bf16[1,64,128], param_2: bf16[2,16]) -> f32[128] {
+  %param_0 = s32[]{:T(128)S(6)} parameter(0)
+  %param_1 = bf16[1,64,128]{2,1,0:T(8,128)(2,1)} parameter(1)
+  %param_2 = bf16[2,16]{1,0:T(2,128)(2,1)S(1)} parameter(2)
+  %chunks = bf16[2,16,128]{2,1,0:T(8,128)(2,1)} fusion(%param_0, %param_1), kind=kLoop, calls=%fused_chunks
+  ROOT %dot = f32[128]{0:T(128)S(1)} dot(%param_2, %chunks), lhs_contracting_dims={0,1}, rhs_contracting_dims={0,1}
+}
+
+%cond (p: (u32[], bf16[1,64,128], bf16[2,16])) -> pred[] {
+  %p = (u32[]{:T(128)S(2)}, bf16[1,64,128]{2,1,0:T(8,128)(2,1)}, bf16[2,16]{1,0:T(2,128)(2,1)S(1)}) parameter(0)
+  %i = u32[]{:T(128)S(2)} get-tuple-element(%p), index=0
+  %n = u32[]{:T(128)S(2)} constant(4)
+  ROOT %lt = pred[]{:T(512)S(2)} compare(%i, %n), direction=LT
+}
+
+%body (p: (u32[], bf16[1,64,128], bf16[2,16])) -> (u32[], bf16[1,64,128], bf16[2,16]) {
+  %p = (u32[]{:T(128)S(2)}, bf16[1,64,128]{2,1,0:T(8,128)(2,1)}, bf16[2,16]{1,0:T(2,128)(2,1)S(1)}) parameter(0)
+  %i = u32[]{:T(128)S(2)} get-tuple-element(%p), index=0
+  %w = bf16[1,64,128]{2,1,0:T(8,128)(2,1)} get-tuple-element(%p), index=1
+  %x = bf16[2,16]{1,0:T(2,128)(2,1)S(1)} get-tuple-element(%p), index=2
+  %offset = s32[]{:T(128)S(6)} bitcast(%i)
+  %y = f32[128]{0:T(128)S(1)} fusion(%offset, %w, %x), kind=kOutput, calls=%fused_dot
+  %two = u32[]{:T(128)S(2)} constant(2)
+  %next = u32[]{:T(128)S(2)} add(%i, %two)
+  ROOT %t = (u32[]{:T(128)S(2)}, bf16[1,64,128]{2,1,0:T(8,128)(2,1)}, bf16[2,16]{1,0:T(2,128)(2,1)S(1)}) tuple(%next, %w, %x)
+}
+
+ENTRY %main (w: bf16[1,64,128], x: bf16[2,16]) -> f32[128] {
+  %w = bf16[1,64,128]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %x = bf16[2,16]{1,0:T(2,128)(2,1)S(1)} parameter(1)
+  %zero = u32[]{:T(128)S(2)} constant(0)
+  %init = (u32[]{:T(128)S(2)}, bf16[1,64,128]{2,1,0:T(8,128)(2,1)}, bf16[2,16]{1,0:T(2,128)(2,1)S(1)}) tuple(%zero, %w, %x)
+  %loop = (u32[]{:T(128)S(2)}, bf16[1,64,128]{2,1,0:T(8,128)(2,1)}, bf16[2,16]{1,0:T(2,128)(2,1)S(1)}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[128]{0:T(128)} copy(%x)
+}
+"""
+
+
+def test_windowed_einsum_loops_step_by_their_increment_and_read_their_chunks():
+  comps, entry = aot_hlo._computations(WINDOWED)
+  assert aot_hlo._multipliers(comps, entry)["body"] == 2  # 0, 2: two trips, not four
+  # per trip, the fusion reads two 16-row chunks of the weight (one per pad; the pads'
+  # -inf rows are not read), not the weight whole: the two trips read it once
+  chunk = 16 * 128 * 2
+  assert aot_hlo.hbm_bytes(WINDOWED)["loop"] == 2 * chunk

@@ -82,8 +82,8 @@ from models.hardware import CHIPS, GB, Chip, storage_bits
 from models.kernels import attention
 from rl import advantages, corrections
 from trainer import aot_engine
-from trainer import aot_hlo
 from trainer import aot_engine_search
+from trainer import aot_hlo
 from trainer import aot_search
 from trainer import config as config_lib
 from trainer import critic as critic_lib
@@ -168,7 +168,8 @@ def abstract_micro_batches(config, model_cfg, mesh) -> MicroBatches:
 
 
 def program_report(compiled, seconds: float, chip: Chip, model_flops: Optional[float],
-                   useful_flops: Optional[float] = None) -> dict:
+                   useful_flops: Optional[float] = None,
+                   hbm_bytes: Optional[float] = None) -> dict:
   """What one compiled program costs per chip (see the module docstring).
 
   Args:
@@ -179,6 +180,8 @@ def program_report(compiled, seconds: float, chip: Chip, model_flops: Optional[f
       2 N T), or None (no utilisation reported).
     useful_flops: those that count for the utilisation (6 N T for a train step whatever the
       remat); default model_flops.
+    hbm_bytes: the HBM bytes per step for the roofline's HBM term (`engine_report`: the
+      compiled HBM traffic); default XLA's bytes accessed.
 
   Returns:
     A JSON-able dict: hbm_gb {arguments, outputs, temporaries, code, aliased, total,
@@ -204,7 +207,7 @@ def program_report(compiled, seconds: float, chip: Chip, model_flops: Optional[f
   # XLA's cost analysis counts a loop body once (the micro-batch and layer scans): the
   # compute term takes the model's FLOPs when they are larger, and the HBM term is a floor.
   terms = {"compute": max(flops, model_flops or 0.0) / chip.peak_flops,
-           "hbm": accessed / chip.hbm_bw,
+           "hbm": (accessed if hbm_bytes is None else hbm_bytes) / chip.hbm_bw,
            "ici": sum(c["bytes"] for c in coll.values()) / chip.ici_bw}
   step_s = max(terms.values())
   return {
@@ -220,7 +223,8 @@ def program_report(compiled, seconds: float, chip: Chip, model_flops: Optional[f
   }
 
 
-def engine_report(compiled, seconds: float, chip: Chip, min_bytes: float, steps: int) -> dict:
+def engine_report(compiled, seconds: float, chip: Chip, min_bytes: float, steps: int,
+                  slots: int) -> dict:
   """`program_report` of an engine call, its HBM term from the compiled HBM traffic.
 
   Args:
@@ -229,25 +233,21 @@ def engine_report(compiled, seconds: float, chip: Chip, min_bytes: float, steps:
     chip: the slice's Chip.
     min_bytes: the call's floor per chip (`aot_engine.engine_programs`; decode: one step's).
     steps: decode steps per call (`steps_per_call`; 1 for prefill).
+    slots: the engine's slots (sequences decoded together).
 
   Returns:
-    The report plus hbm_bytes {loop, outside, per_step} (`aot_hlo.hbm_bytes`: one iteration of
-    the decode loop, the code around it per call, and their sum per step, the code around the
-    loop shared by the call's `steps`), min_bytes, bytes_ratio (per_step over min_bytes) and
-    xla_bytes_ratio (XLA's bytes accessed, which counts VMEM staging too, over min_bytes); the
-    roofline's HBM term is per_step over the chip's bandwidth.
+    The report plus steps, slots, hbm_bytes {loop, outside, per_step} (`aot_hlo.hbm_bytes`:
+    one iteration of the decode loop, the code around it per call, and their sum per step, the
+    code around the loop shared by the call's `steps`), min_bytes, bytes_ratio (per_step over
+    min_bytes) and xla_bytes_ratio (XLA's bytes accessed, which counts VMEM staging too, over
+    min_bytes); the roofline's HBM term is per_step over the chip's bandwidth.
   """
-  report = program_report(compiled, seconds, chip, None)
   hbm = aot_hlo.hbm_bytes(compiled.as_text())
   per_step = hbm["loop"] + hbm["outside"] / steps
-  report["hbm_bytes"] = {**hbm, "per_step": per_step}
-  report["min_bytes"] = min_bytes
-  report["bytes_ratio"] = round(per_step / max(min_bytes, 1.0), 2)
-  report["xla_bytes_ratio"] = round(report["bytes_accessed"] / max(min_bytes, 1.0), 2)
-  terms = {k: v for k, v in report["roofline_s"].items() if k not in ("step", "bound")}
-  terms["hbm"] = round(per_step / chip.hbm_bw, 6)
-  report["roofline_s"] = {**terms, "step": max(terms.values()),
-                          "bound": max(terms, key=terms.get)}
+  report = program_report(compiled, seconds, chip, None, hbm_bytes=per_step)
+  report.update(steps=steps, slots=slots, hbm_bytes={**hbm, "per_step": per_step},
+                min_bytes=min_bytes, bytes_ratio=round(per_step / max(min_bytes, 1.0), 2),
+                xla_bytes_ratio=round(report["bytes_accessed"] / max(min_bytes, 1.0), 2))
   return report
 
 
@@ -355,11 +355,12 @@ def _compile_run(config, topology: str, programs: Sequence[str]) -> dict:
       compiled = {}
       for name in engine:
         report["programs"][name] = out_of_memory(e, chip, time.perf_counter() - t0)
-    steps = rollouts.engine_config(config, model_cfg).steps_per_call
+    engine_cfg = rollouts.engine_config(config, model_cfg)
     for name in engine if compiled else ():
       program, seconds, min_bytes = compiled[name]
-      report["programs"][name] = engine_report(program, seconds, chip, min_bytes,
-                                               steps if name == "decode" else 1)
+      steps = engine_cfg.steps_per_call if name == "decode" else 1
+      report["programs"][name] = engine_report(program, seconds, chip, min_bytes, steps,
+                                               engine_cfg.slots)
   if "weight_sync" in programs:
     t0 = time.perf_counter()
     try:

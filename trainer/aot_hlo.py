@@ -56,23 +56,28 @@ def _multipliers(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
   """How many times each computation runs per call of the program.
 
   A while loop's body and condition run its trip count times (the constant its condition
-  compares the counter with, as `lax.scan` and a static `fori_loop` lower; 1 for a
-  data-dependent bound); every other callee (fusions, calls, branches, reductions) as often as its
+  compares the counter with over the constant step the body adds to it, as `lax.scan`, a
+  static `fori_loop` and XLA's windowed einsums lower; 1 for a data-dependent bound); every other callee (fusions, calls, branches, reductions) as often as its
   caller. XLA's cost analysis counts a loop body once, so this is what scales the collectives.
   """
-  def trip(cond: str) -> int:
-    lines = comps.get(cond, ())
-    consts = {}
-    for line in lines:
-      c = re.match(r"\s*%?([\w.\-]+) = s32\[\]\S* constant\((\d+)\)", line)
-      if c:
-        consts[c.group(1)] = int(c.group(2))
-    for line in lines:  # ROOT compare(counter, N), direction=LT with N a constant
-      root = re.search(r"ROOT .*compare\((?:\S+ )?%?[\w.\-]+, (?:\S+ )?%?([\w.\-]+)\), "
-                       r"direction=LT", line)
-      if root and root.group(1) in consts:
-        return consts[root.group(1)]
-    return 1  # a data-dependent bound: counted once, like XLA's cost analysis
+  def trip(cond: str, body: str) -> int:
+    defs, root = _definitions(comps.get(cond, ()))
+    if not root or root[2] != "compare" or "direction=LT" not in root[4] or len(root[3]) != 2:
+      return 1
+    counter, bound = (defs.get(o) for o in root[3])
+    if not bound or bound[0][2] != "constant" or not re.match(r"[su]\d+\[\]", bound[0][1]):
+      return 1  # a data-dependent bound: counted once, like XLA's cost analysis
+    # the counter starts at 0 and steps by the constant the body adds to it (1 for scans,
+    # 2 for XLA's bidirectional windowed einsums)
+    step, index = 1, re.search(r"index=(\d+)", counter[1]) if counter else None
+    body_defs, body_root = _definitions(comps.get(body, ()))
+    if index and body_root and body_root[2] == "tuple" and int(index[1]) < len(body_root[3]):
+      after = body_defs.get(body_root[3][int(index[1])])
+      if after and after[0][2] == "add":
+        steps = [_constant(body_defs[o][1]) for o in after[0][3]
+                 if o in body_defs and body_defs[o][0][2] == "constant"]
+        step = max(1, steps[0]) if steps else 1
+    return -(-_constant(bound[1]) // step)
 
   mult: dict[str, int] = {}
   stack = [(entry, 1)]
@@ -84,12 +89,23 @@ def _multipliers(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
     for line in comps.get(name, ()):
       loop = re.search(r"condition=%?([\w.\-]+), body=%?([\w.\-]+)", line)
       if loop:
-        n = trip(loop.group(1))
+        n = trip(loop.group(1), loop.group(2))
         stack += [(loop.group(1), m * n), (loop.group(2), m * n)]
         continue
       for callees in _callees(line):
         stack += [(c, m) for c in re.findall(r"%?([\w.\-]+)", callees)]
   return mult
+
+
+def _definitions(lines) -> tuple[dict[str, tuple], tuple | None]:
+  """A computation's instructions by name, (`_split` parts, line), and its root's parts."""
+  defs = {parts[0]: (parts, line) for line in lines if (parts := _split(line))}
+  root = next((p for p, line in defs.values() if line.lstrip().startswith("ROOT")), None)
+  return defs, root
+
+
+def _constant(line: str) -> int:
+  return int(re.search(r"constant\((-?\d+)\)", line).group(1))
 
 
 def _callees(line: str) -> list[str]:
@@ -180,31 +196,44 @@ def _split(line: str):
   return head.group(1), type_text, op.group(1), operands, rest[j:]
 
 
-def _fusion_reads(comp: list[str]) -> tuple[dict[int, float], float | None]:
-  """For a fused computation: {parameter number: bytes read} for parameters that only slicing
-  ops read (the slices' bytes), and the update's bytes when its root updates a parameter in
-  place (dynamic-update-slice), else None."""
+def _fusion_reads(comp: list[tuple], table: dict) -> tuple[dict[int, float], float | None]:
+  """For a fused computation (its (`_split` parts, line) pairs): {parameter number: bytes
+  read} for parameters read only through slices, and the update's bytes when its root updates
+  a parameter in place (dynamic-update-slice), else None.
+
+  A slice reads what it returns; behind a pad, the unpadded operand's share of it; behind a
+  bitcast or inside a nested fusion, what the nested slices read. `table`: every
+  computation's pairs, for the nested fusions."""
   params, users, types, root = {}, {}, {}, None
-  for line in comp:
-    parts = _split(line)
-    if not parts:
-      continue
-    name, type_text, op, operands, rest = parts
+  for (name, type_text, op, operands, _), line in comp:
     types[name] = type_text
     if op == "parameter":
       params[name] = int(re.search(r"parameter\((\d+)\)", line).group(1))
     for k, o in enumerate(operands):
-      users.setdefault(o, []).append((op, k, name))
+      users.setdefault(o, []).append((op, k, name, line))
     if line.lstrip().startswith("ROOT"):
       root = (op, operands)
-  sliced = {}
-  for name, number in params.items():
-    uses = users.get(name, [])
-    if uses and all(op in _SLICING and k == 0 for op, k, _ in uses):
-      sliced[number] = sum(sum(n for n, _ in _arrays(types[u])) for _, _, u in uses)
+  size = lambda name: sum(n for n, _ in _arrays(types.get(name, "")))  # noqa: E731
+
+  def through_slices(name: str) -> float | None:
+    total = 0.0
+    for op, k, user, line in users.get(name) or [("", -1, "", "")]:
+      if op in _SLICING and k == 0:
+        total += size(user)
+      elif op in ("pad", "bitcast") and k == 0 and (inner := through_slices(user)) is not None:
+        total += inner * min(1.0, size(name) / max(size(user), 1.0))
+      elif op == "fusion" and (called := re.search(r"calls=%?([\w.\-]+)", line)) and (
+          inner := _fusion_reads(table.get(called.group(1), []), table)[0].get(k)) is not None:
+        total += inner
+      else:
+        return None
+    return total
+
+  sliced = {number: b for name, number in params.items()
+            if (b := through_slices(name)) is not None}
   update = None
   if root and root[0] == "dynamic-update-slice" and root[1][0] in params:
-    update = sum(n for n, _ in _arrays(types.get(root[1][1], "")))
+    update = size(root[1][1])
     sliced[params[root[1][0]]] = 0.0  # updated in place: not read
   return sliced, update
 
@@ -232,14 +261,13 @@ def hbm_bytes(hlo_text: str) -> dict[str, float]:
   """
   comps, entry = _computations(hlo_text)
   mult = _multipliers(comps, entry) if entry else {}
-  fused, inside = set(), set()
-  for lines in comps.values():
-    for line in lines:
-      parts = _split(line)
-      if parts and parts[2] != "call":  # fusions, reductions' scalar computations
-        fused.update(c for cs in re.findall(r"(?:calls|to_apply)=(\{[^}]*\}|%?[\w.\-]+)", line)
-                     for c in re.findall(r"%?([\w.\-]+)", cs))
-  loop_mult = 1
+  table = {name: [(parts, line) for line in lines if (parts := _split(line))]
+           for name, lines in comps.items()}
+  types = {parts[0]: parts[1] for instrs in table.values() for parts, _ in instrs}
+  fused = {c for instrs in table.values() for parts, line in instrs if parts[2] != "call"
+           for cs in re.findall(r"(?:calls|to_apply)=(\{[^}]*\}|%?[\w.\-]+)", line)
+           for c in re.findall(r"%?([\w.\-]+)", cs)}  # fusions, reductions' scalar code
+  loop_mult, inside = 1, set()
   for line in comps.get(entry, ()):
     loop = re.search(r"condition=%?([\w.\-]+), body=%?([\w.\-]+)", line)
     if loop:
@@ -252,21 +280,14 @@ def hbm_bytes(hlo_text: str) -> dict[str, float]:
           for l in comps.get(name, ()):
             stack += re.findall(r"(?:condition|body)=%?([\w.\-]+)", l)
             stack += [c for cs in _callees(l) for c in re.findall(r"%?([\w.\-]+)", cs)]
-  types = {}
-  for lines in comps.values():
-    for line in lines:
-      parts = _split(line)
-      if parts:
-        types[parts[0]] = parts[1]
   total = {"loop": 0.0, "outside": 0.0}
-  for comp, lines in comps.items():
+  for comp, instrs in table.items():
     if comp in fused or comp not in mult:
       continue
-    for line in lines:
-      parts = _split(line)
-      if parts is None or parts[2] in _FREE:
+    for parts, line in instrs:
+      if parts[2] in _FREE:
         continue
-      nbytes = _instruction_bytes(parts, line, types, comps)
+      nbytes = _instruction_bytes(parts, line, types, table)
       if comp in inside:
         total["loop"] += nbytes * mult[comp] / loop_mult
       else:
@@ -274,8 +295,9 @@ def hbm_bytes(hlo_text: str) -> dict[str, float]:
   return total
 
 
-def _instruction_bytes(parts, line: str, types: dict[str, str], comps) -> float:
-  """HBM bytes one execution of an instruction moves (the rules of `hbm_bytes`)."""
+def _instruction_bytes(parts, line: str, types: dict[str, str], table) -> float:
+  """HBM bytes one execution of an instruction moves (the rules of `hbm_bytes`; `table`:
+  each computation's (`_split` parts, line) pairs)."""
   name, type_text, op, operands, rest = parts
   out = _arrays(type_text)
   operand_arrays = {o: _arrays(types.get(o, "")) for o in dict.fromkeys(operands)}
@@ -302,7 +324,8 @@ def _instruction_bytes(parts, line: str, types: dict[str, str], comps) -> float:
     return 2 * _hbm(update)
   if op == "fusion":
     called = re.search(r"calls=%?([\w.\-]+)", line)
-    sliced, update = _fusion_reads(comps.get(called.group(1), [])) if called else ({}, None)
+    sliced, update = (_fusion_reads(table.get(called.group(1), []), table) if called
+                      else ({}, None))
     reads = 0.0
     for k, o in enumerate(operands):
       if operands.index(o) != k:

@@ -23,8 +23,41 @@ from jax.sharding import PartitionSpec
 
 from models.engine import sampling
 from models.engine.layout import constrain
+from models.kernels import attention
 
 TRACES: collections.Counter = collections.Counter()
+
+# XLA:TPU's dot strength reduction rewrites a matmul with one row per shard (decode with one
+# slot per batch shard) as an fp32 multiply-reduce; for a kernel reshaped to 2-D
+# (`layers.Dense` with several input dimensions: attention's o_proj) it leaves the kernel's
+# fp32 conversion unfused, so the weight crosses HBM in bf16 and then twice in fp32 every
+# step. The MXU's matrix-vector product reads the bf16 weight once, and decode is bound by
+# those reads, not by the MXU.
+TPU_COMPILER_OPTIONS = {"xla_tpu_enable_dot_strength_reduction": False}
+
+
+class _Program:
+  """`jax.jit(fn, **jit_kwargs)`, compiled with `TPU_COMPILER_OPTIONS` when the target is a TPU
+  (`attention.target_platform`: the running backend, or `compile_for`'s when lowering ahead of
+  time); other backends reject those options."""
+
+  def __init__(self, fn, **jit_kwargs):
+    functools.update_wrapper(self, fn)
+    self._tpu = jax.jit(fn, compiler_options=TPU_COMPILER_OPTIONS, **jit_kwargs)
+    self._other = jax.jit(fn, **jit_kwargs)
+
+  def _jitted(self):
+    return self._tpu if attention.target_platform() == "tpu" else self._other
+
+  def __call__(self, *args, **kwargs):
+    return self._jitted()(*args, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    return self._jitted().lower(*args, **kwargs)
+
+
+def _program(**jit_kwargs):
+  return lambda fn: _Program(fn, **jit_kwargs)
 
 
 def _gather_rows(pool: dict, rows: jax.Array) -> dict:
@@ -44,8 +77,8 @@ def _forward(graphdef, state, tokens, positions, cache, index, page_table=None):
   return model.hidden(tokens, positions, None, cache=cache, index=index, page_table=page_table)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("experts", "specs"),
-                   donate_argnums=(2,))
+@_program(static_argnums=(0,), static_argnames=("experts", "specs"),
+          donate_argnums=(2,))
 def prefill(graphdef, state, pool: dict, rows: jax.Array, tokens: jax.Array,
             starts: jax.Array, *, experts: bool = False, specs=None):
   """Write the cache of tokens into pool rows.
@@ -72,8 +105,8 @@ def prefill(graphdef, state, pool: dict, rows: jax.Array, tokens: jax.Array,
   return (pool, aux["expert_ids"]) if experts else pool
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("experts", "specs"),
-                   donate_argnums=(2,))
+@_program(static_argnums=(0,), static_argnames=("experts", "specs"),
+          donate_argnums=(2,))
 def prefill_paged(graphdef, state, pages: dict, page_table: jax.Array, tokens: jax.Array,
                   starts: jax.Array, *, experts: bool = False, specs=None):
   """Write the cache of tokens into a paged cache (`prefill` for `Transformer.init_paged_cache`).
@@ -99,7 +132,7 @@ def prefill_paged(graphdef, state, pages: dict, page_table: jax.Array, tokens: j
   return (pages, aux["expert_ids"]) if experts else pages
 
 
-@functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("specs",))
+@_program(donate_argnums=(0,), static_argnames=("specs",))
 def copy_pages(pages: dict, src: jax.Array, dst: jax.Array, *, specs=None) -> dict:
   """Copies pages src[i] to dst[i] in every layer (copy-on-write); all reads come first.
 
@@ -141,7 +174,7 @@ def copy_pages(pages: dict, src: jax.Array, dst: jax.Array, *, specs=None) -> di
                        out_specs=tree)(pages, src, dst)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("specs",))
+@_program(donate_argnums=(0,), static_argnames=("specs",))
 def copy_row(pool: dict, src: jax.Array, dst: jax.Array, *, specs=None) -> dict:
   """Copies cache row `src` to row `dst` (prefix reuse) in the donated pool.
 
@@ -158,8 +191,8 @@ def copy_row(pool: dict, src: jax.Array, dst: jax.Array, *, specs=None) -> dict:
   return constrain(jax.tree.map(lambda a: a.at[dst].set(a[src]), pool), specs)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("specs",),
-                   donate_argnums=(5,))
+@_program(static_argnums=(0, 1, 2, 3), static_argnames=("specs",),
+          donate_argnums=(5,))
 def decode(graphdef, k: int, top_n: int, experts: bool, state, pool, rows, tokens, lengths,
            active, counts, limits, temperature, top_k, top_p, seeds, stop_ids, max_steps,
            exit_on_finish, *, mask=None, min_p=None, min_tokens=None, specs=None):
@@ -217,8 +250,8 @@ def decode(graphdef, k: int, top_n: int, experts: bool, state, pool, rows, token
   return (constrain(_scatter_rows(pool, rows, sub), pool_specs), *rest)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("specs",),
-                   donate_argnums=(5,))
+@_program(static_argnums=(0, 1, 2, 3), static_argnames=("specs",),
+          donate_argnums=(5,))
 def decode_paged(graphdef, k: int, top_n: int, experts: bool, state, pages, page_table, tokens,
                  lengths, active, counts, limits, temperature, top_k, top_p, seeds, stop_ids,
                  max_steps, exit_on_finish, *, mask=None, min_p=None, min_tokens=None,
