@@ -8,7 +8,7 @@ engines of one model config share compiled code. On a mesh (layout.py) the stati
 (flat PartitionSpecs of the cache leaves) keep every cache in the pool's own sharding, so a
 donated pool is replaced in place; None (one device) constrains nothing. Every cache argument is donated: a call
 consumes the pool's arrays and returns their successors. `TRACES` counts traces per program: a
-retrace is a recompile.
+retrace is a recompile. For a TPU the programs compile with `TPU_COMPILER_OPTIONS`.
 """
 
 from __future__ import annotations
