@@ -57,8 +57,9 @@ def _multipliers(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
 
   A while loop's body and condition run its trip count times (the constant its condition
   compares the counter with over the constant step the body adds to it, as `lax.scan`, a
-  static `fori_loop` and XLA's windowed einsums lower; 1 for a data-dependent bound); every other callee (fusions, calls, branches, reductions) as often as its
-  caller. XLA's cost analysis counts a loop body once, so this is what scales the collectives.
+  static `fori_loop` and XLA's windowed einsums lower; 1 for a data-dependent bound); every
+  other callee (fusions, calls, branches, reductions) as often as its caller. XLA's cost
+  analysis counts a loop body once, so this is what scales the collectives.
   """
   def trip(cond: str, body: str) -> int:
     defs, root = _definitions(comps.get(cond, ()))

@@ -6,9 +6,10 @@ does. Decode samples with sampling.py's functions.
 The programs are module-level with the model's graphdef and sizes as static arguments, so
 engines of one model config share compiled code. On a mesh (layout.py) the static `specs`
 (flat PartitionSpecs of the cache leaves) keep every cache in the pool's own sharding, so a
-donated pool is replaced in place; None (one device) constrains nothing. Every cache argument is donated: a call
-consumes the pool's arrays and returns their successors. `TRACES` counts traces per program: a
-retrace is a recompile. For a TPU the programs compile with `TPU_COMPILER_OPTIONS`.
+donated pool is replaced in place; None (one device) constrains nothing. Every cache argument
+is donated: a call consumes the pool's arrays and returns their successors. `TRACES` counts
+traces per program: a retrace is a recompile. For a TPU the programs compile with
+`TPU_COMPILER_OPTIONS`.
 """
 
 from __future__ import annotations
