@@ -8,7 +8,9 @@ throughput and the sandbox fleet that keeps a trainer busy. Pure arithmetic (no 
 Every number in the generated block of docs/scaling.md comes from `render()`;
 tests/test_sizing.py checks that the block equals it. Model dimensions come from
 models/presets.py (the published Hugging Face configs). The model of memory, FLOPs and traffic
-is stated next to each function; docs/scaling.md explains the choices.
+is stated next to each function; docs/scaling.md explains the choices. One module because
+`render()` writes one generated block from all of it (memory, step time, rollouts, sandboxes
+share the model and mesh arithmetic); its sections follow the block's.
 """
 
 from __future__ import annotations

@@ -5,7 +5,11 @@ loopback backed by bwrap, docker on the local engine), plus the sandbox server's
 The docker tests start the local engine when none answers (`docker_engine.ensure_engine`) and
 fail when it cannot be started; ARBOR_SKIP_DOCKER=1 skips them instead, for machines that
 cannot run Docker at all. Their image is `debian.docker_image` with pytest (built once, then
-cached by tag)."""
+cached by tag).
+
+One file on purpose: every backend runs the same conformance tests (one parametrized suite),
+and its helpers (private uid ranges, the server, the docker image) are shared with
+test_sandbox_isolation.py, test_sandbox_server.py and the other sandbox tests."""
 
 from __future__ import annotations
 

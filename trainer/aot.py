@@ -169,7 +169,7 @@ def abstract_micro_batches(config, model_cfg, mesh) -> MicroBatches:
 
 def program_report(compiled, seconds: float, chip: Chip, model_flops: Optional[float],
                    useful_flops: Optional[float] = None,
-                   hbm_bytes: Optional[float] = None) -> dict:
+                   hbm_bytes: Optional[float] = None, hlo_text: Optional[str] = None) -> dict:
   """What one compiled program costs per chip (see the module docstring).
 
   Args:
@@ -182,6 +182,7 @@ def program_report(compiled, seconds: float, chip: Chip, model_flops: Optional[f
       remat); default model_flops.
     hbm_bytes: the HBM bytes per step for the roofline's HBM term (`engine_report`: the
       compiled HBM traffic); default XLA's bytes accessed.
+    hlo_text: `compiled.as_text()` when the caller has it (large programs print slowly).
 
   Returns:
     A JSON-able dict: hbm_gb {arguments, outputs, temporaries, code, aliased, total,
@@ -198,7 +199,7 @@ def program_report(compiled, seconds: float, chip: Chip, model_flops: Optional[f
          "aliased": mem.alias_size_in_bytes}
   total = (hbm["arguments"] + hbm["outputs"] + hbm["temporaries"] + hbm["code"]
            - hbm["aliased"])
-  text = compiled.as_text()
+  text = compiled.as_text() if hlo_text is None else hlo_text
   coll = aot_hlo.collectives(text)
   kernels = collections.Counter(
       (re.search(r'op_name="[^"]*?(\w+)/pallas_call"', line) or re.search("()", "")).group(1)
@@ -242,9 +243,10 @@ def engine_report(compiled, seconds: float, chip: Chip, min_bytes: float, steps:
     min_bytes) and xla_bytes_ratio (XLA's bytes accessed, which counts VMEM staging too, over
     min_bytes); the roofline's HBM term is per_step over the chip's bandwidth.
   """
-  hbm = aot_hlo.hbm_bytes(compiled.as_text())
+  text = compiled.as_text()
+  hbm = aot_hlo.hbm_bytes(text)
   per_step = hbm["loop"] + hbm["outside"] / steps
-  report = program_report(compiled, seconds, chip, None, hbm_bytes=per_step)
+  report = program_report(compiled, seconds, chip, None, hbm_bytes=per_step, hlo_text=text)
   report.update(steps=steps, slots=slots, hbm_bytes={**hbm, "per_step": per_step},
                 min_bytes=min_bytes, bytes_ratio=round(per_step / max(min_bytes, 1.0), 2),
                 xla_bytes_ratio=round(report["bytes_accessed"] / max(min_bytes, 1.0), 2))
