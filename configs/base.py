@@ -287,6 +287,9 @@ def _rl() -> ml_collections.ConfigDict:
   s.critic_warmup_steps = 0  # "gae": the first steps train the critic only, not the policy
   s.critic_epochs = 0  # "gae": the critic's passes over a step's micro-batches (0 = rl.epochs)
   s.drop_constant_groups = True  # drop groups whose rewards are all equal (no signal)
+  # grade each distinct submission once: a task's episodes that end with identical workspaces
+  # (or programs) share one test run (envs.verifiers.cache; flaky tests get one draw for them)
+  s.cache_verdicts = True
   s.reference = "initial"  # KL reference (loss.kl_coef > 0): "initial" policy | "ckpt:<dir>"
   s.recompute_old = False  # score π_old with the trainer instead of trusting the sampler's
   s.correction = "none"  # mismatch correction: rl.corrections.KINDS (needs recompute_old / MCLA)

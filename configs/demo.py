@@ -28,7 +28,10 @@ greedy pass@1 SFT 0.040 / 0.110 -> RL 0.255 / 0.340; improvement +22.3 points, p
 bootstrap 95% interval +18.0 .. +26.5; 22.8 min for seed 1 on a quiet machine (SFT stage
 12.7 min at ~1.4 s a step, each 200-task eval ~1.5 min, RL stage ~7 min: rollouts 23-32 s and
 training 3-8 s a step once compiled; the first RL steps compile for each new batch shape, up
-to ~15 s). Sampled pass rate over the 12 RL steps 0.14 -> 0.36 (seed 0).
+to ~15 s). Sampled pass rate over the 12 RL steps 0.14 -> 0.36 (seed 0). Those times predate
+`rl.cache_verdicts` (a group's identical submissions share one test run; the rewards, so the
+figures, are the same): on the first RL steps 77% of the rewards are shared and rollouts take
+28.9 s a step instead of 40.9 (1.42x, benchmarks/verdict_cache.py, on a busier machine).
 On a 2-core Xeon VM (2026-11-23): SFT 0.025 / 0.025 -> RL 0.305 / 0.435, +34.5 (+29.8 ..
 +39.2), 13.7 / 12.3 min per seed; seed 2 0.005 -> 0.345. Runs are deterministic on one
 machine, not across CPU kinds (kernels round differently, and 450 SFT + 12 RL steps carry the
@@ -36,7 +39,17 @@ difference into other policies). There, the sampled pass rate rose 0.02-0.16 -> 
 and after RL (seed 0, first 100 held-out tasks) 1 episode submitted unfixed (SFT: nearly all);
 the failures left were edits that apply but are wrong (24) and old_str values that are not in
 the file (~40).
-What did not give a gain (held-out, seed 0, 12 RL steps): the hidden-64 model (`tiny-moe-mla`,
+What did not give a gain on the AMD VM (greedy pass@1 on the 200 held-out tasks, from the SFT
+checkpoints above): 24 RL steps instead of 12, seed 0 0.265 (20 steps: 0.310; the constant
+learning rate makes the first 12 steps those of the 12-step run); rollouts at temperature 0.5,
+seeds 0 / 1 0.260 / 0.320 (against 0.255 / 0.340); lr 6e-4, whose sampled pass rate reached 0.41
+at step 12 and then collapsed; PPO with a learned critic, 0.275 (benchmarks/critic_demo.py).
+What the RL policy still gets wrong (seed 0 after 24 steps, the first 40 held-out tasks): 18
+pass; 9 apply an edit at the wrong place; 13 make a first str_replace the tool rejects and then
+repeat failing edits (some with made-up tool names) until max_turns: the SFT model's copying,
+which RL at this budget barely moves (sampled episodes ending at max_turns stayed at 25-35%
+from step 8 to 24).
+Earlier (held-out, seed 0, 12 RL steps): the hidden-64 model (`tiny-moe-mla`,
 600 SFT steps, faithful demonstrator; SFT 0.170, it mostly failed to copy the file path)
 with lr 1e-4 -> 0.170, lr 3e-4 -> 0.050, lr 3e-4 + seq_mean_token_mean -> 0.145, 4 epochs ->
 0.090; the hidden-128 model with a faithful demonstrator (SFT 0.550, lr 1e-4) -> 0.555: the

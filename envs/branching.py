@@ -102,6 +102,7 @@ from envs.scaffold import EpisodeState, ScaffoldConfig, run_episode
 from envs.tasks import Task
 from envs.tools import default_tools
 from envs.trajectory import LLMCall, Trajectory
+from envs.verifiers.cache import VerdictCache
 
 log = logging.getLogger(__name__)
 
@@ -423,7 +424,8 @@ class _Group:
 def make_branching_group(policy: Policy, chat: ChatFormat, make_sandbox: SandboxMaker,
                          scaffold: Optional[ScaffoldConfig] = None,
                          branch: Optional[BranchConfig] = None, *, partial_credit: bool = False,
-                         judge_policy: Optional[Policy] = None) -> GroupFn:
+                         judge_policy: Optional[Policy] = None,
+                         verdict_cache: Optional[VerdictCache] = None) -> GroupFn:
   """A group function that samples each task's group as one entropy-guided tree.
 
   Drop-in for `envs.episode.independent_groups(make_react_episode(...))`: the same episodes
@@ -441,6 +443,8 @@ def make_branching_group(policy: Policy, chat: ChatFormat, make_sandbox: Sandbox
     branch: the branching rule (default `BranchConfig()`).
     partial_credit: reward = fraction of tests passing instead of all-or-nothing.
     judge_policy: grades "judge" tasks (default `policy`).
+    verdict_cache: grade each distinct leaf's submission once (`envs.verifiers.cache`); None:
+      every one.
 
   Returns:
     `async group(task, group_size, *, draw, seed, limiter, abort, counters) -> trajectories`
@@ -452,7 +456,7 @@ def make_branching_group(policy: Policy, chat: ChatFormat, make_sandbox: Sandbox
          "scaffold": scaffold or ScaffoldConfig(), "branch": branch or BranchConfig(),
          "vocab_size": chat.tokenizer.vocab_size,  # |V| of the "arpo" entropy, as ARPO's
          "score": make_verifier(chat, make_sandbox, judge_policy or policy,
-                                partial_credit=partial_credit)}
+                                partial_credit=partial_credit, verdict_cache=verdict_cache)}
 
   async def group(task: Task, group_size: int, *, draw: int = 0, seed: int = 0,
                   limiter: Optional[asyncio.Semaphore] = None,

@@ -36,7 +36,8 @@ from envs.tasks import Task, jsonl_records, load_repo_files, load_tasks
 from envs.terminal_bench import load_terminal_bench
 from envs.tools import default_tools
 from envs.trajectory import Trajectory
-from envs.verifiers import verify, workspace_files
+from envs.verifiers import Verdict, verify, workspace_files
+from envs.verifiers.cache import VerdictCache
 
 log = logging.getLogger(__name__)
 
@@ -299,8 +300,8 @@ async def start_sandbox(task: Task, make_sandbox: SandboxMaker) -> Sandbox:
 
 
 def make_verifier(chat: ChatFormat, make_sandbox: SandboxMaker, policy: Policy, *,
-                  partial_credit: bool = False) -> Callable[[Task, Sandbox, EpisodeResult],
-                                                            Awaitable[tuple[float, dict]]]:
+                  partial_credit: bool = False, verdict_cache: Optional[VerdictCache] = None
+                  ) -> Callable[[Task, Sandbox, EpisodeResult], Awaitable[tuple[float, dict]]]:
   """The reward of a finished episode: the task's verifier on what the agent left.
 
   Args:
@@ -308,6 +309,8 @@ def make_verifier(chat: ChatFormat, make_sandbox: SandboxMaker, policy: Policy, 
     make_sandbox: the verifier's fresh sandboxes.
     policy: grades "judge" tasks.
     partial_credit: reward = fraction of tests passing instead of all-or-nothing.
+    verdict_cache: grade each distinct submission once (`envs.verifiers.cache`); None: every
+      one.
 
   Returns:
     `async verify(task, sandbox, result) -> (reward, details)`: 0 and {} for an episode that
@@ -321,9 +324,13 @@ def make_verifier(chat: ChatFormat, make_sandbox: SandboxMaker, policy: Policy, 
     if result.termination == "sandbox_error":
       return 0.0, {}
     try:
-      verdict = await verify(task, await _submission(task, sandbox, result),
-                             make_sandbox=make_sandbox, policy=policy, render=render,
-                             decode=chat.tokenizer.decode, partial=partial_credit)
+      submission = await _submission(task, sandbox, result)
+
+      def run() -> Awaitable[Verdict]:
+        return verify(task, submission, make_sandbox=make_sandbox, policy=policy, render=render,
+                      decode=chat.tokenizer.decode, partial=partial_credit)
+      verdict = await (run() if verdict_cache is None else
+                       verdict_cache.verdict(task, submission, partial_credit, run))
       return float(verdict.reward), verdict.details
     except SandboxError as e:
       result.termination, result.error = "sandbox_error", f"verifier: {e}"
@@ -338,7 +345,8 @@ def episode_metadata(details: Any, prompt: str, metadata: Optional[Mapping[str, 
 
 def make_react_episode(policy: Policy, chat: ChatFormat, make_sandbox: SandboxMaker,
                        config: Optional[ScaffoldConfig] = None, *, partial_credit: bool = False,
-                       judge_policy: Optional[Policy] = None) -> EpisodeFn:
+                       judge_policy: Optional[Policy] = None,
+                       verdict_cache: Optional[VerdictCache] = None) -> EpisodeFn:
   """The episode of a rollout worker: the react scaffold in a sandbox, rewarded by a verifier.
 
   A fresh sandbox gets the task's repository (or a shell task's set-up), the react scaffold
@@ -355,13 +363,16 @@ def make_react_episode(policy: Policy, chat: ChatFormat, make_sandbox: SandboxMa
     config: the scaffold's settings (default `ScaffoldConfig()`); its seed is the episode's.
     partial_credit: reward = fraction of tests passing instead of all-or-nothing.
     judge_policy: grades "judge" tasks (default `policy`).
+    verdict_cache: grade each distinct submission once (`envs.verifiers.cache`); None: every
+      one.
 
   Returns:
     The episode function (see `EpisodeFn`); trajectories carry metadata "verdict" (the
     verifier's details) and "prompt" (the phrasing's first 200 characters).
   """
   config = config or ScaffoldConfig()
-  score = make_verifier(chat, make_sandbox, judge_policy or policy, partial_credit=partial_credit)
+  score = make_verifier(chat, make_sandbox, judge_policy or policy, partial_credit=partial_credit,
+                        verdict_cache=verdict_cache)
 
   async def episode(task: Task, index: int, seed: int, *, group_id: str = "",
                     metadata: Optional[Mapping[str, Any]] = None) -> Trajectory:

@@ -56,6 +56,7 @@ from envs import task_environments
 from envs.scaffold import add_scaffold_flags, scaffold_config_from_flags
 from envs.tasks import Task
 from envs.trajectory import Trajectory
+from envs.verifiers.cache import VerdictCache
 
 log = logging.getLogger(__name__)
 
@@ -419,6 +420,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     help="a draw's group: G independent episodes, or one entropy-guided tree of G leaves")
   add_branch_flags(p)
   a("--partial_credit", action="store_true", help="reward = fraction of tests passing")
+  a("--cache_verdicts", action=argparse.BooleanOptionalAction, default=True,
+    help="grade each distinct submission once: identical final workspaces of a task share "
+    "one test run (envs.verifiers.cache)")
   a("--lease_ttl", type=float, default=120.0, help="seconds a lease lives without renewal")
   a("--max_backlog", type=int, default=1024,
     help="wait while this many trajectories wait unread in the queue")
@@ -477,13 +481,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                       token_file=args.token_file, cafile=args.sandbox_cafile,
                                       allow_unsafe=args.allow_unsafe_sandbox)
   scaffold = scaffold_config_from_flags(args)
+  verdicts = VerdictCache() if args.cache_verdicts else None
   episode = make_react_episode(policy, chat, make_sandbox, scaffold,
-                               partial_credit=args.partial_credit)
+                               partial_credit=args.partial_credit, verdict_cache=verdicts)
   group_fn = None
   if args.rollout == "branching":
     group_fn = make_branching_group(policy, chat, make_sandbox, scaffold,
                                     branch_config_from_flags(args),
-                                    partial_credit=args.partial_credit)
+                                    partial_credit=args.partial_credit, verdict_cache=verdicts)
   config = WorkerConfig(group_size=args.group_size, concurrency=args.concurrency,
                         lease_ttl=args.lease_ttl, max_backlog=args.max_backlog,
                         max_draws=args.epochs * len(tasks) if args.epochs else None,

@@ -53,6 +53,7 @@ from envs.scaffolds.runner import run_blackbox_episode
 from envs.scaffolds.sessions import trajectory_from_session
 from envs.tasks import Task
 from envs.trajectory import Trajectory
+from envs.verifiers.cache import VerdictCache
 from trainer.serving.server import PolicyServer, ServerConfig
 from trainer.serving.validate import HTTPError
 
@@ -245,7 +246,8 @@ class Gateway:
 
 def blackbox_episode(gateway: Gateway, scaffold: str, config: ScaffoldConfig, *,
                      backend: str = "bwrap", cache_dir: Optional[str] = None,
-                     sandbox_kw: Optional[Mapping[str, Any]] = None) -> EpisodeFn:
+                     sandbox_kw: Optional[Mapping[str, Any]] = None,
+                     verdict_cache: Optional[VerdictCache] = None) -> EpisodeFn:
   """The episode function of one black-box scaffold (see the module docstring).
 
   Args:
@@ -255,6 +257,8 @@ def blackbox_episode(gateway: Gateway, scaffold: str, config: ScaffoldConfig, *,
     backend: "bwrap" or "docker".
     cache_dir: the environment build cache (None: the default).
     sandbox_kw: more `create_sandbox` arguments of the agent's sandbox.
+    verdict_cache: grade each distinct final workspace once (`envs.verifiers.cache`); None:
+      every one.
 
   Returns:
     `async (task, index, seed, *, group_id, metadata) -> Trajectory`: the session's calls, the
@@ -281,7 +285,7 @@ def blackbox_episode(gateway: Gateway, scaffold: str, config: ScaffoldConfig, *,
       result = await run_blackbox_episode(
           task, sc, url, model=gateway.model, token=gateway.token, session_id=session,
           backend=backend, max_turns=config.max_turns, timeout=limit, prompt=prompt,
-          cache_dir=cache_dir, sandbox_kw=dict(sandbox_kw or {}))
+          cache_dir=cache_dir, sandbox_kw=dict(sandbox_kw or {}), verdict_cache=verdict_cache)
     finally:
       records = gateway.take(session)
     if result.termination == "sandbox_error" and not records:

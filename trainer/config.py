@@ -772,6 +772,7 @@ def _validate_rl(config) -> None:
   _int(config, "rl.critic_warmup_steps", 0)
   _int(config, "rl.critic_epochs", 0)
   _bool(config, "rl.drop_constant_groups")
+  _bool(config, "rl.cache_verdicts")
   ref = _str(config, "rl.reference")
   if ref != "initial" and not (ref.startswith("ckpt:") and len(ref) > 5):
     _fail("rl.reference", ref, f"one of {RL_REFERENCES}")

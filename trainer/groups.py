@@ -37,7 +37,8 @@ def episode_stats(groups: list[list]) -> dict:
     with a passing episode), "response_tokens" (sampled per
     episode), "response_tokens_max", "episode_tokens" (the last call's context), "turns",
     "tool_errors", "tests_run" (share of rewards from tests run in a sandbox),
-    "termination/<reason>" (shares)}, and for branching groups `envs.branching.tree_stats`.
+    "verdicts_shared" (share of rewards taken from an identical submission's test run,
+    `envs.verifiers.cache`), "termination/<reason>" (shares)}, and for branching groups `envs.branching.tree_stats`.
   """
   trajs = [t for g in groups for t in g]
   if not trajs:
@@ -56,7 +57,10 @@ def episode_stats(groups: list[list]) -> dict:
          "tool_errors": float(np.mean([t.metadata.get("tool_errors", 0) for t in trajs])),
          # episodes whose reward came from a test run in a sandbox (verdict with test counts)
          "tests_run": float(np.mean([isinstance(t.metadata.get("verdict"), dict) and
-                                     "total" in t.metadata["verdict"] for t in trajs]))}
+                                     "total" in t.metadata["verdict"] for t in trajs])),
+         "verdicts_shared": float(np.mean([isinstance(t.metadata.get("verdict"), dict) and
+                                           bool(t.metadata["verdict"].get("shared"))
+                                           for t in trajs]))}
   for reason, n in collections.Counter(t.termination for t in trajs).items():
     out[f"termination/{reason}"] = n / len(trajs)
   out.update(tree_stats(groups))

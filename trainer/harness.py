@@ -156,7 +156,7 @@ def write_run_files(config: ml_collections.ConfigDict, model_cfg, workdir: str) 
 RESUMABLE_FIELDS = ("train.steps", "optimizer.total_steps", "train.log_every",
                     "train.eval_every", "train.eval_batches", "train.checkpoint_every",
                     "checkpoint.*", "metrics.*", "compile_cache_dir", "mesh.*", "data.num_threads",
-                    "data.prefetch", "rl.concurrency", "eval.*", "serve.*",
+                    "data.prefetch", "rl.concurrency", "rl.cache_verdicts", "eval.*", "serve.*",
                     "model.overrides.attention_impl", "model.overrides.remat",
                     "model.overrides.logits_chunk", "model.overrides.moe_dispatch_chunk",
                     "model.overrides.sharding_rules.act_embed", "allow_config_change")

@@ -98,6 +98,7 @@ from envs.tasks import Task
 from envs.tools import default_tools
 from envs.trajectory import Trajectory
 from envs.verifiers.judge import transcript, verify_judge
+from envs.verifiers.cache import VerdictCache
 from models.engine import Engine, EngineConfig
 from trainer import blackbox
 from trainer import config as config_lib
@@ -137,7 +138,8 @@ def attempt_seed(seed: int, task_id: str, attempt: int) -> int:
   return int.from_bytes(digest[:4], "little")
 
 
-def teacher_episode(policy: Policy, chat: ChatFormat, make_sandbox, scaffold: ScaffoldConfig):
+def teacher_episode(policy: Policy, chat: ChatFormat, make_sandbox, scaffold: ScaffoldConfig,
+                    verdict_cache: Optional[VerdictCache] = None):
   """`envs.episode.make_react_episode`'s episode, also keeping the transcript for chat records.
 
   Args:
@@ -145,13 +147,15 @@ def teacher_episode(policy: Policy, chat: ChatFormat, make_sandbox, scaffold: Sc
     chat: renders the episodes.
     make_sandbox: the sandboxes (`envs.episode.make_sandbox_factory`).
     scaffold: the episodes' limits and sampling.
+    verdict_cache: grade each distinct submission once (`envs.verifiers.cache`); None: every
+      one.
 
   Returns:
     `async episode(task, seed, attempt) -> Trajectory` with metadata "verdict", "prompt",
     "attempt", "messages" and "tools" (the transcript and tool schemas, as
     `trainer.demo_data.chat_record` reads them).
   """
-  score = make_verifier(chat, make_sandbox, policy)
+  score = make_verifier(chat, make_sandbox, policy, verdict_cache=verdict_cache)
 
   async def episode(task: Task, seed: int, attempt: int) -> Trajectory:
     prompt = task.prompt(np.random.default_rng(seed))
@@ -241,7 +245,8 @@ def sample(policy: Policy, chat: ChatFormat, tasks: Sequence[Task], *,
                      f"({', '.join(boxed)}) but sandbox={sandbox!r}: they run in one of "
                      f"{blackbox.BLACKBOX_BACKENDS}")
   make_sandbox = make_sandbox_factory(sandbox, limits=limits, allow_unsafe=sandbox == "local")
-  teacher = teacher_episode(policy, chat, make_sandbox, scaffold)
+  verdicts = VerdictCache()  # a task's attempts that end alike share one test run
+  teacher = teacher_episode(policy, chat, make_sandbox, scaffold, verdict_cache=verdicts)
   gateway = (blackbox.Gateway(engine, chat, served_name=served_name,
                               max_new_tokens=scaffold.max_new_tokens,
                               temperature=scaffold.temperature) if boxed else None)
@@ -254,7 +259,8 @@ def sample(policy: Policy, chat: ChatFormat, tasks: Sequence[Task], *,
   def episode_of(name: str):  # per registry entry, as trainer.rollouts.Rollouts
     if scaffold_registry.get(name).host_side:
       return react
-    return blackbox.blackbox_episode(gateway, name, scaffold, backend=sandbox)
+    return blackbox.blackbox_episode(gateway, name, scaffold, backend=sandbox,
+                                     verdict_cache=verdicts)
   episode = blackbox.mixed_episode(blackbox.parse_scaffold_mix(scaffolds, "scaffolds"), seed,
                                    episode_of)
   total, start = len(tasks) * attempts, time.monotonic()

@@ -206,7 +206,8 @@ def make_source(config, engine, chat, scaffold, tasks: TaskSource, consumed: set
                                     branch=branch_config(config),
                                     scaffolds=rl.get("scaffold", "react"),
                                     scaffold_seed=config.seed,
-                                    served_name=config.serve.served_name),
+                                    served_name=config.serve.served_name,
+                                    cache_verdicts=rl.cache_verdicts),
                            tasks, rl.group_size, config.seed, lookahead, config.train.steps)
   queue = make_queue(rl.queue_url, password_file=rl.queue_password_file or None)
   queue.ack(restored_extra.get("unacked_entry_ids", ()))  # trained and checkpointed, not acked

@@ -47,6 +47,7 @@ from envs.scaffold import ScaffoldConfig
 from envs.tasks import Task, load_repo_files
 from envs.trajectory import Trajectory
 from envs.verifiers import workspace_files
+from envs.verifiers.cache import VerdictCache
 from envs.scaffolds import registry as scaffold_registry
 from models import sharding
 from models.engine import EngineConfig
@@ -56,7 +57,8 @@ from trainer.serve import EnginePolicy
 log = logging.getLogger(__name__)
 
 
-def recording_episode(policy, chat, make_sandbox, scaffold: ScaffoldConfig) -> EpisodeFn:
+def recording_episode(policy, chat, make_sandbox, scaffold: ScaffoldConfig,
+                      verdict_cache: Optional[VerdictCache] = None) -> EpisodeFn:
   """Makes `envs.episode.make_react_episode` episodes that also record the agent's submission.
 
   The trajectory's metadata["submission"] keeps what the agent submitted: for "swe" tasks its
@@ -69,6 +71,8 @@ def recording_episode(policy, chat, make_sandbox, scaffold: ScaffoldConfig) -> E
     chat: the chat format episodes render with.
     make_sandbox: `async (task) -> sandbox`, as `envs.episode.make_sandbox_factory` returns.
     scaffold: the episodes' ScaffoldConfig.
+    verdict_cache: grade each distinct submission once (`envs.verifiers.cache`); None: every
+      one.
 
   Returns:
     The EpisodeFn `async (task, index, seed, **ids) -> Trajectory`, otherwise unchanged.
@@ -93,7 +97,8 @@ def recording_episode(policy, chat, make_sandbox, scaffold: ScaffoldConfig) -> E
         box.close = close_after_reading
       return box
 
-    trajectory = await make_react_episode(policy, chat, make, scaffold)(task, index, seed, **ids)
+    trajectory = await make_react_episode(policy, chat, make, scaffold,
+                                          verdict_cache=verdict_cache)(task, index, seed, **ids)
     if task.kind == "swe":
       submission = None
       if "files" in record:
@@ -133,6 +138,9 @@ class Rollouts:
       "react:0.5,mini-swe-agent:0.5"; `trainer.blackbox.parse_scaffold_mix`).
     scaffold_seed: the seed of each task's scaffold draw (the run's seed).
     served_name: the model name black-box scaffolds are told.
+    cache_verdicts: grade each distinct submission once (`envs.verifiers.cache`: identical
+      final workspaces of a task share one test run, whichever scaffold left them); the cache
+      is `verdict_cache` (None when off).
 
   Raises:
     ValueError: `concurrency` < 1, or a bad scaffold mix.
@@ -142,7 +150,7 @@ class Rollouts:
                concurrency: int = 8, limits=None, sandbox_url: str = "",
                sandbox_token_file: str = "", record_submissions: bool = False,
                branch: Optional[BranchConfig] = None, scaffolds: str = blackbox.DEFAULT,
-               scaffold_seed: int = 0, served_name: str = "arbor"):
+               scaffold_seed: int = 0, served_name: str = "arbor", cache_verdicts: bool = True):
     if concurrency < 1:
       raise ValueError(f"concurrency={concurrency!r}: expected an integer >= 1")
     self.engine = engine
@@ -153,8 +161,10 @@ class Rollouts:
                                         url=sandbox_url or None,
                                         token_file=sandbox_token_file or None)
     self.policy = EnginePolicy(engine)  # starts the engine's thread
+    self.verdict_cache = VerdictCache() if cache_verdicts else None
     make_episode = recording_episode if record_submissions else make_react_episode
-    react = make_episode(self.policy, chat, make_sandbox, scaffold)
+    react = make_episode(self.policy, chat, make_sandbox, scaffold,
+                         verdict_cache=self.verdict_cache)
     self.gateway = blackbox.Gateway(engine, chat, served_name=served_name,
                                     max_new_tokens=scaffold.max_new_tokens,
                                     temperature=scaffold.temperature)
@@ -162,10 +172,12 @@ class Rollouts:
     def episode_of(name: str) -> EpisodeFn:  # per registry entry: host-side react or a CLI
       if scaffold_registry.get(name).host_side:
         return react
-      return blackbox.blackbox_episode(self.gateway, name, scaffold, backend=sandbox)
+      return blackbox.blackbox_episode(self.gateway, name, scaffold, backend=sandbox,
+                                       verdict_cache=self.verdict_cache)
     self._episode = blackbox.mixed_episode(self.mix, scaffold_seed, episode_of)
     self._group = (independent_groups(self._episode) if branch is None else
-                   make_branching_group(self.policy, chat, make_sandbox, scaffold, branch))
+                   make_branching_group(self.policy, chat, make_sandbox, scaffold, branch,
+                                        verdict_cache=self.verdict_cache))
     self._loop = asyncio.new_event_loop()
     self._thread = threading.Thread(target=self._loop.run_forever, name="arbor-rollouts",
                                     daemon=True)

@@ -32,6 +32,7 @@ from envs.scaffolds.channel import SANDBOX_DIR, Channel
 from envs.scaffolds.registry import LaunchRequest, Scaffold, get, with_scaffold
 from envs.tasks import Task
 from envs.verifiers import verify, workspace_files
+from envs.verifiers.cache import VerdictCache
 
 # CLIs run Node or Python with many threads and a few hundred MiB: roomier than tool calls.
 DEFAULT_LIMITS = Limits(memory_mb=4096, pids=512, cpus=2.0, disk_mb=1024,
@@ -92,7 +93,8 @@ async def run_blackbox_episode(task: Task, scaffold: "str | Scaffold", gateway_u
                                cache_dir: Optional[str] = None,
                                verifier_backend: Optional[str] = None,
                                port: int = RELAY_PORT,
-                               sandbox_kw: Optional[dict] = None) -> BlackboxResult:
+                               sandbox_kw: Optional[dict] = None,
+                               verdict_cache: Optional[VerdictCache] = None) -> BlackboxResult:
   """Runs one episode of `task` with a sandboxed scaffold (module docstring).
 
   Args:
@@ -113,6 +115,8 @@ async def run_blackbox_episode(task: Task, scaffold: "str | Scaffold", gateway_u
     port: the relay's port inside the sandbox.
     sandbox_kw: more `create_sandbox` arguments of the agent's sandbox (bwrap `uids`, docker
       `user`, ...), not the image, root filesystem or binds.
+    verdict_cache: grade each distinct final workspace once (`envs.verifiers.cache`); None:
+      every one.
 
   Returns:
     The result; a sandbox failure gives termination "sandbox_error" and reward 0.
@@ -162,7 +166,11 @@ async def run_blackbox_episode(task: Task, scaffold: "str | Scaffold", gateway_u
       termination = ("timeout" if res.timed_out else
                      "exited" if res.exit_code == 0 else "exit_error")
       submission = await workspace_files(sandbox) if task.kind == "swe" else sandbox
-      verdict = await verify(task, submission, make_sandbox=verifier_sandboxes)
+
+      def grade():
+        return verify(task, submission, make_sandbox=verifier_sandboxes)
+      verdict = await (grade() if verdict_cache is None else
+                       verdict_cache.verdict(task, submission, False, grade))
       reward, details = float(verdict.reward), verdict.details
     except SandboxError as e:
       termination, stderr, reward, details = "sandbox_error", f"{stderr}\n{e}".strip(), 0.0, {}
